@@ -1,0 +1,176 @@
+//! `gradwire bench`: nccl-tests style tables (size, count, type, redop, time, algbw, busbw,
+//! #wrong), run under `gradwire launch`; CSV and JSON output for scripts.
+
+use crate::check::{job_seed, run_bytes, run_case};
+use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, Region, RegionKind, Request, Result};
+use std::io::Write;
+use std::time::Instant;
+
+pub struct BenchArgs {
+    pub op: OpKind,
+    pub min: usize,
+    pub max: usize,
+    pub factor: usize,
+    pub iters: usize,
+    pub warmup: usize,
+    pub dtype: DType,
+    pub redop: ReduceOp,
+    pub algo: Option<Algo>,
+    pub check: bool,
+    pub csv: Option<String>,
+    pub json: Option<String>,
+}
+
+/// nccl-tests' bus-bandwidth factor: what each rank's link carries relative to S/t.
+pub fn busbw_factor(op: OpKind, w: usize) -> f64 {
+    let w = w as f64;
+    match op {
+        OpKind::Allreduce => 2.0 * (w - 1.0) / w,
+        OpKind::ReduceScatter | OpKind::Allgather => (w - 1.0) / w,
+        _ => 1.0,
+    }
+}
+
+pub struct Row {
+    pub size: usize,
+    pub count: usize,
+    pub time_us: f64,
+    pub algbw: f64,
+    pub busbw: f64,
+    pub wrong: Option<u64>,
+}
+
+pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
+    let (w, me) = (comm.size(), comm.rank());
+    let es = a.dtype.size();
+    let seed = if a.check { job_seed(comm)? } else { 0 };
+    // `size` is the whole buffer as nccl-tests counts it: the total gathered/scattered
+    // buffer for allgather and reduce-scatter.
+    let mut sizes = vec![];
+    let mut s = a.min.max(es);
+    while s <= a.max {
+        sizes.push(s);
+        s = if a.factor > 1 { s * a.factor } else { s + a.min.max(es) };
+    }
+    let kind = if comm.config().hugepages { RegionKind::HugePages } else { RegionKind::Anonymous };
+    let region_of = |len: usize| -> Result<Region> {
+        match kind {
+            RegionKind::HugePages => Region::huge(len),
+            _ => Region::anonymous(len),
+        }
+    };
+    let mut send = region_of(a.max.max(es))?;
+    let mut recv = region_of(a.max.max(es))?;
+    // Touch every page before timing, with non-trivial values.
+    for (i, b) in send.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 251) as u8 & 0x3f;
+    }
+    recv.as_mut_slice().copy_from_slice(send.as_slice());
+    let kinds: Vec<&str> = {
+        let mut k: Vec<&str> = comm.link_kinds().iter().copied().filter(|k| *k != "self").collect();
+        k.sort();
+        k.dedup();
+        k
+    };
+    if me == 0 {
+        println!(
+            "# gradwire bench {}: {} ranks, {} host(s), links {:?}, algo {:?}, dtype {}, op {}, iters {}, warmup {}",
+            a.op.name(),
+            w,
+            comm.topology().hosts(),
+            kinds,
+            a.algo.unwrap_or(comm.config().algo),
+            a.dtype.name(),
+            a.redop.name(),
+            a.iters,
+            a.warmup
+        );
+        println!("# busbw = algbw x {:.3} ({})", busbw_factor(a.op, w), match a.op {
+            OpKind::Allreduce => "2(W-1)/W",
+            OpKind::ReduceScatter | OpKind::Allgather => "(W-1)/W",
+            _ => "1",
+        });
+        println!("{:>12} {:>12} {:>9} {:>6} {:>11} {:>11} {:>11} {:>7}", "size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+    }
+    let mut rows = vec![];
+    for (si, &size) in sizes.iter().enumerate() {
+        let total = size / es;
+        let count = match a.op {
+            OpKind::ReduceScatter | OpKind::Allgather => total / w,
+            _ => total,
+        };
+        let req = Request { algo: a.algo, ..Request::new(a.op, a.dtype, a.redop, count) };
+        let inplace = matches!(a.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
+        let mut once = || -> Result<()> {
+            if inplace {
+                run_bytes(comm, req, &[], recv.as_mut_slice())
+            } else {
+                run_bytes(comm, req, send.as_slice(), recv.as_mut_slice())
+            }
+        };
+        for _ in 0..a.warmup {
+            once()?;
+        }
+        comm.barrier()?;
+        let t0 = Instant::now();
+        for _ in 0..a.iters {
+            once()?;
+        }
+        let mine = t0.elapsed().as_secs_f64() / a.iters.max(1) as f64;
+        let mut slowest = [mine];
+        comm.allreduce(&mut slowest, ReduceOp::Max)?;
+        let t = slowest[0];
+        let bytes = (count * es * if matches!(a.op, OpKind::ReduceScatter | OpKind::Allgather) { w } else { 1 }) as f64;
+        let algbw = bytes / t / 1e9;
+        let busbw = algbw * busbw_factor(a.op, w);
+        let wrong = if a.check {
+            let mut failures = vec![];
+            let label = format!("bench {} size {size}", a.op.name());
+            let bad = run_case(comm, seed, 1000 + si as u64, req, &label, &mut failures)?;
+            for f in &failures {
+                eprintln!("FAIL {f}");
+            }
+            let mut total = [bad as f64];
+            comm.allreduce(&mut total, ReduceOp::Sum)?;
+            Some(total[0] as u64)
+        } else {
+            None
+        };
+        if me == 0 {
+            println!(
+                "{:>12} {:>12} {:>9} {:>6} {:>11.2} {:>11.3} {:>11.3} {:>7}",
+                bytes as usize,
+                count,
+                a.dtype.name(),
+                a.redop.name(),
+                t * 1e6,
+                algbw,
+                busbw,
+                wrong.map(|x| x.to_string()).unwrap_or_else(|| "N/A".into())
+            );
+            let _ = std::io::stdout().flush();
+        }
+        rows.push(Row { size: bytes as usize, count, time_us: t * 1e6, algbw, busbw, wrong });
+    }
+    if me == 0 {
+        if let Some(path) = &a.csv {
+            let mut out = String::from("size_bytes,count,type,redop,time_us,algbw_gbs,busbw_gbs,wrong\n");
+            for r in &rows {
+                out += &format!("{},{},{},{},{:.3},{:.4},{:.4},{}\n", r.size, r.count, a.dtype.name(), a.redop.name(), r.time_us, r.algbw, r.busbw, r.wrong.map(|x| x.to_string()).unwrap_or_default());
+            }
+            std::fs::write(path, out).map_err(|e| gradwire::Error::io(format!("write {path}"), e))?;
+        }
+        if let Some(path) = &a.json {
+            let v = serde_json::json!({
+                "collective": a.op.name(), "ranks": w, "hosts": comm.topology().hosts(), "links": kinds,
+                "dtype": a.dtype.name(), "redop": a.redop.name(),
+                "rows": rows.iter().map(|r| serde_json::json!({
+                    "size_bytes": r.size, "count": r.count, "time_us": r.time_us,
+                    "algbw_gbs": r.algbw, "busbw_gbs": r.busbw, "wrong": r.wrong,
+                })).collect::<Vec<_>>(),
+            });
+            std::fs::write(path, serde_json::to_string_pretty(&v).unwrap_or_default()).map_err(|e| gradwire::Error::io(format!("write {path}"), e))?;
+        }
+    }
+    Ok(rows)
+}

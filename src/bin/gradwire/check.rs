@@ -1,0 +1,219 @@
+//! `gradwire check`: every collective x dtype x op x count (x allreduce algorithm) on the
+//! running job, each compared with the independent reference of `verify` on fresh random
+//! data, plus a check that all ranks hold bit-identical allreduce results.
+
+use crate::verify::{count_wrong, decode, encode, fingerprint, reference, round_to};
+use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, Request, Result};
+use rand::{Rng, SeedableRng};
+
+pub struct CheckArgs {
+    pub counts: Vec<usize>,
+    pub large_bytes: usize,
+    pub collectives: Vec<OpKind>,
+    pub dtypes: Vec<DType>,
+    pub ops: Vec<ReduceOp>,
+    pub verbose: bool,
+}
+
+/// Runs a request on byte buffers and waits.
+pub fn run_bytes(comm: &Communicator, req: Request, send: &[u8], recv: &mut [u8]) -> Result<()> {
+    let (sl, rl) = req.lengths(comm.size())?;
+    let in_place = send.is_empty() && matches!(req.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
+    if (!in_place && send.len() < sl) || recv.len() < rl {
+        return Err(gradwire::Error::InvalidArgument(format!("buffers ({} and {} bytes) shorter than the request ({sl} and {rl})", send.len(), recv.len())));
+    }
+    let sp = if in_place { recv.as_ptr() } else { send.as_ptr() };
+    // SAFETY: both buffers are borrowed for the whole call and are long enough (checked);
+    // wait() returns only after the engine is done with them.
+    unsafe { comm.start(req, sp, recv.as_mut_ptr())?.wait() }
+}
+
+/// Per-rank generator of one case's input (deterministic from seed, rank and case).
+struct Gen(rand::rngs::SmallRng, DType);
+
+impl Gen {
+    fn new(seed: u64, rank: usize, case: u64, dtype: DType) -> Self {
+        Gen(rand::rngs::SmallRng::seed_from_u64(seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ case.wrapping_mul(0xD1B5_4A32_D192_ED03)), dtype)
+    }
+    fn take(&mut self, n: usize) -> Vec<f64> {
+        (0..n).map(|_| round_to(self.1, self.0.random_range(-1.0..1.0))).collect()
+    }
+}
+
+/// A job-wide random seed chosen by rank 0 (or `GRADWIRE_CHECK_SEED`), so every run uses
+/// fresh data and every rank can regenerate every other rank's input.
+pub fn job_seed(comm: &Communicator) -> Result<u64> {
+    let mine: u64 = match std::env::var("GRADWIRE_CHECK_SEED").ok().and_then(|s| s.parse().ok()) {
+        Some(s) => s,
+        None => rand::random(),
+    };
+    let mut halves = [(mine >> 32) as f64, (mine & 0xffff_ffff) as f64];
+    comm.broadcast(&mut halves, 0)?;
+    Ok(((halves[0] as u64) << 32) | halves[1] as u64)
+}
+
+const BLOCK: usize = 1 << 16;
+
+pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
+    let (w, me) = (comm.size(), comm.rank());
+    let seed = job_seed(comm)?;
+    let single_shm = comm.link_kinds().iter().all(|k| *k == "self" || *k == "shm");
+    let mut allreduce_algos = vec![None, Some(Algo::Ring), Some(Algo::RecursiveDoubling)];
+    if single_shm && w > 1 {
+        allreduce_algos.push(Some(Algo::SharedMemory));
+    }
+    let mut cases = 0u64;
+    let mut failures: Vec<String> = Vec::new();
+    let mut failed_cases = 0u64;
+    let mut plan: Vec<(OpKind, DType, ReduceOp, usize, Option<Algo>)> = Vec::new();
+    for &op in &args.collectives {
+        for &dt in &args.dtypes {
+            let redops: Vec<ReduceOp> = if matches!(op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) { args.ops.clone() } else { vec![ReduceOp::Sum] };
+            for &ro in &redops {
+                for &n in &args.counts {
+                    if op == OpKind::Allreduce {
+                        for &a in &allreduce_algos {
+                            plan.push((op, dt, ro, n, a));
+                        }
+                    } else if op != OpKind::Barrier || (dt == DType::F32 && n == args.counts[0]) {
+                        plan.push((op, dt, ro, n, None));
+                    }
+                }
+            }
+        }
+    }
+    if args.large_bytes > 0 {
+        let n = args.large_bytes / 4;
+        if args.collectives.contains(&OpKind::Allreduce) {
+            for a in [None, Some(Algo::Ring)] {
+                plan.push((OpKind::Allreduce, DType::F32, ReduceOp::Sum, n, a));
+            }
+        }
+        if args.collectives.contains(&OpKind::Broadcast) {
+            plan.push((OpKind::Broadcast, DType::F32, ReduceOp::Sum, n, None));
+        }
+    }
+    for (op, dtype, redop, n, algo) in plan {
+        cases += 1;
+        let case = cases;
+        let failures_before = failures.len();
+        let root = (case as usize) % w;
+        let req = Request { root, algo, ..Request::new(op, dtype, redop, n) };
+        let label = format!("{} {} {} n={n}{}{}", op.name(), dtype.name(), redop.name(), algo.map(|a| format!(" algo={a:?}")).unwrap_or_default(), if matches!(op, OpKind::Broadcast | OpKind::Reduce) { format!(" root={root}") } else { String::new() });
+        let wrong = run_case(comm, seed, case, req, &label, &mut failures)?;
+        if wrong > 0 {
+            failures.push(format!("rank {me}: {label}: {wrong} wrong elements"));
+        } else if args.verbose && me == 0 {
+            println!("ok   {label}");
+        }
+        if failures.len() > failures_before {
+            failed_cases += 1;
+        }
+    }
+    let mut total = [failed_cases as f64];
+    comm.allreduce(&mut total, ReduceOp::Sum)?;
+    for f in &failures {
+        eprintln!("FAIL {f}");
+    }
+    let kinds: Vec<&str> = {
+        let mut k: Vec<&str> = comm.link_kinds().iter().copied().filter(|k| *k != "self").collect();
+        k.sort();
+        k.dedup();
+        k
+    };
+    if me == 0 {
+        let failed = total[0] as u64;
+        let rank_cases = cases * w as u64;
+        println!(
+            "check: {} ranks on {} host(s), links {:?}, seed {seed}: {} cases x {} ranks: {} passed, {} failed",
+            w,
+            comm.topology().hosts(),
+            kinds,
+            cases,
+            w,
+            rank_cases - failed.min(rank_cases),
+            failed,
+        );
+    }
+    Ok(total[0] == 0.0)
+}
+
+/// Runs one collective on fresh inputs of `case` and returns how many output elements
+/// differ from the independent reference; describes failures in `failures`.
+pub fn run_case(comm: &Communicator, seed: u64, case: u64, req: Request, label: &str, failures: &mut Vec<String>) -> Result<usize> {
+    let (w, me) = (comm.size(), comm.rank());
+    let (op, dtype, redop, n, root) = (req.op, req.dtype, req.redop, req.count, req.root);
+    let es = dtype.size();
+Ok(match op {
+        OpKind::Allreduce | OpKind::Reduce => {
+            let mut buf = vec![0u8; n * es];
+            let mut g = Gen::new(seed, me, case, dtype);
+            for (i, c) in buf.chunks_mut(BLOCK * es).enumerate() {
+                let vals = g.take(c.len() / es);
+                debug_assert!(i * BLOCK * es < n * es || n == 0);
+                encode(dtype, &vals, c);
+            }
+            run_bytes(comm, req, &[], &mut buf)?;
+            if op == OpKind::Allreduce {
+                let fp = fingerprint(&buf);
+                let mut all = vec![0f64; 2 * w];
+                comm.allgather(&[(fp >> 32) as f64, (fp & 0xffff_ffff) as f64], &mut all)?;
+                if all.chunks(2).any(|c| c != &all[..2]) {
+                                        failures.push(format!("rank {me}: {label}: ranks hold different results"));
+                }
+            }
+            // Stream the reference in blocks: W generators advance in lockstep.
+            let mut gens: Vec<Gen> = (0..w).map(|r| Gen::new(seed, r, case, dtype)).collect();
+            let mut mine_gen = Gen::new(seed, me, case, dtype);
+            let mut wrong = 0;
+            let mut off = 0;
+            while off < n {
+                let m = BLOCK.min(n - off);
+                let inputs: Vec<Vec<f64>> = gens.iter_mut().map(|g| g.take(m)).collect();
+                let mine = mine_gen.take(m);
+                let got = decode(dtype, &buf[off * es..(off + m) * es]);
+                let want: Vec<(f64, f64)> = if op == OpKind::Reduce && me != root { mine.iter().map(|&v| (v, 0.0)).collect() } else { (0..m).map(|i| reference(redop, dtype, &inputs, i)).collect() };
+                let bad = count_wrong(&got, &want);
+                if bad > 0 && wrong == 0 {
+                    if let Some(i) = (0..m).find(|&i| !((got[i] - want[i].0).abs() <= want[i].1)) {
+                        failures.push(format!("rank {me}: {label}: element {} = {} but reference {} ± {}", off + i, got[i], want[i].0, want[i].1));
+                    }
+                }
+                wrong += bad;
+                off += m;
+            }
+            wrong
+        }
+        OpKind::ReduceScatter => {
+            let inputs: Vec<Vec<f64>> = (0..w).map(|r| Gen::new(seed, r, case, dtype).take(n * w)).collect();
+            let mut send = vec![0u8; n * w * es];
+            encode(dtype, &inputs[me], &mut send);
+            let mut recv = vec![0u8; n * es];
+            run_bytes(comm, req, &send, &mut recv)?;
+            let want: Vec<(f64, f64)> = (me * n..(me + 1) * n).map(|i| reference(redop, dtype, &inputs, i)).collect();
+            count_wrong(&decode(dtype, &recv), &want)
+        }
+        OpKind::Allgather => {
+            let inputs: Vec<Vec<f64>> = (0..w).map(|r| Gen::new(seed, r, case, dtype).take(n)).collect();
+            let mut send = vec![0u8; n * es];
+            encode(dtype, &inputs[me], &mut send);
+            let mut recv = vec![0u8; n * w * es];
+            run_bytes(comm, req, &send, &mut recv)?;
+            let want: Vec<(f64, f64)> = inputs.iter().flatten().map(|&v| (v, 0.0)).collect();
+            count_wrong(&decode(dtype, &recv), &want)
+        }
+        OpKind::Broadcast => {
+            let root_data = Gen::new(seed, root, case, dtype).take(n);
+            let mut buf = vec![0u8; n * es];
+            let mine = if me == root { root_data.clone() } else { Gen::new(seed, me, case, dtype).take(n) };
+            encode(dtype, &mine, &mut buf);
+            run_bytes(comm, req, &[], &mut buf)?;
+            count_wrong(&decode(dtype, &buf), &root_data.iter().map(|&v| (v, 0.0)).collect::<Vec<_>>())
+        }
+        OpKind::Barrier => {
+            comm.barrier()?;
+            0
+        }
+        OpKind::Send => 0,
+    })
+}

@@ -1,0 +1,254 @@
+//! `gradwire launch`: starts N local ranks with the torchrun variables and a fresh job
+//! secret; optionally one "node" per network namespace on a bridge with tbf-shaped links.
+//! Forwards SIGINT/SIGTERM; when a rank fails it stops the others and names the rank;
+//! removes every namespace and link it made, also on failure.
+
+use std::process::{Child, Command, ExitStatus};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+pub struct LaunchArgs {
+    pub nprocs: usize,
+    pub netns: bool,
+    pub ranks_per_node: usize,
+    pub link_gbit: Option<f64>,
+    pub timeout: Option<Duration>,
+    pub cmd: Vec<String>,
+}
+
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+fn install_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+}
+
+/// Namespaces, veths and the bridge of one `--netns` launch; removed on drop.
+struct Netns {
+    bridge: String,
+    namespaces: Vec<String>,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("cannot run `ip` (install iproute2): {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("`ip {}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+impl Netns {
+    fn create(nodes: usize, link_gbit: Option<f64>) -> Result<Self, String> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("--netns needs root (network namespaces, veth pairs, tc)".into());
+        }
+        let id = std::process::id();
+        let mut me = Netns { bridge: format!("gwb{id}"), namespaces: vec![] };
+        ip(&["link", "add", &me.bridge, "type", "bridge"])?;
+        ip(&["link", "set", &me.bridge, "up"])?;
+        for i in 0..nodes {
+            let ns = format!("gw{id}n{i}");
+            ip(&["netns", "add", &ns])?;
+            me.namespaces.push(ns.clone());
+            let (host_end, ns_end) = (format!("gw{id}h{i}"), format!("gw{id}p{i}"));
+            ip(&["link", "add", &host_end, "type", "veth", "peer", "name", &ns_end])?;
+            ip(&["link", "set", &host_end, "master", &me.bridge])?;
+            ip(&["link", "set", &host_end, "up"])?;
+            ip(&["link", "set", &ns_end, "netns", &ns])?;
+            ip(&["-n", &ns, "link", "set", &ns_end, "name", "eth0"])?;
+            ip(&["-n", &ns, "addr", "add", &format!("{}/24", node_addr(i)), "dev", "eth0"])?;
+            ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            if let Some(g) = link_gbit {
+                // Each node's egress is shaped, so every byte crossing the "network" is.
+                // The bucket must hold at least one GSO packet (64 KiB) and ~4 ms of traffic.
+                let rate_bytes = g * 1e9 / 8.0;
+                let burst = ((rate_bytes * 0.004) as u64).max(256 << 10);
+                let out = Command::new("tc")
+                    .args(["-n", &ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", &format!("{}mbit", (g * 1000.0).round() as u64), "burst", &burst.to_string(), "latency", "50ms"])
+                    .output()
+                    .map_err(|e| format!("cannot run `tc`: {e}"))?;
+                if !out.status.success() {
+                    return Err(format!("tc tbf on {ns} failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
+                }
+            }
+        }
+        Ok(me)
+    }
+}
+
+fn node_addr(i: usize) -> String {
+    format!("10.77.{}.{}", (i + 1) / 250, (i + 1) % 250 + 1)
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for ns in &self.namespaces {
+            if let Err(e) = ip(&["netns", "del", ns]) {
+                eprintln!("gradwire launch: cleanup: {e}");
+            }
+        }
+        let _ = ip(&["link", "del", &self.bridge]);
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit status {c}"),
+        (None, Some(s)) => format!("killed by signal {s}"),
+        _ => "unknown status".into(),
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29500)
+}
+
+fn stop_all(children: &mut [Option<Child>], sig: i32) {
+    for c in children.iter().flatten() {
+        // SAFETY: sending a signal to our own child's pid.
+        unsafe { libc::kill(c.id() as i32, sig) };
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline && children.iter_mut().flatten().any(|c| matches!(c.try_wait(), Ok(None))) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for c in children.iter_mut().flatten() {
+        if matches!(c.try_wait(), Ok(None)) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Runs the job; returns the launcher's exit code.
+pub fn run(a: &LaunchArgs) -> i32 {
+    if a.cmd.is_empty() {
+        eprintln!("gradwire launch: no command given (usage: gradwire launch -n N -- CMD ARGS...)");
+        return 2;
+    }
+    if a.nprocs == 0 || a.ranks_per_node == 0 || a.nprocs % a.ranks_per_node != 0 {
+        eprintln!("gradwire launch: -n {} must be a positive multiple of --ranks-per-node {}", a.nprocs, a.ranks_per_node);
+        return 2;
+    }
+    install_handlers();
+    let nodes = if a.netns { a.nprocs / a.ranks_per_node } else { 1 };
+    let per_node = if a.netns { a.ranks_per_node } else { a.nprocs };
+    let netns = if a.netns {
+        match Netns::create(nodes, a.link_gbit) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                eprintln!("gradwire launch: {e}");
+                return 1;
+            }
+        }
+    } else {
+        if a.link_gbit.is_some() {
+            eprintln!("gradwire launch: --link-gbit needs --netns (there is no link to shape on loopback)");
+            return 2;
+        }
+        None
+    };
+    let master = if a.netns { node_addr(0) } else { "127.0.0.1".to_string() };
+    let port = free_port().to_string();
+    let secret = format!("{:032x}", rand::random::<u128>());
+    let mut children: Vec<Option<Child>> = Vec::new();
+    for r in 0..a.nprocs {
+        let mut cmd = match &netns {
+            Some(n) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &n.namespaces[r / per_node]]).args(&a.cmd);
+                c
+            }
+            None => {
+                let mut c = Command::new(&a.cmd[0]);
+                c.args(&a.cmd[1..]);
+                c
+            }
+        };
+        cmd.env("RANK", r.to_string())
+            .env("WORLD_SIZE", a.nprocs.to_string())
+            .env("LOCAL_RANK", (r % per_node).to_string())
+            .env("LOCAL_WORLD_SIZE", per_node.to_string())
+            .env("GROUP_RANK", (r / per_node).to_string())
+            .env("MASTER_ADDR", &master)
+            .env("MASTER_PORT", &port)
+            .env("GRADWIRE_JOB_SECRET", &secret);
+        match cmd.spawn() {
+            Ok(c) => children.push(Some(c)),
+            Err(e) => {
+                eprintln!("gradwire launch: cannot start rank {r} ({}): {e}", a.cmd[0]);
+                stop_all(&mut children, libc::SIGTERM);
+                return 1;
+            }
+        }
+    }
+    let start = Instant::now();
+    let mut failed: Option<(usize, String)> = None;
+    let mut code = 0;
+    loop {
+        let sig = SIGNAL.load(Ordering::SeqCst);
+        if sig != 0 {
+            eprintln!("gradwire launch: got signal {sig}; stopping all ranks");
+            stop_all(&mut children, sig);
+            code = 128 + sig;
+            break;
+        }
+        if let Some(t) = a.timeout {
+            if start.elapsed() > t {
+                let running: Vec<usize> = children.iter_mut().enumerate().filter_map(|(r, c)| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None))).then_some(r)).collect();
+                eprintln!("gradwire launch: timed out after {} s; ranks still running: {running:?}; stopping them", t.as_secs());
+                stop_all(&mut children, libc::SIGTERM);
+                code = 124;
+                break;
+            }
+        }
+        let mut all_done = true;
+        for (r, slot) in children.iter_mut().enumerate() {
+            let Some(c) = slot else { continue };
+            match c.try_wait() {
+                Ok(Some(st)) => {
+                    *slot = None;
+                    if !st.success() && failed.is_none() {
+                        failed = Some((r, describe(st)));
+                        code = st.code().filter(|&c| c != 0).unwrap_or(1);
+                    }
+                }
+                Ok(None) => all_done = false,
+                Err(e) => {
+                    eprintln!("gradwire launch: waiting for rank {r}: {e}");
+                    *slot = None;
+                }
+            }
+        }
+        if let Some((r, why)) = &failed {
+            if children.iter().any(|c| c.is_some()) {
+                eprintln!("gradwire launch: rank {r} failed ({why}); stopping the other ranks");
+                // Give the survivors a moment to report their own view of the failure.
+                let grace = Instant::now() + Duration::from_secs(10);
+                while Instant::now() < grace && children.iter_mut().flatten().any(|c| matches!(c.try_wait(), Ok(None))) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                stop_all(&mut children, libc::SIGTERM);
+            } else {
+                eprintln!("gradwire launch: rank {r} failed ({why})");
+            }
+            break;
+        }
+        if all_done {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(netns);
+    code
+}

@@ -1,0 +1,172 @@
+//! The `gradwire` command: launch, bench, check, info.
+
+mod bench;
+mod check;
+mod info;
+mod launch;
+mod verify;
+
+use clap::{Parser, Subcommand};
+use gradwire::config::parse_size;
+use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, TransportChoice};
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(name = "gradwire", version, about = "Communication backend for distributed training: launch ranks, benchmark and check collectives, inspect the host")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+fn size_arg(s: &str) -> Result<usize, String> {
+    parse_size(s).map(|v| v as usize)
+}
+
+fn collective_arg(s: &str) -> Result<OpKind, String> {
+    Ok(match s {
+        "allreduce" | "all_reduce" => OpKind::Allreduce,
+        "reduce_scatter" | "reducescatter" | "reduce-scatter" => OpKind::ReduceScatter,
+        "allgather" | "all_gather" => OpKind::Allgather,
+        "broadcast" | "bcast" => OpKind::Broadcast,
+        "reduce" => OpKind::Reduce,
+        "barrier" => OpKind::Barrier,
+        _ => return Err(format!("unknown collective {s:?} (allreduce, reduce_scatter, allgather, broadcast, reduce, barrier)")),
+    })
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start N local ranks of CMD with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    /// MASTER_ADDR, MASTER_PORT and GRADWIRE_JOB_SECRET set.
+    Launch {
+        /// Number of ranks.
+        #[arg(short = 'n', long = "nprocs")]
+        nprocs: usize,
+        /// One "node" per network namespace on a private bridge (needs root).
+        #[arg(long)]
+        netns: bool,
+        /// With --netns: ranks per namespace (node).
+        #[arg(long, default_value_t = 1)]
+        ranks_per_node: usize,
+        /// With --netns: shape every node's link to R Gbit/s (tc tbf).
+        #[arg(long)]
+        link_gbit: Option<f64>,
+        /// Stop everything after S seconds.
+        #[arg(long)]
+        timeout: Option<f64>,
+        /// The command and its arguments (after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// nccl-tests style benchmark of one collective (run under `gradwire launch`).
+    Bench {
+        /// allreduce, reduce_scatter, allgather, broadcast, reduce, barrier.
+        #[arg(value_parser = collective_arg)]
+        collective: OpKind,
+        #[arg(short = 'b', long = "minbytes", default_value = "4K", value_parser = size_arg)]
+        min: usize,
+        #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = size_arg)]
+        max: usize,
+        /// Multiplication factor between sizes.
+        #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+        factor: usize,
+        #[arg(short = 'n', long = "iters", default_value_t = 20)]
+        iters: usize,
+        #[arg(short = 'w', long = "warmup", default_value_t = 5)]
+        warmup: usize,
+        #[arg(short = 'd', long = "dtype", default_value = "float32")]
+        dtype: DType,
+        #[arg(short = 'o', long = "op", default_value = "sum")]
+        op: ReduceOp,
+        /// Allreduce algorithm: auto, ring, rd, shm.
+        #[arg(long)]
+        algo: Option<Algo>,
+        /// auto, shm or tcp (sets GRADWIRE_TRANSPORT for this run).
+        #[arg(long)]
+        transport: Option<TransportChoice>,
+        /// Count elements that differ from an independent reference on fresh random data.
+        #[arg(long)]
+        check: bool,
+        #[arg(long)]
+        csv: Option<String>,
+        #[arg(long)]
+        json: Option<String>,
+    },
+    /// Correctness matrix: every collective x dtype x op x count against an independent
+    /// reference on fresh random data (run under `gradwire launch`).
+    Check {
+        /// Element counts to test.
+        #[arg(long, value_delimiter = ',', default_value = "0,1,7919,1003")]
+        counts: Vec<usize>,
+        /// Also run f32 sum allreduce and broadcast of this many bytes (e.g. 64M).
+        #[arg(long, default_value = "0", value_parser = size_arg)]
+        large: usize,
+        #[arg(long, value_delimiter = ',', value_parser = collective_arg, default_value = "allreduce,reduce_scatter,allgather,broadcast,reduce,barrier")]
+        collectives: Vec<OpKind>,
+        #[arg(long, value_delimiter = ',', default_value = "float32,float64,float16,bfloat16")]
+        dtypes: Vec<DType>,
+        #[arg(long, value_delimiter = ',', default_value = "sum,avg,min,max")]
+        ops: Vec<ReduceOp>,
+        #[arg(long)]
+        transport: Option<TransportChoice>,
+        #[arg(short, long)]
+        verbose: bool,
+    },
+    /// What this host offers (transports, RDMA devices, huge pages, RLIMIT_MEMLOCK) and the
+    /// settings gradwire will use.
+    Info {
+        /// Print the settings table (markdown) and exit.
+        #[arg(long)]
+        settings: bool,
+    },
+}
+
+fn set_transport(t: Option<TransportChoice>) {
+    if let Some(t) = t {
+        let v = match t {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Shm => "shm",
+            TransportChoice::Tcp => "tcp",
+        };
+        std::env::set_var("GRADWIRE_TRANSPORT", v);
+    }
+}
+
+fn rank_prefix() -> String {
+    std::env::var("RANK").map(|r| format!("rank {r}: ")).unwrap_or_default()
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Cmd::Launch { nprocs, netns, ranks_per_node, link_gbit, timeout, cmd } => {
+            launch::run(&launch::LaunchArgs { nprocs, netns, ranks_per_node, link_gbit, timeout: timeout.map(Duration::from_secs_f64), cmd })
+        }
+        Cmd::Info { settings } => info::run(settings),
+        Cmd::Bench { collective, min, max, factor, iters, warmup, dtype, op, algo, transport, check, csv, json } => {
+            set_transport(transport);
+            let args = bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, algo, check, csv, json };
+            match Communicator::init().and_then(|c| bench::run(&c, &args).map(|rows| rows.iter().any(|r| r.wrong.unwrap_or(0) > 0))) {
+                Ok(false) => 0,
+                Ok(true) => 1,
+                Err(e) => {
+                    eprintln!("{}gradwire bench: {e}", rank_prefix());
+                    1
+                }
+            }
+        }
+        Cmd::Check { counts, large, collectives, dtypes, ops, transport, verbose } => {
+            set_transport(transport);
+            let args = check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose };
+            match Communicator::init().and_then(|c| check::run(&c, &args)) {
+                Ok(true) => 0,
+                Ok(false) => 1,
+                Err(e) => {
+                    eprintln!("{}gradwire check: {e}", rank_prefix());
+                    1
+                }
+            }
+        }
+    };
+    std::process::exit(code);
+}

@@ -1,0 +1,146 @@
+//! Mutual job-secret authentication for every TCP connection gradwire accepts (the
+//! rendezvous store and the tcp transport's links), plus length-prefixed framing.
+//!
+//! Neither side sends the secret: each proves it holds it with an HMAC-SHA256 over a fresh
+//! nonce chosen by the other side, so a recorded handshake is useless to replay.
+
+use crate::error::{Error, Result};
+use hmac::{Hmac, Mac};
+use rand::RngCore;
+use sha2::Sha256;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+const MAGIC: &[u8; 8] = b"GRADWIR1";
+const NONCE: usize = 16;
+const MAC: usize = 32;
+/// Largest control frame accepted (store values, link hellos): guards against garbage.
+pub const MAX_FRAME: usize = 16 << 20;
+
+fn mac(secret: &str, role: &[u8], nonce: &[u8], context: &[u8]) -> [u8; MAC] {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret.as_bytes()).expect("HMAC takes any key length");
+    m.update(role);
+    m.update(nonce);
+    m.update(context);
+    m.finalize().into_bytes().into()
+}
+
+fn verify(secret: &str, role: &[u8], nonce: &[u8], context: &[u8], tag: &[u8]) -> bool {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret.as_bytes()).expect("HMAC takes any key length");
+    m.update(role);
+    m.update(nonce);
+    m.update(context);
+    m.verify_slice(tag).is_ok()
+}
+
+fn nonce() -> [u8; NONCE] {
+    let mut n = [0u8; NONCE];
+    rand::rng().fill_bytes(&mut n);
+    n
+}
+
+fn io(what: &str, peer: &str) -> impl FnOnce(std::io::Error) -> Error {
+    let what = format!("{what} with {peer}");
+    move |e| Error::io(what, e)
+}
+
+/// Accepting side. `context` binds the handshake to a purpose (e.g. store vs a link of a
+/// given communicator) so a proof for one cannot be replayed for another.
+pub fn accept(s: &mut TcpStream, secret: &str, context: &[u8]) -> Result<()> {
+    let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+    let my_nonce = nonce();
+    let mut hello = MAGIC.to_vec();
+    hello.extend_from_slice(&my_nonce);
+    s.write_all(&hello).map_err(io("auth hello", &peer))?;
+    let mut reply = [0u8; MAC + NONCE];
+    s.read_exact(&mut reply).map_err(io("auth reply", &peer))?;
+    if !verify(secret, b"client", &my_nonce, context, &reply[..MAC]) {
+        let _ = s.write_all(&[0]);
+        return Err(Error::Auth(format!("refused connection from {peer}: it did not prove the job secret (GRADWIRE_JOB_SECRET differs?)")));
+    }
+    let mut ok = vec![1u8];
+    ok.extend_from_slice(&mac(secret, b"server", &reply[MAC..], context));
+    s.write_all(&ok).map_err(io("auth accept", &peer))?;
+    Ok(())
+}
+
+/// Connecting side of [`accept`].
+pub fn connect(s: &mut TcpStream, secret: &str, context: &[u8]) -> Result<()> {
+    let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+    let mut hello = [0u8; 8 + NONCE];
+    s.read_exact(&mut hello).map_err(io("auth hello", &peer))?;
+    if &hello[..8] != MAGIC {
+        return Err(Error::Protocol(format!("{peer} is not a gradwire endpoint (bad greeting)")));
+    }
+    let my_nonce = nonce();
+    let mut reply = mac(secret, b"client", &hello[8..], context).to_vec();
+    reply.extend_from_slice(&my_nonce);
+    s.write_all(&reply).map_err(io("auth reply", &peer))?;
+    let mut status = [0u8; 1];
+    s.read_exact(&mut status).map_err(|_| Error::Auth(format!("{peer} refused our job secret (GRADWIRE_JOB_SECRET differs?)")))?;
+    if status[0] != 1 {
+        return Err(Error::Auth(format!("{peer} refused our job secret (GRADWIRE_JOB_SECRET differs?)")));
+    }
+    let mut proof = [0u8; MAC];
+    s.read_exact(&mut proof).map_err(io("auth proof", &peer))?;
+    if !verify(secret, b"server", &my_nonce, context, &proof) {
+        return Err(Error::Auth(format!("{peer} could not prove the job secret; refusing to talk to it")));
+    }
+    Ok(())
+}
+
+/// Writes one length-prefixed frame.
+pub fn write_frame(s: &mut impl Write, data: &[u8]) -> std::io::Result<()> {
+    let len = u32::try_from(data.len()).map_err(|_| std::io::Error::other("frame too large"))?;
+    let mut buf = Vec::with_capacity(4 + data.len());
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(data);
+    s.write_all(&buf)
+}
+
+/// Reads one length-prefixed frame of at most [`MAX_FRAME`] bytes.
+pub fn read_frame(s: &mut impl Read) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame of {len} bytes exceeds {MAX_FRAME}")));
+    }
+    let mut buf = vec![0u8; len];
+    s.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+/// Connects to `addr`, retrying refused connections until `deadline` (the listener may not
+/// be up yet), then authenticates.
+pub fn dial(addr: &str, secret: &str, context: &[u8], deadline: std::time::Instant, what: &str) -> Result<TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last_err = None;
+    loop {
+        let targets: Vec<_> = match addr.to_socket_addrs() {
+            Ok(t) => t.collect(),
+            Err(e) => return Err(Error::io(format!("resolve {what} address {addr}"), e)),
+        };
+        for t in &targets {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            match TcpStream::connect_timeout(t, left.min(std::time::Duration::from_secs(2))) {
+                Ok(mut s) => {
+                    s.set_nodelay(true).ok();
+                    s.set_read_timeout(Some(left.max(std::time::Duration::from_millis(100)))).ok();
+                    connect(&mut s, secret, context)?;
+                    s.set_read_timeout(None).ok();
+                    return Ok(s);
+                }
+                Err(e) => last_err = Some(e),
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            let e = last_err.unwrap_or_else(|| std::io::Error::other("no address"));
+            return Err(Error::io(format!("connect to {what} at {addr} (deadline passed; is it running?)"), e));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

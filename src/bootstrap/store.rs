@@ -1,0 +1,206 @@
+//! The rendezvous store: a small key-value server hosted by rank 0 at
+//! `MASTER_ADDR:MASTER_PORT`, through which ranks exchange addresses, shared-memory
+//! handles and (later) QP numbers and rkeys. Only peers proving the job secret get in.
+
+use super::auth::{self, read_frame, write_frame};
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+const CONTEXT: &[u8] = b"store";
+const SET: u8 = b'S';
+const GET: u8 = b'G';
+const ADD: u8 = b'A';
+
+type Table = Arc<(Mutex<HashMap<String, Vec<u8>>>, Condvar)>;
+
+/// The server half: accepts authenticated clients on a background thread each.
+pub struct StoreServer {
+    pub addr: std::net::SocketAddr,
+}
+
+impl StoreServer {
+    /// Listens on `bind` (e.g. `0.0.0.0:29500`) and serves until the process exits.
+    pub fn start(bind: &str, secret: &str) -> Result<Self> {
+        let listener = TcpListener::bind(bind).map_err(|e| Error::io(format!("bind rendezvous store on {bind} (port taken?)"), e))?;
+        let addr = listener.local_addr().map_err(|e| Error::io("store address", e))?;
+        let table: Table = Arc::new((Mutex::new(HashMap::new()), Condvar::new()));
+        let secret = secret.to_string();
+        std::thread::Builder::new()
+            .name("gradwire-store".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    let Ok(mut s) = conn else { continue };
+                    let (table, secret) = (table.clone(), secret.clone());
+                    let _ = std::thread::Builder::new().name("gradwire-store-conn".into()).spawn(move || {
+                        s.set_nodelay(true).ok();
+                        // A client that never finishes the handshake must not hold a thread forever.
+                        s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+                        if let Err(e) = auth::accept(&mut s, &secret, CONTEXT) {
+                            log::warn!("rendezvous store: {e}");
+                            return;
+                        }
+                        s.set_read_timeout(None).ok();
+                        if let Err(e) = serve(&mut s, &table) {
+                            log::debug!("rendezvous store client left: {e}");
+                        }
+                    });
+                }
+            })
+            .map_err(|e| Error::io("spawn store thread", e))?;
+        Ok(StoreServer { addr })
+    }
+}
+
+fn serve(s: &mut TcpStream, table: &Table) -> std::io::Result<()> {
+    let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
+    loop {
+        let req = read_frame(s)?;
+        let (&cmd, rest) = req.split_first().ok_or_else(|| bad("empty request"))?;
+        let (key, arg) = split_key(rest).ok_or_else(|| bad("malformed request"))?;
+        let (lock, cv) = &**table;
+        match cmd {
+            SET => {
+                lock.lock().unwrap_or_else(|p| p.into_inner()).insert(key, arg.to_vec());
+                cv.notify_all();
+                write_frame(s, b"K")?;
+            }
+            GET => {
+                let wait = Duration::from_millis(u64::from_le_bytes(arg.try_into().map_err(|_| bad("bad timeout"))?));
+                let deadline = Instant::now() + wait;
+                let mut map = lock.lock().unwrap_or_else(|p| p.into_inner());
+                let reply = loop {
+                    if let Some(v) = map.get(&key) {
+                        let mut r = b"V".to_vec();
+                        r.extend_from_slice(v);
+                        break r;
+                    }
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break b"N".to_vec();
+                    }
+                    map = cv.wait_timeout(map, left).unwrap_or_else(|p| p.into_inner()).0;
+                };
+                drop(map);
+                write_frame(s, &reply)?;
+            }
+            ADD => {
+                let delta = i64::from_le_bytes(arg.try_into().map_err(|_| bad("bad delta"))?);
+                let mut map = lock.lock().unwrap_or_else(|p| p.into_inner());
+                let cur = map.get(&key).and_then(|v| v.as_slice().try_into().ok()).map(i64::from_le_bytes).unwrap_or(0);
+                let new = cur.wrapping_add(delta);
+                map.insert(key, new.to_le_bytes().to_vec());
+                drop(map);
+                cv.notify_all();
+                let mut r = b"V".to_vec();
+                r.extend_from_slice(&new.to_le_bytes());
+                write_frame(s, &r)?;
+            }
+            _ => return Err(bad("unknown command")),
+        }
+    }
+}
+
+fn split_key(b: &[u8]) -> Option<(String, &[u8])> {
+    let len = u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize;
+    let key = std::str::from_utf8(b.get(4..4 + len)?).ok()?.to_string();
+    Some((key, &b[4 + len..]))
+}
+
+fn request(cmd: u8, key: &str, arg: &[u8]) -> Vec<u8> {
+    let mut r = vec![cmd];
+    r.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    r.extend_from_slice(key.as_bytes());
+    r.extend_from_slice(arg);
+    r
+}
+
+/// A connection to the store. Cheap to share (`Arc`); requests are serialised.
+pub struct StoreClient {
+    conn: Mutex<TcpStream>,
+    addr: String,
+}
+
+impl StoreClient {
+    /// Connects (retrying until `deadline` while rank 0 starts) and authenticates.
+    pub fn connect(addr: &str, secret: &str, deadline: Instant) -> Result<Self> {
+        let s = auth::dial(addr, secret, CONTEXT, deadline, "rendezvous store")?;
+        Ok(StoreClient { conn: Mutex::new(s), addr: addr.to_string() })
+    }
+
+    /// The local address of our store connection: an address of this host that the other
+    /// ranks can reach, used as the tcp transport's listening address.
+    pub fn local_ip(&self) -> Result<std::net::IpAddr> {
+        let c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        c.local_addr().map(|a| a.ip()).map_err(|e| Error::io("store local address", e))
+    }
+
+    fn call(&self, req: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        c.set_read_timeout(Some(timeout + Duration::from_secs(5))).ok();
+        write_frame(&mut *c, req).and_then(|_| read_frame(&mut *c)).map_err(|e| Error::io(format!("rendezvous store at {} (did rank 0 exit?)", self.addr), e))
+    }
+
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let r = self.call(&request(SET, key, value), Duration::from_secs(10))?;
+        if r != b"K" {
+            return Err(Error::Protocol("store: unexpected reply to set".into()));
+        }
+        Ok(())
+    }
+
+    /// Waits until `key` exists, at most until `deadline`; `what` describes who should have
+    /// set it, for the timeout message.
+    pub fn get(&self, key: &str, deadline: Instant) -> Result<Option<Vec<u8>>> {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let r = self.call(&request(GET, key, &(wait.as_millis() as u64).to_le_bytes()), wait)?;
+        match r.split_first() {
+            Some((b'V', v)) => Ok(Some(v.to_vec())),
+            Some((b'N', _)) => Ok(None),
+            _ => Err(Error::Protocol("store: unexpected reply to get".into())),
+        }
+    }
+
+    /// Atomically adds `delta` to a counter and returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let r = self.call(&request(ADD, key, &delta.to_le_bytes()), Duration::from_secs(10))?;
+        match r.split_first() {
+            Some((b'V', v)) if v.len() == 8 => Ok(i64::from_le_bytes(v.try_into().unwrap_or_default())),
+            _ => Err(Error::Protocol("store: unexpected reply to add".into())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_get_add_and_refusal() {
+        let srv = StoreServer::start("127.0.0.1:0", "secret-123").unwrap();
+        let addr = srv.addr.to_string();
+        let dl = Instant::now() + Duration::from_secs(5);
+        let c = StoreClient::connect(&addr, "secret-123", dl).unwrap();
+        c.set("a", b"hello").unwrap();
+        assert_eq!(c.get("a", dl).unwrap().unwrap(), b"hello");
+        assert_eq!(c.get("missing", Instant::now() + Duration::from_millis(50)).unwrap(), None);
+        assert_eq!(c.add("n", 3).unwrap(), 3);
+        assert_eq!(c.add("n", -1).unwrap(), 2);
+        let err = StoreClient::connect(&addr, "wrong-secret", dl).err().expect("wrong secret must be refused");
+        assert!(matches!(err, Error::Auth(_)), "{err}");
+    }
+
+    #[test]
+    fn get_waits_for_a_later_set() {
+        let srv = StoreServer::start("127.0.0.1:0", "secret-123").unwrap();
+        let addr = srv.addr.to_string();
+        let dl = Instant::now() + Duration::from_secs(5);
+        let c2 = StoreClient::connect(&addr, "secret-123", dl).unwrap();
+        let t = std::thread::spawn(move || c2.get("late", Instant::now() + Duration::from_secs(5)).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+        StoreClient::connect(&addr, "secret-123", dl).unwrap().set("late", b"x").unwrap();
+        assert_eq!(t.join().unwrap().unwrap(), b"x");
+    }
+}

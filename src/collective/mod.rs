@@ -1,0 +1,275 @@
+//! Collectives layer: allreduce, reduce-scatter, allgather, broadcast, reduce, barrier —
+//! blocking and non-blocking, for f32/f64/f16/bf16 and sum/avg/min/max, on any
+//! communicator (including ones made by `split`).
+//!
+//! Algorithm choice for allreduce (`GRADWIRE_ALGO=auto`): on one host with shared memory,
+//! the shared-buffer reduction ([`shm_allreduce`]); otherwise recursive doubling below
+//! `GRADWIRE_SMALL_BYTES` and the ring above it.
+
+pub mod algos;
+pub mod reduce;
+pub mod shm_allreduce;
+
+use crate::comm::Communicator;
+use crate::config::Algo;
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::engine::{EngineState, Work};
+use crate::error::{invalid, Result};
+use crate::transport::frame::{CallHeader, OpKind};
+use algos::Ctx;
+use shm_allreduce::{encode_call, shm_allreduce, ShmCtx};
+use std::time::Instant;
+
+/// A buffer address handed to the progress thread.
+#[derive(Clone, Copy)]
+struct Ptr(*mut u8);
+// SAFETY: the submitter guarantees the memory stays valid and untouched until the Work
+// completes (see `Communicator::start`).
+unsafe impl Send for Ptr {}
+
+/// A collective call, in bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct Request {
+    pub op: OpKind,
+    pub dtype: DType,
+    pub redop: ReduceOp,
+    /// Elements per rank as the C/MPI conventions count them: the buffer for allreduce,
+    /// broadcast and reduce; the receive part for reduce-scatter; the send part for allgather.
+    pub count: usize,
+    pub root: usize,
+    /// Allreduce override; `None` follows `GRADWIRE_ALGO`.
+    pub algo: Option<Algo>,
+}
+
+impl Request {
+    pub fn new(op: OpKind, dtype: DType, redop: ReduceOp, count: usize) -> Self {
+        Request { op, dtype, redop, count, root: 0, algo: None }
+    }
+
+    /// (send bytes, receive bytes) this request reads and writes on a world of `w` ranks.
+    pub fn lengths(&self, w: usize) -> Result<(usize, usize)> {
+        let b = self.count.checked_mul(self.dtype.size()).ok_or_else(|| invalid(format!("count {} overflows", self.count)))?;
+        let wb = b.checked_mul(w).ok_or_else(|| invalid(format!("count {} x {w} ranks overflows", self.count)))?;
+        Ok(match self.op {
+            OpKind::ReduceScatter => (wb, b),
+            OpKind::Allgather => (b, wb),
+            OpKind::Barrier | OpKind::Send => (0, 0),
+            _ => (b, b),
+        })
+    }
+}
+
+impl Communicator {
+    /// Starts a collective on raw buffers and returns at once.
+    ///
+    /// # Safety
+    /// `send` must be readable for the request's send length and `recv` writable for its
+    /// receive length (see [`Request::lengths`]); both must stay valid, and `recv` must not
+    /// be read or written by anyone else, until the returned `Work` has completed. `send`
+    /// may equal `recv` (in place) for allreduce, broadcast and reduce.
+    pub unsafe fn start(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<Work> {
+        if matches!(req.op, OpKind::Broadcast | OpKind::Reduce) && req.root >= self.size() {
+            return Err(invalid(format!("root {} is not a rank of this communicator (size {})", req.root, self.size())));
+        }
+        if req.op == OpKind::Send {
+            return Err(invalid("send/recv is not a collective"));
+        }
+        let (slen, rlen) = req.lengths(self.size())?;
+        if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
+            return Err(invalid("null buffer"));
+        }
+        let call = CallHeader { op: req.op, dtype: req.dtype, redop: req.redop, root: req.root as u32, count: req.count as u64, seq: self.next_seq() };
+        let (small, default_algo) = (self.config.small_bytes, self.config.algo);
+        let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
+        Ok(self.submit(
+            call.to_string(),
+            Box::new(move |st: &mut EngineState, deadline: Instant| {
+                let (s, r) = (s, r);
+                // SAFETY: lengths and validity are the caller's contract (see above).
+                let sbuf: &[u8] = if slen == 0 { &[] } else { unsafe { std::slice::from_raw_parts(s.0, slen) } };
+                let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
+                run(st, deadline, call, req, req.algo.unwrap_or(default_algo), small, sbuf, rbuf)
+            }),
+        ))
+    }
+
+    /// Allreduce in place.
+    pub fn allreduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.allreduce_with(buf, op, None)
+    }
+
+    /// Allreduce in place with an explicit algorithm (`None`: automatic).
+    pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: ReduceOp, algo: Option<Algo>) -> Result<()> {
+        let req = Request { algo, ..Request::new(OpKind::Allreduce, T::DTYPE, op, buf.len()) };
+        let p = buf.as_mut_ptr() as *mut u8;
+        // SAFETY: `buf` is exclusively borrowed until wait() returns, which is after the
+        // engine is done with it.
+        unsafe { self.start(req, p, p)?.wait() }
+    }
+
+    /// Reduce-scatter: `send` holds `size * recv.len()` elements; rank r receives the
+    /// reduction of part r.
+    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        if send.len() != recv.len() * self.size() {
+            return Err(invalid(format!("reduce_scatter: send has {} elements, expected {} x {}", send.len(), recv.len(), self.size())));
+        }
+        let req = Request::new(OpKind::ReduceScatter, T::DTYPE, op, recv.len());
+        // SAFETY: borrows outlive wait().
+        unsafe { self.start(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8)?.wait() }
+    }
+
+    /// Allgather: `recv` holds `size * send.len()` elements, part r from rank r.
+    pub fn allgather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        if recv.len() != send.len() * self.size() {
+            return Err(invalid(format!("allgather: recv has {} elements, expected {} x {}", recv.len(), send.len(), self.size())));
+        }
+        let req = Request::new(OpKind::Allgather, T::DTYPE, ReduceOp::Sum, send.len());
+        // SAFETY: borrows outlive wait().
+        unsafe { self.start(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8)?.wait() }
+    }
+
+    /// Broadcast `buf` from `root` to every rank.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let req = Request { root, ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len()) };
+        let p = buf.as_mut_ptr() as *mut u8;
+        // SAFETY: borrow outlives wait().
+        unsafe { self.start(req, p, p)?.wait() }
+    }
+
+    /// Reduce to `root` in place; other ranks' buffers are left unchanged.
+    pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
+        let req = Request { root, ..Request::new(OpKind::Reduce, T::DTYPE, op, buf.len()) };
+        let p = buf.as_mut_ptr() as *mut u8;
+        // SAFETY: borrow outlives wait().
+        unsafe { self.start(req, p, p)?.wait() }
+    }
+
+    /// Returns once every rank has entered the barrier.
+    pub fn barrier(&self) -> Result<()> {
+        let req = Request::new(OpKind::Barrier, DType::F32, ReduceOp::Sum, 0);
+        // SAFETY: no buffers.
+        unsafe { self.start(req, std::ptr::null(), std::ptr::null_mut())?.wait() }
+    }
+
+    /// Non-blocking allreduce of an owned vector; `Pending::wait` gives it back reduced.
+    pub fn iallreduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Result<Pending<Vec<T>>> {
+        let req = Request::new(OpKind::Allreduce, T::DTYPE, op, buf.len());
+        let p = buf.as_mut_ptr() as *mut u8;
+        // SAFETY: the vector's heap block does not move while `Pending` owns it, and
+        // `Pending` waits for completion before handing it back or dropping it.
+        let work = unsafe { self.start(req, p, p)? };
+        Ok(Pending { work: Some(work), value: Some(buf) })
+    }
+
+    /// Non-blocking broadcast of an owned vector.
+    pub fn ibroadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Result<Pending<Vec<T>>> {
+        let req = Request { root, ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len()) };
+        let p = buf.as_mut_ptr() as *mut u8;
+        // SAFETY: as in iallreduce.
+        let work = unsafe { self.start(req, p, p)? };
+        Ok(Pending { work: Some(work), value: Some(buf) })
+    }
+
+    /// Non-blocking barrier.
+    pub fn ibarrier(&self) -> Result<Work> {
+        let req = Request::new(OpKind::Barrier, DType::F32, ReduceOp::Sum, 0);
+        // SAFETY: no buffers.
+        unsafe { self.start(req, std::ptr::null(), std::ptr::null_mut()) }
+    }
+}
+
+/// A non-blocking operation that owns its buffers until it completes.
+pub struct Pending<V> {
+    work: Option<Work>,
+    value: Option<V>,
+}
+
+impl<V> Pending<V> {
+    /// Whether the operation has finished.
+    pub fn test(&self) -> bool {
+        self.work.as_ref().is_none_or(|w| w.test())
+    }
+
+    /// Waits for completion and returns the buffers.
+    pub fn wait(mut self) -> Result<V> {
+        if let Some(w) = self.work.take() {
+            w.wait()?;
+        }
+        Ok(self.value.take().expect("value present until wait"))
+    }
+}
+
+impl<V> Drop for Pending<V> {
+    fn drop(&mut self) {
+        // The engine may still be writing into the buffers: wait before they are freed.
+        if let Some(w) = self.work.take() {
+            let _ = w.wait();
+        }
+    }
+}
+
+/// Runs one collective on the progress thread.
+#[allow(clippy::too_many_arguments)]
+fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, algo: Algo, small: usize, send: &[u8], recv: &mut [u8]) -> Result<()> {
+    let (rank, world) = (st.rank, st.world);
+    if let Some(dom) = &st.shm {
+        dom.set_call(&encode_call(&call));
+    }
+    let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
+    match req.op {
+        OpKind::Allreduce => {
+            if send.as_ptr() != recv.as_ptr() {
+                recv.copy_from_slice(send);
+            }
+            if world == 1 {
+                return Ok(());
+            }
+            let algo = match algo {
+                Algo::Auto if st.shm_all => Algo::SharedMemory,
+                Algo::Auto if recv.len() < small => Algo::RecursiveDoubling,
+                Algo::Auto => Algo::Ring,
+                Algo::SharedMemory if !st.shm_all => {
+                    return Err(invalid("GRADWIRE_ALGO=shm needs every rank on one host with the shm transport"));
+                }
+                a => a,
+            };
+            match algo {
+                Algo::SharedMemory => {
+                    let dom = st.shm.as_ref().ok_or_else(|| invalid("no shared memory"))?;
+                    let scx = ShmCtx { dom, rank, world, call, deadline, abort: &st.abort, spin: st.spin };
+                    shm_allreduce(&scx, recv, req.dtype, req.redop)
+                }
+                Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),
+                _ => algos::ring_allreduce(&mut cx, recv),
+            }
+        }
+        OpKind::ReduceScatter => {
+            let mut work = send.to_vec();
+            let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
+            algos::ring_reduce_scatter(&mut cx, &mut work, &bounds, -1, 0)?;
+            recv.copy_from_slice(&work[bounds[rank]..bounds[rank + 1]]);
+            if req.redop == ReduceOp::Avg {
+                reduce::scale(req.dtype, recv, 1.0 / world as f64);
+            }
+            Ok(())
+        }
+        OpKind::Allgather => {
+            let bounds: Vec<usize> = (0..=world).map(|i| i * send.len()).collect();
+            recv[bounds[rank]..bounds[rank + 1]].copy_from_slice(send);
+            algos::ring_allgather(&mut cx, recv, &bounds, 0, 0)
+        }
+        OpKind::Broadcast => {
+            if world == 1 {
+                Ok(())
+            } else if recv.len() < small {
+                algos::binomial_broadcast(&mut cx, recv, req.root)
+            } else {
+                let piece = (recv.len() / 8).clamp(64 << 10, 1 << 20);
+                algos::chain_broadcast(&mut cx, recv, req.root, piece)
+            }
+        }
+        OpKind::Reduce => algos::binomial_reduce(&mut cx, recv, req.root),
+        OpKind::Barrier => algos::dissemination_barrier(&mut cx),
+        OpKind::Send => Err(invalid("send/recv is not a collective")),
+    }
+}

@@ -1,0 +1,156 @@
+//! One-host allreduce straight out of the peers' shared staging areas.
+//!
+//! Per segment of the buffer (at most the staging size): (1) every rank copies its input
+//! into its own staging area; (2) rank r reduces part r of every rank's staging area into
+//! its own part r, reading the peers' memory directly; (3) every rank copies each finished
+//! part from its owner's staging area into its output. Three barriers per segment, made of
+//! per-rank phase counters (no shared contended line). Bytes moved per rank ≈ S (copy in)
+//! + S (read parts) + S/W (write) + 2S (copy out) — no socket, no ring, no second copy.
+
+use super::reduce::{reduce_bytes, scale};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::transport::frame::{CallHeader, FrameHeader, FrameKind};
+use crate::transport::shm::ShmDomain;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Reduction block: every source's block is combined into the destination block while it
+/// is still in L1/L2.
+const BLOCK: usize = 32 << 10;
+
+pub struct ShmCtx<'a> {
+    pub dom: &'a ShmDomain,
+    pub rank: usize,
+    pub world: usize,
+    pub call: CallHeader,
+    pub deadline: Instant,
+    pub abort: &'a AtomicBool,
+    pub spin: Duration,
+}
+
+/// Encodes a call for publication in the shared control page.
+pub fn encode_call(call: &CallHeader) -> [u8; crate::transport::frame::HEADER_LEN] {
+    FrameHeader { kind: FrameKind::Data, call: *call, step: 0, len: 0 }.encode()
+}
+
+impl ShmCtx<'_> {
+    /// Waits until every other rank's phase counter reaches `target`.
+    fn wait_all(&self, target: u64) -> Result<()> {
+        let start = Instant::now();
+        for p in 0..self.world {
+            if p == self.rank {
+                continue;
+            }
+            let ph = self.dom.phase(p);
+            let mut iter = 0u64;
+            while ph.load(Ordering::Acquire) < target {
+                iter += 1;
+                let idle = start.elapsed();
+                if idle < self.spin {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                if iter % 64 == 0 {
+                    self.check_peer(p, start)?;
+                }
+                if idle < self.spin * 4 + Duration::from_micros(200) {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, p: usize, start: Instant) -> Result<()> {
+        if self.abort.load(Ordering::Acquire) {
+            return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted locally".into() });
+        }
+        if let Some(why) = self.dom.peer_gone(p) {
+            return Err(Error::PeerLost { rank: self.rank, peer: p, op: self.call.to_string(), cause: why });
+        }
+        // A peer that started a different call with the same sequence number will never
+        // reach our phase: report the mismatch now instead of at the deadline.
+        if let Ok(h) = FrameHeader::decode(&self.dom.call_of(p)) {
+            if h.call.seq == self.call.seq && h.call != self.call {
+                return Err(Error::Mismatch { rank: self.rank, mine: self.call.to_string(), peer: p, theirs: h.call.to_string() });
+            }
+        }
+        if Instant::now() >= self.deadline {
+            return Err(Error::Timeout {
+                rank: self.rank,
+                peer: p,
+                op: format!("{} (shared-memory phase)", self.call),
+                waited_ms: start.elapsed().as_millis() as u64,
+            });
+        }
+        Ok(())
+    }
+
+    fn advance(&self, to: u64) {
+        self.dom.phase(self.rank).store(to, Ordering::Release);
+    }
+}
+
+/// In-place allreduce of `buf` among all ranks of the domain (all on this host).
+pub fn shm_allreduce(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let (w, me) = (cx.world, cx.rank);
+    let elem = dtype.size();
+    let seg = cx.dom.stage_len() / elem * elem;
+    let mut base = cx.dom.phase(me).load(Ordering::Relaxed);
+    let mut first = true;
+    let mut off = 0;
+    loop {
+        let len = (buf.len() - off).min(seg);
+        let bounds = super::algos::part_bounds(len / elem, w, elem);
+        // (1) Copy in, publish.
+        // SAFETY: our own staging area, at least `seg` bytes; peers read it only after the
+        // Release store below and stop before our next write (barrier base+3).
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(off), cx.dom.stage(me), len) };
+        cx.advance(base + 1);
+        cx.wait_all(base + 1)?;
+        if first {
+            for p in 0..w {
+                let h = FrameHeader::decode(&cx.dom.call_of(p)).map_err(|e| Error::Protocol(format!("rank {p}'s shared call header: {e}")))?;
+                if h.call != cx.call {
+                    return Err(Error::Mismatch { rank: me, mine: cx.call.to_string(), peer: p, theirs: h.call.to_string() });
+                }
+            }
+            first = false;
+        }
+        // (2) Reduce my part from every peer's staging area into mine.
+        let (lo, hi) = (bounds[me], bounds[me + 1]);
+        // SAFETY: part `me` of our staging area is written only by us in this phase; the
+        // peers' parts `me` are only read by us until barrier base+2.
+        let mine = unsafe { std::slice::from_raw_parts_mut(cx.dom.stage(me).add(lo), hi - lo) };
+        for b in (0..mine.len()).step_by(BLOCK) {
+            let e = (b + BLOCK).min(mine.len());
+            for p in (0..w).filter(|&p| p != me) {
+                // SAFETY: see above; the range lies in p's staging area.
+                let theirs = unsafe { std::slice::from_raw_parts(cx.dom.stage(p).add(lo + b), e - b) };
+                reduce_bytes(dtype, op, &mut mine[b..e], theirs);
+            }
+        }
+        if op == ReduceOp::Avg {
+            scale(dtype, mine, 1.0 / w as f64);
+        }
+        cx.advance(base + 2);
+        cx.wait_all(base + 2)?;
+        // (3) Copy every finished part out of its owner's staging area.
+        for p in 0..w {
+            let (lo, hi) = (bounds[p], bounds[p + 1]);
+            // SAFETY: part p of p's staging area is final after barrier base+2 and is not
+            // written again before barrier base+3.
+            unsafe { std::ptr::copy_nonoverlapping(cx.dom.stage(p).add(lo), buf.as_mut_ptr().add(off + lo), hi - lo) };
+        }
+        cx.advance(base + 3);
+        cx.wait_all(base + 3)?;
+        base += 3;
+        off += len;
+        if off >= buf.len() {
+            return Ok(());
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! The communicator: one group of ranks with its links, progress engine and sequence
+//! counter. Built from the environment (`Communicator::init`) or by splitting another.
+
+use crate::bootstrap::{Bootstrap, StoreClient, Topology};
+use crate::config::{Config, TransportChoice};
+use crate::engine::{Engine, EngineState, Job, Work};
+use crate::error::{config, Result};
+use crate::transport::shm::{ShmDomain, ShmLink};
+use crate::transport::{tcp, Link, Links};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A group of ranks that run collectives together.
+pub struct Communicator {
+    rank: usize,
+    size: usize,
+    /// Host index of every rank of this communicator.
+    topology: Topology,
+    pub(crate) config: Config,
+    engine: Engine,
+    seq: AtomicU64,
+    splits: AtomicU64,
+    store: Option<Arc<StoreClient>>,
+    secret: String,
+    prefix: String,
+    /// Transport used to reach each peer ("self", "shm", "tcp").
+    link_kinds: Vec<&'static str>,
+    _bootstrap: Option<Arc<Bootstrap>>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Communicator({}, rank {}/{})", self.prefix, self.rank, self.size)
+    }
+}
+
+impl Communicator {
+    /// Joins the job described by the environment (see `bootstrap::env`), connecting to
+    /// every peer within `GRADWIRE_TIMEOUT_MS`.
+    pub fn init() -> Result<Self> {
+        crate::config::init_logging();
+        let cfg = Config::from_env()?;
+        let deadline = Instant::now() + cfg.timeout;
+        let boot = Arc::new(Bootstrap::from_env(deadline)?);
+        let (rank, size) = (boot.env.rank, boot.env.world);
+        let topo = boot.topology.clone();
+        let store = boot.store.clone();
+        let secret = boot.env.secret.clone();
+        Self::build(rank, size, topo, cfg, store, secret, "w".into(), deadline, Some(boot))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        rank: usize,
+        size: usize,
+        topology: Topology,
+        cfg: Config,
+        store: Option<Arc<StoreClient>>,
+        secret: String,
+        prefix: String,
+        deadline: Instant,
+        boot: Option<Arc<Bootstrap>>,
+    ) -> Result<Self> {
+        let local = topology.local_ranks(rank);
+        if cfg.transport == TransportChoice::Shm && !topology.single_host() {
+            let other = (0..size).find(|&r| !topology.same_host(rank, r)).unwrap_or(0);
+            return Err(config(format!("GRADWIRE_TRANSPORT=shm, but rank {rank} and rank {other} are on different hosts (use auto or tcp)")));
+        }
+        let use_shm = cfg.transport != TransportChoice::Tcp;
+        let shm_peers: Vec<usize> = if use_shm { local.iter().copied().filter(|&p| p != rank).collect() } else { vec![] };
+        let tcp_peers: Vec<usize> = (0..size).filter(|&p| p != rank && !shm_peers.contains(&p)).collect();
+        let abort = Arc::new(AtomicBool::new(false));
+        let (mut links, shm): (Vec<Option<Box<dyn Link>>>, Option<Arc<ShmDomain>>) = match &store {
+            None => ((0..size).map(|_| None).collect(), None),
+            Some(store) => {
+                let shm = if shm_peers.is_empty() {
+                    None
+                } else {
+                    Some(ShmDomain::create(&prefix, rank, size, &local, cfg.shm_ring_bytes, cfg.shm_stage_bytes, store, deadline)?)
+                };
+                (tcp::connect_all(&prefix, rank, size, &tcp_peers, store, &secret, deadline)?, shm)
+            }
+        };
+        if let Some(dom) = &shm {
+            for &p in &shm_peers {
+                links[p] = Some(Box::new(ShmLink::new(dom.clone(), p)));
+            }
+        }
+        let link_kinds = (0..size).map(|p| if p == rank { "self" } else { links[p].as_ref().map(|l| l.kind()).unwrap_or("none") }).collect();
+        let shm_all = shm.is_some() && shm_peers.len() + 1 == size;
+        let links = Links::new(rank, links, abort.clone(), cfg.spin);
+        let state = EngineState::new(rank, size, links, shm, shm_all, cfg.spin, abort);
+        let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
+        Ok(Communicator {
+            rank,
+            size,
+            topology,
+            config: cfg,
+            engine,
+            seq: AtomicU64::new(0),
+            splits: AtomicU64::new(0),
+            store,
+            secret,
+            prefix,
+            link_kinds,
+            _bootstrap: boot,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Which ranks of this communicator share a host.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// The transport used to reach each rank ("self", "shm" or "tcp").
+    pub fn link_kinds(&self) -> &[&'static str] {
+        &self.link_kinds
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Fails the running operation and every later one on every rank that talks to us;
+    /// wakes all waiters with an error.
+    pub fn abort(&self) {
+        self.engine.abort.store(true, Ordering::Release);
+    }
+
+    /// Next sequence number (part of every message header, so out-of-order calls are caught).
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn submit(&self, what: String, job: Job) -> Work {
+        self.engine.submit(what, job)
+    }
+
+    /// Splits into sub-communicators by `color` (ranks with equal colour form one group,
+    /// ordered by `key`, then by rank). A negative colour joins no group (`None`). Every
+    /// rank must call it, in the same order relative to other collectives.
+    pub fn split(&self, color: i32, key: i32) -> Result<Option<Communicator>> {
+        let n = self.splits.fetch_add(1, Ordering::Relaxed);
+        let mine = [color as f64, key as f64];
+        let mut all = vec![0f64; 2 * self.size];
+        self.allgather(&mine, &mut all)?;
+        if color < 0 {
+            return Ok(None);
+        }
+        let mut members: Vec<(i32, usize)> = (0..self.size).filter(|&r| all[2 * r] as i32 == color).map(|r| (all[2 * r + 1] as i32, r)).collect();
+        members.sort();
+        let ranks: Vec<usize> = members.iter().map(|m| m.1).collect();
+        let new_rank = ranks.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let topo = Topology { host_of: ranks.iter().map(|&r| self.topology.host_of[r]).collect() };
+        let prefix = format!("{}/s{n}c{color}", self.prefix);
+        let deadline = Instant::now() + self.config.timeout;
+        let store = if ranks.len() > 1 { self.store.clone() } else { None };
+        Self::build(new_rank, ranks.len(), topo, self.config.clone(), store, self.secret.clone(), prefix, deadline, self._bootstrap.clone()).map(Some)
+    }
+
+    /// The ranks of this rank's host, as a communicator (the intra-node group).
+    pub fn split_node_local(&self) -> Result<Communicator> {
+        let host = self.topology.host_of[self.rank] as i32;
+        self.split(host, self.rank as i32)?.ok_or_else(|| config("node-local split produced no group"))
+    }
+
+    /// One rank per host with the same local index (the cross-node group of that index).
+    pub fn split_cross_node(&self) -> Result<Communicator> {
+        let local_index = self.topology.local_ranks(self.rank).iter().position(|&r| r == self.rank).unwrap_or(0) as i32;
+        self.split(local_index, self.rank as i32)?.ok_or_else(|| config("cross-node split produced no group"))
+    }
+}

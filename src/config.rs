@@ -1,0 +1,163 @@
+//! Every tunable in one place: its environment variable, its default, and its parser.
+//! The README's settings table is generated from [`SETTINGS`] by `gradwire info --settings`.
+
+use crate::error::{config, Result};
+use std::time::Duration;
+
+/// One documented setting.
+pub struct Setting {
+    pub env: &'static str,
+    pub default: &'static str,
+    pub help: &'static str,
+}
+
+/// All `GRADWIRE_*` settings (rank discovery variables are in `bootstrap`).
+pub const SETTINGS: &[Setting] = &[
+    Setting { env: "GRADWIRE_TIMEOUT_MS", default: "60000", help: "Deadline of every wait (collective, connect, store lookup), in ms." },
+    Setting { env: "GRADWIRE_TRANSPORT", default: "auto", help: "auto (shm inside a host, tcp between hosts), shm (error if ranks span hosts) or tcp." },
+    Setting { env: "GRADWIRE_ALGO", default: "auto", help: "Allreduce algorithm: auto, ring, rd (recursive doubling) or shm (one-host shared-buffer reduction)." },
+    Setting { env: "GRADWIRE_SMALL_BYTES", default: "65536", help: "Below this many bytes `auto` uses recursive doubling instead of the ring." },
+    Setting { env: "GRADWIRE_SHM_RING_BYTES", default: "4194304", help: "Capacity of each shared-memory point-to-point ring." },
+    Setting { env: "GRADWIRE_SHM_STAGE_BYTES", default: "16777216", help: "Per-rank shared staging area of the one-host allreduce; larger buffers go through it in segments." },
+    Setting { env: "GRADWIRE_SPIN_US", default: "50", help: "How long a waiting rank spins before it yields and then sleeps (keep small when ranks outnumber cores)." },
+    Setting { env: "GRADWIRE_HUGEPAGES", default: "0", help: "1: back regions with huge pages when the host has them (falls back with a logged reason)." },
+    Setting { env: "GRADWIRE_HOST_ID", default: "hostname + network namespace", help: "Override of the host identity that decides which ranks share memory." },
+    Setting { env: "GRADWIRE_JOB_SECRET", default: "(set by gradwire launch)", help: "Shared secret every rank must prove to the rendezvous store and to peers." },
+    Setting { env: "GRADWIRE_LOG", default: "warn", help: "Log filter (error, warn, info, debug, trace)." },
+];
+
+fn raw(env: &str) -> Option<String> {
+    std::env::var(env).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// Parses an unsigned integer setting, with a clear error naming the variable.
+pub fn env_u64(env: &str, default: u64) -> Result<u64> {
+    match raw(env) {
+        None => Ok(default),
+        Some(v) => parse_size(&v).map_err(|e| config(format!("{env}={v:?}: {e}"))),
+    }
+}
+
+/// Parses a boolean setting (0/1/true/false/yes/no).
+pub fn env_bool(env: &str, default: bool) -> Result<bool> {
+    match raw(env).map(|v| v.to_ascii_lowercase()) {
+        None => Ok(default),
+        Some(v) if ["1", "true", "yes", "on"].contains(&v.as_str()) => Ok(true),
+        Some(v) if ["0", "false", "no", "off"].contains(&v.as_str()) => Ok(false),
+        Some(v) => Err(config(format!("{env}={v:?}: expected 0 or 1"))),
+    }
+}
+
+/// Reads a string setting.
+pub fn env_str(env: &str) -> Option<String> {
+    raw(env)
+}
+
+/// Parses `123`, `4K`, `16M`, `1G` (binary multiples) into a number.
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let s = s.trim();
+    let (digits, mult) = match s.chars().last() {
+        Some('k' | 'K') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('m' | 'M') => (&s[..s.len() - 1], 1 << 20),
+        Some('g' | 'G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    let n: u64 = digits.parse().map_err(|_| format!("not a number: {s:?}"))?;
+    n.checked_mul(mult).ok_or_else(|| format!("too large: {s:?}"))
+}
+
+/// Which point-to-point transport to use between ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportChoice {
+    Auto,
+    Shm,
+    Tcp,
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "shm" => Ok(Self::Shm),
+            "tcp" => Ok(Self::Tcp),
+            other => Err(format!("unknown transport {other:?} (expected auto, shm or tcp)")),
+        }
+    }
+}
+
+/// Allreduce algorithm selection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algo {
+    Auto,
+    Ring,
+    RecursiveDoubling,
+    SharedMemory,
+}
+
+impl std::str::FromStr for Algo {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "ring" => Ok(Self::Ring),
+            "rd" => Ok(Self::RecursiveDoubling),
+            "shm" => Ok(Self::SharedMemory),
+            other => Err(format!("unknown algorithm {other:?} (expected auto, ring, rd or shm)")),
+        }
+    }
+}
+
+fn env_parse<T: std::str::FromStr<Err = String>>(env: &str, default: T) -> Result<T> {
+    match raw(env) {
+        None => Ok(default),
+        Some(v) => v.parse().map_err(|e| config(format!("{env}: {e}"))),
+    }
+}
+
+/// The settings a communicator runs with, read once from the environment.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub timeout: Duration,
+    pub transport: TransportChoice,
+    pub algo: Algo,
+    pub small_bytes: usize,
+    pub shm_ring_bytes: usize,
+    pub shm_stage_bytes: usize,
+    pub spin: Duration,
+    pub hugepages: bool,
+}
+
+impl Config {
+    /// Reads every `GRADWIRE_*` tunable; a malformed value is an error naming the variable.
+    pub fn from_env() -> Result<Self> {
+        let timeout_ms = env_u64("GRADWIRE_TIMEOUT_MS", 60_000)?;
+        if timeout_ms == 0 {
+            return Err(config("GRADWIRE_TIMEOUT_MS must be > 0"));
+        }
+        let ring = env_u64("GRADWIRE_SHM_RING_BYTES", 4 << 20)? as usize;
+        if !(4096..=(1 << 30)).contains(&ring) || !ring.is_power_of_two() {
+            return Err(config(format!("GRADWIRE_SHM_RING_BYTES={ring}: must be a power of two between 4K and 1G")));
+        }
+        let stage = env_u64("GRADWIRE_SHM_STAGE_BYTES", 16 << 20)? as usize;
+        if !(4096..=(1 << 32)).contains(&stage) {
+            return Err(config(format!("GRADWIRE_SHM_STAGE_BYTES={stage}: must be between 4K and 4G")));
+        }
+        Ok(Config {
+            timeout: Duration::from_millis(timeout_ms),
+            transport: env_parse("GRADWIRE_TRANSPORT", TransportChoice::Auto)?,
+            algo: env_parse("GRADWIRE_ALGO", Algo::Auto)?,
+            small_bytes: env_u64("GRADWIRE_SMALL_BYTES", 64 << 10)? as usize,
+            shm_ring_bytes: ring,
+            shm_stage_bytes: stage,
+            spin: Duration::from_micros(env_u64("GRADWIRE_SPIN_US", 50)?),
+            hugepages: env_bool("GRADWIRE_HUGEPAGES", false)?,
+        })
+    }
+}
+
+/// Initialises logging from `GRADWIRE_LOG` once (later calls do nothing).
+pub fn init_logging() {
+    let filter = raw("GRADWIRE_LOG").unwrap_or_else(|| "warn".into());
+    let _ = env_logger::Builder::new().parse_filters(&filter).format_target(false).try_init();
+}

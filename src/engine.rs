@@ -1,0 +1,178 @@
+//! Engine layer: one progress thread per communicator runs submitted operations in order,
+//! each under its own deadline; `Work` handles wait for them; abort fails the running
+//! operation and everything queued behind it, and wakes every waiter.
+
+use crate::error::{Error, Result};
+use crate::transport::shm::ShmDomain;
+use crate::transport::Links;
+use crossbeam_channel::{Receiver, Sender};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// What a running operation may use: the links, the one-host shared segments, its deadline.
+pub struct EngineState {
+    pub rank: usize,
+    pub world: usize,
+    pub links: Links,
+    pub shm: Option<Arc<ShmDomain>>,
+    /// True when `shm` covers every rank of the communicator.
+    pub shm_all: bool,
+    pub spin: Duration,
+    pub abort: Arc<AtomicBool>,
+    failed: Option<String>,
+}
+
+/// An operation for the progress thread. Receives the state and its deadline.
+pub type Job = Box<dyn FnOnce(&mut EngineState, Instant) -> Result<()> + Send>;
+
+#[derive(Default)]
+struct Status {
+    result: Option<Result<()>>,
+    started: Option<Instant>,
+}
+
+struct WorkShared {
+    status: Mutex<Status>,
+    cv: Condvar,
+}
+
+impl WorkShared {
+    fn finish(&self, r: Result<()>) {
+        let mut st = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        st.result = Some(r);
+        self.cv.notify_all();
+    }
+}
+
+/// Handle of a submitted operation.
+pub struct Work {
+    shared: Arc<WorkShared>,
+    abort: Arc<AtomicBool>,
+    timeout: Duration,
+    what: String,
+}
+
+impl Work {
+    /// Whether the operation has finished (successfully or not).
+    pub fn test(&self) -> bool {
+        self.shared.status.lock().unwrap_or_else(|p| p.into_inner()).result.is_some()
+    }
+
+    /// Waits up to `timeout`. `Ok(true)`: done; `Ok(false)`: still running (the handle stays
+    /// valid); `Err`: the operation failed.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.shared.status.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = st.result.take() {
+                // Keep "done" observable for test() after the result is taken.
+                st.result = Some(Ok(()));
+                return r.map(|_| true);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            st = self.shared.cv.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Waits for completion. Operations enforce their own deadline; as a backstop, one that
+    /// overruns it by 5 s gets the communicator aborted, which ends it promptly. Returns
+    /// only once the engine no longer touches the operation's buffers.
+    pub fn wait(mut self) -> Result<()> {
+        loop {
+            if self.wait_timeout(Duration::from_millis(200))? {
+                return Ok(());
+            }
+            let started = self.shared.status.lock().unwrap_or_else(|p| p.into_inner()).started;
+            if let Some(t) = started {
+                if t.elapsed() > self.timeout + Duration::from_secs(5) && !self.abort.load(Ordering::Acquire) {
+                    log::error!("{} overran its deadline; aborting the communicator", self.what);
+                    self.abort.store(true, Ordering::Release);
+                }
+            }
+        }
+    }
+}
+
+/// The progress thread and its queue.
+pub struct Engine {
+    tx: Option<Sender<(Job, Arc<WorkShared>)>>,
+    thread: Option<JoinHandle<()>>,
+    pub abort: Arc<AtomicBool>,
+    timeout: Duration,
+}
+
+impl Engine {
+    pub fn start(mut state: EngineState, timeout: Duration, name: String) -> Result<Self> {
+        let (tx, rx): (Sender<(Job, Arc<WorkShared>)>, Receiver<_>) = crossbeam_channel::unbounded();
+        let abort = state.abort.clone();
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                for (job, shared) in rx.iter() {
+                    shared.status.lock().unwrap_or_else(|p| p.into_inner()).started = Some(Instant::now());
+                    let r = state.run(job, timeout);
+                    shared.finish(r);
+                }
+            })
+            .map_err(|e| Error::io("spawn progress thread", e))?;
+        Ok(Engine { tx: Some(tx), thread: Some(thread), abort, timeout })
+    }
+
+    /// Queues `job`; `what` names it for messages.
+    pub fn submit(&self, what: String, job: Job) -> Work {
+        let shared = Arc::new(WorkShared { status: Mutex::new(Status::default()), cv: Condvar::new() });
+        let work = Work { shared: shared.clone(), abort: self.abort.clone(), timeout: self.timeout, what };
+        match &self.tx {
+            Some(tx) if tx.send((job, shared.clone())).is_ok() => {}
+            _ => shared.finish(Err(Error::Aborted { rank: 0, peer: 0, reason: "communicator is shut down".into() })),
+        }
+        work
+    }
+}
+
+impl EngineState {
+    pub fn new(rank: usize, world: usize, links: Links, shm: Option<Arc<ShmDomain>>, shm_all: bool, spin: Duration, abort: Arc<AtomicBool>) -> Self {
+        EngineState { rank, world, links, shm, shm_all, spin, abort, failed: None }
+    }
+
+    fn run(&mut self, job: Job, timeout: Duration) -> Result<()> {
+        if let Some(why) = &self.failed {
+            return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: format!("communicator unusable after an earlier error: {why}") });
+        }
+        if self.abort.load(Ordering::Acquire) {
+            self.fail("aborted by the application".into());
+            return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted by the application".into() });
+        }
+        let r = job(self, Instant::now() + timeout);
+        if let Err(e) = &r {
+            self.fail(e.to_string());
+        }
+        r
+    }
+
+    /// Marks the communicator failed and tells every peer why, so that they fail with our
+    /// reason instead of waiting for their deadline.
+    fn fail(&mut self, reason: String) {
+        log::debug!("rank {}: aborting communicator: {reason}", self.rank);
+        self.links.abort_all(&reason);
+        if let Some(shm) = &self.shm {
+            shm.set_aborted(&reason);
+        }
+        self.abort.store(true, Ordering::Release);
+        self.failed = Some(reason);
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! One error type for every layer: what failed, on which rank, against which peer, and why.
+
+use std::fmt;
+
+/// Result alias used across gradwire.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Every failure gradwire reports. Variants name the operation and the ranks involved so a
+/// user can tell which process to look at without reading logs.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A setting (environment variable, CLI flag, config) is missing, malformed or
+    /// contradicts another one.
+    #[error("configuration: {0}")]
+    Config(String),
+
+    /// A caller passed something unusable (wrong length, bad root, unknown enum value).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// A deadline passed while waiting for a peer.
+    #[error("rank {rank}: timed out after {waited_ms} ms in {op} waiting for rank {peer}")]
+    Timeout { rank: usize, peer: usize, op: String, waited_ms: u64 },
+
+    /// A peer went away (process died, connection closed) during an operation.
+    #[error("rank {rank}: lost rank {peer} during {op}: {cause}")]
+    PeerLost { rank: usize, peer: usize, op: String, cause: String },
+
+    /// Two ranks issued different collective calls at the same point in their sequence.
+    #[error("collective mismatch: rank {rank} called {mine} but rank {peer} called {theirs}")]
+    Mismatch { rank: usize, mine: String, peer: usize, theirs: String },
+
+    /// A peer aborted the communicator; `reason` is that peer's own error text.
+    #[error("rank {rank}: communicator aborted by rank {peer}: {reason}")]
+    Aborted { rank: usize, peer: usize, reason: String },
+
+    /// A peer failed the job-secret check or spoke a different protocol.
+    #[error("authentication: {0}")]
+    Auth(String),
+
+    /// A wire message that does not parse.
+    #[error("protocol: {0}")]
+    Protocol(String),
+
+    /// An operating-system call failed.
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The feature is not available in this build or on this host.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+impl Error {
+    /// Wraps an I/O error with a description of what was being attempted.
+    pub fn io(what: impl fmt::Display, source: std::io::Error) -> Self {
+        Error::Io { what: what.to_string(), source }
+    }
+
+    /// Stable numeric code for the C ABI (negative; 0 is success).
+    pub fn code(&self) -> i32 {
+        match self {
+            Error::Config(_) => -2,
+            Error::InvalidArgument(_) => -3,
+            Error::Timeout { .. } => -4,
+            Error::PeerLost { .. } => -5,
+            Error::Mismatch { .. } => -6,
+            Error::Aborted { .. } => -7,
+            Error::Auth(_) => -8,
+            Error::Protocol(_) => -9,
+            Error::Io { .. } => -10,
+            Error::Unsupported(_) => -11,
+        }
+    }
+}
+
+/// Shorthand for an `InvalidArgument` error.
+pub fn invalid(msg: impl Into<String>) -> Error {
+    Error::InvalidArgument(msg.into())
+}
+
+/// Shorthand for a `Config` error.
+pub fn config(msg: impl Into<String>) -> Error {
+    Error::Config(msg.into())
+}

@@ -1,0 +1,31 @@
+//! gradwire: a communication backend for distributed deep-learning training.
+//!
+//! Layers, bottom-up (each calls only the ones below it):
+//!
+//! | layer | module | owns |
+//! |---|---|---|
+//! | memory | [`mem`] | page-aligned regions (anonymous, huge pages, memfd-shared), `GradBuffer` slots |
+//! | bootstrap | [`bootstrap`] | rank identity from the environment, authenticated rendezvous store, topology |
+//! | transport | [`transport`] | point-to-point links (`shm`, `tcp`) and the framed, checked exchange on top |
+//! | engine | [`engine`] | progress thread per communicator, `Work` handles, deadlines, abort |
+//! | collectives | [`collective`], [`comm`] | the algorithms and the `Communicator` API |
+//! | CLI | `src/bin` | `gradwire launch`, `bench`, `info`, `check` |
+
+pub mod bootstrap;
+pub mod collective;
+pub mod comm;
+pub mod config;
+pub mod dtype;
+pub mod engine;
+pub mod error;
+pub mod mem;
+pub mod transport;
+
+pub use collective::{Pending, Request};
+pub use comm::Communicator;
+pub use config::{Algo, Config, TransportChoice};
+pub use dtype::{DType, Element, ReduceOp};
+pub use engine::Work;
+pub use error::{Error, Result};
+pub use mem::{GradBuffer, Region, RegionKind};
+pub use transport::frame::OpKind;

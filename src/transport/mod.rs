@@ -1,0 +1,400 @@
+//! Transport layer: point-to-point links between two ranks.
+//!
+//! Each transport (`shm`, `tcp`; `verbs` later) implements one small interface, [`Link`]:
+//! a non-blocking, ordered byte stream to one peer plus liveness. On top of it,
+//! [`Links::exchange`] runs a set of tagged two-sided sends and receives concurrently, with
+//! one deadline, reducing received data as it arrives when asked to, and checking every
+//! message's [`CallHeader`] against the local call.
+
+pub mod frame;
+pub mod shm;
+pub mod tcp;
+
+use crate::error::{Error, Result};
+use frame::{CallHeader, FrameHeader, FrameKind, HEADER_LEN};
+use std::io::IoSlice;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A non-blocking ordered byte stream to one peer.
+pub trait Link: Send {
+    /// Transport name for messages ("shm", "tcp").
+    fn kind(&self) -> &'static str;
+    /// Writes as much of `bufs` as fits now; `Ok(0)` means "try later".
+    fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize>;
+    /// Reads what is available now into `buf`; `Ok(0)` means "nothing yet". A closed
+    /// stream is an error.
+    fn try_read(&mut self, buf: &mut [u8]) -> std::io::Result<usize>;
+    /// A descriptor to `poll` for readiness, if the transport has one.
+    fn poll_fd(&self) -> Option<RawFd>;
+    /// Liveness check for transports without a connection to notice the peer dying.
+    /// Returns a description of why the peer is gone.
+    fn peer_gone(&self) -> Option<String> {
+        None
+    }
+    /// Best-effort: tell the peer why we abort (out of band where possible).
+    fn notify_abort(&mut self, _reason: &str) -> bool {
+        false
+    }
+    /// Stops the link; the peer's next read or write fails.
+    fn shutdown(&mut self);
+}
+
+/// Where a received payload goes.
+pub enum Sink<'a> {
+    /// Copy into this buffer (its length is the expected payload length).
+    Copy(&'a mut [u8]),
+    /// Combine into `dst` element by element with `reduce(dst_part, src_part)`; both parts
+    /// are whole elements of `elem` bytes.
+    Reduce { dst: &'a mut [u8], elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
+}
+
+impl Sink<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Sink::Copy(b) => b.len(),
+            Sink::Reduce { dst, .. } => dst.len(),
+        }
+    }
+}
+
+/// A send of one framed message.
+pub struct SendOp<'a> {
+    pub peer: usize,
+    pub step: u32,
+    pub data: &'a [u8],
+}
+
+/// A receive of one framed message.
+pub struct RecvOp<'a> {
+    pub peer: usize,
+    pub step: u32,
+    pub sink: Sink<'a>,
+}
+
+struct SendState {
+    header: [u8; HEADER_LEN],
+    done: usize,
+}
+
+struct RecvState {
+    header: [u8; HEADER_LEN],
+    header_done: usize,
+    payload_done: usize,
+    /// Bytes of a partial element carried between reads (reduce sinks).
+    carry: usize,
+}
+
+/// Bytes staged per reduce-on-receive read: small enough to stay in L2.
+const REDUCE_SCRATCH: usize = 256 << 10;
+
+/// All links of one rank in one communicator, indexed by peer rank.
+pub struct Links {
+    pub rank: usize,
+    pub links: Vec<Option<Box<dyn Link>>>,
+    /// Set from any thread to make every pending exchange fail promptly.
+    pub abort_flag: Arc<AtomicBool>,
+    pub spin: Duration,
+    scratch: Vec<u64>,
+    /// Streams we left in the middle of a frame (no in-band abort frame possible).
+    mid_frame: Vec<bool>,
+}
+
+impl Links {
+    pub fn new(rank: usize, links: Vec<Option<Box<dyn Link>>>, abort_flag: Arc<AtomicBool>, spin: Duration) -> Self {
+        let n = links.len();
+        Links { rank, links, abort_flag, spin, scratch: vec![0u64; REDUCE_SCRATCH / 8], mid_frame: vec![false; n] }
+    }
+
+    pub fn world(&self) -> usize {
+        self.links.len()
+    }
+
+    fn link(&mut self, peer: usize) -> Result<&mut Box<dyn Link>> {
+        let rank = self.rank;
+        self.links.get_mut(peer).and_then(|l| l.as_mut()).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} has no link to rank {peer}")))
+    }
+
+    /// Runs all `sends` and `recvs` of one algorithm step concurrently until every one is
+    /// complete, the deadline passes, a peer fails, or the communicator is aborted.
+    /// Messages to or from the same peer complete in list order.
+    pub fn exchange(&mut self, call: &CallHeader, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>], deadline: Instant) -> Result<()> {
+        let mut sstate: Vec<SendState> = sends
+            .iter()
+            .map(|s| SendState { header: FrameHeader { kind: FrameKind::Data, call: *call, step: s.step, len: s.data.len() as u64 }.encode(), done: 0 })
+            .collect();
+        let mut rstate: Vec<RecvState> = recvs.iter().map(|_| RecvState { header: [0; HEADER_LEN], header_done: 0, payload_done: 0, carry: 0 }).collect();
+        let start = Instant::now();
+        let mut idle_since: Option<Instant> = None;
+        let mut last_liveness = start;
+        loop {
+            let mut progressed = false;
+            let mut pending_send = vec![false; self.world()];
+            let mut pending_recv = vec![false; self.world()];
+            for (op, st) in sends.iter().zip(sstate.iter_mut()) {
+                let total = HEADER_LEN + op.data.len();
+                if st.done == total || pending_send[op.peer] {
+                    continue;
+                }
+                let n = self.progress_send(op, st, call)?;
+                progressed |= n > 0;
+                if st.done < total {
+                    pending_send[op.peer] = true;
+                }
+            }
+            for (op, st) in recvs.iter_mut().zip(rstate.iter_mut()) {
+                if (st.header_done == HEADER_LEN && st.payload_done == op.sink.len()) || pending_recv[op.peer] {
+                    continue;
+                }
+                let n = self.progress_recv(op, st, call)?;
+                progressed |= n > 0;
+                if !(st.header_done == HEADER_LEN && st.payload_done == op.sink.len()) {
+                    pending_recv[op.peer] = true;
+                }
+            }
+            let any_pending = pending_send.iter().chain(pending_recv.iter()).any(|&p| p);
+            if !any_pending {
+                return Ok(());
+            }
+            if progressed {
+                idle_since = None;
+                continue;
+            }
+            if self.abort_flag.load(Ordering::Acquire) {
+                return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted locally".into() });
+            }
+            let now = Instant::now();
+            let waiting_on = (0..self.world()).find(|&p| pending_recv[p]).or_else(|| (0..self.world()).find(|&p| pending_send[p])).unwrap_or(self.rank);
+            if now >= deadline {
+                let dir = if pending_recv[waiting_on] { "data from" } else { "room to send to" };
+                return Err(Error::Timeout {
+                    rank: self.rank,
+                    peer: waiting_on,
+                    op: format!("{call} ({dir} rank {waiting_on})"),
+                    waited_ms: now.duration_since(start).as_millis() as u64,
+                });
+            }
+            if now.duration_since(last_liveness) > Duration::from_millis(20) {
+                last_liveness = now;
+                for p in 0..self.world() {
+                    if pending_send[p] || pending_recv[p] {
+                        if let Some(why) = self.link(p)?.peer_gone() {
+                            return Err(Error::PeerLost { rank: self.rank, peer: p, op: call.to_string(), cause: why });
+                        }
+                    }
+                }
+            }
+            let idle = *idle_since.get_or_insert(now);
+            self.wait_ready(&pending_send, &pending_recv, now.duration_since(idle), deadline)?;
+        }
+    }
+
+    fn progress_send(&mut self, op: &SendOp<'_>, st: &mut SendState, call: &CallHeader) -> Result<usize> {
+        let rank = self.rank;
+        let peer = op.peer;
+        let link = self.link(peer)?;
+        let mut total = 0;
+        loop {
+            let done = st.done;
+            let bufs: Vec<IoSlice<'_>> = if done < HEADER_LEN {
+                vec![IoSlice::new(&st.header[done..]), IoSlice::new(op.data)]
+            } else if done < HEADER_LEN + op.data.len() {
+                vec![IoSlice::new(&op.data[done - HEADER_LEN..])]
+            } else {
+                break;
+            };
+            let n = link.try_write(&bufs).map_err(|e| lost(rank, peer, call, "send", e))?;
+            if n == 0 {
+                break;
+            }
+            st.done += n;
+            total += n;
+        }
+        self.mid_frame[peer] = st.done > 0 && st.done < HEADER_LEN + op.data.len();
+        Ok(total)
+    }
+
+    fn progress_recv(&mut self, op: &mut RecvOp<'_>, st: &mut RecvState, call: &CallHeader) -> Result<usize> {
+        let rank = self.rank;
+        let peer = op.peer;
+        let mut total = 0;
+        while st.header_done < HEADER_LEN {
+            let n = self.link(peer)?.try_read(&mut st.header[st.header_done..]).map_err(|e| lost(rank, peer, call, "receive", e))?;
+            if n == 0 {
+                return Ok(total);
+            }
+            st.header_done += n;
+            total += n;
+            if st.header_done == HEADER_LEN {
+                self.check_header(op, &st.header, call)?;
+            }
+        }
+        let expected = op.sink.len();
+        while st.payload_done < expected {
+            let n = match &mut op.sink {
+                Sink::Copy(buf) => {
+                    let n = self.link(peer)?.try_read(&mut buf[st.payload_done..]).map_err(|e| lost(rank, peer, call, "receive", e))?;
+                    st.payload_done += n;
+                    n
+                }
+                Sink::Reduce { dst, elem, reduce } => {
+                    let elem = *elem;
+                    let mut scratch = std::mem::take(&mut self.scratch);
+                    // SAFETY: a u64 vector reinterpreted as bytes; u8 has no alignment needs.
+                    let bytes = unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u8, scratch.len() * 8) };
+                    let want = (expected - st.payload_done).min(bytes.len() - st.carry);
+                    let r = self.link(peer)?.try_read(&mut bytes[st.carry..st.carry + want]);
+                    let n = match r {
+                        Ok(n) => n,
+                        Err(e) => {
+                            self.scratch = scratch;
+                            return Err(lost(rank, peer, call, "receive", e));
+                        }
+                    };
+                    let have = st.carry + n;
+                    let whole = have / elem * elem;
+                    if whole > 0 {
+                        let at = st.payload_done - st.carry;
+                        reduce(&mut dst[at..at + whole], &bytes[..whole]);
+                        bytes.copy_within(whole..have, 0);
+                    }
+                    st.carry = have - whole;
+                    st.payload_done += n;
+                    self.scratch = scratch;
+                    n
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            total += n;
+        }
+        Ok(total)
+    }
+
+    fn check_header(&mut self, op: &RecvOp<'_>, raw: &[u8; HEADER_LEN], call: &CallHeader) -> Result<()> {
+        let h = FrameHeader::decode(raw).map_err(|e| Error::Protocol(format!("rank {}: message from rank {}: {e}", self.rank, op.peer)))?;
+        if h.kind == FrameKind::Abort {
+            let mut reason = vec![0u8; (h.len as usize).min(4096)];
+            let deadline = Instant::now() + Duration::from_millis(500);
+            let mut got = 0;
+            while got < reason.len() && Instant::now() < deadline {
+                match self.link(op.peer)?.try_read(&mut reason[got..]) {
+                    Ok(0) => std::thread::yield_now(),
+                    Ok(n) => got += n,
+                    Err(_) => break,
+                }
+            }
+            return Err(Error::Aborted { rank: self.rank, peer: op.peer, reason: String::from_utf8_lossy(&reason[..got]).into_owned() });
+        }
+        if h.call != *call {
+            return Err(Error::Mismatch { rank: self.rank, mine: call.to_string(), peer: op.peer, theirs: h.call.to_string() });
+        }
+        if h.step != op.step || h.len != op.sink.len() as u64 {
+            return Err(Error::Protocol(format!(
+                "rank {}: {call}: rank {} sent step {} with {} bytes, expected step {} with {} bytes",
+                self.rank,
+                op.peer,
+                h.step,
+                h.len,
+                op.step,
+                op.sink.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Waits for readiness: poll on socket links, spin-then-yield-then-sleep on shm links.
+    fn wait_ready(&mut self, send: &[bool], recv: &[bool], idle: Duration, deadline: Instant) -> Result<()> {
+        let mut fds = Vec::new();
+        let mut any_fdless = false;
+        for p in 0..self.world() {
+            if !(send[p] || recv[p]) {
+                continue;
+            }
+            match self.link(p)?.poll_fd() {
+                Some(fd) => {
+                    let mut events = 0;
+                    if send[p] {
+                        events |= libc::POLLOUT;
+                    }
+                    if recv[p] {
+                        events |= libc::POLLIN;
+                    }
+                    fds.push(libc::pollfd { fd, events, revents: 0 });
+                }
+                None => any_fdless = true,
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let timeout_ms: i32 = if any_fdless {
+            if idle < self.spin {
+                std::hint::spin_loop();
+                if !fds.is_empty() {
+                    poll(&mut fds, 0);
+                }
+                return Ok(());
+            }
+            if idle < self.spin * 4 + Duration::from_micros(200) {
+                std::thread::yield_now();
+                if !fds.is_empty() {
+                    poll(&mut fds, 0);
+                }
+                return Ok(());
+            }
+            // Long idle on shared memory: back off to short sleeps so waiting ranks leave the
+            // cores to ranks with work (ranks may outnumber cores).
+            if fds.is_empty() {
+                std::thread::sleep(Duration::from_micros(50).min(left));
+                return Ok(());
+            }
+            0
+        } else {
+            // Cap the poll so a local abort is noticed promptly.
+            left.as_millis().min(50) as i32
+        };
+        poll(&mut fds, timeout_ms.max(if any_fdless { 0 } else { 1 }));
+        Ok(())
+    }
+
+    /// Tells every peer we abort (where the stream allows an in-band frame or the transport
+    /// has an out-of-band channel), then shuts every link down.
+    pub fn abort_all(&mut self, reason: &str) {
+        for p in 0..self.world() {
+            let mid = self.mid_frame[p];
+            if let Some(link) = self.links[p].as_mut() {
+                if !link.notify_abort(reason) && !mid {
+                    let msg = reason.as_bytes();
+                    let call = CallHeader {
+                        op: frame::OpKind::Barrier,
+                        dtype: crate::dtype::DType::F32,
+                        redop: crate::dtype::ReduceOp::Sum,
+                        root: 0,
+                        count: 0,
+                        seq: u64::MAX,
+                    };
+                    let h = FrameHeader { kind: FrameKind::Abort, call, step: 0, len: msg.len() as u64 }.encode();
+                    let _ = link.try_write(&[IoSlice::new(&h), IoSlice::new(msg)]);
+                }
+                link.shutdown();
+            }
+        }
+    }
+}
+
+fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) {
+    // SAFETY: fds is a valid, exclusively borrowed array of pollfd for the call.
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+}
+
+fn lost(rank: usize, peer: usize, call: &CallHeader, dir: &str, e: std::io::Error) -> Error {
+    let cause = match e.kind() {
+        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe => {
+            format!("connection closed during {dir} (process exited or was killed?)")
+        }
+        _ => format!("{dir} failed: {e}"),
+    };
+    Error::PeerLost { rank, peer, op: call.to_string(), cause }
+}

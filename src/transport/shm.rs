@@ -1,0 +1,280 @@
+//! Shared-memory transport for ranks on one host.
+//!
+//! Every rank owns one memfd segment: a control page (pid, abort flag and reason, the
+//! one-host allreduce's phase counter and call header), one single-producer/single-consumer
+//! byte ring per peer for messages *into* this rank, and a staging area that peers read
+//! directly during the one-host allreduce. Peers map each other's segments through
+//! `/proc/<pid>/fd/<fd>`, so nothing is left behind in /dev/shm when processes die.
+
+use super::Link;
+use crate::bootstrap::StoreClient;
+use crate::error::{Error, Result};
+use crate::mem::{page_size, Region};
+use std::io::IoSlice;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+const CONTROL: usize = 4096;
+const PID_AT: usize = 0;
+const ABORT_AT: usize = 64;
+const REASON_LEN_AT: usize = 68;
+const REASON_AT: usize = 72;
+const REASON_MAX: usize = 1024;
+const PHASE_AT: usize = 1152;
+const CALL_AT: usize = 1216;
+const RING_HEAD: usize = 0;
+const RING_TAIL: usize = 64;
+const RING_DATA: usize = 128;
+
+/// Segment layout shared by all ranks of a communicator (same settings everywhere).
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    world: usize,
+    ring: usize,
+    stage: usize,
+}
+
+impl Layout {
+    fn ring_at(&self, from: usize) -> usize {
+        CONTROL + from * (RING_DATA + self.ring)
+    }
+    fn stage_at(&self) -> usize {
+        (CONTROL + self.world * (RING_DATA + self.ring)).next_multiple_of(page_size())
+    }
+    fn len(&self) -> usize {
+        self.stage_at() + self.stage
+    }
+}
+
+/// The segments of all ranks on this host that belong to one communicator.
+pub struct ShmDomain {
+    pub rank: usize,
+    layout: Layout,
+    segs: Vec<Option<Region>>,
+    pids: Vec<u32>,
+    /// Local ranks (including this one), ascending.
+    pub members: Vec<usize>,
+}
+
+// SAFETY: the regions are plain shared memory; all concurrent access goes through atomics
+// or through ranges whose ownership the protocol hands over with acquire/release.
+unsafe impl Sync for ShmDomain {}
+unsafe impl Send for ShmDomain {}
+
+fn atomic_u64(base: *mut u8, at: usize) -> &'static AtomicU64 {
+    // SAFETY: `at` is 8-aligned inside a live mapping that outlives every use (the domain
+    // is held by an Arc for as long as links or collectives use it).
+    unsafe { &*(base.add(at) as *const AtomicU64) }
+}
+
+fn atomic_u32(base: *mut u8, at: usize) -> &'static AtomicU32 {
+    // SAFETY: as for atomic_u64.
+    unsafe { &*(base.add(at) as *const AtomicU32) }
+}
+
+impl ShmDomain {
+    /// Creates this rank's segment, publishes it, and maps every other local member's.
+    pub fn create(prefix: &str, rank: usize, world: usize, members: &[usize], ring: usize, stage: usize, store: &StoreClient, deadline: Instant) -> Result<Arc<Self>> {
+        let layout = Layout { world, ring, stage };
+        let own = Region::shared(&format!("gradwire-{rank}"), layout.len())?;
+        let pid = std::process::id();
+        atomic_u32(own.as_ptr(), PID_AT).store(pid, Ordering::Release);
+        let fd = own.shared_fd().ok_or_else(|| Error::Protocol("shared region without fd".into()))?;
+        store.set(&format!("{prefix}/shm/{rank}"), format!("{pid} {fd} {}", layout.len()).as_bytes())?;
+        let mut segs: Vec<Option<Region>> = (0..world).map(|_| None).collect();
+        let mut pids = vec![0u32; world];
+        for &p in members {
+            if p == rank {
+                continue;
+            }
+            let v = store.get(&format!("{prefix}/shm/{p}"), deadline)?.ok_or_else(|| Error::Timeout {
+                rank,
+                peer: p,
+                op: "shared-memory setup (peer never published its segment)".into(),
+                waited_ms: 0,
+            })?;
+            let text = String::from_utf8_lossy(&v).into_owned();
+            let f: Vec<u64> = text.split(' ').filter_map(|x| x.parse().ok()).collect();
+            let [ppid, pfd, plen] = f[..] else {
+                return Err(Error::Protocol(format!("rank {p} published a malformed segment handle {text:?}")));
+            };
+            if plen as usize != layout.len() {
+                return Err(Error::Config(format!(
+                    "rank {p} uses a shared segment of {plen} bytes, this rank {}: GRADWIRE_SHM_* settings differ between ranks",
+                    layout.len()
+                )));
+            }
+            segs[p] = Some(Region::open_shared(ppid as u32, pfd as i32, plen as usize)?);
+            pids[p] = ppid as u32;
+        }
+        pids[rank] = pid;
+        segs[rank] = Some(own);
+        Ok(Arc::new(ShmDomain { rank, layout, segs, pids, members: members.to_vec() }))
+    }
+
+    fn base(&self, r: usize) -> *mut u8 {
+        self.segs[r].as_ref().map(|s| s.as_ptr()).unwrap_or(std::ptr::null_mut())
+    }
+
+    /// Staging area of local rank `r` (peers read it directly in the one-host allreduce).
+    pub fn stage(&self, r: usize) -> *mut u8 {
+        // SAFETY: stage_at + stage lies within the segment.
+        unsafe { self.base(r).add(self.layout.stage_at()) }
+    }
+
+    pub fn stage_len(&self) -> usize {
+        self.layout.stage
+    }
+
+    /// The one-host allreduce's phase counter of rank `r`.
+    pub fn phase(&self, r: usize) -> &AtomicU64 {
+        atomic_u64(self.base(r), PHASE_AT)
+    }
+
+    /// Publishes this rank's current call header (read by peers to detect mismatches).
+    pub fn set_call(&self, header: &[u8; super::frame::HEADER_LEN]) {
+        // SAFETY: CALL_AT..+HEADER_LEN lies in our own control page; peers read it only
+        // after observing a phase increment that we store with Release after this write.
+        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), self.base(self.rank).add(CALL_AT), header.len()) };
+    }
+
+    /// Reads rank `r`'s published call header.
+    pub fn call_of(&self, r: usize) -> [u8; super::frame::HEADER_LEN] {
+        let mut h = [0u8; super::frame::HEADER_LEN];
+        // SAFETY: reads our peer's control page; ordered after an Acquire load of its phase.
+        unsafe { std::ptr::copy_nonoverlapping(self.base(r).add(CALL_AT), h.as_mut_ptr(), h.len()) };
+        h
+    }
+
+    /// Why rank `r` is gone or aborted, if it is.
+    pub fn peer_gone(&self, r: usize) -> Option<String> {
+        let base = self.base(r);
+        if atomic_u32(base, ABORT_AT).load(Ordering::Acquire) != 0 {
+            let len = (atomic_u32(base, REASON_LEN_AT).load(Ordering::Relaxed) as usize).min(REASON_MAX);
+            // SAFETY: reason bytes were written before the Release store of the flag.
+            let bytes = unsafe { std::slice::from_raw_parts(base.add(REASON_AT), len) };
+            return Some(format!("it aborted: {}", String::from_utf8_lossy(bytes)));
+        }
+        process_gone(self.pids[r])
+    }
+
+    /// Marks this rank aborted with a reason every peer can read.
+    pub fn set_aborted(&self, reason: &str) {
+        let base = self.base(self.rank);
+        let flag = atomic_u32(base, ABORT_AT);
+        if flag.load(Ordering::Acquire) != 0 {
+            return;
+        }
+        let b = reason.as_bytes();
+        let n = b.len().min(REASON_MAX);
+        // SAFETY: our own control page; published by the Release store below.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), base.add(REASON_AT), n) };
+        atomic_u32(base, REASON_LEN_AT).store(n as u32, Ordering::Relaxed);
+        flag.store(1, Ordering::Release);
+    }
+}
+
+/// Whether a process has exited (gone from /proc or a zombie not yet reaped).
+pub fn process_gone(pid: u32) -> Option<String> {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => Some(format!("process {pid} exited")),
+        Ok(s) => {
+            let state = s.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()).unwrap_or("");
+            matches!(state, "Z" | "X").then(|| format!("process {pid} exited"))
+        }
+    }
+}
+
+/// A link to one local peer through two SPSC rings: ours for receiving, the peer's for sending.
+pub struct ShmLink {
+    domain: Arc<ShmDomain>,
+    peer: usize,
+    /// Ring (peer -> us) in our segment.
+    rx: *mut u8,
+    /// Ring (us -> peer) in the peer's segment.
+    tx: *mut u8,
+    cap: usize,
+}
+
+// SAFETY: the raw pointers point into mappings owned by `domain`, which the link keeps alive.
+unsafe impl Send for ShmLink {}
+
+impl ShmLink {
+    pub fn new(domain: Arc<ShmDomain>, peer: usize) -> Self {
+        let me = domain.rank;
+        let l = domain.layout;
+        // SAFETY: ring offsets lie within both segments (same layout everywhere).
+        let rx = unsafe { domain.base(me).add(l.ring_at(peer)) };
+        let tx = unsafe { domain.base(peer).add(l.ring_at(me)) };
+        ShmLink { cap: l.ring, domain, peer, rx, tx }
+    }
+}
+
+impl Link for ShmLink {
+    fn kind(&self) -> &'static str {
+        "shm"
+    }
+
+    fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        let head_a = atomic_u64(self.tx, RING_HEAD);
+        let head = head_a.load(Ordering::Relaxed);
+        let tail = atomic_u64(self.tx, RING_TAIL).load(Ordering::Acquire);
+        let mut free = self.cap - (head - tail) as usize;
+        let mut pos = head;
+        for b in bufs {
+            if free == 0 {
+                break;
+            }
+            let n = b.len().min(free);
+            let at = (pos as usize) & (self.cap - 1);
+            let first = n.min(self.cap - at);
+            // SAFETY: [at, at+first) and [0, n-first) lie inside the ring's data area, and
+            // the consumer does not read them until our Release store of head.
+            unsafe {
+                std::ptr::copy_nonoverlapping(b.as_ptr(), self.tx.add(RING_DATA + at), first);
+                std::ptr::copy_nonoverlapping(b.as_ptr().add(first), self.tx.add(RING_DATA), n - first);
+            }
+            pos += n as u64;
+            free -= n;
+        }
+        head_a.store(pos, Ordering::Release);
+        Ok((pos - head) as usize)
+    }
+
+    fn try_read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let tail_a = atomic_u64(self.rx, RING_TAIL);
+        let tail = tail_a.load(Ordering::Relaxed);
+        let head = atomic_u64(self.rx, RING_HEAD).load(Ordering::Acquire);
+        let n = ((head - tail) as usize).min(buf.len());
+        if n == 0 {
+            return Ok(0);
+        }
+        let at = (tail as usize) & (self.cap - 1);
+        let first = n.min(self.cap - at);
+        // SAFETY: the producer published these bytes with its Release store of head and will
+        // not overwrite them until our Release store of tail.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.rx.add(RING_DATA + at), buf.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.rx.add(RING_DATA), buf.as_mut_ptr().add(first), n - first);
+        }
+        tail_a.store(tail + n as u64, Ordering::Release);
+        Ok(n)
+    }
+
+    fn poll_fd(&self) -> Option<RawFd> {
+        None
+    }
+
+    fn peer_gone(&self) -> Option<String> {
+        self.domain.peer_gone(self.peer)
+    }
+
+    fn notify_abort(&mut self, reason: &str) -> bool {
+        self.domain.set_aborted(reason);
+        true
+    }
+
+    fn shutdown(&mut self) {}
+}
