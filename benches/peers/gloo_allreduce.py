@@ -20,9 +20,10 @@ Method, kept identical to mpi_allreduce.c / gradwire:
   * WARMUP untimed calls, barrier, ITERS timed calls; per-rank mean =
     elapsed / ITERS; time_us = max over ranks of the mean (all_reduce MAX).
   * algbw = size_bytes / time (GB/s, 1e9), busbw = algbw * 2 (W-1) / W.
-  * Data: per-rank pseudo-random integers in [-1000, 1000] (same hash as
-    mpi_allreduce.c), exact in float32 for any summation order; the expected
-    sum is recomputed independently on every rank; `wrong` = number of
+  * Data: per-rank pseudo-random integers in [-1000, 1000] (same hash of
+    rank and index mod 1000003 as mpi_allreduce.c), exact in float32 for any
+    summation order; the expected sum is recomputed independently on every
+    rank; `wrong` = number of
     differing elements, summed over ranks.
 """
 import argparse
@@ -39,18 +40,24 @@ def parse_size(s: str) -> int:
     return int(float(s))
 
 
-CHUNK = 1 << 22  # elements per chunk when filling / checking (bounds memory)
+PERIOD = 1000003  # prime; must match GW_PERIOD in mpi_allreduce.c
 
 
-def gw_values(torch, rank: int, start: int, stop: int):
-    """Elements start..stop-1 on rank r; must match gw_value() in mpi_allreduce.c."""
+def gw_table(torch, rank: int):
+    """Values of elements 0..PERIOD-1 on `rank`; element i has value
+    table[i % PERIOD].  Must match gw_value() in mpi_allreduce.c."""
     m32 = 0xFFFFFFFF
-    i = torch.arange(start, stop, dtype=torch.int64)
+    i = torch.arange(PERIOD, dtype=torch.int64)
     h = (i * 0x9E3779B1 + ((rank + 1) * 0x85EBCA77)) & m32
     h ^= h >> 15
     h = (h * 0x2C1B3C6D) & m32
     h ^= h >> 12
     return (h % 2001 - 1000).to(torch.float32)
+
+
+def periods(count: int):
+    for lo in range(0, count, PERIOD):
+        yield lo, min(count, lo + PERIOD)
 
 
 def main() -> int:
@@ -82,6 +89,10 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     maxcount = maxb // 4
+    mine = gw_table(torch, rank)          # this rank's data (one period)
+    expect = torch.zeros(PERIOD, dtype=torch.float32)
+    for r in range(world):                # reference sum, computed independently
+        expect += gw_table(torch, r)
     buf = torch.zeros(maxcount, dtype=torch.float32)  # touched: zeros() writes every page
 
     out = None
@@ -110,19 +121,14 @@ def main() -> int:
         dist.all_reduce(mean, op=dist.ReduceOp.MAX)
 
         # Correctness: fresh data, one untimed call, independent reference.
-        for lo in range(0, count, CHUNK):
-            hi = min(count, lo + CHUNK)
-            t[lo:hi].copy_(gw_values(torch, rank, lo, hi))
+        for lo, hi in periods(count):
+            t[lo:hi].copy_(mine[:hi - lo])
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         if args.selftest_corrupt and rank == 0:
             t[count // 2] += 1.0
         nwrong = 0
-        for lo in range(0, count, CHUNK):
-            hi = min(count, lo + CHUNK)
-            expect = torch.zeros(hi - lo, dtype=torch.float32)
-            for r in range(world):
-                expect += gw_values(torch, r, lo, hi)
-            nwrong += int((t[lo:hi] != expect).sum().item())
+        for lo, hi in periods(count):
+            nwrong += int((t[lo:hi] != expect[:hi - lo]).sum().item())
         wrong = torch.tensor([nwrong], dtype=torch.int64)
         dist.all_reduce(wrong, op=dist.ReduceOp.SUM)
 

@@ -83,6 +83,7 @@ impl Bootstrap {
     }
 
     pub fn new(env: RankEnv, deadline: Instant) -> Result<Self> {
+        let started = Instant::now();
         if env.world == 1 {
             return Ok(Bootstrap { env, store: None, topology: Topology { host_of: vec![0] }, _server: None });
         }
@@ -106,7 +107,7 @@ impl Bootstrap {
                 rank: env.rank,
                 peer: r,
                 op: "bootstrap (rank never joined the rendezvous store)".into(),
-                waited_ms: 0,
+                waited_ms: started.elapsed().as_millis() as u64,
             })?;
             ids.push(String::from_utf8_lossy(&v).into_owned());
         }

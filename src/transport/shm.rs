@@ -77,6 +77,7 @@ fn atomic_u32(base: *mut u8, at: usize) -> &'static AtomicU32 {
 impl ShmDomain {
     /// Creates this rank's segment, publishes it, and maps every other local member's.
     pub fn create(prefix: &str, rank: usize, world: usize, members: &[usize], ring: usize, stage: usize, store: &StoreClient, deadline: Instant) -> Result<Arc<Self>> {
+        let started = Instant::now();
         let layout = Layout { world, ring, stage };
         let own = Region::shared(&format!("gradwire-{rank}"), layout.len())?;
         let pid = std::process::id();
@@ -93,7 +94,7 @@ impl ShmDomain {
                 rank,
                 peer: p,
                 op: "shared-memory setup (peer never published its segment)".into(),
-                waited_ms: 0,
+                waited_ms: started.elapsed().as_millis() as u64,
             })?;
             let text = String::from_utf8_lossy(&v).into_owned();
             let f: Vec<u64> = text.split(' ').filter_map(|x| x.parse().ok()).collect();

@@ -68,6 +68,7 @@ fn set_buffers(s: &TcpStream) {
 /// need a TCP link). Lower ranks listen, higher ranks dial; every connection proves the job
 /// secret bound to `prefix`, so a stray or hostile connection is refused and logged.
 pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], store: &StoreClient, secret: &str, deadline: Instant) -> Result<Vec<Option<Box<dyn Link>>>> {
+        let started = Instant::now();
     let mut links: Vec<Option<Box<dyn Link>>> = (0..world).map(|_| None).collect();
     if peers.is_empty() {
         return Ok(links);
@@ -83,7 +84,7 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
             rank,
             peer: p,
             op: "tcp connect (peer never published its address)".into(),
-            waited_ms: 0,
+            waited_ms: started.elapsed().as_millis() as u64,
         })?;
         let peer_addr = String::from_utf8_lossy(&peer_addr).into_owned();
         let mut s = auth::dial(&peer_addr, secret, context.as_bytes(), deadline, &format!("rank {p}"))?;
@@ -117,7 +118,7 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    return Err(Error::Timeout { rank, peer: expected[0], op: "tcp connect (peer never dialled in)".into(), waited_ms: 0 });
+                    return Err(Error::Timeout { rank, peer: expected[0], op: "tcp connect (peer never dialled in)".into(), waited_ms: started.elapsed().as_millis() as u64 });
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }

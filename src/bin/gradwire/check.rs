@@ -138,6 +138,23 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
     Ok(total[0] == 0.0)
 }
 
+/// Runs the matrix on sub-communicators made by `split`: the node-local group, the
+/// cross-node group, and even/odd ranks. Returns true when every group passed.
+pub fn run_split(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
+    let mut ok = true;
+    let groups = [("node-local", comm.split_node_local()?), ("cross-node", comm.split_cross_node()?)];
+    let parity = comm.split((comm.rank() % 2) as i32, 0)?;
+    for (name, sub) in groups.iter().map(|(n, c)| (*n, c)).chain(parity.iter().map(|c| ("even/odd", c))) {
+        if sub.rank() == 0 {
+            println!("group {name}: world rank {} leads {} ranks", comm.rank(), sub.size());
+        }
+        ok &= run(sub, args)?;
+    }
+    let mut bad = [if ok { 0.0 } else { 1.0 }];
+    comm.allreduce(&mut bad, ReduceOp::Sum)?;
+    Ok(bad[0] == 0.0)
+}
+
 /// Runs one collective on fresh inputs of `case` and returns how many output elements
 /// differ from the independent reference; describes failures in `failures`.
 pub fn run_case(comm: &Communicator, seed: u64, case: u64, req: Request, label: &str, failures: &mut Vec<String>) -> Result<usize> {

@@ -91,7 +91,11 @@ fn node_addr(i: usize) -> String {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        for ns in &self.namespaces {
+        let id = std::process::id();
+        for (i, ns) in self.namespaces.iter().enumerate() {
+            // Deleting the namespace frees its veth end only asynchronously: remove our end
+            // now so nothing is left when we exit.
+            let _ = ip(&["link", "del", &format!("gw{id}h{i}")]);
             if let Err(e) = ip(&["netns", "del", ns]) {
                 eprintln!("gradwire launch: cleanup: {e}");
             }

@@ -109,6 +109,10 @@ enum Cmd {
         ops: Vec<ReduceOp>,
         #[arg(long)]
         transport: Option<TransportChoice>,
+        /// Run the matrix on sub-communicators instead: node-local, cross-node and
+        /// even/odd ranks (all made by `split`).
+        #[arg(long)]
+        split: bool,
         #[arg(short, long)]
         verbose: bool,
     },
@@ -155,10 +159,11 @@ fn main() {
                 }
             }
         }
-        Cmd::Check { counts, large, collectives, dtypes, ops, transport, verbose } => {
+        Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, verbose } => {
             set_transport(transport);
             let args = check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose };
-            match Communicator::init().and_then(|c| check::run(&c, &args)) {
+            let result = Communicator::init().and_then(|c| if split { check::run_split(&c, &args) } else { check::run(&c, &args) });
+            match result {
                 Ok(true) => 0,
                 Ok(false) => 1,
                 Err(e) => {

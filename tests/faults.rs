@@ -1,0 +1,197 @@
+//! Fault handling on real processes: a killed rank, mismatched calls, a wrong job secret,
+//! malformed environment. Each must end in a clear error naming the ranks involved, within
+//! the deadline, and never a panic or a hang.
+
+mod common;
+use common::*;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn spawn_rank(rank: usize, world: usize, port: u16, secret: &str, env: &[(&str, &str)], args: &[&str]) -> Child {
+    let mut cmd = Command::new(bin());
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    rank_env(&mut cmd, rank, world, port, secret);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn rank")
+}
+
+/// Starts `world` ranks running long allreduces, SIGKILLs `victim` once they are running,
+/// and checks every survivor fails within the 2 s deadline (plus process start/exit slack)
+/// with an error naming the victim.
+fn killed_rank(world: usize, victim: usize, transport: &str, bytes: &str) {
+    let port = free_port();
+    let env = [("GRADWIRE_TIMEOUT_MS", "2000"), ("GRADWIRE_TRANSPORT", transport)];
+    let args = ["bench", "allreduce", "-b", bytes, "-e", bytes, "-n", "1000000", "-w", "1"];
+    let mut ranks: Vec<Child> = (0..world).map(|r| spawn_rank(r, world, port, "fault-test-secret", &env, &args)).collect();
+    // Let them connect and get into the allreduce loop.
+    std::thread::sleep(Duration::from_millis(1500));
+    for (r, c) in ranks.iter_mut().enumerate() {
+        assert!(c.try_wait().unwrap().is_none(), "rank {r} exited before the kill");
+    }
+    ranks[victim].kill().unwrap();
+    let killed_at = Instant::now();
+    let _ = ranks[victim].wait();
+    for (r, c) in ranks.into_iter().enumerate() {
+        if r == victim {
+            continue;
+        }
+        let out = wait_with_limit(c, Duration::from_secs(30));
+        let elapsed = killed_at.elapsed();
+        let t = text(&out);
+        println!("survivor {r} after {elapsed:?}: {t}");
+        assert!(!out.status.success(), "rank {r} should fail after rank {victim} died:\n{t}");
+        assert!(t.contains(&format!("rank {victim}")), "rank {r}'s error does not name rank {victim}:\n{t}");
+        assert!(!t.contains("panicked"), "{t}");
+        assert!(elapsed < Duration::from_secs(6), "rank {r} took {elapsed:?} to report the dead rank (deadline 2 s)");
+    }
+}
+
+#[test]
+fn killed_rank_shm() {
+    killed_rank(3, 1, "shm", "4M");
+}
+
+#[test]
+fn killed_rank_tcp() {
+    killed_rank(4, 2, "tcp", "4M");
+}
+
+#[test]
+fn killed_rank_tcp_small_messages() {
+    killed_rank(3, 0, "tcp", "4K");
+}
+
+/// Rank 1 runs `odd` while the others run `even`: every rank must fail fast with a
+/// mismatch error that names both calls.
+fn mismatch(transport: &str, even: &[&str], odd: &[&str], expect: &[&str]) {
+    let world = 3;
+    let port = free_port();
+    let env = [("GRADWIRE_TIMEOUT_MS", "30000"), ("GRADWIRE_TRANSPORT", transport)];
+    let start = Instant::now();
+    let ranks: Vec<Child> = (0..world).map(|r| spawn_rank(r, world, port, "fault-test-secret", &env, if r == 1 { odd } else { even })).collect();
+    let outs: Vec<_> = ranks.into_iter().map(|c| wait_with_limit(c, Duration::from_secs(60))).collect();
+    let elapsed = start.elapsed();
+    let all: String = outs.iter().map(text).collect();
+    println!("{all}");
+    assert!(elapsed < Duration::from_secs(20), "mismatch took {elapsed:?}: it waited for the 30 s deadline instead of detecting it");
+    for (r, o) in outs.iter().enumerate() {
+        assert!(!o.status.success(), "rank {r} succeeded despite a mismatched call:\n{all}");
+    }
+    assert!(all.contains("mismatch"), "no mismatch reported:\n{all}");
+    for e in expect {
+        assert!(all.contains(e), "expected {e:?} in:\n{all}");
+    }
+    assert!(!all.contains("panicked"), "{all}");
+}
+
+const BASE: &[&str] = &["bench", "allreduce", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1"];
+
+fn with(extra: &[&'static str]) -> Vec<&'static str> {
+    BASE.iter().chain(extra).copied().collect()
+}
+
+#[test]
+fn mismatched_count() {
+    for t in ["shm", "tcp"] {
+        mismatch(t, BASE, &["bench", "allreduce", "-b", "8K", "-e", "8K", "-n", "3", "-w", "1"], &["count 1024", "count 2048"]);
+    }
+}
+
+#[test]
+fn mismatched_dtype() {
+    for t in ["shm", "tcp"] {
+        mismatch(t, BASE, &with(&["-d", "float64"]), &["float32", "float64"]);
+    }
+}
+
+#[test]
+fn mismatched_op() {
+    for t in ["shm", "tcp"] {
+        mismatch(t, BASE, &with(&["-o", "max"]), &["sum", "max"]);
+    }
+}
+
+#[test]
+fn mismatched_order() {
+    for t in ["shm", "tcp"] {
+        mismatch(t, BASE, &["bench", "broadcast", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1"], &["allreduce#0", "broadcast#0"]);
+    }
+}
+
+#[test]
+fn wrong_job_secret_is_refused() {
+    let port = free_port();
+    let env = [("GRADWIRE_TIMEOUT_MS", "3000")];
+    let args = ["check", "--counts", "1"];
+    let good = spawn_rank(0, 2, port, "the-right-secret", &env, &args);
+    std::thread::sleep(Duration::from_millis(300));
+    let bad = spawn_rank(1, 2, port, "a-wrong-secret!", &env, &args);
+    let bad = wait_with_limit(bad, Duration::from_secs(30));
+    let good = wait_with_limit(good, Duration::from_secs(30));
+    let (tb, tg) = (text(&bad), text(&good));
+    println!("impostor: {tb}\nrank 0: {tg}");
+    assert!(!bad.status.success() && tb.contains("job secret"), "impostor not told why:\n{tb}");
+    assert!(tg.contains("refused connection"), "rank 0 did not log the refusal:\n{tg}");
+    assert!(!good.status.success() && tg.contains("rank 1"), "rank 0 should time out naming rank 1:\n{tg}");
+    assert!(!(tb + &tg).contains("panicked"));
+}
+
+#[test]
+fn malformed_or_missing_environment() {
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (&[], "no rank found"),
+        (&[("RANK", "zero"), ("WORLD_SIZE", "2")], "RANK=\"zero\""),
+        (&[("RANK", "2"), ("WORLD_SIZE", "2")], "not below"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1234"), ("GRADWIRE_JOB_SECRET", "0123456789")], "MASTER_ADDR"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "70000"), ("GRADWIRE_JOB_SECRET", "0123456789")], "MASTER_PORT"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1234")], "GRADWIRE_JOB_SECRET"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TIMEOUT_MS", "soon")], "GRADWIRE_TIMEOUT_MS"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TRANSPORT", "carrier-pigeon")], "GRADWIRE_TRANSPORT"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SHM_RING_BYTES", "1000")], "GRADWIRE_SHM_RING_BYTES"),
+        (&[("RANK", "1"), ("WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_RANK", "0")], "contradicts"),
+    ];
+    for (env, expect) in cases {
+        let mut cmd = Command::new(bin());
+        cmd.args(["check", "--counts", "1"]);
+        for k in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GRADWIRE_JOB_SECRET", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "PMI_RANK", "PMI_SIZE"] {
+            cmd.env_remove(k);
+        }
+        for (k, v) in env.iter() {
+            cmd.env(k, v);
+        }
+        let out = run_with_limit(cmd, Duration::from_secs(30));
+        let t = text(&out);
+        assert!(!out.status.success(), "{env:?} should fail:\n{t}");
+        assert!(t.contains(expect), "{env:?}: expected {expect:?} in:\n{t}");
+        assert!(!t.contains("panicked"), "{env:?}:\n{t}");
+    }
+}
+
+#[test]
+fn launcher_names_the_failed_rank_and_cleans_up() {
+    // Rank 2 exits with status 3 at once; the launcher must stop the others and say so.
+    let script = "if [ \"$RANK\" = 2 ]; then exit 3; fi; exec sleep 30";
+    let mut cmd = Command::new(bin());
+    cmd.args(["launch", "-n", "3", "--", "sh", "-c", script]);
+    let start = Instant::now();
+    let out = run_with_limit(cmd, Duration::from_secs(60));
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(3), "{t}");
+    assert!(t.contains("rank 2 failed (exit status 3)"), "{t}");
+    assert!(start.elapsed() < Duration::from_secs(25), "launcher waited for the sleepers");
+    if can_netns("launcher netns cleanup") {
+        let mut cmd = Command::new(bin());
+        cmd.args(["launch", "-n", "2", "--netns", "--", "sh", "-c", "exit 5"]);
+        let out = run_with_limit(cmd, Duration::from_secs(60));
+        assert_eq!(out.status.code(), Some(5), "{}", text(&out));
+        let ns = Command::new("ip").args(["netns", "list"]).output().unwrap();
+        let pid_marker = "gw";
+        let left: Vec<String> = String::from_utf8_lossy(&ns.stdout).lines().filter(|l| l.starts_with(pid_marker)).map(String::from).collect();
+        // Other tests may run namespaced jobs concurrently: only ours must be gone, and ours
+        // are named after the launcher's pid, which has exited — so none of these may be
+        // ours unless cleanup failed. We check the launcher printed no cleanup error.
+        assert!(!text(&out).contains("cleanup"), "cleanup failed: {} (namespaces now: {left:?})", text(&out));
+    }
+}
