@@ -40,6 +40,7 @@ INSTALL_TORCH=0
 DO_BUILD=1
 DO_INSTALL=1
 MPI_EXTRA=""
+PYTHON="${PYTHON:-python3}"   # the interpreter that has torch (Gloo) and runs merge.py
 
 usage() {
     cat <<EOF
@@ -61,6 +62,9 @@ usage: benches/compare.sh [options]
   --no-build            do not run cargo build --release (use the existing binary)
   --no-install          never run apt-get/pip
   -h, --help            this text
+environment:
+  PYTHON=python3        interpreter with torch (Gloo runs, torch install, merge.py)
+  GRADWIRE_BIN=PATH     use this gradwire binary instead of target/release/gradwire
 EOF
 }
 
@@ -158,12 +162,12 @@ if has_tool mpi && ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1;
 fi
 
 torch_ok() {
-    python3 -c 'import torch, torch.distributed as d; assert d.is_available() and d.is_gloo_available()' \
+    "$PYTHON" -c 'import torch, torch.distributed as d; assert d.is_available() and d.is_gloo_available()' \
         >/dev/null 2>&1
 }
 if has_tool gloo && ! torch_ok && [ "$INSTALL_TORCH" = 1 ] && [ "$DO_INSTALL" = 1 ]; then
     log "installing torch (~2 GB download; log: $RESULTS/logs/install_torch.log)"
-    python3 "$PEERS/install_torch.py" >"$RESULTS/logs/install_torch.log" 2>&1 ||
+    "$PYTHON" "$PEERS/install_torch.py" >"$RESULTS/logs/install_torch.log" 2>&1 ||
         log "torch install failed, see $RESULTS/logs/install_torch.log"
 fi
 
@@ -211,8 +215,8 @@ elif ! torch_ok; then
     GLOO_STATUS="n/a (torch not importable)"
 fi
 meta gloo_status "$GLOO_STATUS"
-meta torch_version "$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || echo 'not importable')"
-meta python_version "$(python3 --version 2>&1)"
+meta torch_version "$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo 'not importable')"
+meta python_version "$("$PYTHON" --version 2>&1)"
 
 # Gloo is started by `gradwire launch` (torchrun-style env); until that exists,
 # by torch's own launcher (torchrun) so the Gloo columns still fill in.
@@ -302,11 +306,11 @@ for rep in $(seq 1 "$REPEATS"); do
             if [ "$GLOO_LAUNCHER" = gradwire ]; then
                 launcher=("$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" --)
             else
-                launcher=(python3 -m torch.distributed.run --standalone --no-python --nproc-per-node "$w")
+                launcher=("$PYTHON" -m torch.distributed.run --standalone --no-python --nproc-per-node "$w")
             fi
             run_one gloo "$w" tcp "$rep" \
                 env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 "${launcher[@]}" \
-                python3 "$PEERS/gloo_allreduce.py" "${BENCH_ARGS[@]}" -d float32 -o sum --csv CSV
+                "$PYTHON" "$PEERS/gloo_allreduce.py" "${BENCH_ARGS[@]}" -d float32 -o sum --csv CSV
         else
             record_na gloo "$w" tcp "$rep" "$GLOO_STATUS"
         fi
@@ -316,5 +320,5 @@ meta loadavg_end "$(cut -d' ' -f1-3 /proc/loadavg)"
 [ "$NPROC" -gt 0 ] && meta oversubscribed_when "W > $NPROC"
 
 # ---- 5. merge -------------------------------------------------------------------
-python3 "$PEERS/merge.py" --results "$RESULTS" --out "$OUT" || { log "merge.py failed"; exit 1; }
+"$PYTHON" "$PEERS/merge.py" --results "$RESULTS" --out "$OUT" || { log "merge.py failed"; exit 1; }
 log "wrote $OUT (raw data: $RESULTS)"

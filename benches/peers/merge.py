@@ -109,8 +109,11 @@ def tool_key(tool, w, transport):
 def table(data, w, transport):
     keys = {t: tool_key(t, w, transport) for t, _ in TOOLS}
     sizes = sorted(set().union(*(data[keys[t]].keys() for t, _ in TOOLS)))
-    head = ["size"] + [f"{n} busbw GB/s" for _, n in TOOLS] + ["gradwire / best peer"] + \
-           [f"{n} µs" for _, n in TOOLS] + ["#wrong gw / MPI / Gloo"]
+    def label(t, n):
+        return f"{n} (tcp)" if t == "gloo" and transport != "tcp" else n
+    head = ["size"] + [f"{label(t, n)} busbw GB/s" for t, n in TOOLS] + \
+           ["gradwire / best peer"] + [f"{label(t, n)} µs" for t, n in TOOLS] + \
+           ["#wrong gw / MPI / Gloo"]
     lines = ["| " + " | ".join(head) + " |",
              "|" + "|".join(["---:"] * len(head)) + "|"]
     ratios = []
