@@ -40,6 +40,7 @@ INSTALL_TORCH=0
 DO_BUILD=1
 DO_INSTALL=1
 MPI_EXTRA=""
+MPI_PLACE="--inplace"   # gradwire's bench and Gloo allreduce in place; so does MPI by default
 PYTHON="${PYTHON:-python3}"   # the interpreter that has torch (Gloo) and runs merge.py
 
 usage() {
@@ -57,6 +58,8 @@ usage: benches/compare.sh [options]
   --tools "gradwire mpi gloo"  subset of tools to run (default all)
   --timeout S           per-launch time limit in seconds (default 120, or 600 if MAX > 16M)
   --mpi-args "ARGS"     extra mpirun arguments (recorded in the output)
+  --mpi-out-of-place    MPI_Allreduce with separate send/recv buffers (default: MPI_IN_PLACE,
+                        like gradwire's bench and Gloo)
   --out FILE            markdown output (default BENCHMARKS.md at the repo root)
   --install-torch       pip-install a torch that imports on this CPU-only machine if missing
   --no-build            do not run cargo build --release (use the existing binary)
@@ -85,6 +88,7 @@ while [ $# -gt 0 ]; do
         --tools) TOOLS=$2; shift ;;
         --timeout) RUN_TIMEOUT=$2; shift ;;
         --mpi-args) MPI_EXTRA=$2; shift ;;
+        --mpi-out-of-place) MPI_PLACE="" ;;
         --out) OUT=$2; shift ;;
         --install-torch) INSTALL_TORCH=1 ;;
         --no-build) DO_BUILD=0 ;;
@@ -148,6 +152,7 @@ meta repeats "$REPEATS"
 meta ranks "$RANKS"
 meta transports "$TRANSPORTS"
 meta tools "$TOOLS"
+meta mpi_place "$([ -n "$MPI_PLACE" ] && echo in-place || echo out-of-place)"
 
 # ---- 1. dependencies --------------------------------------------------------
 if has_tool mpi && ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1; then
@@ -279,7 +284,7 @@ for rep in $(seq 1 "$REPEATS"); do
                 run_one gradwire "$w" "$tr" "$rep" \
                     "$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" -- \
                     "$GW" bench allreduce "${BENCH_ARGS[@]}" -d float32 -o sum \
-                    --transport "$tr" --csv CSV
+                    --transport "$tr" --check --csv CSV
             else
                 record_na gradwire "$w" "$tr" "$rep" "$GW_STATUS"
             fi
@@ -295,7 +300,8 @@ for rep in $(seq 1 "$REPEATS"); do
                 run_one mpi "$w" "$tr" "$rep" \
                     mpirun --allow-run-as-root --oversubscribe -np "$w" \
                     --mca pml ob1 "${btl[@]}" $MPI_EXTRA \
-                    "$BUILD/mpi_allreduce" "${BENCH_ARGS[@]}" -d float32 -o sum --csv CSV
+                    "$BUILD/mpi_allreduce" "${BENCH_ARGS[@]}" -d float32 -o sum \
+                    $MPI_PLACE --csv CSV
             else
                 record_na mpi "$w" "$tr" "$rep" "$MPI_STATUS"
             fi

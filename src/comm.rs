@@ -6,7 +6,7 @@ use crate::config::{Config, TransportChoice};
 use crate::engine::{Engine, EngineState, Job, Work};
 use crate::error::{config, Result};
 use crate::transport::shm::{ShmDomain, ShmLink};
-use crate::transport::{tcp, Link, Links};
+use crate::transport::{tcp, LinkTable, Links};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -65,19 +65,25 @@ impl Communicator {
         let local = topology.local_ranks(rank);
         if cfg.transport == TransportChoice::Shm && !topology.single_host() {
             let other = (0..size).find(|&r| !topology.same_host(rank, r)).unwrap_or(0);
-            return Err(config(format!("GRADWIRE_TRANSPORT=shm, but rank {rank} and rank {other} are on different hosts (use auto or tcp)")));
+            return Err(config(format!(
+                "GRADWIRE_TRANSPORT=shm, but rank {rank} and rank {other} are on different hosts (use auto or tcp)"
+            )));
         }
         let use_shm = cfg.transport != TransportChoice::Tcp;
-        let shm_peers: Vec<usize> = if use_shm { local.iter().copied().filter(|&p| p != rank).collect() } else { vec![] };
+        let shm_peers: Vec<usize> = if use_shm {
+            local.iter().copied().filter(|&p| p != rank).collect()
+        } else {
+            vec![]
+        };
         let tcp_peers: Vec<usize> = (0..size).filter(|&p| p != rank && !shm_peers.contains(&p)).collect();
         let abort = Arc::new(AtomicBool::new(false));
-        let (mut links, shm): (Vec<Option<Box<dyn Link>>>, Option<Arc<ShmDomain>>) = match &store {
+        let (mut links, shm): (LinkTable, Option<Arc<ShmDomain>>) = match &store {
             None => ((0..size).map(|_| None).collect(), None),
             Some(store) => {
                 let shm = if shm_peers.is_empty() {
                     None
                 } else {
-                    Some(ShmDomain::create(&prefix, rank, size, &local, cfg.shm_ring_bytes, cfg.shm_stage_bytes, store, deadline)?)
+                    Some(ShmDomain::create(&prefix, rank, size, &local, &cfg, store, deadline)?)
                 };
                 (tcp::connect_all(&prefix, rank, size, &tcp_peers, store, &secret, deadline)?, shm)
             }
@@ -87,7 +93,15 @@ impl Communicator {
                 links[p] = Some(Box::new(ShmLink::new(dom.clone(), p)));
             }
         }
-        let link_kinds = (0..size).map(|p| if p == rank { "self" } else { links[p].as_ref().map(|l| l.kind()).unwrap_or("none") }).collect();
+        let link_kinds = (0..size)
+            .map(|p| {
+                if p == rank {
+                    "self"
+                } else {
+                    links[p].as_ref().map(|l| l.kind()).unwrap_or("none")
+                }
+            })
+            .collect();
         let shm_all = shm.is_some() && shm_peers.len() + 1 == size;
         let links = Links::new(rank, links, abort.clone(), cfg.spin);
         let state = EngineState::new(rank, size, links, shm, shm_all, cfg.spin, abort);
@@ -156,15 +170,31 @@ impl Communicator {
         if color < 0 {
             return Ok(None);
         }
-        let mut members: Vec<(i32, usize)> = (0..self.size).filter(|&r| all[2 * r] as i32 == color).map(|r| (all[2 * r + 1] as i32, r)).collect();
+        let mut members: Vec<(i32, usize)> = (0..self.size)
+            .filter(|&r| all[2 * r] as i32 == color)
+            .map(|r| (all[2 * r + 1] as i32, r))
+            .collect();
         members.sort();
         let ranks: Vec<usize> = members.iter().map(|m| m.1).collect();
         let new_rank = ranks.iter().position(|&r| r == self.rank).unwrap_or(0);
-        let topo = Topology { host_of: ranks.iter().map(|&r| self.topology.host_of[r]).collect() };
+        let topo = Topology {
+            host_of: ranks.iter().map(|&r| self.topology.host_of[r]).collect(),
+        };
         let prefix = format!("{}/s{n}c{color}", self.prefix);
         let deadline = Instant::now() + self.config.timeout;
         let store = if ranks.len() > 1 { self.store.clone() } else { None };
-        Self::build(new_rank, ranks.len(), topo, self.config.clone(), store, self.secret.clone(), prefix, deadline, self._bootstrap.clone()).map(Some)
+        Self::build(
+            new_rank,
+            ranks.len(),
+            topo,
+            self.config.clone(),
+            store,
+            self.secret.clone(),
+            prefix,
+            deadline,
+            self._bootstrap.clone(),
+        )
+        .map(Some)
     }
 
     /// The ranks of this rank's host, as a communicator (the intra-node group).
@@ -176,6 +206,7 @@ impl Communicator {
     /// One rank per host with the same local index (the cross-node group of that index).
     pub fn split_cross_node(&self) -> Result<Communicator> {
         let local_index = self.topology.local_ranks(self.rank).iter().position(|&r| r == self.rank).unwrap_or(0) as i32;
-        self.split(local_index, self.rank as i32)?.ok_or_else(|| config("cross-node split produced no group"))
+        self.split(local_index, self.rank as i32)?
+            .ok_or_else(|| config("cross-node split produced no group"))
     }
 }

@@ -120,16 +120,33 @@ impl Engine {
                 }
             })
             .map_err(|e| Error::io("spawn progress thread", e))?;
-        Ok(Engine { tx: Some(tx), thread: Some(thread), abort, timeout })
+        Ok(Engine {
+            tx: Some(tx),
+            thread: Some(thread),
+            abort,
+            timeout,
+        })
     }
 
     /// Queues `job`; `what` names it for messages.
     pub fn submit(&self, what: String, job: Job) -> Work {
-        let shared = Arc::new(WorkShared { status: Mutex::new(Status::default()), cv: Condvar::new() });
-        let work = Work { shared: shared.clone(), abort: self.abort.clone(), timeout: self.timeout, what };
+        let shared = Arc::new(WorkShared {
+            status: Mutex::new(Status::default()),
+            cv: Condvar::new(),
+        });
+        let work = Work {
+            shared: shared.clone(),
+            abort: self.abort.clone(),
+            timeout: self.timeout,
+            what,
+        };
         match &self.tx {
             Some(tx) if tx.send((job, shared.clone())).is_ok() => {}
-            _ => shared.finish(Err(Error::Aborted { rank: 0, peer: 0, reason: "communicator is shut down".into() })),
+            _ => shared.finish(Err(Error::Aborted {
+                rank: 0,
+                peer: 0,
+                reason: "communicator is shut down".into(),
+            })),
         }
         work
     }
@@ -137,16 +154,33 @@ impl Engine {
 
 impl EngineState {
     pub fn new(rank: usize, world: usize, links: Links, shm: Option<Arc<ShmDomain>>, shm_all: bool, spin: Duration, abort: Arc<AtomicBool>) -> Self {
-        EngineState { rank, world, links, shm, shm_all, spin, abort, failed: None }
+        EngineState {
+            rank,
+            world,
+            links,
+            shm,
+            shm_all,
+            spin,
+            abort,
+            failed: None,
+        }
     }
 
     fn run(&mut self, job: Job, timeout: Duration) -> Result<()> {
         if let Some(why) = &self.failed {
-            return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: format!("communicator unusable after an earlier error: {why}") });
+            return Err(Error::Aborted {
+                rank: self.rank,
+                peer: self.rank,
+                reason: format!("communicator unusable after an earlier error: {why}"),
+            });
         }
         if self.abort.load(Ordering::Acquire) {
             self.fail("aborted by the application".into());
-            return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted by the application".into() });
+            return Err(Error::Aborted {
+                rank: self.rank,
+                peer: self.rank,
+                reason: "aborted by the application".into(),
+            });
         }
         let r = job(self, Instant::now() + timeout);
         if let Err(e) = &r {

@@ -95,7 +95,9 @@ def load(results):
                 data[key][size].append({
                     "busbw": float(row["busbw_gbs"]),
                     "time_us": float(row["time_us"]),
-                    "wrong": int(float(row["wrong"])),
+                    # gradwire leaves it empty when run without --check
+                    "wrong": int(float(row["wrong"])) if (row.get("wrong") or "").strip()
+                    else None,
                 })
             except (KeyError, ValueError) as e:
                 status[key].append(f"repeat {run['repeat']}: bad row {dict(row)} ({e})")
@@ -138,7 +140,8 @@ def table(data, w, transport):
         wrong = []
         for t, _ in TOOLS:
             rows = data[keys[t]].get(size, [])
-            wrong.append(str(max(r["wrong"] for r in rows)) if rows else "—")
+            ws = [r["wrong"] for r in rows if r["wrong"] is not None]
+            wrong.append(str(max(ws)) if ws else ("unchecked" if rows else "—"))
         cells.append(" / ".join(wrong))
         lines.append("| " + " | ".join(cells) + " |")
     return lines, ratios
@@ -203,8 +206,8 @@ def main() -> int:
       "**time = the slowest rank's mean time per call** (max over ranks of the mean); "
       "algbw = bytes / time (GB = 1e9 bytes); **busbw = algbw · 2(W−1)/W** "
       "(nccl-tests convention, comparable to the copy bandwidth above).")
-    w("- gradwire: `gradwire bench allreduce` under `gradwire launch`. "
-      "Open MPI: `benches/peers/mpi_allreduce.c`, `MPI_Allreduce` **out-of-place**, "
+    w("- gradwire: `gradwire bench allreduce --check` (in place) under `gradwire launch`. "
+      f"Open MPI: `benches/peers/mpi_allreduce.c`, `MPI_Allreduce` **{meta.get('mpi_place', '?')}**, "
       "`--mca pml ob1` plus `btl self,vader` (shm) or `btl self,tcp` on `lo` (tcp), "
       "otherwise Open MPI's defaults (binding, yield-when-oversubscribed). "
       "Gloo: `benches/peers/gloo_allreduce.py`, `torch.distributed.all_reduce` "

@@ -3,7 +3,7 @@
 //! communicator (including ones made by `split`).
 //!
 //! Algorithm choice for allreduce (`GRADWIRE_ALGO=auto`): on one host with shared memory,
-//! the shared-buffer reduction ([`shm_allreduce`]); otherwise recursive doubling below
+//! the shared-buffer reduction ([`shm_allreduce()`]); otherwise recursive doubling below
 //! `GRADWIRE_SMALL_BYTES` and the ring above it.
 
 pub mod algos;
@@ -43,12 +43,22 @@ pub struct Request {
 
 impl Request {
     pub fn new(op: OpKind, dtype: DType, redop: ReduceOp, count: usize) -> Self {
-        Request { op, dtype, redop, count, root: 0, algo: None }
+        Request {
+            op,
+            dtype,
+            redop,
+            count,
+            root: 0,
+            algo: None,
+        }
     }
 
     /// (send bytes, receive bytes) this request reads and writes on a world of `w` ranks.
     pub fn lengths(&self, w: usize) -> Result<(usize, usize)> {
-        let b = self.count.checked_mul(self.dtype.size()).ok_or_else(|| invalid(format!("count {} overflows", self.count)))?;
+        let b = self
+            .count
+            .checked_mul(self.dtype.size())
+            .ok_or_else(|| invalid(format!("count {} overflows", self.count)))?;
         let wb = b.checked_mul(w).ok_or_else(|| invalid(format!("count {} x {w} ranks overflows", self.count)))?;
         Ok(match self.op {
             OpKind::ReduceScatter => (wb, b),
@@ -78,7 +88,14 @@ impl Communicator {
         if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
             return Err(invalid("null buffer"));
         }
-        let call = CallHeader { op: req.op, dtype: req.dtype, redop: req.redop, root: req.root as u32, count: req.count as u64, seq: self.next_seq() };
+        let call = CallHeader {
+            op: req.op,
+            dtype: req.dtype,
+            redop: req.redop,
+            root: req.root as u32,
+            count: req.count as u64,
+            seq: self.next_seq(),
+        };
         let (small, default_algo) = (self.config.small_bytes, self.config.algo);
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
         Ok(self.submit(
@@ -87,7 +104,11 @@ impl Communicator {
                 let (s, r) = (s, r);
                 // SAFETY: lengths and validity are the caller's contract (see above).
                 let sbuf: &[u8] = if slen == 0 { &[] } else { unsafe { std::slice::from_raw_parts(s.0, slen) } };
-                let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
+                let rbuf: &mut [u8] = if rlen == 0 {
+                    &mut []
+                } else {
+                    unsafe { std::slice::from_raw_parts_mut(r.0, rlen) }
+                };
                 run(st, deadline, call, req, req.algo.unwrap_or(default_algo), small, sbuf, rbuf)
             }),
         ))
@@ -100,7 +121,10 @@ impl Communicator {
 
     /// Allreduce in place with an explicit algorithm (`None`: automatic).
     pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: ReduceOp, algo: Option<Algo>) -> Result<()> {
-        let req = Request { algo, ..Request::new(OpKind::Allreduce, T::DTYPE, op, buf.len()) };
+        let req = Request {
+            algo,
+            ..Request::new(OpKind::Allreduce, T::DTYPE, op, buf.len())
+        };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: `buf` is exclusively borrowed until wait() returns, which is after the
         // engine is done with it.
@@ -111,7 +135,12 @@ impl Communicator {
     /// reduction of part r.
     pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         if send.len() != recv.len() * self.size() {
-            return Err(invalid(format!("reduce_scatter: send has {} elements, expected {} x {}", send.len(), recv.len(), self.size())));
+            return Err(invalid(format!(
+                "reduce_scatter: send has {} elements, expected {} x {}",
+                send.len(),
+                recv.len(),
+                self.size()
+            )));
         }
         let req = Request::new(OpKind::ReduceScatter, T::DTYPE, op, recv.len());
         // SAFETY: borrows outlive wait().
@@ -121,7 +150,12 @@ impl Communicator {
     /// Allgather: `recv` holds `size * send.len()` elements, part r from rank r.
     pub fn allgather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         if recv.len() != send.len() * self.size() {
-            return Err(invalid(format!("allgather: recv has {} elements, expected {} x {}", recv.len(), send.len(), self.size())));
+            return Err(invalid(format!(
+                "allgather: recv has {} elements, expected {} x {}",
+                recv.len(),
+                send.len(),
+                self.size()
+            )));
         }
         let req = Request::new(OpKind::Allgather, T::DTYPE, ReduceOp::Sum, send.len());
         // SAFETY: borrows outlive wait().
@@ -130,7 +164,10 @@ impl Communicator {
 
     /// Broadcast `buf` from `root` to every rank.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let req = Request { root, ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len()) };
+        let req = Request {
+            root,
+            ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len())
+        };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: borrow outlives wait().
         unsafe { self.start(req, p, p)?.wait() }
@@ -138,7 +175,10 @@ impl Communicator {
 
     /// Reduce to `root` in place; other ranks' buffers are left unchanged.
     pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
-        let req = Request { root, ..Request::new(OpKind::Reduce, T::DTYPE, op, buf.len()) };
+        let req = Request {
+            root,
+            ..Request::new(OpKind::Reduce, T::DTYPE, op, buf.len())
+        };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: borrow outlives wait().
         unsafe { self.start(req, p, p)?.wait() }
@@ -158,16 +198,25 @@ impl Communicator {
         // SAFETY: the vector's heap block does not move while `Pending` owns it, and
         // `Pending` waits for completion before handing it back or dropping it.
         let work = unsafe { self.start(req, p, p)? };
-        Ok(Pending { work: Some(work), value: Some(buf) })
+        Ok(Pending {
+            work: Some(work),
+            value: Some(buf),
+        })
     }
 
     /// Non-blocking broadcast of an owned vector.
     pub fn ibroadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Result<Pending<Vec<T>>> {
-        let req = Request { root, ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len()) };
+        let req = Request {
+            root,
+            ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len())
+        };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: as in iallreduce.
         let work = unsafe { self.start(req, p, p)? };
-        Ok(Pending { work: Some(work), value: Some(buf) })
+        Ok(Pending {
+            work: Some(work),
+            value: Some(buf),
+        })
     }
 
     /// Non-blocking barrier.
@@ -215,7 +264,15 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
     if let Some(dom) = &st.shm {
         dom.set_call(&encode_call(&call));
     }
-    let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
+    let mut cx = Ctx {
+        links: &mut st.links,
+        call,
+        deadline,
+        rank,
+        world,
+        dtype: req.dtype,
+        op: req.redop,
+    };
     match req.op {
         OpKind::Allreduce => {
             if send.as_ptr() != recv.as_ptr() {
@@ -236,7 +293,15 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             match algo {
                 Algo::SharedMemory => {
                     let dom = st.shm.as_ref().ok_or_else(|| invalid("no shared memory"))?;
-                    let scx = ShmCtx { dom, rank, world, call, deadline, abort: &st.abort, spin: st.spin };
+                    let scx = ShmCtx {
+                        dom,
+                        rank,
+                        world,
+                        call,
+                        deadline,
+                        abort: &st.abort,
+                        spin: st.spin,
+                    };
                     shm_allreduce(&scx, recv, req.dtype, req.redop)
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),

@@ -31,7 +31,13 @@ pub struct ShmCtx<'a> {
 
 /// Encodes a call for publication in the shared control page.
 pub fn encode_call(call: &CallHeader) -> [u8; crate::transport::frame::HEADER_LEN] {
-    FrameHeader { kind: FrameKind::Data, call: *call, step: 0, len: 0 }.encode()
+    FrameHeader {
+        kind: FrameKind::Data,
+        call: *call,
+        step: 0,
+        len: 0,
+    }
+    .encode()
 }
 
 impl ShmCtx<'_> {
@@ -66,16 +72,30 @@ impl ShmCtx<'_> {
 
     fn check_peer(&self, p: usize, start: Instant) -> Result<()> {
         if self.abort.load(Ordering::Acquire) {
-            return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted locally".into() });
+            return Err(Error::Aborted {
+                rank: self.rank,
+                peer: self.rank,
+                reason: "aborted locally".into(),
+            });
         }
         if let Some(why) = self.dom.peer_gone(p) {
-            return Err(Error::PeerLost { rank: self.rank, peer: p, op: self.call.to_string(), cause: why });
+            return Err(Error::PeerLost {
+                rank: self.rank,
+                peer: p,
+                op: self.call.to_string(),
+                cause: why,
+            });
         }
         // A peer that started a different call with the same sequence number will never
         // reach our phase: report the mismatch now instead of at the deadline.
         if let Ok(h) = FrameHeader::decode(&self.dom.call_of(p)) {
             if h.call.seq == self.call.seq && h.call != self.call {
-                return Err(Error::Mismatch { rank: self.rank, mine: self.call.to_string(), peer: p, theirs: h.call.to_string() });
+                return Err(Error::Mismatch {
+                    rank: self.rank,
+                    mine: self.call.to_string(),
+                    peer: p,
+                    theirs: h.call.to_string(),
+                });
             }
         }
         if Instant::now() >= self.deadline {
@@ -115,7 +135,12 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
             for p in 0..w {
                 let h = FrameHeader::decode(&cx.dom.call_of(p)).map_err(|e| Error::Protocol(format!("rank {p}'s shared call header: {e}")))?;
                 if h.call != cx.call {
-                    return Err(Error::Mismatch { rank: me, mine: cx.call.to_string(), peer: p, theirs: h.call.to_string() });
+                    return Err(Error::Mismatch {
+                        rank: me,
+                        mine: cx.call.to_string(),
+                        peer: p,
+                        theirs: h.call.to_string(),
+                    });
                 }
             }
             first = false;

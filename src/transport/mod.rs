@@ -42,13 +42,20 @@ pub trait Link: Send {
     fn shutdown(&mut self);
 }
 
+/// Links of one rank indexed by peer rank (`None` for itself and unconnected peers).
+pub type LinkTable = Vec<Option<Box<dyn Link>>>;
+
 /// Where a received payload goes.
 pub enum Sink<'a> {
     /// Copy into this buffer (its length is the expected payload length).
     Copy(&'a mut [u8]),
     /// Combine into `dst` element by element with `reduce(dst_part, src_part)`; both parts
     /// are whole elements of `elem` bytes.
-    Reduce { dst: &'a mut [u8], elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
+    Reduce {
+        dst: &'a mut [u8],
+        elem: usize,
+        reduce: &'a dyn Fn(&mut [u8], &[u8]),
+    },
 }
 
 impl Sink<'_> {
@@ -93,7 +100,7 @@ const REDUCE_SCRATCH: usize = 256 << 10;
 /// All links of one rank in one communicator, indexed by peer rank.
 pub struct Links {
     pub rank: usize,
-    pub links: Vec<Option<Box<dyn Link>>>,
+    pub links: LinkTable,
     /// Set from any thread to make every pending exchange fail promptly.
     pub abort_flag: Arc<AtomicBool>,
     pub spin: Duration,
@@ -103,9 +110,16 @@ pub struct Links {
 }
 
 impl Links {
-    pub fn new(rank: usize, links: Vec<Option<Box<dyn Link>>>, abort_flag: Arc<AtomicBool>, spin: Duration) -> Self {
+    pub fn new(rank: usize, links: LinkTable, abort_flag: Arc<AtomicBool>, spin: Duration) -> Self {
         let n = links.len();
-        Links { rank, links, abort_flag, spin, scratch: vec![0u64; REDUCE_SCRATCH / 8], mid_frame: vec![false; n] }
+        Links {
+            rank,
+            links,
+            abort_flag,
+            spin,
+            scratch: vec![0u64; REDUCE_SCRATCH / 8],
+            mid_frame: vec![false; n],
+        }
     }
 
     pub fn world(&self) -> usize {
@@ -114,7 +128,10 @@ impl Links {
 
     fn link(&mut self, peer: usize) -> Result<&mut Box<dyn Link>> {
         let rank = self.rank;
-        self.links.get_mut(peer).and_then(|l| l.as_mut()).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} has no link to rank {peer}")))
+        self.links
+            .get_mut(peer)
+            .and_then(|l| l.as_mut())
+            .ok_or_else(|| Error::InvalidArgument(format!("rank {rank} has no link to rank {peer}")))
     }
 
     /// Runs all `sends` and `recvs` of one algorithm step concurrently until every one is
@@ -123,9 +140,26 @@ impl Links {
     pub fn exchange(&mut self, call: &CallHeader, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>], deadline: Instant) -> Result<()> {
         let mut sstate: Vec<SendState> = sends
             .iter()
-            .map(|s| SendState { header: FrameHeader { kind: FrameKind::Data, call: *call, step: s.step, len: s.data.len() as u64 }.encode(), done: 0 })
+            .map(|s| SendState {
+                header: FrameHeader {
+                    kind: FrameKind::Data,
+                    call: *call,
+                    step: s.step,
+                    len: s.data.len() as u64,
+                }
+                .encode(),
+                done: 0,
+            })
             .collect();
-        let mut rstate: Vec<RecvState> = recvs.iter().map(|_| RecvState { header: [0; HEADER_LEN], header_done: 0, payload_done: 0, carry: 0 }).collect();
+        let mut rstate: Vec<RecvState> = recvs
+            .iter()
+            .map(|_| RecvState {
+                header: [0; HEADER_LEN],
+                header_done: 0,
+                payload_done: 0,
+                carry: 0,
+            })
+            .collect();
         let start = Instant::now();
         let mut idle_since: Option<Instant> = None;
         let mut last_liveness = start;
@@ -163,10 +197,17 @@ impl Links {
                 continue;
             }
             if self.abort_flag.load(Ordering::Acquire) {
-                return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted locally".into() });
+                return Err(Error::Aborted {
+                    rank: self.rank,
+                    peer: self.rank,
+                    reason: "aborted locally".into(),
+                });
             }
             let now = Instant::now();
-            let waiting_on = (0..self.world()).find(|&p| pending_recv[p]).or_else(|| (0..self.world()).find(|&p| pending_send[p])).unwrap_or(self.rank);
+            let waiting_on = (0..self.world())
+                .find(|&p| pending_recv[p])
+                .or_else(|| (0..self.world()).find(|&p| pending_send[p]))
+                .unwrap_or(self.rank);
             if now >= deadline {
                 let dir = if pending_recv[waiting_on] { "data from" } else { "room to send to" };
                 return Err(Error::Timeout {
@@ -181,7 +222,12 @@ impl Links {
                 for p in 0..self.world() {
                     if pending_send[p] || pending_recv[p] {
                         if let Some(why) = self.link(p)?.peer_gone() {
-                            return Err(Error::PeerLost { rank: self.rank, peer: p, op: call.to_string(), cause: why });
+                            return Err(Error::PeerLost {
+                                rank: self.rank,
+                                peer: p,
+                                op: call.to_string(),
+                                cause: why,
+                            });
                         }
                     }
                 }
@@ -221,7 +267,10 @@ impl Links {
         let peer = op.peer;
         let mut total = 0;
         while st.header_done < HEADER_LEN {
-            let n = self.link(peer)?.try_read(&mut st.header[st.header_done..]).map_err(|e| lost(rank, peer, call, "receive", e))?;
+            let n = self
+                .link(peer)?
+                .try_read(&mut st.header[st.header_done..])
+                .map_err(|e| lost(rank, peer, call, "receive", e))?;
             if n == 0 {
                 return Ok(total);
             }
@@ -235,7 +284,10 @@ impl Links {
         while st.payload_done < expected {
             let n = match &mut op.sink {
                 Sink::Copy(buf) => {
-                    let n = self.link(peer)?.try_read(&mut buf[st.payload_done..]).map_err(|e| lost(rank, peer, call, "receive", e))?;
+                    let n = self
+                        .link(peer)?
+                        .try_read(&mut buf[st.payload_done..])
+                        .map_err(|e| lost(rank, peer, call, "receive", e))?;
                     st.payload_done += n;
                     n
                 }
@@ -287,10 +339,19 @@ impl Links {
                     Err(_) => break,
                 }
             }
-            return Err(Error::Aborted { rank: self.rank, peer: op.peer, reason: String::from_utf8_lossy(&reason[..got]).into_owned() });
+            return Err(Error::Aborted {
+                rank: self.rank,
+                peer: op.peer,
+                reason: String::from_utf8_lossy(&reason[..got]).into_owned(),
+            });
         }
         if h.call != *call {
-            return Err(Error::Mismatch { rank: self.rank, mine: call.to_string(), peer: op.peer, theirs: h.call.to_string() });
+            return Err(Error::Mismatch {
+                rank: self.rank,
+                mine: call.to_string(),
+                peer: op.peer,
+                theirs: h.call.to_string(),
+            });
         }
         if h.step != op.step || h.len != op.sink.len() as u64 {
             return Err(Error::Protocol(format!(
@@ -375,7 +436,13 @@ impl Links {
                         count: 0,
                         seq: u64::MAX,
                     };
-                    let h = FrameHeader { kind: FrameKind::Abort, call, step: 0, len: msg.len() as u64 }.encode();
+                    let h = FrameHeader {
+                        kind: FrameKind::Abort,
+                        call,
+                        step: 0,
+                        len: msg.len() as u64,
+                    }
+                    .encode();
                     let _ = link.try_write(&[IoSlice::new(&h), IoSlice::new(msg)]);
                 }
                 link.shutdown();
@@ -396,5 +463,10 @@ fn lost(rank: usize, peer: usize, call: &CallHeader, dir: &str, e: std::io::Erro
         }
         _ => format!("{dir} failed: {e}"),
     };
-    Error::PeerLost { rank, peer, op: call.to_string(), cause }
+    Error::PeerLost {
+        rank,
+        peer,
+        op: call.to_string(),
+        cause,
+    }
 }

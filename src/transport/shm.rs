@@ -8,6 +8,7 @@
 
 use super::Link;
 use crate::bootstrap::StoreClient;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::mem::{page_size, Region};
 use std::io::IoSlice;
@@ -76,9 +77,13 @@ fn atomic_u32(base: *mut u8, at: usize) -> &'static AtomicU32 {
 
 impl ShmDomain {
     /// Creates this rank's segment, publishes it, and maps every other local member's.
-    pub fn create(prefix: &str, rank: usize, world: usize, members: &[usize], ring: usize, stage: usize, store: &StoreClient, deadline: Instant) -> Result<Arc<Self>> {
+    pub fn create(prefix: &str, rank: usize, world: usize, members: &[usize], cfg: &Config, store: &StoreClient, deadline: Instant) -> Result<Arc<Self>> {
         let started = Instant::now();
-        let layout = Layout { world, ring, stage };
+        let layout = Layout {
+            world,
+            ring: cfg.shm_ring_bytes,
+            stage: cfg.shm_stage_bytes,
+        };
         let own = Region::shared(&format!("gradwire-{rank}"), layout.len())?;
         let pid = std::process::id();
         atomic_u32(own.as_ptr(), PID_AT).store(pid, Ordering::Release);
@@ -112,7 +117,13 @@ impl ShmDomain {
         }
         pids[rank] = pid;
         segs[rank] = Some(own);
-        Ok(Arc::new(ShmDomain { rank, layout, segs, pids, members: members.to_vec() }))
+        Ok(Arc::new(ShmDomain {
+            rank,
+            layout,
+            segs,
+            pids,
+            members: members.to_vec(),
+        }))
     }
 
     fn base(&self, r: usize) -> *mut u8 {
@@ -209,7 +220,13 @@ impl ShmLink {
         // SAFETY: ring offsets lie within both segments (same layout everywhere).
         let rx = unsafe { domain.base(me).add(l.ring_at(peer)) };
         let tx = unsafe { domain.base(peer).add(l.ring_at(me)) };
-        ShmLink { cap: l.ring, domain, peer, rx, tx }
+        ShmLink {
+            cap: l.ring,
+            domain,
+            peer,
+            rx,
+            tx,
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! TCP transport: one authenticated, non-blocking stream per peer pair, vectored writes,
 //! Nagle off. Works on loopback, across network namespaces and across hosts.
 
-use super::Link;
+use super::{Link, LinkTable};
 use crate::bootstrap::{auth, StoreClient};
 use crate::error::{Error, Result};
 use std::io::{IoSlice, Read, Write};
@@ -59,7 +59,13 @@ fn set_buffers(s: &TcpStream) {
     for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
         // SAFETY: valid fd, option value points to a c_int of the stated size.
         unsafe {
-            libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, opt, &size as *const _ as *const libc::c_void, std::mem::size_of::<libc::c_int>() as u32);
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                &size as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as u32,
+            );
         }
     }
 }
@@ -67,9 +73,9 @@ fn set_buffers(s: &TcpStream) {
 /// Connects this rank to every peer in `peers` (global ranks of this communicator that
 /// need a TCP link). Lower ranks listen, higher ranks dial; every connection proves the job
 /// secret bound to `prefix`, so a stray or hostile connection is refused and logged.
-pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], store: &StoreClient, secret: &str, deadline: Instant) -> Result<Vec<Option<Box<dyn Link>>>> {
-        let started = Instant::now();
-    let mut links: Vec<Option<Box<dyn Link>>> = (0..world).map(|_| None).collect();
+pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], store: &StoreClient, secret: &str, deadline: Instant) -> Result<LinkTable> {
+    let started = Instant::now();
+    let mut links: LinkTable = (0..world).map(|_| None).collect();
     if peers.is_empty() {
         return Ok(links);
     }
@@ -88,7 +94,8 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
         })?;
         let peer_addr = String::from_utf8_lossy(&peer_addr).into_owned();
         let mut s = auth::dial(&peer_addr, secret, context.as_bytes(), deadline, &format!("rank {p}"))?;
-        s.write_all(&(rank as u32).to_le_bytes()).map_err(|e| Error::io(format!("hello to rank {p}"), e))?;
+        s.write_all(&(rank as u32).to_le_bytes())
+            .map_err(|e| Error::io(format!("hello to rank {p}"), e))?;
         links[p] = Some(finish(s)?);
     }
     let mut expected: Vec<usize> = peers.iter().copied().filter(|&p| p > rank).collect();
@@ -118,7 +125,12 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    return Err(Error::Timeout { rank, peer: expected[0], op: "tcp connect (peer never dialled in)".into(), waited_ms: started.elapsed().as_millis() as u64 });
+                    return Err(Error::Timeout {
+                        rank,
+                        peer: expected[0],
+                        op: "tcp connect (peer never dialled in)".into(),
+                        waited_ms: started.elapsed().as_millis() as u64,
+                    });
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }

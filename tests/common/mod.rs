@@ -51,7 +51,12 @@ pub fn text(o: &Output) -> String {
 pub fn can_netns(test: &str) -> bool {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc_geteuid() } == 0;
-    let ip = Command::new("ip").arg("netns").arg("list").output().map(|o| o.status.success()).unwrap_or(false);
+    let ip = Command::new("ip")
+        .arg("netns")
+        .arg("list")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
     if !(root && ip) {
         eprintln!("SKIP {test}: needs root and iproute2 for network namespaces (root={root}, ip netns works={ip})");
     }

@@ -52,7 +52,11 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
         sizes.push(s);
         s = if a.factor > 1 { s * a.factor } else { s + a.min.max(es) };
     }
-    let kind = if comm.config().hugepages { RegionKind::HugePages } else { RegionKind::Anonymous };
+    let kind = if comm.config().hugepages {
+        RegionKind::HugePages
+    } else {
+        RegionKind::Anonymous
+    };
     let region_of = |len: usize| -> Result<Region> {
         match kind {
             RegionKind::HugePages => Region::huge(len),
@@ -85,12 +89,19 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             a.iters,
             a.warmup
         );
-        println!("# busbw = algbw x {:.3} ({})", busbw_factor(a.op, w), match a.op {
-            OpKind::Allreduce => "2(W-1)/W",
-            OpKind::ReduceScatter | OpKind::Allgather => "(W-1)/W",
-            _ => "1",
-        });
-        println!("{:>12} {:>12} {:>9} {:>6} {:>11} {:>11} {:>11} {:>7}", "size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+        println!(
+            "# busbw = algbw x {:.3} ({})",
+            busbw_factor(a.op, w),
+            match a.op {
+                OpKind::Allreduce => "2(W-1)/W",
+                OpKind::ReduceScatter | OpKind::Allgather => "(W-1)/W",
+                _ => "1",
+            }
+        );
+        println!(
+            "{:>12} {:>12} {:>9} {:>6} {:>11} {:>11} {:>11} {:>7}",
+            "size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"
+        );
     }
     let mut rows = vec![];
     for (si, &size) in sizes.iter().enumerate() {
@@ -99,7 +110,10 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             OpKind::ReduceScatter | OpKind::Allgather => total / w,
             _ => total,
         };
-        let req = Request { algo: a.algo, ..Request::new(a.op, a.dtype, a.redop, count) };
+        let req = Request {
+            algo: a.algo,
+            ..Request::new(a.op, a.dtype, a.redop, count)
+        };
         let inplace = matches!(a.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
         let mut once = || -> Result<()> {
             if inplace {
@@ -150,13 +164,30 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             );
             let _ = std::io::stdout().flush();
         }
-        rows.push(Row { size: bytes as usize, count, time_us: t * 1e6, algbw, busbw, wrong });
+        rows.push(Row {
+            size: bytes as usize,
+            count,
+            time_us: t * 1e6,
+            algbw,
+            busbw,
+            wrong,
+        });
     }
     if me == 0 {
         if let Some(path) = &a.csv {
             let mut out = String::from("size_bytes,count,type,redop,time_us,algbw_gbs,busbw_gbs,wrong\n");
             for r in &rows {
-                out += &format!("{},{},{},{},{:.3},{:.4},{:.4},{}\n", r.size, r.count, a.dtype.name(), a.redop.name(), r.time_us, r.algbw, r.busbw, r.wrong.map(|x| x.to_string()).unwrap_or_default());
+                out += &format!(
+                    "{},{},{},{},{:.3},{:.4},{:.4},{}\n",
+                    r.size,
+                    r.count,
+                    a.dtype.name(),
+                    a.redop.name(),
+                    r.time_us,
+                    r.algbw,
+                    r.busbw,
+                    r.wrong.map(|x| x.to_string()).unwrap_or_default()
+                );
             }
             std::fs::write(path, out).map_err(|e| gradwire::Error::io(format!("write {path}"), e))?;
         }

@@ -2,7 +2,7 @@
 //! running job, each compared with the independent reference of `verify` on fresh random
 //! data, plus a check that all ranks hold bit-identical allreduce results.
 
-use crate::verify::{count_wrong, decode, encode, fingerprint, reference, round_to};
+use crate::verify::{count_wrong, decode, encode, fingerprint, reference, round_to, within};
 use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, Request, Result};
 use rand::{Rng, SeedableRng};
 
@@ -20,7 +20,11 @@ pub fn run_bytes(comm: &Communicator, req: Request, send: &[u8], recv: &mut [u8]
     let (sl, rl) = req.lengths(comm.size())?;
     let in_place = send.is_empty() && matches!(req.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
     if (!in_place && send.len() < sl) || recv.len() < rl {
-        return Err(gradwire::Error::InvalidArgument(format!("buffers ({} and {} bytes) shorter than the request ({sl} and {rl})", send.len(), recv.len())));
+        return Err(gradwire::Error::InvalidArgument(format!(
+            "buffers ({} and {} bytes) shorter than the request ({sl} and {rl})",
+            send.len(),
+            recv.len()
+        )));
     }
     let sp = if in_place { recv.as_ptr() } else { send.as_ptr() };
     // SAFETY: both buffers are borrowed for the whole call and are long enough (checked);
@@ -33,7 +37,10 @@ struct Gen(rand::rngs::SmallRng, DType);
 
 impl Gen {
     fn new(seed: u64, rank: usize, case: u64, dtype: DType) -> Self {
-        Gen(rand::rngs::SmallRng::seed_from_u64(seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ case.wrapping_mul(0xD1B5_4A32_D192_ED03)), dtype)
+        Gen(
+            rand::rngs::SmallRng::seed_from_u64(seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ case.wrapping_mul(0xD1B5_4A32_D192_ED03)),
+            dtype,
+        )
     }
     fn take(&mut self, n: usize) -> Vec<f64> {
         (0..n).map(|_| round_to(self.1, self.0.random_range(-1.0..1.0))).collect()
@@ -68,7 +75,11 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
     let mut plan: Vec<(OpKind, DType, ReduceOp, usize, Option<Algo>)> = Vec::new();
     for &op in &args.collectives {
         for &dt in &args.dtypes {
-            let redops: Vec<ReduceOp> = if matches!(op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) { args.ops.clone() } else { vec![ReduceOp::Sum] };
+            let redops: Vec<ReduceOp> = if matches!(op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) {
+                args.ops.clone()
+            } else {
+                vec![ReduceOp::Sum]
+            };
             for &ro in &redops {
                 for &n in &args.counts {
                     if op == OpKind::Allreduce {
@@ -98,8 +109,23 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
         let case = cases;
         let failures_before = failures.len();
         let root = (case as usize) % w;
-        let req = Request { root, algo, ..Request::new(op, dtype, redop, n) };
-        let label = format!("{} {} {} n={n}{}{}", op.name(), dtype.name(), redop.name(), algo.map(|a| format!(" algo={a:?}")).unwrap_or_default(), if matches!(op, OpKind::Broadcast | OpKind::Reduce) { format!(" root={root}") } else { String::new() });
+        let req = Request {
+            root,
+            algo,
+            ..Request::new(op, dtype, redop, n)
+        };
+        let label = format!(
+            "{} {} {} n={n}{}{}",
+            op.name(),
+            dtype.name(),
+            redop.name(),
+            algo.map(|a| format!(" algo={a:?}")).unwrap_or_default(),
+            if matches!(op, OpKind::Broadcast | OpKind::Reduce) {
+                format!(" root={root}")
+            } else {
+                String::new()
+            }
+        );
         let wrong = run_case(comm, seed, case, req, &label, &mut failures)?;
         if wrong > 0 {
             failures.push(format!("rank {me}: {label}: {wrong} wrong elements"));
@@ -161,7 +187,7 @@ pub fn run_case(comm: &Communicator, seed: u64, case: u64, req: Request, label: 
     let (w, me) = (comm.size(), comm.rank());
     let (op, dtype, redop, n, root) = (req.op, req.dtype, req.redop, req.count, req.root);
     let es = dtype.size();
-Ok(match op {
+    Ok(match op {
         OpKind::Allreduce | OpKind::Reduce => {
             let mut buf = vec![0u8; n * es];
             let mut g = Gen::new(seed, me, case, dtype);
@@ -176,7 +202,7 @@ Ok(match op {
                 let mut all = vec![0f64; 2 * w];
                 comm.allgather(&[(fp >> 32) as f64, (fp & 0xffff_ffff) as f64], &mut all)?;
                 if all.chunks(2).any(|c| c != &all[..2]) {
-                                        failures.push(format!("rank {me}: {label}: ranks hold different results"));
+                    failures.push(format!("rank {me}: {label}: ranks hold different results"));
                 }
             }
             // Stream the reference in blocks: W generators advance in lockstep.
@@ -189,11 +215,21 @@ Ok(match op {
                 let inputs: Vec<Vec<f64>> = gens.iter_mut().map(|g| g.take(m)).collect();
                 let mine = mine_gen.take(m);
                 let got = decode(dtype, &buf[off * es..(off + m) * es]);
-                let want: Vec<(f64, f64)> = if op == OpKind::Reduce && me != root { mine.iter().map(|&v| (v, 0.0)).collect() } else { (0..m).map(|i| reference(redop, dtype, &inputs, i)).collect() };
+                let want: Vec<(f64, f64)> = if op == OpKind::Reduce && me != root {
+                    mine.iter().map(|&v| (v, 0.0)).collect()
+                } else {
+                    (0..m).map(|i| reference(redop, dtype, &inputs, i)).collect()
+                };
                 let bad = count_wrong(&got, &want);
                 if bad > 0 && wrong == 0 {
-                    if let Some(i) = (0..m).find(|&i| !((got[i] - want[i].0).abs() <= want[i].1)) {
-                        failures.push(format!("rank {me}: {label}: element {} = {} but reference {} ± {}", off + i, got[i], want[i].0, want[i].1));
+                    if let Some(i) = (0..m).find(|&i| !within(got[i], want[i])) {
+                        failures.push(format!(
+                            "rank {me}: {label}: element {} = {} but reference {} ± {}",
+                            off + i,
+                            got[i],
+                            want[i].0,
+                            want[i].1
+                        ));
                     }
                 }
                 wrong += bad;
@@ -222,7 +258,11 @@ Ok(match op {
         OpKind::Broadcast => {
             let root_data = Gen::new(seed, root, case, dtype).take(n);
             let mut buf = vec![0u8; n * es];
-            let mine = if me == root { root_data.clone() } else { Gen::new(seed, me, case, dtype).take(n) };
+            let mine = if me == root {
+                root_data.clone()
+            } else {
+                Gen::new(seed, me, case, dtype).take(n)
+            };
             encode(dtype, &mine, &mut buf);
             run_bytes(comm, req, &[], &mut buf)?;
             count_wrong(&decode(dtype, &buf), &root_data.iter().map(|&v| (v, 0.0)).collect::<Vec<_>>())

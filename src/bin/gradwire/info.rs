@@ -4,7 +4,9 @@ use gradwire::config::{Config, SETTINGS};
 
 fn meminfo(key: &str) -> Option<String> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    text.lines().find(|l| l.starts_with(key)).map(|l| l[key.len()..].trim_start_matches(':').trim().to_string())
+    text.lines()
+        .find(|l| l.starts_with(key))
+        .map(|l| l[key.len()..].trim_start_matches(':').trim().to_string())
 }
 
 fn memlock() -> String {
@@ -13,7 +15,13 @@ fn memlock() -> String {
     if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
         return "unknown".into();
     }
-    let fmt = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { "unlimited".to_string() } else { format!("{} KiB", v / 1024) };
+    let fmt = |v: libc::rlim_t| {
+        if v == libc::RLIM_INFINITY {
+            "unlimited".to_string()
+        } else {
+            format!("{} KiB", v / 1024)
+        }
+    };
     let note = if r.rlim_cur != libc::RLIM_INFINITY && r.rlim_cur < (64 << 20) {
         " (small: RDMA registration of large buffers will fail; raise with `ulimit -l unlimited` or LimitMEMLOCK=infinity)"
     } else {
@@ -46,7 +54,14 @@ pub fn run(settings_only: bool) -> i32 {
     println!("cpus               {}", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     let shm_ok = gradwire::Region::shared("gradwire-info", 4096).is_ok();
     println!("transports");
-    println!("  shm              {}", if shm_ok { "available (memfd shared through /proc/<pid>/fd)" } else { "UNAVAILABLE: memfd_create failed" });
+    println!(
+        "  shm              {}",
+        if shm_ok {
+            "available (memfd shared through /proc/<pid>/fd)"
+        } else {
+            "UNAVAILABLE: memfd_create failed"
+        }
+    );
     println!("  tcp              available");
     let devs = rdma_devices();
     if devs.is_empty() {
@@ -54,24 +69,47 @@ pub fn run(settings_only: bool) -> i32 {
     } else {
         println!("  verbs            devices {devs:?} (verbs transport not built into this version yet)");
     }
-    println!("huge pages         total {}, free {}, size {}", meminfo("HugePages_Total").unwrap_or_else(|| "?".into()), meminfo("HugePages_Free").unwrap_or_else(|| "?".into()), meminfo("Hugepagesize").unwrap_or_else(|| "?".into()));
+    println!(
+        "huge pages         total {}, free {}, size {}",
+        meminfo("HugePages_Total").unwrap_or_else(|| "?".into()),
+        meminfo("HugePages_Free").unwrap_or_else(|| "?".into()),
+        meminfo("Hugepagesize").unwrap_or_else(|| "?".into())
+    );
     println!("RLIMIT_MEMLOCK     {}", memlock());
     match Config::from_env() {
         Ok(c) => {
             println!("effective settings");
             println!("  timeout          {} ms", c.timeout.as_millis());
-            println!("  transport        {:?}: {}", c.transport, match c.transport {
-                gradwire::TransportChoice::Auto => "shm between ranks of one host, tcp between hosts",
-                gradwire::TransportChoice::Shm => "shm only (all ranks must share a host)",
-                gradwire::TransportChoice::Tcp => "tcp everywhere (even inside a host)",
-            });
-            println!("  allreduce        {:?}: {}", c.algo, match c.algo {
-                gradwire::Algo::Auto => format!("one-host shared-buffer reduction when all ranks share a host; else recursive doubling below {} B, ring above", c.small_bytes),
-                a => format!("forced to {a:?}"),
-            });
+            println!(
+                "  transport        {:?}: {}",
+                c.transport,
+                match c.transport {
+                    gradwire::TransportChoice::Auto => "shm between ranks of one host, tcp between hosts",
+                    gradwire::TransportChoice::Shm => "shm only (all ranks must share a host)",
+                    gradwire::TransportChoice::Tcp => "tcp everywhere (even inside a host)",
+                }
+            );
+            println!(
+                "  allreduce        {:?}: {}",
+                c.algo,
+                match c.algo {
+                    gradwire::Algo::Auto => format!(
+                        "one-host shared-buffer reduction when all ranks share a host; else recursive doubling below {} B, ring above",
+                        c.small_bytes
+                    ),
+                    a => format!("forced to {a:?}"),
+                }
+            );
             println!("  shm ring         {} B per peer, staging {} B per rank", c.shm_ring_bytes, c.shm_stage_bytes);
             println!("  waiting          spin {} us, then yield, then sleep", c.spin.as_micros());
-            println!("  huge pages       {}", if c.hugepages { "requested (falls back to normal pages with a logged reason)" } else { "off" });
+            println!(
+                "  huge pages       {}",
+                if c.hugepages {
+                    "requested (falls back to normal pages with a logged reason)"
+                } else {
+                    "off"
+                }
+            );
         }
         Err(e) => {
             println!("effective settings: INVALID: {e}");
@@ -81,7 +119,11 @@ pub fn run(settings_only: bool) -> i32 {
     println!("settings (GRADWIRE_*)");
     for st in SETTINGS {
         let cur = std::env::var(st.env).ok();
-        println!("  {:<26} {}", st.env, cur.map(|v| format!("= {v}")).unwrap_or_else(|| format!("(default {})", st.default)));
+        println!(
+            "  {:<26} {}",
+            st.env,
+            cur.map(|v| format!("= {v}")).unwrap_or_else(|| format!("(default {})", st.default))
+        );
     }
     0
 }

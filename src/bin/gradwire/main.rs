@@ -12,7 +12,11 @@ use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, TransportChoice};
 use std::time::Duration;
 
 #[derive(Parser)]
-#[command(name = "gradwire", version, about = "Communication backend for distributed training: launch ranks, benchmark and check collectives, inspect the host")]
+#[command(
+    name = "gradwire",
+    version,
+    about = "Communication backend for distributed training: launch ranks, benchmark and check collectives, inspect the host"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -30,7 +34,11 @@ fn collective_arg(s: &str) -> Result<OpKind, String> {
         "broadcast" | "bcast" => OpKind::Broadcast,
         "reduce" => OpKind::Reduce,
         "barrier" => OpKind::Barrier,
-        _ => return Err(format!("unknown collective {s:?} (allreduce, reduce_scatter, allgather, broadcast, reduce, barrier)")),
+        _ => {
+            return Err(format!(
+                "unknown collective {s:?} (allreduce, reduce_scatter, allgather, broadcast, reduce, barrier)"
+            ))
+        }
     })
 }
 
@@ -143,13 +151,52 @@ fn rank_prefix() -> String {
 fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
-        Cmd::Launch { nprocs, netns, ranks_per_node, link_gbit, timeout, cmd } => {
-            launch::run(&launch::LaunchArgs { nprocs, netns, ranks_per_node, link_gbit, timeout: timeout.map(Duration::from_secs_f64), cmd })
-        }
+        Cmd::Launch {
+            nprocs,
+            netns,
+            ranks_per_node,
+            link_gbit,
+            timeout,
+            cmd,
+        } => launch::run(&launch::LaunchArgs {
+            nprocs,
+            netns,
+            ranks_per_node,
+            link_gbit,
+            timeout: timeout.map(Duration::from_secs_f64),
+            cmd,
+        }),
         Cmd::Info { settings } => info::run(settings),
-        Cmd::Bench { collective, min, max, factor, iters, warmup, dtype, op, algo, transport, check, csv, json } => {
+        Cmd::Bench {
+            collective,
+            min,
+            max,
+            factor,
+            iters,
+            warmup,
+            dtype,
+            op,
+            algo,
+            transport,
+            check,
+            csv,
+            json,
+        } => {
             set_transport(transport);
-            let args = bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, algo, check, csv, json };
+            let args = bench::BenchArgs {
+                op: collective,
+                min,
+                max,
+                factor,
+                iters,
+                warmup,
+                dtype,
+                redop: op,
+                algo,
+                check,
+                csv,
+                json,
+            };
             match Communicator::init().and_then(|c| bench::run(&c, &args).map(|rows| rows.iter().any(|r| r.wrong.unwrap_or(0) > 0))) {
                 Ok(false) => 0,
                 Ok(true) => 1,
@@ -159,9 +206,25 @@ fn main() {
                 }
             }
         }
-        Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, verbose } => {
+        Cmd::Check {
+            counts,
+            large,
+            collectives,
+            dtypes,
+            ops,
+            transport,
+            split,
+            verbose,
+        } => {
             set_transport(transport);
-            let args = check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose };
+            let args = check::CheckArgs {
+                counts,
+                large_bytes: large,
+                collectives,
+                dtypes,
+                ops,
+                verbose,
+            };
             let result = Communicator::init().and_then(|c| if split { check::run_split(&c, &args) } else { check::run(&c, &args) });
             match result {
                 Ok(true) => 0,

@@ -64,12 +64,19 @@ pub fn reference(op: ReduceOp, dtype: DType, inputs: &[Vec<f64>], i: usize) -> (
     }
 }
 
+/// Whether `got` is within `tol` of `want` (a NaN never is).
+pub fn within(got: f64, (want, tol): (f64, f64)) -> bool {
+    (got - want).abs() <= tol
+}
+
 /// Counts elements of `got` outside the tolerance of `want`.
 pub fn count_wrong(got: &[f64], want: &[(f64, f64)]) -> usize {
-    got.iter().zip(want).filter(|(g, (w, tol))| !((*g - *w).abs() <= *tol)).count() + got.len().abs_diff(want.len())
+    got.iter().zip(want).filter(|(g, w)| !within(**g, **w)).count() + got.len().abs_diff(want.len())
 }
 
 /// FNV-1a over bytes, for checking that every rank holds bit-identical results.
 pub fn fingerprint(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+    bytes
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
