@@ -232,12 +232,17 @@ else
 fi
 meta gloo_launcher "$GLOO_LAUNCHER"
 
-# ---- 3. machine copy bandwidth ------------------------------------------------
+# ---- 3. machine copy bandwidth, loopback wake-up latency ------------------------
 if gcc -O3 -o "$BUILD/copybw" "$PEERS/copybw.c" >"$RESULTS/logs/copybw_build.log" 2>&1; then
     log "measuring copy bandwidth (256 MiB, best of 7)"
     meta copybw "$("$BUILD/copybw" -H | tr '\n' ';')"
 else
     meta copybw "n/a (gcc failed)"
+fi
+if gcc -O2 -o "$BUILD/pingpong" "$PEERS/pingpong.c" >"$RESULTS/logs/pingpong_build.log" 2>&1; then
+    meta pingpong "$("$BUILD/pingpong" -H 5000 | tr '\n' ';')"
+else
+    meta pingpong "n/a (gcc failed)"
 fi
 
 # ---- 4. runs -----------------------------------------------------------------
@@ -268,8 +273,9 @@ run_one() {
     [ "$status" = ok ] || log "  $tag: $status (log: $logf)"
     local shown="${cmd[*]}"
     shown=${shown//"$ROOT/"/}
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$tool" "$w" "$tr" "$rep" "$status" \
-        "$csv" "$(( (t1 - t0) / 1000000000 ))" "$shown" >>"$RUNS"
+    local ms=$(( (t1 - t0) / 1000000 ))
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%d.%d\t%s\n' "$tool" "$w" "$tr" "$rep" "$status" \
+        "$csv" $((ms / 1000)) $((ms % 1000 / 100)) "$shown" >>"$RUNS"
 }
 
 record_na() {  # record_na TOOL W TRANSPORT REPEAT STATUS

@@ -6,6 +6,8 @@ use crate::config::{Config, TransportChoice};
 use crate::engine::{Engine, EngineState, Job, Work};
 use crate::error::{config, Result};
 use crate::transport::shm::{ShmDomain, ShmLink};
+use crate::mem::Region;
+use crate::transport::onesided::{RmaService, Window, WindowSetup};
 use crate::transport::{tcp, LinkTable, Links};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,6 +28,12 @@ pub struct Communicator {
     prefix: String,
     /// Transport used to reach each peer ("self", "shm", "tcp").
     link_kinds: Vec<&'static str>,
+    /// Serves one-sided operations from tcp peers; started by the first `expose`.
+    rma: std::sync::OnceLock<RmaService>,
+    windows: AtomicU64,
+    /// Per-peer message counters of point-to-point send/recv (their header sequence).
+    pub(crate) p2p_sent: Vec<AtomicU64>,
+    pub(crate) p2p_received: Vec<AtomicU64>,
     _bootstrap: Option<Arc<Bootstrap>>,
 }
 
@@ -118,6 +126,10 @@ impl Communicator {
             secret,
             prefix,
             link_kinds,
+            rma: std::sync::OnceLock::new(),
+            windows: AtomicU64::new(0),
+            p2p_sent: (0..size).map(|_| AtomicU64::new(0)).collect(),
+            p2p_received: (0..size).map(|_| AtomicU64::new(0)).collect(),
             _bootstrap: boot,
         })
     }
@@ -195,6 +207,37 @@ impl Communicator {
             self._bootstrap.clone(),
         )
         .map(Some)
+    }
+
+    /// Exposes `region` for one-sided write/read/fetch-add by every rank and connects to
+    /// every rank's exposed region. Collective: every rank calls it, in the same order.
+    /// Ranks on this host map the region directly, so it must be `Region::shared` when the
+    /// communicator has local peers.
+    pub fn expose(&self, region: Arc<Region>) -> Result<Window> {
+        let id = self.windows.fetch_add(1, Ordering::Relaxed);
+        let shm_peer: Vec<bool> = self.link_kinds.iter().map(|k| *k == "shm").collect();
+        let service = if self.link_kinds.contains(&"tcp") {
+            let store = self.store.as_ref().ok_or_else(|| config("no rendezvous store"))?;
+            if self.rma.get().is_none() {
+                let svc = RmaService::start(store.local_ip()?, &self.secret, &format!("rma:{}", self.prefix), self.rank)?;
+                let _ = self.rma.set(svc);
+            }
+            self.rma.get()
+        } else {
+            None
+        };
+        let w = WindowSetup {
+            prefix: &self.prefix,
+            id,
+            rank: self.rank,
+            world: self.size,
+            shm_peer: &shm_peer,
+            store: self.store.as_deref(),
+            service,
+            secret: &self.secret,
+            timeout: self.config.timeout,
+        };
+        Window::create(w, region)
     }
 
     /// The ranks of this rank's host, as a communicator (the intra-node group).

@@ -174,6 +174,14 @@ def main() -> int:
                   f"(single thread, {cb.get('buffer_mib')} MiB buffers, best of 7; "
                   f"bytes of destination per second)")
 
+    pingpong = meta.get("pingpong", "n/a")
+    parts = [p for p in pingpong.split(";") if p]
+    if len(parts) == 2 and "," in parts[0]:
+        pp = dict(zip(parts[0].split(","), parts[1].split(",")))
+        pingpong = (f"{pp.get('rtt_us_mean')} µs mean, {pp.get('rtt_us_min')} µs min "
+                    "(blocking reads: the wake-up latency floor for a transport that "
+                    "sleeps while it waits, as Gloo does)")
+
     out = []
     w = out.append
     w("# Allreduce benchmarks: gradwire vs Open MPI vs Gloo")
@@ -190,6 +198,7 @@ def main() -> int:
     w(f"- **Kernel:** `{meta.get('uname_r', '?')}`; **nproc:** {meta.get('nproc', '?')}; "
       f"**CPU:** {meta.get('cpu_model', '?')}; **memory:** {meta.get('mem_total', '?')}")
     w(f"- **Measured copy bandwidth** (`benches/peers/copybw.c`): {copybw}")
+    w(f"- **Loopback TCP round trip** (`benches/peers/pingpong.c`): {pingpong}")
     w(f"- **Load average** at start: {meta.get('loadavg_start', '?')}, "
       f"at end: {meta.get('loadavg_end', '?')}")
     w(f"- **Parameters:** {meta.get('params', '?')}")

@@ -16,6 +16,7 @@ use crate::dtype::{DType, Element, ReduceOp};
 use crate::engine::{EngineState, Work};
 use crate::error::{invalid, Result};
 use crate::transport::frame::{CallHeader, OpKind};
+use crate::transport::{RecvOp, SendOp, Sink};
 use algos::Ctx;
 use shm_allreduce::{encode_call, shm_allreduce, ShmCtx};
 use std::time::Instant;
@@ -217,6 +218,45 @@ impl Communicator {
             work: Some(work),
             value: Some(buf),
         })
+    }
+
+    /// Sends `data` to `peer` with `tag`. Point-to-point messages between two ranks are
+    /// matched in order (as in NCCL): the receiver's next `recv` from us must name the same
+    /// tag, count and dtype, or both get a mismatch error.
+    pub fn send<T: Element>(&self, data: &[T], peer: usize, tag: u32) -> Result<()> {
+        let call = self.p2p_call::<T>(peer, tag, data.len(), true)?;
+        let p = Ptr(data.as_ptr() as *mut u8);
+        let len = std::mem::size_of_val(data);
+        let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
+            let p = p;
+            // SAFETY: `data` is borrowed until wait() below returns.
+            let bytes = unsafe { std::slice::from_raw_parts(p.0, len) };
+            st.links.exchange(&call, &mut [SendOp { peer, step: 0, data: bytes }], &mut [], deadline)
+        });
+        self.submit(call.to_string(), job).wait()
+    }
+
+    /// Receives the next message from `peer` into `buf` (see [`Communicator::send`]).
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize, tag: u32) -> Result<()> {
+        let call = self.p2p_call::<T>(peer, tag, buf.len(), false)?;
+        let p = Ptr(buf.as_mut_ptr() as *mut u8);
+        let len = std::mem::size_of_val(buf);
+        let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
+            let p = p;
+            // SAFETY: `buf` is exclusively borrowed until wait() below returns.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(p.0, len) };
+            st.links.exchange(&call, &mut [], &mut [RecvOp { peer, step: 0, sink: Sink::Copy(bytes) }], deadline)
+        });
+        self.submit(call.to_string(), job).wait()
+    }
+
+    fn p2p_call<T: Element>(&self, peer: usize, tag: u32, count: usize, sending: bool) -> Result<CallHeader> {
+        if peer >= self.size() || peer == self.rank() {
+            return Err(invalid(format!("send/recv peer {peer}: must be another rank of this communicator (size {})", self.size())));
+        }
+        let counters = if sending { &self.p2p_sent } else { &self.p2p_received };
+        let seq = counters[peer].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(CallHeader { op: OpKind::Send, dtype: T::DTYPE, redop: ReduceOp::Sum, root: tag, count: count as u64, seq })
     }
 
     /// Non-blocking barrier.

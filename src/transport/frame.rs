@@ -67,6 +67,7 @@ impl fmt::Display for CallHeader {
         }
         match self.op {
             OpKind::Broadcast | OpKind::Reduce => write!(f, ", root {}", self.root)?,
+            OpKind::Send => write!(f, ", tag {}", self.root)?,
             _ => {}
         }
         write!(f, ")")

@@ -7,6 +7,7 @@
 //! message's [`CallHeader`] against the local call.
 
 pub mod frame;
+pub mod onesided;
 pub mod shm;
 pub mod tcp;
 

@@ -136,6 +136,12 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
             failed_cases += 1;
         }
     }
+    // Point-to-point and one-sided operations, on the same transports.
+    cases += 2;
+    for f in p2p_and_onesided(comm, seed)? {
+        failures.push(f);
+        failed_cases += 1;
+    }
     let mut total = [failed_cases as f64];
     comm.allreduce(&mut total, ReduceOp::Sum)?;
     for f in &failures {
@@ -273,4 +279,82 @@ pub fn run_case(comm: &Communicator, seed: u64, case: u64, req: Request, label: 
         }
         OpKind::Send => 0,
     })
+}
+
+/// Tagged send/recv around the ring, then one-sided write/read/fetch-add through a window:
+/// every rank writes a random block into its slot of every peer's region, reads each peer's
+/// own block back, and adds to a counter on rank 0 whose returned old values must all
+/// differ (atomicity) and whose final value must be the exact sum.
+fn p2p_and_onesided(comm: &Communicator, seed: u64) -> Result<Vec<String>> {
+    use std::sync::Arc;
+    let (w, me) = (comm.size(), comm.rank());
+    let mut bad = vec![];
+    if w == 1 {
+        return Ok(bad);
+    }
+    // send/recv: even ranks send first, odd ranks receive first (no cycle of blocked sends).
+    let n = 7919;
+    let (next, prev) = ((me + 1) % w, (me + w - 1) % w);
+    let mine = Gen::new(seed, me, 900_001, DType::F32).take(n);
+    let out: Vec<f32> = mine.iter().map(|&v| v as f32).collect();
+    let mut got = vec![0f32; n];
+    if me % 2 == 0 {
+        comm.send(&out, next, 7)?;
+        comm.recv(&mut got, prev, 7)?;
+    } else {
+        comm.recv(&mut got, prev, 7)?;
+        comm.send(&out, next, 7)?;
+    }
+    let want = Gen::new(seed, prev, 900_001, DType::F32).take(n);
+    if got.iter().zip(&want).any(|(g, w)| *g as f64 != *w) {
+        bad.push(format!("rank {me}: send/recv from rank {prev}: data differs"));
+    }
+    // One-sided.
+    const BLOCK_BYTES: usize = 512;
+    let counter_at = 0;
+    let slots_at = 64;
+    let region = Arc::new(gradwire::Region::shared("check-window", slots_at + w * BLOCK_BYTES + BLOCK_BYTES)?);
+    let own_at = slots_at + w * BLOCK_BYTES;
+    let block = |r: usize| -> Vec<u8> {
+        let v = Gen::new(seed, r, 900_002, DType::F64).take(BLOCK_BYTES / 8);
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    };
+    // SAFETY: nobody else can reach the region before `expose` returns.
+    unsafe { std::ptr::copy_nonoverlapping(block(me).as_ptr(), region.as_ptr().add(own_at), BLOCK_BYTES) };
+    let win = comm.expose(region.clone())?;
+    for p in 0..w {
+        win.write(p, slots_at + me * BLOCK_BYTES, &block(me))?;
+    }
+    let mut olds = vec![];
+    for _ in 0..10 {
+        olds.push(win.fetch_add(0, counter_at, (me + 1) as u64)? as f64);
+    }
+    comm.barrier()?;
+    for p in 0..w {
+        let mut theirs = vec![0u8; BLOCK_BYTES];
+        win.read(p, own_at, &mut theirs)?;
+        if theirs != block(p) {
+            bad.push(format!("rank {me}: one-sided read of rank {p}'s block: data differs"));
+        }
+        // SAFETY: all writes to our region finished before the barrier.
+        let landed = unsafe { std::slice::from_raw_parts(region.as_ptr().add(slots_at + p * BLOCK_BYTES), BLOCK_BYTES) };
+        if landed != block(p).as_slice() {
+            bad.push(format!("rank {me}: one-sided write from rank {p}: data differs"));
+        }
+    }
+    let mut all_olds = vec![0f64; 10 * w];
+    comm.allgather(&olds, &mut all_olds)?;
+    all_olds.sort_by(f64::total_cmp);
+    if all_olds.windows(2).any(|p| p[0] == p[1]) {
+        bad.push(format!("rank {me}: fetch-add returned the same old value twice (not atomic)"));
+    }
+    if me == 0 {
+        let total = win.fetch_add(0, counter_at, 0)?;
+        let want: u64 = (1..=w as u64).sum::<u64>() * 10;
+        if total != want {
+            bad.push(format!("rank 0: fetch-add counter is {total}, expected {want}"));
+        }
+    }
+    comm.barrier()?;
+    Ok(bad)
 }

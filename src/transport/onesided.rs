@@ -1,0 +1,297 @@
+//! One-sided operations — write, read, fetch-add into a peer's registered region — on
+//! every transport. On shm the peer's memfd region is mapped and accessed directly (atomics
+//! for fetch-add); on tcp a service thread on the target applies requests, so the target's
+//! application never takes part, as with RDMA. The remote-memory layer (token ring,
+//! parameter-server shards) is built on this.
+
+use crate::bootstrap::{auth, StoreClient};
+use crate::error::{invalid, Error, Result};
+use crate::mem::Region;
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+const OP_WRITE: u8 = 1;
+const OP_READ: u8 = 2;
+const OP_FADD: u8 = 3;
+const REQ_LEN: usize = 1 + 8 + 8 + 8;
+
+/// Regions this rank exposes to tcp peers, by window id.
+type Exposed = Arc<RwLock<HashMap<u64, Arc<Region>>>>;
+
+/// The tcp side's service: one thread accepting authenticated peers, one per connection.
+pub struct RmaService {
+    pub addr: String,
+    exposed: Exposed,
+}
+
+impl RmaService {
+    pub fn start(ip: std::net::IpAddr, secret: &str, context: &str, rank: usize) -> Result<Self> {
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| Error::io("bind one-sided service", e))?;
+        let addr = listener.local_addr().map_err(|e| Error::io("one-sided service address", e))?.to_string();
+        let exposed: Exposed = Arc::default();
+        let (ex, secret, context) = (exposed.clone(), secret.to_string(), context.to_string());
+        std::thread::Builder::new()
+            .name(format!("gradwire-rma-r{rank}"))
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    let Ok(mut s) = conn else { continue };
+                    let (ex, secret, context) = (ex.clone(), secret.clone(), context.clone());
+                    let _ = std::thread::Builder::new().name("gradwire-rma-conn".into()).spawn(move || {
+                        s.set_nodelay(true).ok();
+                        s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+                        if let Err(e) = auth::accept(&mut s, &secret, context.as_bytes()) {
+                            log::warn!("rank {rank}: one-sided service: {e}");
+                            return;
+                        }
+                        s.set_read_timeout(None).ok();
+                        if let Err(e) = serve(&mut s, &ex) {
+                            log::debug!("rank {rank}: one-sided client left: {e}");
+                        }
+                    });
+                }
+            })
+            .map_err(|e| Error::io("spawn one-sided service", e))?;
+        Ok(RmaService { addr, exposed })
+    }
+
+    pub fn expose(&self, id: u64, region: Arc<Region>) {
+        self.exposed.write().unwrap_or_else(|p| p.into_inner()).insert(id, region);
+    }
+}
+
+fn serve(s: &mut TcpStream, exposed: &Exposed) -> std::io::Result<()> {
+    let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    let mut req = [0u8; REQ_LEN];
+    loop {
+        s.read_exact(&mut req)?;
+        let u = |i: usize| u64::from_le_bytes(req[i..i + 8].try_into().unwrap_or_default());
+        let (op, win, off, arg) = (req[0], u(1), u(9) as usize, u(17));
+        let region = exposed.read().unwrap_or_else(|p| p.into_inner()).get(&win).cloned().ok_or_else(|| bad(format!("unknown window {win}")))?;
+        let len = if op == OP_FADD { 8 } else { arg as usize };
+        let ok = off.checked_add(len).is_some_and(|end| end <= region.len()) && (op != OP_FADD || off % 8 == 0);
+        // Status byte first: a bad request is refused, the connection stays usable.
+        match op {
+            OP_WRITE => {
+                let mut data = vec![0u8; len];
+                s.read_exact(&mut data)?;
+                if ok {
+                    // SAFETY: bounds checked; the window's owner accepted that peers write
+                    // here (it exposed the region for exactly this).
+                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), region.as_ptr().add(off), len) };
+                }
+                s.write_all(&[ok as u8])?;
+            }
+            OP_READ => {
+                let mut reply = vec![ok as u8];
+                if ok {
+                    // SAFETY: bounds checked; reads of exposed memory.
+                    reply.extend_from_slice(unsafe { std::slice::from_raw_parts(region.as_ptr().add(off), len) });
+                }
+                s.write_all(&reply)?;
+            }
+            OP_FADD => {
+                let mut reply = vec![ok as u8];
+                if ok {
+                    // SAFETY: 8-aligned (checked) word inside the region; all accesses to it
+                    // are atomic by protocol.
+                    let old = unsafe { &*(region.as_ptr().add(off) as *const AtomicU64) }.fetch_add(arg, Ordering::AcqRel);
+                    reply.extend_from_slice(&old.to_le_bytes());
+                }
+                s.write_all(&reply)?;
+            }
+            _ => return Err(bad(format!("unknown one-sided op {op}"))),
+        }
+    }
+}
+
+/// How this rank reaches one peer's part of a window.
+enum Target {
+    Own,
+    Mapped(Region),
+    Remote(Mutex<TcpStream>),
+}
+
+/// A window: every rank's exposed region, reachable by one-sided operations.
+pub struct Window {
+    id: u64,
+    rank: usize,
+    own: Arc<Region>,
+    targets: Vec<Target>,
+    lens: Vec<usize>,
+    timeout: Duration,
+}
+
+/// What a window needs from its communicator to connect.
+pub struct WindowSetup<'a> {
+    pub prefix: &'a str,
+    pub id: u64,
+    pub rank: usize,
+    pub world: usize,
+    /// Per peer: reach it through shared memory (same host) or tcp.
+    pub shm_peer: &'a [bool],
+    pub store: Option<&'a StoreClient>,
+    pub service: Option<&'a RmaService>,
+    pub secret: &'a str,
+    pub timeout: Duration,
+}
+
+impl Window {
+    /// Exposes `region` and connects to every peer's (collective: every rank calls it).
+    pub fn create(w: WindowSetup<'_>, region: Arc<Region>) -> Result<Window> {
+        let deadline = Instant::now() + w.timeout;
+        let fd = region.shared_fd().unwrap_or(-1);
+        if w.shm_peer.iter().any(|&s| s) && fd < 0 {
+            return Err(invalid("a window shared with ranks on this host needs a shared region (Region::shared / RegionKind::Shared)"));
+        }
+        if let Some(svc) = w.service {
+            svc.expose(w.id, region.clone());
+        }
+        let key = |r: usize| format!("{}/win{}/{r}", w.prefix, w.id);
+        let svc_addr = w.service.map(|s| s.addr.clone()).unwrap_or_default();
+        let mut targets = Vec::with_capacity(w.world);
+        let mut lens = vec![0; w.world];
+        if let Some(store) = w.store {
+            store.set(&key(w.rank), format!("{} {fd} {} {svc_addr}", std::process::id(), region.len()).as_bytes())?;
+        }
+        for p in 0..w.world {
+            if p == w.rank {
+                targets.push(Target::Own);
+                lens[p] = region.len();
+                continue;
+            }
+            let store = w.store.ok_or_else(|| invalid("no rendezvous store"))?;
+            let v = store.get(&key(p), deadline)?.ok_or_else(|| Error::Timeout {
+                rank: w.rank,
+                peer: p,
+                op: format!("window {} setup (peer never exposed its region)", w.id),
+                waited_ms: w.timeout.as_millis() as u64,
+            })?;
+            let text = String::from_utf8_lossy(&v).into_owned();
+            let f: Vec<&str> = text.split(' ').collect();
+            let (Some(pid), Some(pfd), Some(len), Some(addr)) =
+                (f.first().and_then(|x| x.parse::<u32>().ok()), f.get(1).and_then(|x| x.parse::<i32>().ok()), f.get(2).and_then(|x| x.parse::<usize>().ok()), f.get(3))
+            else {
+                return Err(Error::Protocol(format!("rank {p} published a malformed window handle {text:?}")));
+            };
+            lens[p] = len;
+            targets.push(if w.shm_peer[p] {
+                Target::Mapped(Region::open_shared(pid, pfd, len)?)
+            } else {
+                let s = auth::dial(addr, w.secret, format!("rma:{}", w.prefix).as_bytes(), deadline, &format!("rank {p}'s one-sided service"))?;
+                s.set_read_timeout(Some(w.timeout)).ok();
+                s.set_write_timeout(Some(w.timeout)).ok();
+                Target::Remote(Mutex::new(s))
+            });
+        }
+        Ok(Window { id: w.id, rank: w.rank, own: region, targets, lens, timeout: w.timeout })
+    }
+
+    /// Bytes rank `peer` exposed.
+    pub fn len_of(&self, peer: usize) -> usize {
+        self.lens.get(peer).copied().unwrap_or(0)
+    }
+
+    /// This rank's own exposed region.
+    pub fn local(&self) -> &Arc<Region> {
+        &self.own
+    }
+
+    fn check(&self, peer: usize, off: usize, len: usize, what: &str) -> Result<()> {
+        if peer >= self.targets.len() {
+            return Err(invalid(format!("{what}: rank {peer} is not in this window")));
+        }
+        if off.checked_add(len).is_none_or(|e| e > self.lens[peer]) {
+            return Err(invalid(format!("{what}: [{off}, {off}+{len}) is outside rank {peer}'s {} bytes", self.lens[peer])));
+        }
+        Ok(())
+    }
+
+    fn base(&self, peer: usize) -> Option<*mut u8> {
+        match &self.targets[peer] {
+            Target::Own => Some(self.own.as_ptr()),
+            Target::Mapped(r) => Some(r.as_ptr()),
+            Target::Remote(_) => None,
+        }
+    }
+
+    fn remote(&self, peer: usize, req: &[u8], payload: &[u8], reply: &mut [u8], what: &str) -> Result<()> {
+        let Target::Remote(conn) = &self.targets[peer] else { return Err(invalid("not a remote peer")) };
+        let mut s = conn.lock().unwrap_or_else(|p| p.into_inner());
+        let lost = |e: std::io::Error| {
+            let cause = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+                format!("no answer within {} ms", self.timeout.as_millis())
+            } else {
+                format!("{e} (process exited or was killed?)")
+            };
+            Error::PeerLost { rank: self.rank, peer, op: what.into(), cause }
+        };
+        let mut msg = req.to_vec();
+        msg.extend_from_slice(payload);
+        s.write_all(&msg).map_err(lost)?;
+        let mut status = [0u8; 1];
+        s.read_exact(&mut status).map_err(lost)?;
+        if status[0] != 1 {
+            return Err(Error::Protocol(format!("rank {}: rank {peer} refused {what}", self.rank)));
+        }
+        s.read_exact(reply).map_err(lost)
+    }
+
+    fn request(op: u8, off: usize, arg: u64) -> [u8; REQ_LEN] {
+        let mut r = [0u8; REQ_LEN];
+        r[0] = op;
+        r[9..17].copy_from_slice(&(off as u64).to_le_bytes());
+        r[17..25].copy_from_slice(&arg.to_le_bytes());
+        r
+    }
+
+    fn with_id(&self, mut r: [u8; REQ_LEN]) -> [u8; REQ_LEN] {
+        r[1..9].copy_from_slice(&self.id.to_le_bytes());
+        r
+    }
+
+    /// Writes `data` at `off` in `peer`'s region; complete (visible there) on return.
+    pub fn write(&self, peer: usize, off: usize, data: &[u8]) -> Result<()> {
+        self.check(peer, off, data.len(), "one-sided write")?;
+        match self.base(peer) {
+            // SAFETY: bounds checked; the owner exposed the region for peer writes.
+            Some(b) => unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), b.add(off), data.len()) },
+            None => self.remote(peer, &self.with_id(Self::request(OP_WRITE, off, data.len() as u64)), data, &mut [], "one-sided write")?,
+        }
+        std::sync::atomic::fence(Ordering::Release);
+        Ok(())
+    }
+
+    /// Reads `buf.len()` bytes at `off` from `peer`'s region.
+    pub fn read(&self, peer: usize, off: usize, buf: &mut [u8]) -> Result<()> {
+        self.check(peer, off, buf.len(), "one-sided read")?;
+        std::sync::atomic::fence(Ordering::Acquire);
+        match self.base(peer) {
+            // SAFETY: bounds checked.
+            Some(b) => unsafe { std::ptr::copy_nonoverlapping(b.add(off), buf.as_mut_ptr(), buf.len()) },
+            None => self.remote(peer, &self.with_id(Self::request(OP_READ, off, buf.len() as u64)), &[], buf, "one-sided read")?,
+        }
+        Ok(())
+    }
+
+    /// Atomically adds `value` to the u64 at `off` (8-aligned) in `peer`'s region and
+    /// returns the previous value.
+    pub fn fetch_add(&self, peer: usize, off: usize, value: u64) -> Result<u64> {
+        self.check(peer, off, 8, "one-sided fetch-add")?;
+        if off % 8 != 0 {
+            return Err(invalid(format!("one-sided fetch-add: offset {off} is not 8-aligned")));
+        }
+        match self.base(peer) {
+            // SAFETY: aligned word inside the mapping; every access to it is atomic.
+            Some(b) => Ok(unsafe { &*(b.add(off) as *const AtomicU64) }.fetch_add(value, Ordering::AcqRel)),
+            None => {
+                let mut old = [0u8; 8];
+                self.remote(peer, &self.with_id(Self::request(OP_FADD, off, value)), &[], &mut old, "one-sided fetch-add")?;
+                Ok(u64::from_le_bytes(old))
+            }
+        }
+    }
+}
