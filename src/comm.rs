@@ -5,9 +5,9 @@ use crate::bootstrap::{Bootstrap, StoreClient, Topology};
 use crate::config::{Config, TransportChoice};
 use crate::engine::{Engine, EngineState, Job, Work};
 use crate::error::{config, Result};
-use crate::transport::shm::{ShmDomain, ShmLink};
 use crate::mem::Region;
 use crate::transport::onesided::{RmaService, Window, WindowSetup};
+use crate::transport::shm::{ShmDomain, ShmLink};
 use crate::transport::{tcp, LinkTable, Links};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -48,9 +48,14 @@ impl Communicator {
     /// every peer within `GRADWIRE_TIMEOUT_MS`.
     pub fn init() -> Result<Self> {
         crate::config::init_logging();
-        let cfg = Config::from_env()?;
+        Self::with_env(crate::bootstrap::RankEnv::from_env()?, Config::from_env()?)
+    }
+
+    /// Joins a job described by `env` with settings `cfg` (for embedding and tests; `init`
+    /// reads both from the process environment).
+    pub fn with_env(env: crate::bootstrap::RankEnv, cfg: Config) -> Result<Self> {
         let deadline = Instant::now() + cfg.timeout;
-        let boot = Arc::new(Bootstrap::from_env(deadline)?);
+        let boot = Arc::new(Bootstrap::new(env, deadline)?);
         let (rank, size) = (boot.env.rank, boot.env.world);
         let topo = boot.topology.clone();
         let store = boot.store.clone();

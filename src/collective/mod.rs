@@ -245,18 +245,37 @@ impl Communicator {
             let p = p;
             // SAFETY: `buf` is exclusively borrowed until wait() below returns.
             let bytes = unsafe { std::slice::from_raw_parts_mut(p.0, len) };
-            st.links.exchange(&call, &mut [], &mut [RecvOp { peer, step: 0, sink: Sink::Copy(bytes) }], deadline)
+            st.links.exchange(
+                &call,
+                &mut [],
+                &mut [RecvOp {
+                    peer,
+                    step: 0,
+                    sink: Sink::Copy(bytes),
+                }],
+                deadline,
+            )
         });
         self.submit(call.to_string(), job).wait()
     }
 
     fn p2p_call<T: Element>(&self, peer: usize, tag: u32, count: usize, sending: bool) -> Result<CallHeader> {
         if peer >= self.size() || peer == self.rank() {
-            return Err(invalid(format!("send/recv peer {peer}: must be another rank of this communicator (size {})", self.size())));
+            return Err(invalid(format!(
+                "send/recv peer {peer}: must be another rank of this communicator (size {})",
+                self.size()
+            )));
         }
         let counters = if sending { &self.p2p_sent } else { &self.p2p_received };
         let seq = counters[peer].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(CallHeader { op: OpKind::Send, dtype: T::DTYPE, redop: ReduceOp::Sum, root: tag, count: count as u64, seq })
+        Ok(CallHeader {
+            op: OpKind::Send,
+            dtype: T::DTYPE,
+            redop: ReduceOp::Sum,
+            root: tag,
+            count: count as u64,
+            seq,
+        })
     }
 
     /// Non-blocking barrier.

@@ -1,0 +1,88 @@
+//! Engine behaviour inside one process (ranks as threads over real sockets): abort wakes
+//! every waiter, queued work fails too, and non-blocking work completes in order.
+
+use gradwire::bootstrap::RankEnv;
+use gradwire::{Communicator, Config, ReduceOp, TransportChoice};
+use std::time::{Duration, Instant};
+
+fn env(rank: usize, world: usize, port: u16) -> RankEnv {
+    RankEnv {
+        rank,
+        world,
+        local_rank: None,
+        local_world: None,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        secret: "engine-test-secret".into(),
+    }
+}
+
+fn cfg(timeout_ms: u64) -> Config {
+    let mut c = Config::from_env().unwrap();
+    c.timeout = Duration::from_millis(timeout_ms);
+    c.transport = TransportChoice::Tcp;
+    c
+}
+
+fn port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn pair(timeout_ms: u64) -> (Communicator, Communicator) {
+    let p = port();
+    let t = std::thread::spawn(move || Communicator::with_env(env(1, 2, p), cfg(timeout_ms)).unwrap());
+    let c0 = Communicator::with_env(env(0, 2, p), cfg(timeout_ms)).unwrap();
+    (c0, t.join().unwrap())
+}
+
+#[test]
+fn abort_wakes_every_waiter() {
+    let (c0, _c1) = pair(30_000);
+    // Rank 1 never joins: rank 0's operations would wait 30 s without the abort.
+    let first = c0.iallreduce(vec![1f32; 1000], ReduceOp::Sum).unwrap();
+    let queued = c0.iallreduce(vec![2f32; 10], ReduceOp::Sum).unwrap();
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            c0.abort();
+        });
+        let e1 = first.wait().unwrap_err().to_string();
+        let e2 = queued.wait().unwrap_err().to_string();
+        assert!(e1.contains("abort"), "{e1}");
+        assert!(e2.contains("abort") || e2.contains("unusable"), "{e2}");
+    });
+    assert!(start.elapsed() < Duration::from_secs(10), "abort took {:?}", start.elapsed());
+    // Later calls fail at once, with the reason.
+    let e = c0.barrier().unwrap_err().to_string();
+    assert!(e.contains("unusable") || e.contains("abort"), "{e}");
+}
+
+#[test]
+fn deadline_names_the_silent_rank() {
+    let (c0, _c1) = pair(500);
+    let start = Instant::now();
+    let e = c0.allreduce(&mut [1f64; 4], ReduceOp::Max).unwrap_err().to_string();
+    assert!(e.contains("timed out") && e.contains("rank 1") && e.contains("allreduce#0"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+}
+
+#[test]
+fn nonblocking_overlap_and_order() {
+    let (c0, c1) = pair(30_000);
+    let run = |c: &Communicator| {
+        let r = c.rank() as f32;
+        let a = c.iallreduce(vec![r + 1.0; 100_003], ReduceOp::Sum).unwrap();
+        let b = c.ibroadcast(vec![r * 10.0; 17], 1).unwrap();
+        let barrier = c.ibarrier().unwrap();
+        let a = a.wait().unwrap();
+        let b = b.wait().unwrap();
+        barrier.wait().unwrap();
+        assert!(a.iter().all(|&x| x == 3.0));
+        assert!(b.iter().all(|&x| x == 10.0));
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| run(&c1));
+        run(&c0);
+    });
+}
