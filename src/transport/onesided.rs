@@ -164,10 +164,10 @@ impl Window {
         if let Some(store) = w.store {
             store.set(&key(w.rank), format!("{} {fd} {} {svc_addr}", std::process::id(), region.len()).as_bytes())?;
         }
-        for p in 0..w.world {
+        for (p, peer_len) in lens.iter_mut().enumerate() {
             if p == w.rank {
                 targets.push(Target::Own);
-                lens[p] = region.len();
+                *peer_len = region.len();
                 continue;
             }
             let store = w.store.ok_or_else(|| invalid("no rendezvous store"))?;
@@ -187,7 +187,7 @@ impl Window {
             ) else {
                 return Err(Error::Protocol(format!("rank {p} published a malformed window handle {text:?}")));
             };
-            lens[p] = len;
+            *peer_len = len;
             targets.push(if w.shm_peer[p] {
                 Target::Mapped(Region::open_shared(pid, pfd, len)?)
             } else {
