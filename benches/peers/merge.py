@@ -179,8 +179,8 @@ def main() -> int:
     if len(parts) == 2 and "," in parts[0]:
         pp = dict(zip(parts[0].split(","), parts[1].split(",")))
         pingpong = (f"{pp.get('rtt_us_mean')} µs mean, {pp.get('rtt_us_min')} µs min "
-                    "(blocking reads: the wake-up latency floor for a transport that "
-                    "sleeps while it waits, as Gloo does)")
+                    "(8-byte messages, blocking reads: the latency floor for a transport "
+                    "that sleeps in the kernel while it waits)")
 
     out = []
     w = out.append

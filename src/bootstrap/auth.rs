@@ -150,3 +150,37 @@ pub fn dial(addr: &str, secret: &str, context: &[u8], deadline: std::time::Insta
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// Serves `listener` on a background thread: every connection gets its own thread, must
+/// prove the job secret (bound to `context`) within 10 s, and is then handed to `serve`.
+/// Refused connections are logged with the peer's address.
+pub fn serve_authenticated<F>(listener: std::net::TcpListener, secret: &str, context: &str, name: &str, serve: F) -> crate::error::Result<()>
+where
+    F: Fn(&mut TcpStream) -> std::io::Result<()> + Send + Sync + 'static,
+{
+    let serve = std::sync::Arc::new(serve);
+    let (secret, context, who) = (secret.to_string(), context.to_string(), name.to_string());
+    std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut s) = conn else { continue };
+                let (serve, secret, context, who) = (serve.clone(), secret.clone(), context.clone(), who.clone());
+                let _ = std::thread::Builder::new().name(format!("{who}-conn")).spawn(move || {
+                    s.set_nodelay(true).ok();
+                    // A client that never finishes the handshake must not hold a thread forever.
+                    s.set_read_timeout(Some(std::time::Duration::from_secs(10))).ok();
+                    if let Err(e) = accept(&mut s, &secret, context.as_bytes()) {
+                        log::warn!("{who}: {e}");
+                        return;
+                    }
+                    s.set_read_timeout(None).ok();
+                    if let Err(e) = serve(&mut s) {
+                        log::debug!("{who}: client left: {e}");
+                    }
+                });
+            }
+        })
+        .map_err(|e| Error::io(format!("spawn {name}"), e))?;
+    Ok(())
+}

@@ -9,7 +9,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-const CONTEXT: &[u8] = b"store";
+const CONTEXT: &str = "store";
 const SET: u8 = b'S';
 const GET: u8 = b'G';
 const ADD: u8 = b'A';
@@ -27,29 +27,7 @@ impl StoreServer {
         let listener = TcpListener::bind(bind).map_err(|e| Error::io(format!("bind rendezvous store on {bind} (port taken?)"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::io("store address", e))?;
         let table: Table = Arc::new((Mutex::new(HashMap::new()), Condvar::new()));
-        let secret = secret.to_string();
-        std::thread::Builder::new()
-            .name("gradwire-store".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    let Ok(mut s) = conn else { continue };
-                    let (table, secret) = (table.clone(), secret.clone());
-                    let _ = std::thread::Builder::new().name("gradwire-store-conn".into()).spawn(move || {
-                        s.set_nodelay(true).ok();
-                        // A client that never finishes the handshake must not hold a thread forever.
-                        s.set_read_timeout(Some(Duration::from_secs(10))).ok();
-                        if let Err(e) = auth::accept(&mut s, &secret, CONTEXT) {
-                            log::warn!("rendezvous store: {e}");
-                            return;
-                        }
-                        s.set_read_timeout(None).ok();
-                        if let Err(e) = serve(&mut s, &table) {
-                            log::debug!("rendezvous store client left: {e}");
-                        }
-                    });
-                }
-            })
-            .map_err(|e| Error::io("spawn store thread", e))?;
+        auth::serve_authenticated(listener, secret, CONTEXT, "rendezvous store", move |s| serve(s, &table))?;
         Ok(StoreServer { addr })
     }
 }
@@ -126,7 +104,7 @@ pub struct StoreClient {
 impl StoreClient {
     /// Connects (retrying until `deadline` while rank 0 starts) and authenticates.
     pub fn connect(addr: &str, secret: &str, deadline: Instant) -> Result<Self> {
-        let s = auth::dial(addr, secret, CONTEXT, deadline, "rendezvous store")?;
+        let s = auth::dial(addr, secret, CONTEXT.as_bytes(), deadline, "rendezvous store")?;
         Ok(StoreClient {
             conn: Mutex::new(s),
             addr: addr.to_string(),

