@@ -188,14 +188,17 @@ if has_tool gradwire; then
     if [ "$GW_STATUS" = ok ]; then
         if [ ! -x "$GW" ]; then
             GW_STATUS="n/a (no target/release/gradwire)"
-        elif ! "$GW" bench allreduce --help 2>&1 | grep -q -- '--csv' ||
-             ! "$GW" launch --help 2>&1 | grep -q -- '--timeout'; then
+        elif [[ "$("$GW" bench allreduce --help 2>&1)" != *--csv* ]] ||
+             [[ "$("$GW" launch --help 2>&1)" != *--timeout* ]]; then
             GW_STATUS="n/a (gradwire has no 'launch' / 'bench allreduce --csv' yet)"
         fi
     fi
 else
     GW_STATUS="not run (--tools)"
 fi
+# `gradwire launch` also starts the Gloo ranks, when it exists.
+LAUNCH_OK=0
+if [ -x "$GW" ] && [[ "$("$GW" launch --help 2>&1)" == *--timeout* ]]; then LAUNCH_OK=1; fi
 GW_OK=0; [ "$GW_STATUS" = ok ] && GW_OK=1
 [ -n "${GRADWIRE_BIN:-}" ] && GW_STATUS+=" (GRADWIRE_BIN=$GRADWIRE_BIN)"
 meta gradwire_status "$GW_STATUS"
@@ -225,10 +228,10 @@ meta python_version "$("$PYTHON" --version 2>&1)"
 
 # Gloo is started by `gradwire launch` (torchrun-style env); until that exists,
 # by torch's own launcher (torchrun) so the Gloo columns still fill in.
-if [ "$GW_OK" = 1 ]; then
-    GLOO_LAUNCHER=gradwire
+if [ "$LAUNCH_OK" = 1 ]; then
+    GLOO_LAUNCHER="gradwire launch"
 else
-    GLOO_LAUNCHER=torchrun
+    GLOO_LAUNCHER="torchrun (gradwire launch unavailable)"
 fi
 meta gloo_launcher "$GLOO_LAUNCHER"
 
@@ -315,7 +318,7 @@ for rep in $(seq 1 "$REPEATS"); do
 
         # Gloo: TCP only, run once per (W, repeat), shown beside every transport.
         if [ "$GLOO_STATUS" = ok ]; then
-            if [ "$GLOO_LAUNCHER" = gradwire ]; then
+            if [ "$LAUNCH_OK" = 1 ]; then
                 launcher=("$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" --)
             else
                 launcher=("$PYTHON" -m torch.distributed.run --standalone --no-python --nproc-per-node "$w")

@@ -108,8 +108,15 @@ def tool_key(tool, w, transport):
     return (tool, w, "tcp" if tool == "gloo" else transport)
 
 
-def table(data, w, transport):
+def table(data, status, w, transport):
     keys = {t: tool_key(t, w, transport) for t, _ in TOOLS}
+    # A tool with no data at all in this table: say why in its cells.
+    absent = {}
+    for t, _ in TOOLS:
+        if not data[keys[t]]:
+            why = [x.split(": ", 1)[-1] for x in status.get(keys[t], [])]
+            reason = why[0] if why else "no data"
+            absent[t] = reason if reason.startswith(("n/a", "not run")) else f"n/a ({reason})"
     sizes = sorted(set().union(*(data[keys[t]].keys() for t, _ in TOOLS)))
     def label(t, n):
         return f"{n} (tcp)" if t == "gloo" and transport != "tcp" else n
@@ -124,7 +131,7 @@ def table(data, w, transport):
         med = {}
         for t, _ in TOOLS:
             vals = [r["busbw"] for r in data[keys[t]].get(size, [])]
-            cells.append(fmt_bw(vals))
+            cells.append(absent[t] if t in absent else fmt_bw(vals))
             if vals:
                 med[t] = statistics.median(vals)
         peers = [med[p] for p in PEERS if p in med]
@@ -136,12 +143,14 @@ def table(data, w, transport):
         else:
             cells.append("n/a")
         for t, _ in TOOLS:
-            cells.append(fmt_us([r["time_us"] for r in data[keys[t]].get(size, [])]))
+            cells.append("n/a" if t in absent else
+                         fmt_us([r["time_us"] for r in data[keys[t]].get(size, [])]))
         wrong = []
         for t, _ in TOOLS:
             rows = data[keys[t]].get(size, [])
             ws = [r["wrong"] for r in rows if r["wrong"] is not None]
-            wrong.append(str(max(ws)) if ws else ("unchecked" if rows else "—"))
+            wrong.append(str(max(ws)) if ws else ("unchecked" if rows else
+                                                  ("n/a" if t in absent else "—")))
         cells.append(" / ".join(wrong))
         lines.append("| " + " | ".join(cells) + " |")
     return lines, ratios
@@ -242,7 +251,7 @@ def main() -> int:
     summary = []
     for wsz in ranks:
         for tr in transports:
-            lines, ratios = table(data, wsz, tr)
+            lines, ratios = table(data, status, wsz, tr)
             w(f"## W = {wsz}, transport = {tr}")
             w("")
             if len(lines) <= 2:
