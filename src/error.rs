@@ -22,6 +22,11 @@ pub enum Error {
     #[error("rank {rank}: timed out after {waited_ms} ms in {op} waiting for rank {peer}")]
     Timeout { rank: usize, peer: usize, op: String, waited_ms: u64 },
 
+    /// A bounded wait on a non-blocking operation ended before the operation did; the
+    /// operation goes on and can be waited for again.
+    #[error("the operation is still running after {waited_ms} ms; wait for it again")]
+    StillRunning { waited_ms: u64 },
+
     /// A peer went away (process died, connection closed) during an operation.
     #[error("rank {rank}: lost rank {peer} during {op}: {cause}")]
     PeerLost { rank: usize, peer: usize, op: String, cause: String },
@@ -69,7 +74,7 @@ impl Error {
         match self {
             Error::Config(_) => -2,
             Error::InvalidArgument(_) => -3,
-            Error::Timeout { .. } => -4,
+            Error::Timeout { .. } | Error::StillRunning { .. } => -4,
             Error::PeerLost { .. } => -5,
             Error::Mismatch { .. } => -6,
             Error::Aborted { .. } => -7,

@@ -9,6 +9,7 @@
 //! | transport | [`transport`] | point-to-point links (`shm`, `tcp`) and the framed, checked exchange on top |
 //! | engine | [`engine`] | progress thread per communicator, `Work` handles, deadlines, abort |
 //! | collectives | [`collective`], [`comm`] | the algorithms and the `Communicator` API |
+//! | C ABI | [`ffi`] + `ffi/gradwire.h` | the stable C interface other frameworks link |
 //! | CLI | `src/bin` | `gradwire launch`, `bench`, `info`, `check` |
 
 pub mod bootstrap;
@@ -18,6 +19,7 @@ pub mod config;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod ffi;
 pub mod mem;
 pub mod transport;
 

@@ -80,8 +80,10 @@ impl RankEnv {
                 return Err(config(format!("local rank {lr} is not below local world size {lw}")));
             }
         }
-        let addr = agreeing(lookup, &["GRADWIRE_MASTER_ADDR", "MASTER_ADDR"])?;
-        let port = agreeing(lookup, &["GRADWIRE_MASTER_PORT", "MASTER_PORT"])?;
+        // GRADWIRE_MASTER_* override MASTER_* (rather than contradict them) so gradwire's
+        // store can run beside torch.distributed's, which owns MASTER_PORT.
+        let addr = get(lookup, "GRADWIRE_MASTER_ADDR").or_else(|| get(lookup, "MASTER_ADDR"));
+        let port = get(lookup, "GRADWIRE_MASTER_PORT").or_else(|| get(lookup, "MASTER_PORT"));
         let secret = get(lookup, "GRADWIRE_JOB_SECRET");
         let (master_addr, master_port, secret) = if w == 1 {
             // A single rank needs no rendezvous; take what is given, if anything.
@@ -174,6 +176,12 @@ mod tests {
         assert!(err.contains("GRADWIRE_JOB_SECRET"), "{err}");
         let err = env(&with(&[("RANK", "0"), ("WORLD_SIZE", "0")])).unwrap_err().to_string();
         assert!(err.contains("at least 1"), "{err}");
+    }
+
+    #[test]
+    fn gradwire_master_port_overrides() {
+        let e = env(&with(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("GRADWIRE_MASTER_PORT", "29501")])).unwrap();
+        assert_eq!(e.master_port, 29501);
     }
 
     #[test]

@@ -1,0 +1,106 @@
+/*
+ * gradwire.h — the C interface of gradwire (C99).
+ *
+ * This header is the single source of truth of the ABI: tests/ffi_header.rs parses it
+ * with bindgen and checks every declared function against the Rust exports.
+ *
+ * Conventions
+ *   - Every function returns GRADWIRE_OK (0) or a negative gradwire_result_t; the text of
+ *     the last error on the calling thread is gradwire_last_error().
+ *   - Handles are opaque. Passing NULL, a handle that was finalized/freed, an unknown enum
+ *     value, or a count whose byte size overflows returns GRADWIRE_ERR_INVALID_ARGUMENT;
+ *     nothing crosses this boundary as a panic or abort.
+ *   - Blocking calls return when the operation is complete on this rank, or with an error
+ *     naming the peer rank and the operation once GRADWIRE_TIMEOUT_MS has passed.
+ *   - A communicator may be used from several threads; operations on it run in the order
+ *     they were issued. gradwire_finalize must not race with other calls on the same
+ *     communicator.
+ */
+#ifndef GRADWIRE_H
+#define GRADWIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct gradwire_comm gradwire_comm_t;
+typedef struct gradwire_work gradwire_work_t;
+
+typedef enum {
+    GRADWIRE_FLOAT32 = 0,
+    GRADWIRE_FLOAT64 = 1,
+    GRADWIRE_FLOAT16 = 2,
+    GRADWIRE_BFLOAT16 = 3
+} gradwire_dtype_t;
+
+typedef enum {
+    GRADWIRE_SUM = 0,
+    GRADWIRE_AVG = 1,
+    GRADWIRE_MIN = 2,
+    GRADWIRE_MAX = 3
+} gradwire_op_t;
+
+/* Result codes (0 = success, every error is negative). */
+typedef enum {
+    GRADWIRE_OK = 0,
+    GRADWIRE_ERR_INTERNAL = -1,         /* a bug in gradwire: please report the error text */
+    GRADWIRE_ERR_CONFIG = -2,           /* environment / settings missing or malformed */
+    GRADWIRE_ERR_INVALID_ARGUMENT = -3, /* NULL, dead handle, unknown enum, overflow, bad rank */
+    GRADWIRE_ERR_TIMEOUT = -4,          /* a deadline passed (for gradwire_wait: work still running) */
+    GRADWIRE_ERR_PEER_LOST = -5,        /* a peer process died or its connection closed */
+    GRADWIRE_ERR_MISMATCH = -6,         /* ranks issued different collective calls */
+    GRADWIRE_ERR_ABORTED = -7,          /* the communicator was aborted (here or by a peer) */
+    GRADWIRE_ERR_AUTH = -8,             /* a peer failed the job-secret check */
+    GRADWIRE_ERR_PROTOCOL = -9,         /* malformed message from a peer */
+    GRADWIRE_ERR_SYSTEM = -10,          /* an operating-system call failed */
+    GRADWIRE_ERR_UNSUPPORTED = -11      /* not available in this build or on this host */
+} gradwire_result_t;
+
+/* Joins the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+ * GRADWIRE_JOB_SECRET, ...; see the README). */
+int gradwire_init(gradwire_comm_t **comm);
+int gradwire_comm_rank(const gradwire_comm_t *comm, int *rank);
+int gradwire_comm_size(const gradwire_comm_t *comm, int *size);
+/* Splits by color (ranks with equal color form one communicator, ordered by key then rank).
+ * A negative color joins no group: *newcomm is set to NULL. Collective over comm. */
+int gradwire_comm_split(gradwire_comm_t *comm, int color, int key, gradwire_comm_t **newcomm);
+
+/* In place if sendbuf == recvbuf; otherwise the buffers must not overlap. */
+int gradwire_allreduce(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf,
+                       size_t count, gradwire_dtype_t dtype, gradwire_op_t op);
+/* Non-blocking allreduce: the buffers must stay valid and untouched until the work is
+ * waited for successfully. */
+int gradwire_iallreduce(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf,
+                        size_t count, gradwire_dtype_t dtype, gradwire_op_t op,
+                        gradwire_work_t **work);
+/* Waits for work. timeout_ms < 0 waits for completion (bounded by the operation's own
+ * deadline). Frees work when it has completed (successfully or not); returns
+ * GRADWIRE_ERR_TIMEOUT and keeps work valid when it is still running after timeout_ms. */
+int gradwire_wait(gradwire_work_t *work, int64_t timeout_ms);
+int gradwire_broadcast(gradwire_comm_t *comm, void *buf, size_t count, gradwire_dtype_t dtype, int root);
+/* recvbuf holds size * sendcount elements; part r comes from rank r. */
+int gradwire_allgather(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t sendcount,
+                       gradwire_dtype_t dtype);
+/* sendbuf holds size * recvcount elements; rank r receives the reduction of part r. */
+int gradwire_reduce_scatter(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t recvcount,
+                            gradwire_dtype_t dtype, gradwire_op_t op);
+int gradwire_barrier(gradwire_comm_t *comm);
+
+/* Page-aligned memory shared with the ranks of this host (registered, zero-copy). */
+int gradwire_alloc(gradwire_comm_t *comm, size_t bytes, void **ptr);
+int gradwire_free(gradwire_comm_t *comm, void *ptr);
+/* Releases the communicator and every allocation made through it. */
+int gradwire_finalize(gradwire_comm_t *comm);
+
+/* Text of the last error on this thread ("" if none); valid until the next gradwire call
+ * on this thread. */
+const char *gradwire_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GRADWIRE_H */

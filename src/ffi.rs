@@ -1,0 +1,353 @@
+//! The C ABI (`ffi/gradwire.h`): error codes plus thread-local error text, opaque handles,
+//! and no undefined behaviour at the boundary.
+//!
+//! Handles given to C are opaque ids, not addresses: every call looks its handle up in a
+//! registry, so NULL, a finalized communicator, a waited-for work or a pointer that never
+//! came from gradwire is an error, never a dereference. Every body runs under
+//! `catch_unwind`, so a bug surfaces as `GRADWIRE_ERR_INTERNAL`, not as an abort of the
+//! host process.
+#![allow(non_camel_case_types)]
+
+use crate::collective::Request;
+use crate::comm::Communicator;
+use crate::dtype::{DType, ReduceOp};
+use crate::engine::Work;
+use crate::error::{invalid, Error, Result};
+use crate::mem::Region;
+use crate::transport::frame::OpKind;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_uint, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+/// Opaque communicator handle (never dereferenced; its address is a registry id).
+pub enum gradwire_comm {}
+/// Opaque work handle.
+pub enum gradwire_work {}
+pub type gradwire_comm_t = gradwire_comm;
+pub type gradwire_work_t = gradwire_work;
+pub type gradwire_dtype_t = c_uint;
+pub type gradwire_op_t = c_uint;
+
+pub const GRADWIRE_OK: c_int = 0;
+/// A caught panic: a gradwire bug.
+pub const GRADWIRE_ERR_INTERNAL: c_int = -1;
+
+#[derive(Default)]
+struct Registry {
+    next: u64,
+    comms: HashMap<u64, Arc<Communicator>>,
+    works: HashMap<u64, Work>,
+    /// Allocations by address, with the communicator that made them.
+    allocs: HashMap<usize, (u64, Region)>,
+}
+
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    static REG: OnceLock<Mutex<Registry>> = OnceLock::new();
+    REG.get_or_init(Mutex::default).lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Registry {
+    fn id(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+}
+
+/// Ids become pointer values with the low bits clear, so they look like aligned pointers.
+fn to_handle<T>(id: u64) -> *mut T {
+    (id << 4) as usize as *mut T
+}
+
+fn handle_id<T>(p: *const T) -> u64 {
+    (p as usize as u64) >> 4
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_last_error(msg: String) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Runs `f`, turning errors into codes plus error text and panics into
+/// `GRADWIRE_ERR_INTERNAL`.
+fn guard(f: impl FnOnce() -> Result<()>) -> c_int {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => GRADWIRE_OK,
+        Ok(Err(e)) => {
+            set_last_error(e.to_string());
+            e.code()
+        }
+        Err(panic) => {
+            let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+            set_last_error(format!("internal error (a gradwire bug, please report): {what}"));
+            GRADWIRE_ERR_INTERNAL
+        }
+    }
+}
+
+fn comm(p: *const gradwire_comm_t, what: &str) -> Result<(u64, Arc<Communicator>)> {
+    if p.is_null() {
+        return Err(invalid(format!("{what}: comm is NULL")));
+    }
+    let id = handle_id(p);
+    registry().comms.get(&id).cloned().map(|c| (id, c)).ok_or_else(|| invalid(format!("{what}: comm is not a live communicator (finalized, or not from gradwire_init?)")))
+}
+
+fn out<T>(p: *mut T, what: &str, name: &str) -> Result<()> {
+    if p.is_null() {
+        Err(invalid(format!("{what}: {name} is NULL")))
+    } else {
+        Ok(())
+    }
+}
+
+fn dtype(v: gradwire_dtype_t, what: &str) -> Result<DType> {
+    u8::try_from(v).ok().and_then(|v| DType::from_u8(v).ok()).ok_or_else(|| invalid(format!("{what}: unknown dtype {v} (expected GRADWIRE_FLOAT32..GRADWIRE_BFLOAT16)")))
+}
+
+fn redop(v: gradwire_op_t, what: &str) -> Result<ReduceOp> {
+    u8::try_from(v).ok().and_then(|v| ReduceOp::from_u8(v).ok()).ok_or_else(|| invalid(format!("{what}: unknown op {v} (expected GRADWIRE_SUM..GRADWIRE_MAX)")))
+}
+
+/// Validates buffers for `req` and starts it. `in_place_ok`: send == recv is allowed.
+fn start(c: &Communicator, req: Request, send: *const c_void, recv: *mut c_void, what: &str) -> Result<Work> {
+    let (slen, rlen) = req.lengths(c.size()).map_err(|e| invalid(format!("{what}: {e}")))?;
+    if slen > 0 && send.is_null() {
+        return Err(invalid(format!("{what}: sendbuf is NULL")));
+    }
+    if rlen > 0 && recv.is_null() {
+        return Err(invalid(format!("{what}: recvbuf is NULL")));
+    }
+    let (s, r) = (send as usize, recv as usize);
+    let in_place_ok = matches!(req.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
+    if slen > 0 && rlen > 0 && !(in_place_ok && s == r) && s < r.saturating_add(rlen) && r < s.saturating_add(slen) {
+        return Err(invalid(format!("{what}: sendbuf and recvbuf overlap{}", if in_place_ok { " (pass the same pointer for in place)" } else { "" })));
+    }
+    // SAFETY: non-null, non-overlapping (or identical) buffers of the sizes the C contract
+    // documents; the caller keeps them valid until the work completes.
+    unsafe { c.start(req, send as *const u8, recv as *mut u8) }
+}
+
+fn blocking(p: *mut gradwire_comm_t, req: Request, send: *const c_void, recv: *mut c_void, what: &str) -> c_int {
+    guard(|| {
+        let (_, c) = comm(p, what)?;
+        start(&c, req, send, recv, what)?.wait()
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_init(comm_out: *mut *mut gradwire_comm_t) -> c_int {
+    guard(|| {
+        out(comm_out, "gradwire_init", "comm")?;
+        let c = Communicator::init()?;
+        let mut reg = registry();
+        let id = reg.id();
+        reg.comms.insert(id, Arc::new(c));
+        // SAFETY: checked non-null; the caller passes a pointer to a handle variable.
+        unsafe { *comm_out = to_handle(id) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_comm_rank(comm_p: *const gradwire_comm_t, rank: *mut c_int) -> c_int {
+    guard(|| {
+        let (_, c) = comm(comm_p, "gradwire_comm_rank")?;
+        out(rank, "gradwire_comm_rank", "rank")?;
+        // SAFETY: checked non-null.
+        unsafe { *rank = c.rank() as c_int };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_comm_size(comm_p: *const gradwire_comm_t, size: *mut c_int) -> c_int {
+    guard(|| {
+        let (_, c) = comm(comm_p, "gradwire_comm_size")?;
+        out(size, "gradwire_comm_size", "size")?;
+        // SAFETY: checked non-null.
+        unsafe { *size = c.size() as c_int };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_comm_split(comm_p: *mut gradwire_comm_t, color: c_int, key: c_int, newcomm: *mut *mut gradwire_comm_t) -> c_int {
+    guard(|| {
+        let (_, c) = comm(comm_p, "gradwire_comm_split")?;
+        out(newcomm, "gradwire_comm_split", "newcomm")?;
+        let sub = c.split(color, key)?;
+        let handle = match sub {
+            None => std::ptr::null_mut(),
+            Some(s) => {
+                let mut reg = registry();
+                let id = reg.id();
+                reg.comms.insert(id, Arc::new(s));
+                to_handle(id)
+            }
+        };
+        // SAFETY: checked non-null.
+        unsafe { *newcomm = handle };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_allreduce(comm_p: *mut gradwire_comm_t, sendbuf: *const c_void, recvbuf: *mut c_void, count: usize, dt: gradwire_dtype_t, op: gradwire_op_t) -> c_int {
+    let w = "gradwire_allreduce";
+    match (dtype(dt, w), redop(op, w)) {
+        (Ok(d), Ok(o)) => blocking(comm_p, Request::new(OpKind::Allreduce, d, o, count), sendbuf, recvbuf, w),
+        (Err(e), _) | (_, Err(e)) => guard(|| Err(e)),
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_iallreduce(
+    comm_p: *mut gradwire_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dt: gradwire_dtype_t,
+    op: gradwire_op_t,
+    work: *mut *mut gradwire_work_t,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_iallreduce";
+        let (_, c) = comm(comm_p, w)?;
+        out(work, w, "work")?;
+        let req = Request::new(OpKind::Allreduce, dtype(dt, w)?, redop(op, w)?, count);
+        let handle = start(&c, req, sendbuf, recvbuf, w)?;
+        let mut reg = registry();
+        let id = reg.id();
+        reg.works.insert(id, handle);
+        // SAFETY: checked non-null.
+        unsafe { *work = to_handle(id) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_wait(work: *mut gradwire_work_t, timeout_ms: i64) -> c_int {
+    guard(|| {
+        if work.is_null() {
+            return Err(invalid("gradwire_wait: work is NULL"));
+        }
+        let id = handle_id(work);
+        let mut w = registry().works.remove(&id).ok_or_else(|| invalid("gradwire_wait: work is not a live work handle (already waited for?)"))?;
+        if timeout_ms < 0 {
+            return w.wait();
+        }
+        match w.wait_timeout(Duration::from_millis(timeout_ms as u64)) {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                registry().works.insert(id, w);
+                Err(Error::StillRunning { waited_ms: timeout_ms as u64 })
+            }
+            Err(e) => Err(e),
+        }
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_broadcast(comm_p: *mut gradwire_comm_t, buf: *mut c_void, count: usize, dt: gradwire_dtype_t, root: c_int) -> c_int {
+    let w = "gradwire_broadcast";
+    match (dtype(dt, w), usize::try_from(root)) {
+        (Ok(d), Ok(root)) => blocking(comm_p, Request { root, ..Request::new(OpKind::Broadcast, d, ReduceOp::Sum, count) }, buf, buf, w),
+        (Err(e), _) => guard(|| Err(e)),
+        (_, Err(_)) => guard(|| Err(invalid(format!("{w}: root {root} is negative")))),
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_allgather(comm_p: *mut gradwire_comm_t, sendbuf: *const c_void, recvbuf: *mut c_void, sendcount: usize, dt: gradwire_dtype_t) -> c_int {
+    let w = "gradwire_allgather";
+    match dtype(dt, w) {
+        Ok(d) => blocking(comm_p, Request::new(OpKind::Allgather, d, ReduceOp::Sum, sendcount), sendbuf, recvbuf, w),
+        Err(e) => guard(|| Err(e)),
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_reduce_scatter(comm_p: *mut gradwire_comm_t, sendbuf: *const c_void, recvbuf: *mut c_void, recvcount: usize, dt: gradwire_dtype_t, op: gradwire_op_t) -> c_int {
+    let w = "gradwire_reduce_scatter";
+    match (dtype(dt, w), redop(op, w)) {
+        (Ok(d), Ok(o)) => blocking(comm_p, Request::new(OpKind::ReduceScatter, d, o, recvcount), sendbuf, recvbuf, w),
+        (Err(e), _) | (_, Err(e)) => guard(|| Err(e)),
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_barrier(comm_p: *mut gradwire_comm_t) -> c_int {
+    guard(|| comm(comm_p, "gradwire_barrier")?.1.barrier())
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_alloc(comm_p: *mut gradwire_comm_t, bytes: usize, ptr: *mut *mut c_void) -> c_int {
+    guard(|| {
+        let w = "gradwire_alloc";
+        let (id, _) = comm(comm_p, w)?;
+        out(ptr, w, "ptr")?;
+        if bytes == 0 {
+            return Err(invalid(format!("{w}: bytes is 0")));
+        }
+        if bytes > isize::MAX as usize / 2 {
+            return Err(invalid(format!("{w}: {bytes} bytes is more than this process can map")));
+        }
+        let region = Region::shared("gradwire-alloc", bytes)?;
+        let addr = region.as_ptr();
+        registry().allocs.insert(addr as usize, (id, region));
+        // SAFETY: checked non-null.
+        unsafe { *ptr = addr as *mut c_void };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_free(comm_p: *mut gradwire_comm_t, ptr: *mut c_void) -> c_int {
+    guard(|| {
+        let w = "gradwire_free";
+        let (id, _) = comm(comm_p, w)?;
+        if ptr.is_null() {
+            return Err(invalid(format!("{w}: ptr is NULL")));
+        }
+        let mut reg = registry();
+        match reg.allocs.get(&(ptr as usize)) {
+            Some((owner, _)) if *owner == id => {
+                reg.allocs.remove(&(ptr as usize));
+                Ok(())
+            }
+            Some(_) => Err(invalid(format!("{w}: ptr was allocated through another communicator"))),
+            None => Err(invalid(format!("{w}: ptr {ptr:p} did not come from gradwire_alloc (or was freed already)"))),
+        }
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
+    guard(|| {
+        let (id, _) = comm(comm_p, "gradwire_finalize")?;
+        let (c, regions) = {
+            let mut reg = registry();
+            let c = reg.comms.remove(&id);
+            let mine: Vec<usize> = reg.allocs.iter().filter(|(_, (owner, _))| *owner == id).map(|(a, _)| *a).collect();
+            let regions: Vec<_> = mine.into_iter().filter_map(|a| reg.allocs.remove(&a)).collect();
+            (c, regions)
+        };
+        // Dropped outside the registry lock: joining the progress thread may take until the
+        // running operation's deadline.
+        drop(regions);
+        drop(c);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}

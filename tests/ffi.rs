@@ -1,0 +1,145 @@
+//! The C ABI from C and from the boundary's point of view: the example program under
+//! `gradwire launch` with 4 ranks, and bad input to every exported function.
+
+mod common;
+use common::*;
+use gradwire::ffi::*;
+use std::ffi::{c_void, CStr};
+use std::process::Command;
+use std::time::Duration;
+
+fn lib_dir() -> std::path::PathBuf {
+    std::path::Path::new(bin()).parent().expect("target dir").to_path_buf()
+}
+
+#[test]
+fn c_example_with_four_ranks() {
+    let dir = lib_dir();
+    let root = env!("CARGO_MANIFEST_DIR");
+    let exe = dir.join("collectives-c-example");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let out = Command::new(&cc)
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-I"])
+        .arg(format!("{root}/ffi"))
+        .arg(format!("{root}/ffi/examples/collectives.c"))
+        .arg("-L")
+        .arg(&dir)
+        .arg("-lgradwire")
+        .arg(format!("-Wl,-rpath,{}", dir.display()))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .expect("run the C compiler");
+    assert!(out.status.success(), "C example does not compile:\n{}", text(&out));
+    for transport in ["shm", "tcp"] {
+        let mut cmd = Command::new(bin());
+        cmd.args(["launch", "-n", "4", "--"]).arg(&exe).env("GRADWIRE_TRANSPORT", transport);
+        let out = run_with_limit(cmd, Duration::from_secs(120));
+        let t = text(&out);
+        println!("{t}");
+        assert!(out.status.success(), "{transport}: {t}");
+        assert_eq!(t.matches(": 0 wrong elements").count(), 4, "{t}");
+    }
+}
+
+fn last_error() -> String {
+    // SAFETY: gradwire_last_error returns a valid NUL-terminated string.
+    unsafe { CStr::from_ptr(gradwire_last_error()) }.to_string_lossy().into_owned()
+}
+
+/// Expects `code` to be the given error and the error text to contain `needle`.
+#[track_caller]
+fn expect(code: i32, want: i32, needle: &str) {
+    let msg = last_error();
+    assert_eq!(code, want, "code {code} (want {want}); last error: {msg}");
+    assert!(msg.contains(needle), "last error {msg:?} lacks {needle:?}");
+}
+
+const INVALID: i32 = -3;
+const CONFIG: i32 = -2;
+
+#[test]
+fn bad_input_to_every_function() {
+    // A one-rank job: every collective is legal and local, so only the input is at fault.
+    for (k, v) in [("RANK", "0"), ("WORLD_SIZE", "1")] {
+        std::env::set_var(k, v);
+    }
+    let bogus = 0x1230 as *mut gradwire_comm_t;
+    let null: *mut gradwire_comm_t = std::ptr::null_mut();
+    let mut comm: *mut gradwire_comm_t = std::ptr::null_mut();
+    let mut x = [1.0f32; 8];
+    let xp = x.as_mut_ptr() as *mut c_void;
+
+    expect(gradwire_init(std::ptr::null_mut()), INVALID, "comm is NULL");
+    assert_eq!(gradwire_init(&mut comm), 0, "{}", last_error());
+    let (mut rank, mut size) = (-1, -1);
+
+    expect(gradwire_comm_rank(null, &mut rank), INVALID, "comm is NULL");
+    expect(gradwire_comm_rank(bogus, &mut rank), INVALID, "not a live communicator");
+    expect(gradwire_comm_rank(comm, std::ptr::null_mut()), INVALID, "rank is NULL");
+    expect(gradwire_comm_size(bogus, &mut size), INVALID, "not a live communicator");
+    expect(gradwire_comm_size(comm, std::ptr::null_mut()), INVALID, "size is NULL");
+    let mut sub: *mut gradwire_comm_t = std::ptr::null_mut();
+    expect(gradwire_comm_split(bogus, 0, 0, &mut sub), INVALID, "not a live communicator");
+    expect(gradwire_comm_split(comm, 0, 0, std::ptr::null_mut()), INVALID, "newcomm is NULL");
+
+    expect(gradwire_allreduce(bogus, xp, xp, 8, 0, 0), INVALID, "not a live communicator");
+    expect(gradwire_allreduce(comm, xp, xp, 8, 7, 0), INVALID, "unknown dtype 7");
+    expect(gradwire_allreduce(comm, xp, xp, 8, 0, 9), INVALID, "unknown op 9");
+    expect(gradwire_allreduce(comm, xp, xp, usize::MAX, 0, 0), INVALID, "overflows");
+    expect(gradwire_allreduce(comm, std::ptr::null(), xp, 8, 0, 0), INVALID, "sendbuf is NULL");
+    expect(gradwire_allreduce(comm, xp, std::ptr::null_mut(), 8, 0, 0), INVALID, "recvbuf is NULL");
+    // SAFETY: pointer arithmetic inside `x` only, to build an overlapping pair.
+    let shifted = unsafe { (xp as *mut f32).add(1) } as *mut c_void;
+    expect(gradwire_allreduce(comm, xp, shifted, 4, 0, 0), INVALID, "overlap");
+
+    let mut work: *mut gradwire_work_t = std::ptr::null_mut();
+    expect(gradwire_iallreduce(comm, xp, xp, 8, 0, 0, std::ptr::null_mut()), INVALID, "work is NULL");
+    expect(gradwire_iallreduce(comm, xp, xp, 8, 4, 0, &mut work), INVALID, "unknown dtype 4");
+    expect(gradwire_wait(std::ptr::null_mut(), -1), INVALID, "work is NULL");
+    expect(gradwire_wait(0x4560 as *mut gradwire_work_t, -1), INVALID, "not a live work");
+    assert_eq!(gradwire_iallreduce(comm, xp, xp, 8, 0, 0, &mut work), 0, "{}", last_error());
+    assert_eq!(gradwire_wait(work, 1000), 0, "{}", last_error());
+    expect(gradwire_wait(work, -1), INVALID, "already waited");
+
+    expect(gradwire_broadcast(comm, xp, 8, 0, -1), INVALID, "negative");
+    expect(gradwire_broadcast(comm, xp, 8, 0, 1), INVALID, "root 1 is not a rank");
+    expect(gradwire_broadcast(comm, std::ptr::null_mut(), 8, 0, 0), INVALID, "NULL");
+    expect(gradwire_broadcast(comm, xp, 8, 11, 0), INVALID, "unknown dtype 11");
+    expect(gradwire_allgather(comm, xp, shifted, 4, 0), INVALID, "overlap");
+    expect(gradwire_allgather(comm, xp, xp, 4, 0), INVALID, "overlap");
+    expect(gradwire_allgather(comm, xp, std::ptr::null_mut(), 4, 0), INVALID, "recvbuf is NULL");
+    expect(gradwire_allgather(null, xp, shifted, 4, 0), INVALID, "comm is NULL");
+    expect(gradwire_reduce_scatter(comm, xp, xp, 4, 0, 0), INVALID, "overlap");
+    expect(gradwire_reduce_scatter(comm, xp, shifted, 4, 0, 5), INVALID, "unknown op 5");
+    expect(gradwire_reduce_scatter(comm, std::ptr::null(), xp, 4, 0, 0), INVALID, "sendbuf is NULL");
+    expect(gradwire_barrier(bogus), INVALID, "not a live communicator");
+
+    let mut mem: *mut c_void = std::ptr::null_mut();
+    expect(gradwire_alloc(comm, 0, &mut mem), INVALID, "bytes is 0");
+    expect(gradwire_alloc(comm, usize::MAX, &mut mem), INVALID, "more than this process can map");
+    expect(gradwire_alloc(comm, 64, std::ptr::null_mut()), INVALID, "ptr is NULL");
+    expect(gradwire_free(comm, xp), INVALID, "did not come from gradwire_alloc");
+    expect(gradwire_free(comm, std::ptr::null_mut()), INVALID, "ptr is NULL");
+    assert_eq!(gradwire_alloc(comm, 4096, &mut mem), 0, "{}", last_error());
+    assert_eq!(gradwire_free(comm, mem), 0, "{}", last_error());
+    expect(gradwire_free(comm, mem), INVALID, "freed already");
+
+    // The happy path still works after all that, then use after finalize is refused.
+    assert_eq!(gradwire_allreduce(comm, xp, xp, 8, 0, 1), 0, "{}", last_error());
+    assert_eq!(gradwire_alloc(comm, 4096, &mut mem), 0, "{}", last_error());
+    assert_eq!(gradwire_finalize(comm), 0, "{}", last_error());
+    expect(gradwire_finalize(comm), INVALID, "finalized");
+    expect(gradwire_barrier(comm), INVALID, "finalized");
+    expect(gradwire_allreduce(comm, xp, xp, 8, 0, 0), INVALID, "finalized");
+    expect(gradwire_free(comm, mem), INVALID, "finalized");
+}
+
+#[test]
+fn init_reports_configuration_errors() {
+    std::env::remove_var("RANK");
+    std::env::remove_var("WORLD_SIZE");
+    let mut comm: *mut gradwire_comm_t = std::ptr::null_mut();
+    expect(gradwire_init(&mut comm), CONFIG, "no rank found");
+    assert!(comm.is_null());
+}
