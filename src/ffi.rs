@@ -84,7 +84,11 @@ fn guard(f: impl FnOnce() -> Result<()>) -> c_int {
             e.code()
         }
         Err(panic) => {
-            let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
             set_last_error(format!("internal error (a gradwire bug, please report): {what}"));
             GRADWIRE_ERR_INTERNAL
         }
@@ -96,7 +100,12 @@ fn comm(p: *const gradwire_comm_t, what: &str) -> Result<(u64, Arc<Communicator>
         return Err(invalid(format!("{what}: comm is NULL")));
     }
     let id = handle_id(p);
-    registry().comms.get(&id).cloned().map(|c| (id, c)).ok_or_else(|| invalid(format!("{what}: comm is not a live communicator (finalized, or not from gradwire_init?)")))
+    registry()
+        .comms
+        .get(&id)
+        .cloned()
+        .map(|c| (id, c))
+        .ok_or_else(|| invalid(format!("{what}: comm is not a live communicator (finalized, or not from gradwire_init?)")))
 }
 
 fn out<T>(p: *mut T, what: &str, name: &str) -> Result<()> {
@@ -108,11 +117,17 @@ fn out<T>(p: *mut T, what: &str, name: &str) -> Result<()> {
 }
 
 fn dtype(v: gradwire_dtype_t, what: &str) -> Result<DType> {
-    u8::try_from(v).ok().and_then(|v| DType::from_u8(v).ok()).ok_or_else(|| invalid(format!("{what}: unknown dtype {v} (expected GRADWIRE_FLOAT32..GRADWIRE_BFLOAT16)")))
+    u8::try_from(v)
+        .ok()
+        .and_then(|v| DType::from_u8(v).ok())
+        .ok_or_else(|| invalid(format!("{what}: unknown dtype {v} (expected GRADWIRE_FLOAT32..GRADWIRE_BFLOAT16)")))
 }
 
 fn redop(v: gradwire_op_t, what: &str) -> Result<ReduceOp> {
-    u8::try_from(v).ok().and_then(|v| ReduceOp::from_u8(v).ok()).ok_or_else(|| invalid(format!("{what}: unknown op {v} (expected GRADWIRE_SUM..GRADWIRE_MAX)")))
+    u8::try_from(v)
+        .ok()
+        .and_then(|v| ReduceOp::from_u8(v).ok())
+        .ok_or_else(|| invalid(format!("{what}: unknown op {v} (expected GRADWIRE_SUM..GRADWIRE_MAX)")))
 }
 
 /// Validates buffers for `req` and starts it. `in_place_ok`: send == recv is allowed.
@@ -127,7 +142,10 @@ fn start(c: &Communicator, req: Request, send: *const c_void, recv: *mut c_void,
     let (s, r) = (send as usize, recv as usize);
     let in_place_ok = matches!(req.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
     if slen > 0 && rlen > 0 && !(in_place_ok && s == r) && s < r.saturating_add(rlen) && r < s.saturating_add(slen) {
-        return Err(invalid(format!("{what}: sendbuf and recvbuf overlap{}", if in_place_ok { " (pass the same pointer for in place)" } else { "" })));
+        return Err(invalid(format!(
+            "{what}: sendbuf and recvbuf overlap{}",
+            if in_place_ok { " (pass the same pointer for in place)" } else { "" }
+        )));
     }
     // SAFETY: non-null, non-overlapping (or identical) buffers of the sizes the C contract
     // documents; the caller keeps them valid until the work completes.
@@ -199,7 +217,14 @@ pub extern "C" fn gradwire_comm_split(comm_p: *mut gradwire_comm_t, color: c_int
 }
 
 #[no_mangle]
-pub extern "C" fn gradwire_allreduce(comm_p: *mut gradwire_comm_t, sendbuf: *const c_void, recvbuf: *mut c_void, count: usize, dt: gradwire_dtype_t, op: gradwire_op_t) -> c_int {
+pub extern "C" fn gradwire_allreduce(
+    comm_p: *mut gradwire_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dt: gradwire_dtype_t,
+    op: gradwire_op_t,
+) -> c_int {
     let w = "gradwire_allreduce";
     match (dtype(dt, w), redop(op, w)) {
         (Ok(d), Ok(o)) => blocking(comm_p, Request::new(OpKind::Allreduce, d, o, count), sendbuf, recvbuf, w),
@@ -239,7 +264,10 @@ pub extern "C" fn gradwire_wait(work: *mut gradwire_work_t, timeout_ms: i64) -> 
             return Err(invalid("gradwire_wait: work is NULL"));
         }
         let id = handle_id(work);
-        let mut w = registry().works.remove(&id).ok_or_else(|| invalid("gradwire_wait: work is not a live work handle (already waited for?)"))?;
+        let mut w = registry()
+            .works
+            .remove(&id)
+            .ok_or_else(|| invalid("gradwire_wait: work is not a live work handle (already waited for?)"))?;
         if timeout_ms < 0 {
             return w.wait();
         }
@@ -258,14 +286,29 @@ pub extern "C" fn gradwire_wait(work: *mut gradwire_work_t, timeout_ms: i64) -> 
 pub extern "C" fn gradwire_broadcast(comm_p: *mut gradwire_comm_t, buf: *mut c_void, count: usize, dt: gradwire_dtype_t, root: c_int) -> c_int {
     let w = "gradwire_broadcast";
     match (dtype(dt, w), usize::try_from(root)) {
-        (Ok(d), Ok(root)) => blocking(comm_p, Request { root, ..Request::new(OpKind::Broadcast, d, ReduceOp::Sum, count) }, buf, buf, w),
+        (Ok(d), Ok(root)) => blocking(
+            comm_p,
+            Request {
+                root,
+                ..Request::new(OpKind::Broadcast, d, ReduceOp::Sum, count)
+            },
+            buf,
+            buf,
+            w,
+        ),
         (Err(e), _) => guard(|| Err(e)),
         (_, Err(_)) => guard(|| Err(invalid(format!("{w}: root {root} is negative")))),
     }
 }
 
 #[no_mangle]
-pub extern "C" fn gradwire_allgather(comm_p: *mut gradwire_comm_t, sendbuf: *const c_void, recvbuf: *mut c_void, sendcount: usize, dt: gradwire_dtype_t) -> c_int {
+pub extern "C" fn gradwire_allgather(
+    comm_p: *mut gradwire_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendcount: usize,
+    dt: gradwire_dtype_t,
+) -> c_int {
     let w = "gradwire_allgather";
     match dtype(dt, w) {
         Ok(d) => blocking(comm_p, Request::new(OpKind::Allgather, d, ReduceOp::Sum, sendcount), sendbuf, recvbuf, w),
@@ -274,7 +317,14 @@ pub extern "C" fn gradwire_allgather(comm_p: *mut gradwire_comm_t, sendbuf: *con
 }
 
 #[no_mangle]
-pub extern "C" fn gradwire_reduce_scatter(comm_p: *mut gradwire_comm_t, sendbuf: *const c_void, recvbuf: *mut c_void, recvcount: usize, dt: gradwire_dtype_t, op: gradwire_op_t) -> c_int {
+pub extern "C" fn gradwire_reduce_scatter(
+    comm_p: *mut gradwire_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dt: gradwire_dtype_t,
+    op: gradwire_op_t,
+) -> c_int {
     let w = "gradwire_reduce_scatter";
     match (dtype(dt, w), redop(op, w)) {
         (Ok(d), Ok(o)) => blocking(comm_p, Request::new(OpKind::ReduceScatter, d, o, recvcount), sendbuf, recvbuf, w),

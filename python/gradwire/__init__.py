@@ -1,0 +1,240 @@
+"""gradwire from Python: ctypes over the gradwire shared library (no compiled extension).
+
+Buffers are NumPy arrays or CPU PyTorch tensors, used in place through their data pointer:
+nothing is copied between your array and gradwire.
+
+    from gradwire import Comm
+    comm = Comm()                      # RANK, WORLD_SIZE, MASTER_ADDR, ... from the launcher
+    comm.allreduce(grads, op="avg")    # in place
+
+The library is found through $GRADWIRE_LIB, then next to this package, then in the
+repository's target/release or target/debug, then on the system library path.
+"""
+
+import ctypes
+import ctypes.util
+import os
+
+__all__ = ["Comm", "Work", "GradwireError", "load_library"]
+
+_DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
+_OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3}
+
+
+class GradwireError(RuntimeError):
+    """A gradwire call failed; `code` is the C result code, the message its error text."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{message} (gradwire code {code})")
+        self.code = code
+
+
+def _candidates():
+    env = os.environ.get("GRADWIRE_LIB")
+    if env:
+        yield env
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, "libgradwire.so")
+    repo = os.path.dirname(os.path.dirname(here))
+    for profile in ("release", "debug"):
+        yield os.path.join(repo, "target", profile, "libgradwire.so")
+    found = ctypes.util.find_library("gradwire")
+    if found:
+        yield found
+
+
+_lib = None
+
+
+def load_library():
+    """Loads libgradwire once and declares the C signatures."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    tried = []
+    for path in _candidates():
+        if os.path.sep in path and not os.path.exists(path):
+            tried.append(path)
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+            break
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+    else:
+        raise ImportError("libgradwire.so not found; build it (cargo build --release) or set GRADWIRE_LIB. Tried: " + ", ".join(tried))
+    p, i, sz, u = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint
+    pp = ctypes.POINTER(ctypes.c_void_p)
+    sigs = {
+        "gradwire_init": [pp],
+        "gradwire_comm_rank": [p, ctypes.POINTER(i)],
+        "gradwire_comm_size": [p, ctypes.POINTER(i)],
+        "gradwire_comm_split": [p, i, i, pp],
+        "gradwire_allreduce": [p, p, p, sz, u, u],
+        "gradwire_iallreduce": [p, p, p, sz, u, u, pp],
+        "gradwire_wait": [p, ctypes.c_int64],
+        "gradwire_broadcast": [p, p, sz, u, i],
+        "gradwire_allgather": [p, p, p, sz, u],
+        "gradwire_reduce_scatter": [p, p, p, sz, u, u],
+        "gradwire_barrier": [p],
+        "gradwire_alloc": [p, sz, pp],
+        "gradwire_free": [p, p],
+        "gradwire_finalize": [p],
+    }
+    for name, args in sigs.items():
+        f = getattr(lib, name)
+        f.argtypes = args
+        f.restype = ctypes.c_int
+    lib.gradwire_last_error.argtypes = []
+    lib.gradwire_last_error.restype = ctypes.c_char_p
+    _lib = lib
+    return lib
+
+
+def _check(code):
+    if code != 0:
+        raise GradwireError(code, load_library().gradwire_last_error().decode(errors="replace"))
+
+
+def _buffer(x, what):
+    """(pointer, element count, dtype code) of a contiguous NumPy array or CPU tensor."""
+    if hasattr(x, "data_ptr"):  # torch.Tensor
+        if x.device.type != "cpu":
+            raise ValueError(f"{what}: tensor is on {x.device}; gradwire's Python binding takes CPU tensors")
+        if not x.is_contiguous():
+            raise ValueError(f"{what}: tensor is not contiguous")
+        name = str(x.dtype).replace("torch.", "")
+        return x.data_ptr(), x.numel(), _dtype(name, what)
+    if hasattr(x, "__array_interface__"):
+        if not x.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"{what}: array is not C-contiguous")
+        if not x.flags["WRITEABLE"]:
+            raise ValueError(f"{what}: array is read-only")
+        return x.ctypes.data, x.size, _dtype(x.dtype.name, what)
+    raise TypeError(f"{what}: expected a NumPy array or a torch tensor, got {type(x).__name__}")
+
+
+def _dtype(name, what):
+    if name not in _DTYPES:
+        raise TypeError(f"{what}: dtype {name} is not supported (float32, float64, float16, bfloat16)")
+    return _DTYPES[name]
+
+
+def _op(op):
+    if op not in _OPS:
+        raise ValueError(f"unknown op {op!r} (sum, avg, min, max)")
+    return _OPS[op]
+
+
+class Work:
+    """A non-blocking operation; keeps its buffers alive until waited for."""
+
+    def __init__(self, handle, keep):
+        self._h, self._keep = handle, keep
+
+    def wait(self, timeout_ms=-1):
+        """Waits (timeout_ms < 0: until done). Raises GradwireError on failure or timeout."""
+        if self._h is None:
+            raise RuntimeError("work already waited for")
+        code = load_library().gradwire_wait(self._h, timeout_ms)
+        if code != -4 or timeout_ms < 0:
+            self._h = None
+        _check(code)
+        return self._keep[-1] if self._keep else None
+
+
+class Comm:
+    """A gradwire communicator (see the README for the environment it reads)."""
+
+    def __init__(self, _handle=None):
+        lib = load_library()
+        if _handle is None:
+            _beside_torch()
+            h = ctypes.c_void_p()
+            _check(lib.gradwire_init(ctypes.byref(h)))
+            _handle = h
+        self._h = _handle
+        r, s = ctypes.c_int(), ctypes.c_int()
+        _check(lib.gradwire_comm_rank(self._h, ctypes.byref(r)))
+        _check(lib.gradwire_comm_size(self._h, ctypes.byref(s)))
+        self.rank, self.size = r.value, s.value
+
+    def _live(self):
+        if self._h is None:
+            raise RuntimeError("communicator is finalized")
+        return self._h
+
+    def allreduce(self, x, op="sum", out=None):
+        """Reduces `x` over all ranks into `out` (default: in place); returns the result."""
+        sp, n, dt = _buffer(x, "allreduce")
+        rp = sp
+        if out is not None:
+            rp, m, dt2 = _buffer(out, "allreduce out")
+            if (m, dt2) != (n, dt):
+                raise ValueError("allreduce: out must match x in size and dtype")
+        _check(load_library().gradwire_allreduce(self._live(), sp, rp, n, dt, _op(op)))
+        return x if out is None else out
+
+    def iallreduce(self, x, op="sum"):
+        """Starts an in-place allreduce of `x`; returns a Work whose wait() returns `x`."""
+        p, n, dt = _buffer(x, "iallreduce")
+        w = ctypes.c_void_p()
+        _check(load_library().gradwire_iallreduce(self._live(), p, p, n, dt, _op(op), ctypes.byref(w)))
+        return Work(w, [x])
+
+    def broadcast(self, x, root=0):
+        p, n, dt = _buffer(x, "broadcast")
+        _check(load_library().gradwire_broadcast(self._live(), p, n, dt, root))
+        return x
+
+    def allgather(self, x, out):
+        """Gathers every rank's `x` into `out` (size * len(x) elements, rank order)."""
+        sp, n, dt = _buffer(x, "allgather")
+        rp, m, dt2 = _buffer(out, "allgather out")
+        if m != n * self.size or dt2 != dt:
+            raise ValueError(f"allgather: out must hold {n} x {self.size} elements of the same dtype")
+        _check(load_library().gradwire_allgather(self._live(), sp, rp, n, dt))
+        return out
+
+    def reduce_scatter(self, x, out, op="sum"):
+        """Reduces `x` (size * len(out) elements) and leaves part `rank` in `out`."""
+        sp, n, dt = _buffer(x, "reduce_scatter")
+        rp, m, dt2 = _buffer(out, "reduce_scatter out")
+        if n != m * self.size or dt2 != dt:
+            raise ValueError(f"reduce_scatter: x must hold {m} x {self.size} elements of out's dtype")
+        _check(load_library().gradwire_reduce_scatter(self._live(), sp, rp, m, dt, _op(op)))
+        return out
+
+    def barrier(self):
+        _check(load_library().gradwire_barrier(self._live()))
+
+    def split(self, color, key=0):
+        """Sub-communicator of the ranks with the same color (None for a negative color)."""
+        h = ctypes.c_void_p()
+        _check(load_library().gradwire_comm_split(self._live(), color, key, ctypes.byref(h)))
+        return Comm(h) if h.value else None
+
+    def finalize(self):
+        if self._h is not None:
+            h, self._h = self._h, None
+            _check(load_library().gradwire_finalize(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.finalize()
+
+
+def _beside_torch():
+    """torch.distributed's store owns MASTER_PORT; unless told otherwise, gradwire's store
+    takes the next port."""
+    if "GRADWIRE_MASTER_PORT" in os.environ or "MASTER_PORT" not in os.environ:
+        return
+    try:
+        import torch.distributed as dist  # noqa: PLC0415 (optional dependency)
+
+        if dist.is_available() and dist.is_initialized():
+            os.environ["GRADWIRE_MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+    except ImportError:
+        pass
