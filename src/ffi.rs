@@ -159,8 +159,11 @@ fn blocking(p: *mut gradwire_comm_t, req: Request, send: *const c_void, recv: *m
     })
 }
 
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]
-pub extern "C" fn gradwire_init(comm_out: *mut *mut gradwire_comm_t) -> c_int {
+pub unsafe extern "C" fn gradwire_init(comm_out: *mut *mut gradwire_comm_t) -> c_int {
     guard(|| {
         out(comm_out, "gradwire_init", "comm")?;
         let c = Communicator::init()?;
@@ -173,8 +176,11 @@ pub extern "C" fn gradwire_init(comm_out: *mut *mut gradwire_comm_t) -> c_int {
     })
 }
 
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]
-pub extern "C" fn gradwire_comm_rank(comm_p: *const gradwire_comm_t, rank: *mut c_int) -> c_int {
+pub unsafe extern "C" fn gradwire_comm_rank(comm_p: *const gradwire_comm_t, rank: *mut c_int) -> c_int {
     guard(|| {
         let (_, c) = comm(comm_p, "gradwire_comm_rank")?;
         out(rank, "gradwire_comm_rank", "rank")?;
@@ -184,8 +190,11 @@ pub extern "C" fn gradwire_comm_rank(comm_p: *const gradwire_comm_t, rank: *mut 
     })
 }
 
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]
-pub extern "C" fn gradwire_comm_size(comm_p: *const gradwire_comm_t, size: *mut c_int) -> c_int {
+pub unsafe extern "C" fn gradwire_comm_size(comm_p: *const gradwire_comm_t, size: *mut c_int) -> c_int {
     guard(|| {
         let (_, c) = comm(comm_p, "gradwire_comm_size")?;
         out(size, "gradwire_comm_size", "size")?;
@@ -195,8 +204,11 @@ pub extern "C" fn gradwire_comm_size(comm_p: *const gradwire_comm_t, size: *mut 
     })
 }
 
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]
-pub extern "C" fn gradwire_comm_split(comm_p: *mut gradwire_comm_t, color: c_int, key: c_int, newcomm: *mut *mut gradwire_comm_t) -> c_int {
+pub unsafe extern "C" fn gradwire_comm_split(comm_p: *mut gradwire_comm_t, color: c_int, key: c_int, newcomm: *mut *mut gradwire_comm_t) -> c_int {
     guard(|| {
         let (_, c) = comm(comm_p, "gradwire_comm_split")?;
         out(newcomm, "gradwire_comm_split", "newcomm")?;
@@ -216,8 +228,11 @@ pub extern "C" fn gradwire_comm_split(comm_p: *mut gradwire_comm_t, color: c_int
     })
 }
 
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]
-pub extern "C" fn gradwire_allreduce(
+pub unsafe extern "C" fn gradwire_allreduce(
     comm_p: *mut gradwire_comm_t,
     sendbuf: *const c_void,
     recvbuf: *mut c_void,
@@ -232,8 +247,11 @@ pub extern "C" fn gradwire_allreduce(
     }
 }
 
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]
-pub extern "C" fn gradwire_iallreduce(
+pub unsafe extern "C" fn gradwire_iallreduce(
     comm_p: *mut gradwire_comm_t,
     sendbuf: *const c_void,
     recvbuf: *mut c_void,
@@ -282,8 +300,11 @@ pub extern "C" fn gradwire_wait(work: *mut gradwire_work_t, timeout_ms: i64) -> 
     })
 }
 
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]
-pub extern "C" fn gradwire_broadcast(comm_p: *mut gradwire_comm_t, buf: *mut c_void, count: usize, dt: gradwire_dtype_t, root: c_int) -> c_int {
+pub unsafe extern "C" fn gradwire_broadcast(comm_p: *mut gradwire_comm_t, buf: *mut c_void, count: usize, dt: gradwire_dtype_t, root: c_int) -> c_int {
     let w = "gradwire_broadcast";
     match (dtype(dt, w), usize::try_from(root)) {
         (Ok(d), Ok(root)) => blocking(
@@ -301,8 +322,11 @@ pub extern "C" fn gradwire_broadcast(comm_p: *mut gradwire_comm_t, buf: *mut c_v
     }
 }
 
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]
-pub extern "C" fn gradwire_allgather(
+pub unsafe extern "C" fn gradwire_allgather(
     comm_p: *mut gradwire_comm_t,
     sendbuf: *const c_void,
     recvbuf: *mut c_void,
@@ -316,8 +340,11 @@ pub extern "C" fn gradwire_allgather(
     }
 }
 
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]
-pub extern "C" fn gradwire_reduce_scatter(
+pub unsafe extern "C" fn gradwire_reduce_scatter(
     comm_p: *mut gradwire_comm_t,
     sendbuf: *const c_void,
     recvbuf: *mut c_void,
@@ -337,8 +364,11 @@ pub extern "C" fn gradwire_barrier(comm_p: *mut gradwire_comm_t) -> c_int {
     guard(|| comm(comm_p, "gradwire_barrier")?.1.barrier())
 }
 
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]
-pub extern "C" fn gradwire_alloc(comm_p: *mut gradwire_comm_t, bytes: usize, ptr: *mut *mut c_void) -> c_int {
+pub unsafe extern "C" fn gradwire_alloc(comm_p: *mut gradwire_comm_t, bytes: usize, ptr: *mut *mut c_void) -> c_int {
     guard(|| {
         let w = "gradwire_alloc";
         let (id, _) = comm(comm_p, w)?;

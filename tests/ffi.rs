@@ -60,6 +60,13 @@ const CONFIG: i32 = -2;
 
 #[test]
 fn bad_input_to_every_function() {
+    // SAFETY: the calls below pass NULL, bogus handles and short or overlapping buffers on
+    // purpose; gradwire must reject each before touching memory, and the valid buffers
+    // (`x`, `mem`) outlive every call.
+    unsafe { bad_inputs() }
+}
+
+unsafe fn bad_inputs() {
     // A one-rank job: every collective is legal and local, so only the input is at fault.
     for (k, v) in [("RANK", "0"), ("WORLD_SIZE", "1")] {
         std::env::set_var(k, v);
@@ -140,6 +147,7 @@ fn init_reports_configuration_errors() {
     std::env::remove_var("RANK");
     std::env::remove_var("WORLD_SIZE");
     let mut comm: *mut gradwire_comm_t = std::ptr::null_mut();
-    expect(gradwire_init(&mut comm), CONFIG, "no rank found");
+    // SAFETY: a valid out-pointer.
+    expect(unsafe { gradwire_init(&mut comm) }, CONFIG, "no rank found");
     assert!(comm.is_null());
 }
