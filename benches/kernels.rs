@@ -17,9 +17,7 @@ fn kernels(c: &mut Criterion) {
             // SAFETY: u64 buffers viewed as bytes.
             let d = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut u8, bytes) };
             let s = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u8, bytes) };
-            g.bench_function(format!("{}_{}", dtype.name(), op.name()), |b| {
-                b.iter(|| reduce_bytes(dtype, op, black_box(&mut *d), black_box(s)))
-            });
+            g.bench_function(format!("{}_{}", dtype.name(), op.name()), |b| b.iter(|| reduce_bytes(dtype, op, black_box(&mut *d), black_box(s))));
         }
     }
     g.finish();
@@ -28,14 +26,7 @@ fn kernels(c: &mut Criterion) {
 fn header(c: &mut Criterion) {
     let h = FrameHeader {
         kind: FrameKind::Data,
-        call: CallHeader {
-            op: OpKind::Allreduce,
-            dtype: DType::F32,
-            redop: ReduceOp::Sum,
-            root: 0,
-            count: 1 << 20,
-            seq: 42,
-        },
+        call: CallHeader { op: OpKind::Allreduce, dtype: DType::F32, redop: ReduceOp::Sum, root: 0, count: 1 << 20, seq: 42 },
         step: 3,
         len: 4 << 20,
     };

@@ -21,7 +21,6 @@ pub struct Communicator {
     topology: Topology,
     pub(crate) config: Config,
     engine: Engine,
-    seq: AtomicU64,
     splits: AtomicU64,
     store: Option<Arc<StoreClient>>,
     secret: String,
@@ -78,26 +77,16 @@ impl Communicator {
         let local = topology.local_ranks(rank);
         if cfg.transport == TransportChoice::Shm && !topology.single_host() {
             let other = (0..size).find(|&r| !topology.same_host(rank, r)).unwrap_or(0);
-            return Err(config(format!(
-                "GRADWIRE_TRANSPORT=shm, but rank {rank} and rank {other} are on different hosts (use auto or tcp)"
-            )));
+            return Err(config(format!("GRADWIRE_TRANSPORT=shm, but rank {rank} and rank {other} are on different hosts (use auto or tcp)")));
         }
         let use_shm = cfg.transport != TransportChoice::Tcp;
-        let shm_peers: Vec<usize> = if use_shm {
-            local.iter().copied().filter(|&p| p != rank).collect()
-        } else {
-            vec![]
-        };
+        let shm_peers: Vec<usize> = if use_shm { local.iter().copied().filter(|&p| p != rank).collect() } else { vec![] };
         let tcp_peers: Vec<usize> = (0..size).filter(|&p| p != rank && !shm_peers.contains(&p)).collect();
         let abort = Arc::new(AtomicBool::new(false));
         let (mut links, shm): (LinkTable, Option<Arc<ShmDomain>>) = match &store {
             None => ((0..size).map(|_| None).collect(), None),
             Some(store) => {
-                let shm = if shm_peers.is_empty() {
-                    None
-                } else {
-                    Some(ShmDomain::create(&prefix, rank, size, &local, &cfg, store, deadline)?)
-                };
+                let shm = if shm_peers.is_empty() { None } else { Some(ShmDomain::create(&prefix, rank, size, &local, &cfg, store, deadline)?) };
                 (tcp::connect_all(&prefix, rank, size, &tcp_peers, store, &secret, deadline)?, shm)
             }
         };
@@ -106,18 +95,13 @@ impl Communicator {
                 links[p] = Some(Box::new(ShmLink::new(dom.clone(), p)));
             }
         }
-        let link_kinds = (0..size)
-            .map(|p| {
-                if p == rank {
-                    "self"
-                } else {
-                    links[p].as_ref().map(|l| l.kind()).unwrap_or("none")
-                }
-            })
-            .collect();
+        let link_kinds = (0..size).map(|p| if p == rank { "self" } else { links[p].as_ref().map(|l| l.kind()).unwrap_or("none") }).collect();
         let shm_all = shm.is_some() && shm_peers.len() + 1 == size;
-        let links = Links::new(rank, links, abort.clone(), cfg.spin);
-        let state = EngineState::new(rank, size, links, shm, shm_all, cfg.spin, abort);
+        // Spinning only pays when every local rank has a core of its own.
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let spin = if local.len() > cores { std::time::Duration::ZERO } else { cfg.spin };
+        let links = Links::new(rank, links, abort.clone(), spin);
+        let state = EngineState::new(rank, size, links, shm, shm_all, spin, abort);
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
         Ok(Communicator {
             rank,
@@ -125,7 +109,6 @@ impl Communicator {
             topology,
             config: cfg,
             engine,
-            seq: AtomicU64::new(0),
             splits: AtomicU64::new(0),
             store,
             secret,
@@ -167,13 +150,12 @@ impl Communicator {
         self.engine.abort.store(true, Ordering::Release);
     }
 
-    /// Next sequence number (part of every message header, so out-of-order calls are caught).
-    pub(crate) fn next_seq(&self) -> u64 {
-        self.seq.fetch_add(1, Ordering::Relaxed)
-    }
-
     pub(crate) fn submit(&self, what: String, job: Job) -> Work {
         self.engine.submit(what, job)
+    }
+
+    pub(crate) fn run_blocking(&self, what: String, job: Job) -> Result<()> {
+        self.engine.run_blocking(what, job)
     }
 
     /// Splits into sub-communicators by `color` (ranks with equal colour form one group,
@@ -187,31 +169,15 @@ impl Communicator {
         if color < 0 {
             return Ok(None);
         }
-        let mut members: Vec<(i32, usize)> = (0..self.size)
-            .filter(|&r| all[2 * r] as i32 == color)
-            .map(|r| (all[2 * r + 1] as i32, r))
-            .collect();
+        let mut members: Vec<(i32, usize)> = (0..self.size).filter(|&r| all[2 * r] as i32 == color).map(|r| (all[2 * r + 1] as i32, r)).collect();
         members.sort();
         let ranks: Vec<usize> = members.iter().map(|m| m.1).collect();
         let new_rank = ranks.iter().position(|&r| r == self.rank).unwrap_or(0);
-        let topo = Topology {
-            host_of: ranks.iter().map(|&r| self.topology.host_of[r]).collect(),
-        };
+        let topo = Topology { host_of: ranks.iter().map(|&r| self.topology.host_of[r]).collect() };
         let prefix = format!("{}/s{n}c{color}", self.prefix);
         let deadline = Instant::now() + self.config.timeout;
         let store = if ranks.len() > 1 { self.store.clone() } else { None };
-        Self::build(
-            new_rank,
-            ranks.len(),
-            topo,
-            self.config.clone(),
-            store,
-            self.secret.clone(),
-            prefix,
-            deadline,
-            self._bootstrap.clone(),
-        )
-        .map(Some)
+        Self::build(new_rank, ranks.len(), topo, self.config.clone(), store, self.secret.clone(), prefix, deadline, self._bootstrap.clone()).map(Some)
     }
 
     /// Exposes `region` for one-sided write/read/fetch-add by every rank and connects to
@@ -254,7 +220,6 @@ impl Communicator {
     /// One rank per host with the same local index (the cross-node group of that index).
     pub fn split_cross_node(&self) -> Result<Communicator> {
         let local_index = self.topology.local_ranks(self.rank).iter().position(|&r| r == self.rank).unwrap_or(0) as i32;
-        self.split(local_index, self.rank as i32)?
-            .ok_or_else(|| config("cross-node split produced no group"))
+        self.split(local_index, self.rank as i32)?.ok_or_else(|| config("cross-node split produced no group"))
     }
 }

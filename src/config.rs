@@ -13,31 +13,15 @@ pub struct Setting {
 
 /// All `GRADWIRE_*` settings (rank discovery variables are in `bootstrap`).
 pub const SETTINGS: &[Setting] = &[
-    Setting {
-        env: "GRADWIRE_TIMEOUT_MS",
-        default: "60000",
-        help: "Deadline of every wait (collective, connect, store lookup), in ms.",
-    },
-    Setting {
-        env: "GRADWIRE_TRANSPORT",
-        default: "auto",
-        help: "auto (shm inside a host, tcp between hosts), shm (error if ranks span hosts) or tcp.",
-    },
+    Setting { env: "GRADWIRE_TIMEOUT_MS", default: "60000", help: "Deadline of every wait (collective, connect, store lookup), in ms." },
+    Setting { env: "GRADWIRE_TRANSPORT", default: "auto", help: "auto (shm inside a host, tcp between hosts), shm (error if ranks span hosts) or tcp." },
     Setting {
         env: "GRADWIRE_ALGO",
         default: "auto",
         help: "Allreduce algorithm: auto, ring, rd (recursive doubling) or shm (one-host shared-buffer reduction).",
     },
-    Setting {
-        env: "GRADWIRE_SMALL_BYTES",
-        default: "65536",
-        help: "Below this many bytes `auto` uses recursive doubling instead of the ring.",
-    },
-    Setting {
-        env: "GRADWIRE_SHM_RING_BYTES",
-        default: "4194304",
-        help: "Capacity of each shared-memory point-to-point ring.",
-    },
+    Setting { env: "GRADWIRE_SMALL_BYTES", default: "65536", help: "Below this many bytes `auto` uses recursive doubling instead of the ring." },
+    Setting { env: "GRADWIRE_SHM_RING_BYTES", default: "4194304", help: "Capacity of each shared-memory point-to-point ring." },
     Setting {
         env: "GRADWIRE_SHM_STAGE_BYTES",
         default: "16777216",
@@ -48,26 +32,14 @@ pub const SETTINGS: &[Setting] = &[
         default: "50",
         help: "How long a waiting rank spins before it yields and then sleeps (keep small when ranks outnumber cores).",
     },
-    Setting {
-        env: "GRADWIRE_HUGEPAGES",
-        default: "0",
-        help: "1: back regions with huge pages when the host has them (falls back with a logged reason).",
-    },
-    Setting {
-        env: "GRADWIRE_HOST_ID",
-        default: "hostname + network namespace",
-        help: "Override of the host identity that decides which ranks share memory.",
-    },
+    Setting { env: "GRADWIRE_HUGEPAGES", default: "0", help: "1: back regions with huge pages when the host has them (falls back with a logged reason)." },
+    Setting { env: "GRADWIRE_HOST_ID", default: "hostname + network namespace", help: "Override of the host identity that decides which ranks share memory." },
     Setting {
         env: "GRADWIRE_JOB_SECRET",
         default: "(set by gradwire launch)",
         help: "Shared secret every rank must prove to the rendezvous store and to peers.",
     },
-    Setting {
-        env: "GRADWIRE_LOG",
-        default: "warn",
-        help: "Log filter (error, warn, info, debug, trace).",
-    },
+    Setting { env: "GRADWIRE_LOG", default: "warn", help: "Log filter (error, warn, info, debug, trace)." },
 ];
 
 fn raw(env: &str) -> Option<String> {

@@ -63,10 +63,7 @@ pub enum Error {
 impl Error {
     /// Wraps an I/O error with a description of what was being attempted.
     pub fn io(what: impl fmt::Display, source: std::io::Error) -> Self {
-        Error::Io {
-            what: what.to_string(),
-            source,
-        }
+        Error::Io { what: what.to_string(), source }
     }
 
     /// Stable numeric code for the C ABI (negative; 0 is success).

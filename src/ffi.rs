@@ -84,11 +84,7 @@ fn guard(f: impl FnOnce() -> Result<()>) -> c_int {
             e.code()
         }
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
             set_last_error(format!("internal error (a gradwire bug, please report): {what}"));
             GRADWIRE_ERR_INTERNAL
         }
@@ -124,14 +120,11 @@ fn dtype(v: gradwire_dtype_t, what: &str) -> Result<DType> {
 }
 
 fn redop(v: gradwire_op_t, what: &str) -> Result<ReduceOp> {
-    u8::try_from(v)
-        .ok()
-        .and_then(|v| ReduceOp::from_u8(v).ok())
-        .ok_or_else(|| invalid(format!("{what}: unknown op {v} (expected GRADWIRE_SUM..GRADWIRE_MAX)")))
+    u8::try_from(v).ok().and_then(|v| ReduceOp::from_u8(v).ok()).ok_or_else(|| invalid(format!("{what}: unknown op {v} (expected GRADWIRE_SUM..GRADWIRE_MAX)")))
 }
 
-/// Validates buffers for `req` and starts it. `in_place_ok`: send == recv is allowed.
-fn start(c: &Communicator, req: Request, send: *const c_void, recv: *mut c_void, what: &str) -> Result<Work> {
+/// Validates the buffers of `req`: present where needed, identical or disjoint.
+fn check_buffers(c: &Communicator, req: &Request, send: *const c_void, recv: *mut c_void, what: &str) -> Result<()> {
     let (slen, rlen) = req.lengths(c.size()).map_err(|e| invalid(format!("{what}: {e}")))?;
     if slen > 0 && send.is_null() {
         return Err(invalid(format!("{what}: sendbuf is NULL")));
@@ -142,20 +135,17 @@ fn start(c: &Communicator, req: Request, send: *const c_void, recv: *mut c_void,
     let (s, r) = (send as usize, recv as usize);
     let in_place_ok = matches!(req.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
     if slen > 0 && rlen > 0 && !(in_place_ok && s == r) && s < r.saturating_add(rlen) && r < s.saturating_add(slen) {
-        return Err(invalid(format!(
-            "{what}: sendbuf and recvbuf overlap{}",
-            if in_place_ok { " (pass the same pointer for in place)" } else { "" }
-        )));
+        return Err(invalid(format!("{what}: sendbuf and recvbuf overlap{}", if in_place_ok { " (pass the same pointer for in place)" } else { "" })));
     }
-    // SAFETY: non-null, non-overlapping (or identical) buffers of the sizes the C contract
-    // documents; the caller keeps them valid until the work completes.
-    unsafe { c.start(req, send as *const u8, recv as *mut u8) }
+    Ok(())
 }
 
 fn blocking(p: *mut gradwire_comm_t, req: Request, send: *const c_void, recv: *mut c_void, what: &str) -> c_int {
     guard(|| {
         let (_, c) = comm(p, what)?;
-        start(&c, req, send, recv, what)?.wait()
+        check_buffers(&c, &req, send, recv, what)?;
+        // SAFETY: checked buffers of the sizes the C contract documents, valid for the call.
+        unsafe { c.run(req, send as *const u8, recv as *mut u8) }
     })
 }
 
@@ -265,7 +255,9 @@ pub unsafe extern "C" fn gradwire_iallreduce(
         let (_, c) = comm(comm_p, w)?;
         out(work, w, "work")?;
         let req = Request::new(OpKind::Allreduce, dtype(dt, w)?, redop(op, w)?, count);
-        let handle = start(&c, req, sendbuf, recvbuf, w)?;
+        check_buffers(&c, &req, sendbuf, recvbuf, w)?;
+        // SAFETY: checked buffers; the caller keeps them valid until the work completes.
+        let handle = unsafe { c.start(req, sendbuf as *const u8, recvbuf as *mut u8)? };
         let mut reg = registry();
         let id = reg.id();
         reg.works.insert(id, handle);
@@ -282,10 +274,7 @@ pub extern "C" fn gradwire_wait(work: *mut gradwire_work_t, timeout_ms: i64) -> 
             return Err(invalid("gradwire_wait: work is NULL"));
         }
         let id = handle_id(work);
-        let mut w = registry()
-            .works
-            .remove(&id)
-            .ok_or_else(|| invalid("gradwire_wait: work is not a live work handle (already waited for?)"))?;
+        let mut w = registry().works.remove(&id).ok_or_else(|| invalid("gradwire_wait: work is not a live work handle (already waited for?)"))?;
         if timeout_ms < 0 {
             return w.wait();
         }
@@ -307,16 +296,7 @@ pub extern "C" fn gradwire_wait(work: *mut gradwire_work_t, timeout_ms: i64) -> 
 pub unsafe extern "C" fn gradwire_broadcast(comm_p: *mut gradwire_comm_t, buf: *mut c_void, count: usize, dt: gradwire_dtype_t, root: c_int) -> c_int {
     let w = "gradwire_broadcast";
     match (dtype(dt, w), usize::try_from(root)) {
-        (Ok(d), Ok(root)) => blocking(
-            comm_p,
-            Request {
-                root,
-                ..Request::new(OpKind::Broadcast, d, ReduceOp::Sum, count)
-            },
-            buf,
-            buf,
-            w,
-        ),
+        (Ok(d), Ok(root)) => blocking(comm_p, Request { root, ..Request::new(OpKind::Broadcast, d, ReduceOp::Sum, count) }, buf, buf, w),
         (Err(e), _) => guard(|| Err(e)),
         (_, Err(_)) => guard(|| Err(invalid(format!("{w}: root {root} is negative")))),
     }

@@ -53,11 +53,7 @@ impl Region {
     pub fn anonymous(len: usize) -> Result<Self> {
         let len = len.max(1).next_multiple_of(page_size());
         let map = MmapOptions::new().len(len).map_anon().map_err(|e| Error::io(format!("mmap {len} bytes"), e))?;
-        Ok(Region {
-            map,
-            kind: RegionKind::Anonymous,
-            file: None,
-        })
+        Ok(Region { map, kind: RegionKind::Anonymous, file: None })
     }
 
     /// Huge-page region; falls back to normal pages with a logged reason when the host has
@@ -66,11 +62,7 @@ impl Region {
         const HUGE: usize = 2 << 20;
         let huge_len = len.max(1).next_multiple_of(HUGE);
         match MmapOptions::new().len(huge_len).huge(Some(21)).map_anon() {
-            Ok(map) => Ok(Region {
-                map,
-                kind: RegionKind::HugePages,
-                file: None,
-            }),
+            Ok(map) => Ok(Region { map, kind: RegionKind::HugePages, file: None }),
             Err(e) => {
                 log::info!(
                     "huge pages unavailable for {huge_len} bytes ({e}); using normal pages \
@@ -96,21 +88,13 @@ impl Region {
         file.set_len(len as u64).map_err(|e| Error::io(format!("ftruncate memfd to {len}"), e))?;
         // SAFETY: the memfd is ours; peers that map it agree (by protocol) on who writes where.
         let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }.map_err(|e| Error::io("mmap memfd", e))?;
-        Ok(Region {
-            map,
-            kind: RegionKind::Shared,
-            file: Some(file),
-        })
+        Ok(Region { map, kind: RegionKind::Shared, file: Some(file) })
     }
 
     /// Maps a peer's shared region, given the peer's pid and the region's fd in that process.
     pub fn open_shared(pid: u32, fd: i32, len: usize) -> Result<Self> {
         let path = format!("/proc/{pid}/fd/{fd}");
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| Error::io(format!("open peer region {path}"), e))?;
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).map_err(|e| Error::io(format!("open peer region {path}"), e))?;
         let actual = file.metadata().map_err(|e| Error::io(format!("stat {path}"), e))?.len() as usize;
         if actual < len {
             return Err(Error::Protocol(format!("peer region {path} has {actual} bytes, expected {len}")));
@@ -118,11 +102,7 @@ impl Region {
         // SAFETY: shared mapping of a peer's memfd; concurrent access is coordinated by the
         // shm transport's protocol (atomics with acquire/release ordering).
         let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }.map_err(|e| Error::io(format!("mmap {path}"), e))?;
-        Ok(Region {
-            map,
-            kind: RegionKind::Shared,
-            file: Some(file),
-        })
+        Ok(Region { map, kind: RegionKind::Shared, file: Some(file) })
     }
 
     pub fn len(&self) -> usize {
@@ -192,21 +172,14 @@ impl GradBuffer {
             if layout.insert(name.to_string(), Slot { offset: off, count, dtype }).is_some() {
                 return Err(invalid(format!("slot {name} declared twice")));
             }
-            off = off
-                .checked_add(bytes)
-                .and_then(|o| o.checked_next_multiple_of(SLOT_ALIGN))
-                .ok_or_else(|| invalid("buffer size overflows"))?;
+            off = off.checked_add(bytes).and_then(|o| o.checked_next_multiple_of(SLOT_ALIGN)).ok_or_else(|| invalid("buffer size overflows"))?;
         }
         let region = match kind {
             RegionKind::Anonymous => Region::anonymous(off)?,
             RegionKind::HugePages => Region::huge(off)?,
             RegionKind::Shared => Region::shared("gradwire-gradbuffer", off)?,
         };
-        Ok(GradBuffer {
-            region,
-            slots: layout,
-            used: off,
-        })
+        Ok(GradBuffer { region, slots: layout, used: off })
     }
 
     pub fn slot(&self, name: &str) -> Result<&Slot> {

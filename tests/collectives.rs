@@ -42,18 +42,7 @@ matrix! {
     tcp_world8: 8, "tcp";
 }
 
-const LARGE: &[&str] = &[
-    "--large",
-    "64M",
-    "--counts",
-    "7919",
-    "--collectives",
-    "allreduce,broadcast",
-    "--dtypes",
-    "float32",
-    "--ops",
-    "sum",
-];
+const LARGE: &[&str] = &["--large", "64M", "--counts", "7919", "--collectives", "allreduce,broadcast", "--dtypes", "float32", "--ops", "sum"];
 
 #[test]
 fn shm_64mib() {

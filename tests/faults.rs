@@ -44,10 +44,7 @@ fn killed_rank(world: usize, victim: usize, transport: &str, bytes: &str) {
         assert!(!out.status.success(), "rank {r} should fail after rank {victim} died:\n{t}");
         assert!(t.contains(&format!("rank {victim}")), "rank {r}'s error does not name rank {victim}:\n{t}");
         assert!(!t.contains("panicked"), "{t}");
-        assert!(
-            elapsed < Duration::from_secs(6),
-            "rank {r} took {elapsed:?} to report the dead rank (deadline 2 s)"
-        );
+        assert!(elapsed < Duration::from_secs(6), "rank {r} took {elapsed:?} to report the dead rank (deadline 2 s)");
     }
 }
 
@@ -73,17 +70,12 @@ fn mismatch(transport: &str, even: &[&str], odd: &[&str], expect: &[&str]) {
     let port = free_port();
     let env = [("GRADWIRE_TIMEOUT_MS", "30000"), ("GRADWIRE_TRANSPORT", transport)];
     let start = Instant::now();
-    let ranks: Vec<Child> = (0..world)
-        .map(|r| spawn_rank(r, world, port, "fault-test-secret", &env, if r == 1 { odd } else { even }))
-        .collect();
+    let ranks: Vec<Child> = (0..world).map(|r| spawn_rank(r, world, port, "fault-test-secret", &env, if r == 1 { odd } else { even })).collect();
     let outs: Vec<_> = ranks.into_iter().map(|c| wait_with_limit(c, Duration::from_secs(60))).collect();
     let elapsed = start.elapsed();
     let all: String = outs.iter().map(text).collect();
     println!("{all}");
-    assert!(
-        elapsed < Duration::from_secs(20),
-        "mismatch took {elapsed:?}: it waited for the 30 s deadline instead of detecting it"
-    );
+    assert!(elapsed < Duration::from_secs(20), "mismatch took {elapsed:?}: it waited for the 30 s deadline instead of detecting it");
     for (r, o) in outs.iter().enumerate() {
         assert!(!o.status.success(), "rank {r} succeeded despite a mismatched call:\n{all}");
     }
@@ -103,12 +95,7 @@ fn with(extra: &[&'static str]) -> Vec<&'static str> {
 #[test]
 fn mismatched_count() {
     for t in ["shm", "tcp"] {
-        mismatch(
-            t,
-            BASE,
-            &["bench", "allreduce", "-b", "8K", "-e", "8K", "-n", "3", "-w", "1"],
-            &["count 1024", "count 2048"],
-        );
+        mismatch(t, BASE, &["bench", "allreduce", "-b", "8K", "-e", "8K", "-n", "3", "-w", "1"], &["count 1024", "count 2048"]);
     }
 }
 
@@ -129,12 +116,7 @@ fn mismatched_op() {
 #[test]
 fn mismatched_order() {
     for t in ["shm", "tcp"] {
-        mismatch(
-            t,
-            BASE,
-            &["bench", "broadcast", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1"],
-            &["allreduce#0", "broadcast#0"],
-        );
+        mismatch(t, BASE, &["bench", "broadcast", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1"], &["allreduce#0", "broadcast#0"]);
     }
 }
 
@@ -162,38 +144,12 @@ fn malformed_or_missing_environment() {
         (&[], "no rank found"),
         (&[("RANK", "zero"), ("WORLD_SIZE", "2")], "RANK=\"zero\""),
         (&[("RANK", "2"), ("WORLD_SIZE", "2")], "not below"),
-        (
-            &[
-                ("RANK", "0"),
-                ("WORLD_SIZE", "2"),
-                ("MASTER_PORT", "1234"),
-                ("GRADWIRE_JOB_SECRET", "0123456789"),
-            ],
-            "MASTER_ADDR",
-        ),
-        (
-            &[
-                ("RANK", "0"),
-                ("WORLD_SIZE", "2"),
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", "70000"),
-                ("GRADWIRE_JOB_SECRET", "0123456789"),
-            ],
-            "MASTER_PORT",
-        ),
-        (
-            &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1234")],
-            "GRADWIRE_JOB_SECRET",
-        ),
+        (&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1234"), ("GRADWIRE_JOB_SECRET", "0123456789")], "MASTER_ADDR"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "70000"), ("GRADWIRE_JOB_SECRET", "0123456789")], "MASTER_PORT"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1234")], "GRADWIRE_JOB_SECRET"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TIMEOUT_MS", "soon")], "GRADWIRE_TIMEOUT_MS"),
-        (
-            &[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TRANSPORT", "carrier-pigeon")],
-            "GRADWIRE_TRANSPORT",
-        ),
-        (
-            &[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SHM_RING_BYTES", "1000")],
-            "GRADWIRE_SHM_RING_BYTES",
-        ),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TRANSPORT", "carrier-pigeon")], "GRADWIRE_TRANSPORT"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SHM_RING_BYTES", "1000")], "GRADWIRE_SHM_RING_BYTES"),
         (&[("RANK", "1"), ("WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_RANK", "0")], "contradicts"),
     ];
     for (env, expect) in cases {
@@ -246,11 +202,7 @@ fn launcher_names_the_failed_rank_and_cleans_up() {
         assert_eq!(out.status.code(), Some(5), "{}", text(&out));
         let ns = Command::new("ip").args(["netns", "list"]).output().unwrap();
         let pid_marker = "gw";
-        let left: Vec<String> = String::from_utf8_lossy(&ns.stdout)
-            .lines()
-            .filter(|l| l.starts_with(pid_marker))
-            .map(String::from)
-            .collect();
+        let left: Vec<String> = String::from_utf8_lossy(&ns.stdout).lines().filter(|l| l.starts_with(pid_marker)).map(String::from).collect();
         // Other tests may run namespaced jobs concurrently: only ours must be gone, and ours
         // are named after the launcher's pid, which has exited — so none of these may be
         // ours unless cleanup failed. We check the launcher printed no cleanup error.

@@ -8,16 +8,7 @@ use std::collections::BTreeMap;
 /// Type text with paths and spacing normalised (`::std::os::raw::c_int` → `c_int`).
 fn norm(t: &syn::Type) -> String {
     let s = t.to_token_stream().to_string().replace(' ', "");
-    [
-        "::std::os::raw::",
-        "std::os::raw::",
-        "::core::ffi::",
-        "core::ffi::",
-        "std::ffi::",
-        "::std::ffi::",
-    ]
-    .iter()
-    .fold(s, |acc, p| acc.replace(p, ""))
+    ["::std::os::raw::", "std::os::raw::", "::core::ffi::", "core::ffi::", "std::ffi::", "::std::ffi::"].iter().fold(s, |acc, p| acc.replace(p, ""))
 }
 
 type Sig = (Vec<String>, String);
@@ -86,9 +77,7 @@ fn header_matches_rust_exports() {
     }
     assert!(declared.len() >= 15, "the header declares only {:?}", declared.keys());
     for (name, sig) in &declared {
-        let mine = exported
-            .get(name)
-            .unwrap_or_else(|| panic!("{name} is declared in gradwire.h but not exported by src/ffi.rs"));
+        let mine = exported.get(name).unwrap_or_else(|| panic!("{name} is declared in gradwire.h but not exported by src/ffi.rs"));
         assert_eq!(mine, sig, "{name}: Rust signature differs from the header's");
     }
     for name in exported.keys() {
@@ -114,42 +103,11 @@ fn header_matches_rust_exports() {
     let codes: &[(&str, Error)] = &[
         ("GRADWIRE_ERR_CONFIG", Error::Config(String::new())),
         ("GRADWIRE_ERR_INVALID_ARGUMENT", Error::InvalidArgument(String::new())),
-        (
-            "GRADWIRE_ERR_TIMEOUT",
-            Error::Timeout {
-                rank: 0,
-                peer: 0,
-                op: String::new(),
-                waited_ms: 0,
-            },
-        ),
+        ("GRADWIRE_ERR_TIMEOUT", Error::Timeout { rank: 0, peer: 0, op: String::new(), waited_ms: 0 }),
         ("GRADWIRE_ERR_TIMEOUT", Error::StillRunning { waited_ms: 0 }),
-        (
-            "GRADWIRE_ERR_PEER_LOST",
-            Error::PeerLost {
-                rank: 0,
-                peer: 0,
-                op: String::new(),
-                cause: String::new(),
-            },
-        ),
-        (
-            "GRADWIRE_ERR_MISMATCH",
-            Error::Mismatch {
-                rank: 0,
-                mine: String::new(),
-                peer: 0,
-                theirs: String::new(),
-            },
-        ),
-        (
-            "GRADWIRE_ERR_ABORTED",
-            Error::Aborted {
-                rank: 0,
-                peer: 0,
-                reason: String::new(),
-            },
-        ),
+        ("GRADWIRE_ERR_PEER_LOST", Error::PeerLost { rank: 0, peer: 0, op: String::new(), cause: String::new() }),
+        ("GRADWIRE_ERR_MISMATCH", Error::Mismatch { rank: 0, mine: String::new(), peer: 0, theirs: String::new() }),
+        ("GRADWIRE_ERR_ABORTED", Error::Aborted { rank: 0, peer: 0, reason: String::new() }),
         ("GRADWIRE_ERR_AUTH", Error::Auth(String::new())),
         ("GRADWIRE_ERR_PROTOCOL", Error::Protocol(String::new())),
         ("GRADWIRE_ERR_SYSTEM", Error::io("x", io())),

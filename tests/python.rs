@@ -8,11 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 fn python_has(module: &str) -> bool {
-    Command::new("python3")
-        .args(["-c", &format!("import {module}")])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false)
+    Command::new("python3").args(["-c", &format!("import {module}")]).output().map(|o| o.status.success()).unwrap_or(false)
 }
 
 fn run_py(n: usize, script: &str, env: &[(&str, &str)]) -> String {

@@ -56,9 +56,7 @@ pub fn accept(s: &mut TcpStream, secret: &str, context: &[u8]) -> Result<()> {
     s.read_exact(&mut reply).map_err(io("auth reply", &peer))?;
     if !verify(secret, b"client", &my_nonce, context, &reply[..MAC]) {
         let _ = s.write_all(&[0]);
-        return Err(Error::Auth(format!(
-            "refused connection from {peer}: it did not prove the job secret (GRADWIRE_JOB_SECRET differs?)"
-        )));
+        return Err(Error::Auth(format!("refused connection from {peer}: it did not prove the job secret (GRADWIRE_JOB_SECRET differs?)")));
     }
     let mut ok = vec![1u8];
     ok.extend_from_slice(&mac(secret, b"server", &reply[MAC..], context));
@@ -79,8 +77,7 @@ pub fn connect(s: &mut TcpStream, secret: &str, context: &[u8]) -> Result<()> {
     reply.extend_from_slice(&my_nonce);
     s.write_all(&reply).map_err(io("auth reply", &peer))?;
     let mut status = [0u8; 1];
-    s.read_exact(&mut status)
-        .map_err(|_| Error::Auth(format!("{peer} refused our job secret (GRADWIRE_JOB_SECRET differs?)")))?;
+    s.read_exact(&mut status).map_err(|_| Error::Auth(format!("{peer} refused our job secret (GRADWIRE_JOB_SECRET differs?)")))?;
     if status[0] != 1 {
         return Err(Error::Auth(format!("{peer} refused our job secret (GRADWIRE_JOB_SECRET differs?)")));
     }
@@ -107,10 +104,7 @@ pub fn read_frame(s: &mut impl Read) -> std::io::Result<Vec<u8>> {
     s.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_FRAME {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes exceeds {MAX_FRAME}"),
-        ));
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame of {len} bytes exceeds {MAX_FRAME}")));
     }
     let mut buf = vec![0u8; len];
     s.read_exact(&mut buf)?;

@@ -44,10 +44,7 @@ fn agreeing(lookup: &dyn Fn(&str) -> Option<String>, names: &[&'static str]) -> 
 }
 
 fn number(found: &(&'static str, String)) -> Result<usize> {
-    found
-        .1
-        .parse::<usize>()
-        .map_err(|_| config(format!("{}={:?} is not a non-negative integer", found.0, found.1)))
+    found.1.parse::<usize>().map_err(|_| config(format!("{}={:?} is not a non-negative integer", found.0, found.1)))
 }
 
 const RANK_VARS: &[&str] = &["GRADWIRE_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"];
@@ -88,20 +85,11 @@ impl RankEnv {
         let (master_addr, master_port, secret) = if w == 1 {
             // A single rank needs no rendezvous; take what is given, if anything.
             let port = port.as_ref().map(|p| p.1.parse::<u16>().unwrap_or(0)).unwrap_or(0);
-            (
-                addr.map(|a| a.1).unwrap_or_else(|| "127.0.0.1".into()),
-                port,
-                secret.map(|s| s.1).unwrap_or_default(),
-            )
+            (addr.map(|a| a.1).unwrap_or_else(|| "127.0.0.1".into()), port, secret.map(|s| s.1).unwrap_or_default())
         } else {
             let addr = addr.ok_or_else(|| config("MASTER_ADDR is not set (the address of rank 0's rendezvous store)"))?;
             let port = port.ok_or_else(|| config("MASTER_PORT is not set (the port of rank 0's rendezvous store)"))?;
-            let p = port
-                .1
-                .parse::<u16>()
-                .ok()
-                .filter(|p| *p != 0)
-                .ok_or_else(|| config(format!("{}={:?} is not a TCP port (1-65535)", port.0, port.1)))?;
+            let p = port.1.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| config(format!("{}={:?} is not a TCP port (1-65535)", port.0, port.1)))?;
             let secret = secret.ok_or_else(|| {
                 config("GRADWIRE_JOB_SECRET is not set: every rank must present the same job secret (gradwire launch sets one; otherwise export the same random string on all ranks)")
             })?;
@@ -110,15 +98,7 @@ impl RankEnv {
             }
             (addr.1, p, secret.1)
         };
-        Ok(RankEnv {
-            rank: r,
-            world: w,
-            local_rank,
-            local_world,
-            master_addr,
-            master_port,
-            secret,
-        })
+        Ok(RankEnv { rank: r, world: w, local_rank, local_world, master_addr, master_port, secret })
     }
 }
 
@@ -132,11 +112,7 @@ mod tests {
         RankEnv::from_lookup(&move |k| m.get(k).cloned())
     }
 
-    const BASE: &[(&str, &str)] = &[
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", "29500"),
-        ("GRADWIRE_JOB_SECRET", "0123456789abcdef"),
-    ];
+    const BASE: &[(&str, &str)] = &[("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("GRADWIRE_JOB_SECRET", "0123456789abcdef")];
 
     fn with(extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
         BASE.iter().copied().chain(extra.iter().copied()).collect()
@@ -160,19 +136,13 @@ mod tests {
         assert!(err.contains("RANK=\"x\""), "{err}");
         let err = env(&with(&[("RANK", "4"), ("WORLD_SIZE", "4")])).unwrap_err().to_string();
         assert!(err.contains("not below"), "{err}");
-        let err = env(&with(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("OMPI_COMM_WORLD_RANK", "2")]))
-            .unwrap_err()
-            .to_string();
+        let err = env(&with(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("OMPI_COMM_WORLD_RANK", "2")])).unwrap_err().to_string();
         assert!(err.contains("RANK=1 contradicts OMPI_COMM_WORLD_RANK=2"), "{err}");
         let err = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]).unwrap_err().to_string();
         assert!(err.contains("MASTER_ADDR"), "{err}");
-        let err = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")])
-            .unwrap_err()
-            .to_string();
+        let err = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")]).unwrap_err().to_string();
         assert!(err.contains("MASTER_PORT"), "{err}");
-        let err = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "5")])
-            .unwrap_err()
-            .to_string();
+        let err = env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "5")]).unwrap_err().to_string();
         assert!(err.contains("GRADWIRE_JOB_SECRET"), "{err}");
         let err = env(&with(&[("RANK", "0"), ("WORLD_SIZE", "0")])).unwrap_err().to_string();
         assert!(err.contains("at least 1"), "{err}");

@@ -61,9 +61,7 @@ pub fn host_id() -> String {
     if let Some(id) = crate::config::env_str("GRADWIRE_HOST_ID") {
         return id;
     }
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "localhost".into());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "localhost".into());
     let netns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
     format!("{host}/{netns}")
 }
@@ -87,12 +85,7 @@ impl Bootstrap {
     pub fn new(env: RankEnv, deadline: Instant) -> Result<Self> {
         let started = Instant::now();
         if env.world == 1 {
-            return Ok(Bootstrap {
-                env,
-                store: None,
-                topology: Topology { host_of: vec![0] },
-                _server: None,
-            });
+            return Ok(Bootstrap { env, store: None, topology: Topology { host_of: vec![0] }, _server: None });
         }
         let addr = format!("{}:{}", env.master_addr, env.master_port);
         let server = if env.rank == 0 {
@@ -126,12 +119,7 @@ impl Bootstrap {
                 log::info!("launcher says local rank {lr}, host identity gives {computed}; using the host identity");
             }
         }
-        Ok(Bootstrap {
-            env,
-            store: Some(store),
-            topology,
-            _server: server,
-        })
+        Ok(Bootstrap { env, store: Some(store), topology, _server: server })
     }
 }
 

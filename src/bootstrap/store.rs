@@ -105,10 +105,7 @@ impl StoreClient {
     /// Connects (retrying until `deadline` while rank 0 starts) and authenticates.
     pub fn connect(addr: &str, secret: &str, deadline: Instant) -> Result<Self> {
         let s = auth::dial(addr, secret, CONTEXT.as_bytes(), deadline, "rendezvous store")?;
-        Ok(StoreClient {
-            conn: Mutex::new(s),
-            addr: addr.to_string(),
-        })
+        Ok(StoreClient { conn: Mutex::new(s), addr: addr.to_string() })
     }
 
     /// The local address of our store connection: an address of this host that the other
@@ -121,9 +118,7 @@ impl StoreClient {
     fn call(&self, req: &[u8], timeout: Duration) -> Result<Vec<u8>> {
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         c.set_read_timeout(Some(timeout + Duration::from_secs(5))).ok();
-        write_frame(&mut *c, req)
-            .and_then(|_| read_frame(&mut *c))
-            .map_err(|e| Error::io(format!("rendezvous store at {} (did rank 0 exit?)", self.addr), e))
+        write_frame(&mut *c, req).and_then(|_| read_frame(&mut *c)).map_err(|e| Error::io(format!("rendezvous store at {} (did rank 0 exit?)", self.addr), e))
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {

@@ -60,15 +60,7 @@ pub fn ring_reduce_scatter(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], s
         let step = step0 + s as u32;
         cx.exchange(
             &mut [SendOp { peer: next, step, data: sbuf }],
-            &mut [RecvOp {
-                peer: prev,
-                step,
-                sink: Sink::Reduce {
-                    dst: rbuf,
-                    elem: dtype.size(),
-                    reduce: &red,
-                },
-            }],
+            &mut [RecvOp { peer: prev, step, sink: Sink::Reduce { dst: rbuf, elem: dtype.size(), reduce: &red } }],
         )?;
     }
     Ok(())
@@ -86,14 +78,7 @@ pub fn ring_allgather(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], own: i
         // SAFETY: sp != rp, disjoint parts of `buf`.
         let (sbuf, rbuf) = unsafe { (view(base, bounds[sp], bounds[sp + 1]), view(base, bounds[rp], bounds[rp + 1])) };
         let step = step0 + s as u32;
-        cx.exchange(
-            &mut [SendOp { peer: next, step, data: sbuf }],
-            &mut [RecvOp {
-                peer: prev,
-                step,
-                sink: Sink::Copy(rbuf),
-            }],
-        )?;
+        cx.exchange(&mut [SendOp { peer: next, step, data: sbuf }], &mut [RecvOp { peer: prev, step, sink: Sink::Copy(rbuf) }])?;
     }
     Ok(())
 }
@@ -124,54 +109,18 @@ pub fn recursive_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<
     let extra = w - p2;
     // Fold: ranks p2.. hand their data to rank r-p2 and wait for the result.
     if r >= p2 {
-        cx.exchange(
-            &mut [SendOp {
-                peer: r - p2,
-                step: 0,
-                data: buf,
-            }],
-            &mut [],
-        )?;
-        return cx.exchange(
-            &mut [],
-            &mut [RecvOp {
-                peer: r - p2,
-                step: 99,
-                sink: Sink::Copy(buf),
-            }],
-        );
+        cx.exchange(&mut [SendOp { peer: r - p2, step: 0, data: buf }], &mut [])?;
+        return cx.exchange(&mut [], &mut [RecvOp { peer: r - p2, step: 99, sink: Sink::Copy(buf) }]);
     }
     if r < extra {
-        cx.exchange(
-            &mut [],
-            &mut [RecvOp {
-                peer: r + p2,
-                step: 0,
-                sink: Sink::Reduce {
-                    dst: buf,
-                    elem: dtype.size(),
-                    reduce: &red,
-                },
-            }],
-        )?;
+        cx.exchange(&mut [], &mut [RecvOp { peer: r + p2, step: 0, sink: Sink::Reduce { dst: buf, elem: dtype.size(), reduce: &red } }])?;
     }
     let mut tmp = vec![0u8; buf.len()];
     let mut mask = 1;
     let mut step = 1;
     while mask < p2 {
         let partner = r ^ mask;
-        cx.exchange(
-            &mut [SendOp {
-                peer: partner,
-                step,
-                data: buf,
-            }],
-            &mut [RecvOp {
-                peer: partner,
-                step,
-                sink: Sink::Copy(&mut tmp),
-            }],
-        )?;
+        cx.exchange(&mut [SendOp { peer: partner, step, data: buf }], &mut [RecvOp { peer: partner, step, sink: Sink::Copy(&mut tmp) }])?;
         reduce_bytes(dtype, op, buf, &tmp);
         mask <<= 1;
         step += 1;
@@ -180,14 +129,7 @@ pub fn recursive_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<
         scale(dtype, buf, 1.0 / w as f64);
     }
     if r < extra {
-        cx.exchange(
-            &mut [SendOp {
-                peer: r + p2,
-                step: 99,
-                data: buf,
-            }],
-            &mut [],
-        )?;
+        cx.exchange(&mut [SendOp { peer: r + p2, step: 99, data: buf }], &mut [])?;
     }
     Ok(())
 }
@@ -200,14 +142,7 @@ pub fn binomial_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Resu
     let mut mask = 1;
     while mask < w {
         if v & mask != 0 {
-            cx.exchange(
-                &mut [],
-                &mut [RecvOp {
-                    peer: real(v - mask),
-                    step: 0,
-                    sink: Sink::Copy(buf),
-                }],
-            )?;
+            cx.exchange(&mut [], &mut [RecvOp { peer: real(v - mask), step: 0, sink: Sink::Copy(buf) }])?;
             break;
         }
         mask <<= 1;
@@ -215,14 +150,7 @@ pub fn binomial_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Resu
     mask >>= 1;
     while mask > 0 {
         if v + mask < w {
-            cx.exchange(
-                &mut [SendOp {
-                    peer: real(v + mask),
-                    step: 0,
-                    data: buf,
-                }],
-                &mut [],
-            )?;
+            cx.exchange(&mut [SendOp { peer: real(v + mask), step: 0, data: buf }], &mut [])?;
         }
         mask >>= 1;
     }
@@ -246,28 +174,12 @@ pub fn chain_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usi
     // Step k: the root sends piece k; every other rank receives piece k and (unless it is
     // the last in the chain) forwards piece k-1.
     for k in 0..=n {
-        let (send_piece, recv_piece) = if v == 0 {
-            ((k < n).then_some(k), None)
-        } else {
-            ((!last && k >= 1).then(|| k - 1), (k < n).then_some(k))
-        };
+        let (send_piece, recv_piece) = if v == 0 { ((k < n).then_some(k), None) } else { ((!last && k >= 1).then(|| k - 1), (k < n).then_some(k)) };
         // SAFETY: pieces k and k-1 are disjoint ranges of `buf`.
-        let mut sends: Vec<SendOp<'_>> = send_piece
-            .map(|p| SendOp {
-                peer: next,
-                step: p as u32,
-                data: unsafe { view(base, bound(p), bound(p + 1)) },
-            })
-            .into_iter()
-            .collect();
-        let mut recvs: Vec<RecvOp<'_>> = recv_piece
-            .map(|p| RecvOp {
-                peer: prev,
-                step: p as u32,
-                sink: Sink::Copy(unsafe { view(base, bound(p), bound(p + 1)) }),
-            })
-            .into_iter()
-            .collect();
+        let mut sends: Vec<SendOp<'_>> =
+            send_piece.map(|p| SendOp { peer: next, step: p as u32, data: unsafe { view(base, bound(p), bound(p + 1)) } }).into_iter().collect();
+        let mut recvs: Vec<RecvOp<'_>> =
+            recv_piece.map(|p| RecvOp { peer: prev, step: p as u32, sink: Sink::Copy(unsafe { view(base, bound(p), bound(p + 1)) }) }).into_iter().collect();
         if !sends.is_empty() || !recvs.is_empty() {
             cx.exchange(&mut sends, &mut recvs)?;
         }
@@ -288,28 +200,13 @@ pub fn binomial_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Result<
     let mut mask = 1;
     while mask < w {
         if v & mask != 0 {
-            cx.exchange(
-                &mut [SendOp {
-                    peer: real(v - mask),
-                    step: mask.trailing_zeros(),
-                    data: acc,
-                }],
-                &mut [],
-            )?;
+            cx.exchange(&mut [SendOp { peer: real(v - mask), step: mask.trailing_zeros(), data: acc }], &mut [])?;
             return Ok(());
         }
         if v + mask < w {
             cx.exchange(
                 &mut [],
-                &mut [RecvOp {
-                    peer: real(v + mask),
-                    step: mask.trailing_zeros(),
-                    sink: Sink::Reduce {
-                        dst: acc,
-                        elem: dtype.size(),
-                        reduce: &red,
-                    },
-                }],
+                &mut [RecvOp { peer: real(v + mask), step: mask.trailing_zeros(), sink: Sink::Reduce { dst: acc, elem: dtype.size(), reduce: &red } }],
             )?;
         }
         mask <<= 1;
@@ -326,18 +223,7 @@ pub fn dissemination_barrier(cx: &mut Ctx<'_>) -> Result<()> {
     let mut dist = 1;
     let mut step = 0;
     while dist < w {
-        cx.exchange(
-            &mut [SendOp {
-                peer: (r + dist) % w,
-                step,
-                data: &[],
-            }],
-            &mut [RecvOp {
-                peer: (r + w - dist) % w,
-                step,
-                sink: Sink::Copy(&mut []),
-            }],
-        )?;
+        cx.exchange(&mut [SendOp { peer: (r + dist) % w, step, data: &[] }], &mut [RecvOp { peer: (r + w - dist) % w, step, sink: Sink::Copy(&mut []) }])?;
         dist <<= 1;
         step += 1;
     }

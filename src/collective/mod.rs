@@ -44,22 +44,12 @@ pub struct Request {
 
 impl Request {
     pub fn new(op: OpKind, dtype: DType, redop: ReduceOp, count: usize) -> Self {
-        Request {
-            op,
-            dtype,
-            redop,
-            count,
-            root: 0,
-            algo: None,
-        }
+        Request { op, dtype, redop, count, root: 0, algo: None }
     }
 
     /// (send bytes, receive bytes) this request reads and writes on a world of `w` ranks.
     pub fn lengths(&self, w: usize) -> Result<(usize, usize)> {
-        let b = self
-            .count
-            .checked_mul(self.dtype.size())
-            .ok_or_else(|| invalid(format!("count {} overflows", self.count)))?;
+        let b = self.count.checked_mul(self.dtype.size()).ok_or_else(|| invalid(format!("count {} overflows", self.count)))?;
         let wb = b.checked_mul(w).ok_or_else(|| invalid(format!("count {} x {w} ranks overflows", self.count)))?;
         Ok(match self.op {
             OpKind::ReduceScatter => (wb, b),
@@ -79,6 +69,22 @@ impl Communicator {
     /// be read or written by anyone else, until the returned `Work` has completed. `send`
     /// may equal `recv` (in place) for allreduce, broadcast and reduce.
     pub unsafe fn start(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<Work> {
+        let (what, job) = self.job(req, send, recv)?;
+        Ok(self.submit(what, job))
+    }
+
+    /// Runs a collective on raw buffers to completion (on this thread when nothing is
+    /// queued ahead of it).
+    ///
+    /// # Safety
+    /// As for [`Communicator::start`], until this call returns.
+    pub unsafe fn run(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<()> {
+        let (what, job) = self.job(req, send, recv)?;
+        self.run_blocking(what, job)
+    }
+
+    /// Validates a request and packages it for the engine.
+    fn job(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<(String, crate::engine::Job)> {
         if matches!(req.op, OpKind::Broadcast | OpKind::Reduce) && req.root >= self.size() {
             return Err(invalid(format!("root {} is not a rank of this communicator (size {})", req.root, self.size())));
         }
@@ -89,30 +95,19 @@ impl Communicator {
         if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
             return Err(invalid("null buffer"));
         }
-        let call = CallHeader {
-            op: req.op,
-            dtype: req.dtype,
-            redop: req.redop,
-            root: req.root as u32,
-            count: req.count as u64,
-            seq: self.next_seq(),
-        };
+        let what = format!("{}(count {}, {})", req.op.name(), req.count, req.dtype.name());
         let (small, default_algo) = (self.config.small_bytes, self.config.algo);
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
-        Ok(self.submit(
-            call.to_string(),
-            Box::new(move |st: &mut EngineState, deadline: Instant| {
-                let (s, r) = (s, r);
-                // SAFETY: lengths and validity are the caller's contract (see above).
-                let sbuf: &[u8] = if slen == 0 { &[] } else { unsafe { std::slice::from_raw_parts(s.0, slen) } };
-                let rbuf: &mut [u8] = if rlen == 0 {
-                    &mut []
-                } else {
-                    unsafe { std::slice::from_raw_parts_mut(r.0, rlen) }
-                };
-                run(st, deadline, call, req, req.algo.unwrap_or(default_algo), small, sbuf, rbuf)
-            }),
-        ))
+        let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
+            let (s, r) = (s, r);
+            // Sequence numbers are given at execution, in the order operations run.
+            let call = CallHeader { op: req.op, dtype: req.dtype, redop: req.redop, root: req.root as u32, count: req.count as u64, seq: st.next_seq() };
+            // SAFETY: lengths and validity are the caller's contract (see `start`).
+            let sbuf: &[u8] = if slen == 0 { &[] } else { unsafe { std::slice::from_raw_parts(s.0, slen) } };
+            let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
+            run(st, deadline, call, req, req.algo.unwrap_or(default_algo), small, sbuf, rbuf)
+        });
+        Ok((what, job))
     }
 
     /// Allreduce in place.
@@ -122,74 +117,55 @@ impl Communicator {
 
     /// Allreduce in place with an explicit algorithm (`None`: automatic).
     pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: ReduceOp, algo: Option<Algo>) -> Result<()> {
-        let req = Request {
-            algo,
-            ..Request::new(OpKind::Allreduce, T::DTYPE, op, buf.len())
-        };
+        let req = Request { algo, ..Request::new(OpKind::Allreduce, T::DTYPE, op, buf.len()) };
         let p = buf.as_mut_ptr() as *mut u8;
-        // SAFETY: `buf` is exclusively borrowed until wait() returns, which is after the
+        // SAFETY: `buf` is exclusively borrowed until run() returns, which is after the
         // engine is done with it.
-        unsafe { self.start(req, p, p)?.wait() }
+        unsafe { self.run(req, p, p) }
     }
 
     /// Reduce-scatter: `send` holds `size * recv.len()` elements; rank r receives the
     /// reduction of part r.
     pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         if send.len() != recv.len() * self.size() {
-            return Err(invalid(format!(
-                "reduce_scatter: send has {} elements, expected {} x {}",
-                send.len(),
-                recv.len(),
-                self.size()
-            )));
+            return Err(invalid(format!("reduce_scatter: send has {} elements, expected {} x {}", send.len(), recv.len(), self.size())));
         }
         let req = Request::new(OpKind::ReduceScatter, T::DTYPE, op, recv.len());
         // SAFETY: borrows outlive wait().
-        unsafe { self.start(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8)?.wait() }
+        unsafe { self.run(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8) }
     }
 
     /// Allgather: `recv` holds `size * send.len()` elements, part r from rank r.
     pub fn allgather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         if recv.len() != send.len() * self.size() {
-            return Err(invalid(format!(
-                "allgather: recv has {} elements, expected {} x {}",
-                recv.len(),
-                send.len(),
-                self.size()
-            )));
+            return Err(invalid(format!("allgather: recv has {} elements, expected {} x {}", recv.len(), send.len(), self.size())));
         }
         let req = Request::new(OpKind::Allgather, T::DTYPE, ReduceOp::Sum, send.len());
         // SAFETY: borrows outlive wait().
-        unsafe { self.start(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8)?.wait() }
+        unsafe { self.run(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8) }
     }
 
     /// Broadcast `buf` from `root` to every rank.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let req = Request {
-            root,
-            ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len())
-        };
+        let req = Request { root, ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len()) };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: borrow outlives wait().
-        unsafe { self.start(req, p, p)?.wait() }
+        unsafe { self.run(req, p, p) }
     }
 
     /// Reduce to `root` in place; other ranks' buffers are left unchanged.
     pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
-        let req = Request {
-            root,
-            ..Request::new(OpKind::Reduce, T::DTYPE, op, buf.len())
-        };
+        let req = Request { root, ..Request::new(OpKind::Reduce, T::DTYPE, op, buf.len()) };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: borrow outlives wait().
-        unsafe { self.start(req, p, p)?.wait() }
+        unsafe { self.run(req, p, p) }
     }
 
     /// Returns once every rank has entered the barrier.
     pub fn barrier(&self) -> Result<()> {
         let req = Request::new(OpKind::Barrier, DType::F32, ReduceOp::Sum, 0);
         // SAFETY: no buffers.
-        unsafe { self.start(req, std::ptr::null(), std::ptr::null_mut())?.wait() }
+        unsafe { self.run(req, std::ptr::null(), std::ptr::null_mut()) }
     }
 
     /// Non-blocking allreduce of an owned vector; `Pending::wait` gives it back reduced.
@@ -199,25 +175,16 @@ impl Communicator {
         // SAFETY: the vector's heap block does not move while `Pending` owns it, and
         // `Pending` waits for completion before handing it back or dropping it.
         let work = unsafe { self.start(req, p, p)? };
-        Ok(Pending {
-            work: Some(work),
-            value: Some(buf),
-        })
+        Ok(Pending { work: Some(work), value: Some(buf) })
     }
 
     /// Non-blocking broadcast of an owned vector.
     pub fn ibroadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Result<Pending<Vec<T>>> {
-        let req = Request {
-            root,
-            ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len())
-        };
+        let req = Request { root, ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len()) };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: as in iallreduce.
         let work = unsafe { self.start(req, p, p)? };
-        Ok(Pending {
-            work: Some(work),
-            value: Some(buf),
-        })
+        Ok(Pending { work: Some(work), value: Some(buf) })
     }
 
     /// Sends `data` to `peer` with `tag`. Point-to-point messages between two ranks are
@@ -233,7 +200,7 @@ impl Communicator {
             let bytes = unsafe { std::slice::from_raw_parts(p.0, len) };
             st.links.exchange(&call, &mut [SendOp { peer, step: 0, data: bytes }], &mut [], deadline)
         });
-        self.submit(call.to_string(), job).wait()
+        self.run_blocking(call.to_string(), job)
     }
 
     /// Receives the next message from `peer` into `buf` (see [`Communicator::send`]).
@@ -245,37 +212,18 @@ impl Communicator {
             let p = p;
             // SAFETY: `buf` is exclusively borrowed until wait() below returns.
             let bytes = unsafe { std::slice::from_raw_parts_mut(p.0, len) };
-            st.links.exchange(
-                &call,
-                &mut [],
-                &mut [RecvOp {
-                    peer,
-                    step: 0,
-                    sink: Sink::Copy(bytes),
-                }],
-                deadline,
-            )
+            st.links.exchange(&call, &mut [], &mut [RecvOp { peer, step: 0, sink: Sink::Copy(bytes) }], deadline)
         });
-        self.submit(call.to_string(), job).wait()
+        self.run_blocking(call.to_string(), job)
     }
 
     fn p2p_call<T: Element>(&self, peer: usize, tag: u32, count: usize, sending: bool) -> Result<CallHeader> {
         if peer >= self.size() || peer == self.rank() {
-            return Err(invalid(format!(
-                "send/recv peer {peer}: must be another rank of this communicator (size {})",
-                self.size()
-            )));
+            return Err(invalid(format!("send/recv peer {peer}: must be another rank of this communicator (size {})", self.size())));
         }
         let counters = if sending { &self.p2p_sent } else { &self.p2p_received };
         let seq = counters[peer].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(CallHeader {
-            op: OpKind::Send,
-            dtype: T::DTYPE,
-            redop: ReduceOp::Sum,
-            root: tag,
-            count: count as u64,
-            seq,
-        })
+        Ok(CallHeader { op: OpKind::Send, dtype: T::DTYPE, redop: ReduceOp::Sum, root: tag, count: count as u64, seq })
     }
 
     /// Non-blocking barrier.
@@ -323,15 +271,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
     if let Some(dom) = &st.shm {
         dom.set_call(&encode_call(&call));
     }
-    let mut cx = Ctx {
-        links: &mut st.links,
-        call,
-        deadline,
-        rank,
-        world,
-        dtype: req.dtype,
-        op: req.redop,
-    };
+    let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
     match req.op {
         OpKind::Allreduce => {
             if send.as_ptr() != recv.as_ptr() {
@@ -352,15 +292,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             match algo {
                 Algo::SharedMemory => {
                     let dom = st.shm.as_ref().ok_or_else(|| invalid("no shared memory"))?;
-                    let scx = ShmCtx {
-                        dom,
-                        rank,
-                        world,
-                        call,
-                        deadline,
-                        abort: &st.abort,
-                        spin: st.spin,
-                    };
+                    let scx = ShmCtx { dom, rank, world, call, deadline, abort: &st.abort, spin: st.spin };
                     shm_allreduce(&scx, recv, req.dtype, req.redop)
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),

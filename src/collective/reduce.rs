@@ -102,17 +102,11 @@ pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) {
         DType::F64 => cast_mut::<f64>(buf).unwrap_or_default().iter_mut().for_each(|x| *x *= factor),
         DType::F16 => {
             let f = factor as f32;
-            cast_mut::<f16>(buf)
-                .unwrap_or_default()
-                .iter_mut()
-                .for_each(|x| *x = f16::from_f32(x.to_f32() * f));
+            cast_mut::<f16>(buf).unwrap_or_default().iter_mut().for_each(|x| *x = f16::from_f32(x.to_f32() * f));
         }
         DType::BF16 => {
             let f = factor as f32;
-            cast_mut::<bf16>(buf)
-                .unwrap_or_default()
-                .iter_mut()
-                .for_each(|x| *x = bf16::from_f32(x.to_f32() * f));
+            cast_mut::<bf16>(buf).unwrap_or_default().iter_mut().for_each(|x| *x = bf16::from_f32(x.to_f32() * f));
         }
     }
 }

@@ -146,14 +146,7 @@ mod tests {
     fn roundtrip_and_garbage() {
         let h = FrameHeader {
             kind: FrameKind::Data,
-            call: CallHeader {
-                op: OpKind::Broadcast,
-                dtype: DType::BF16,
-                redop: ReduceOp::Max,
-                root: 3,
-                count: 1 << 40,
-                seq: 77,
-            },
+            call: CallHeader { op: OpKind::Broadcast, dtype: DType::BF16, redop: ReduceOp::Max, root: 3, count: 1 << 40, seq: 77 },
             step: 5,
             len: 123456,
         };

@@ -52,11 +52,7 @@ pub enum Sink<'a> {
     Copy(&'a mut [u8]),
     /// Combine into `dst` element by element with `reduce(dst_part, src_part)`; both parts
     /// are whole elements of `elem` bytes.
-    Reduce {
-        dst: &'a mut [u8],
-        elem: usize,
-        reduce: &'a dyn Fn(&mut [u8], &[u8]),
-    },
+    Reduce { dst: &'a mut [u8], elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
 }
 
 impl Sink<'_> {
@@ -95,6 +91,41 @@ struct RecvState {
     carry: usize,
 }
 
+/// How a rank waits for a peer on shared memory: spin briefly (only when every rank has a
+/// core), then yield the core for a while (a peer that shares our core can run), then sleep
+/// in short naps (a slow peer should not cost us a whole core).
+pub struct Backoff {
+    start: Instant,
+    spin: Duration,
+}
+
+/// After this long without progress, waiting ranks sleep instead of yielding.
+const YIELD_FOR: Duration = Duration::from_millis(2);
+
+impl Backoff {
+    /// `spin` is zero when ranks outnumber cores (spinning would steal the core of the
+    /// very peer we wait for).
+    pub fn new(spin: Duration) -> Self {
+        Backoff { start: Instant::now(), spin }
+    }
+
+    pub fn idle(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    /// Waits a little, according to how long we have been waiting.
+    pub fn pause(&self) {
+        let idle = self.idle();
+        if idle < self.spin {
+            std::hint::spin_loop();
+        } else if idle < self.spin + YIELD_FOR {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
 /// Bytes staged per reduce-on-receive read: small enough to stay in L2.
 const REDUCE_SCRATCH: usize = 256 << 10;
 
@@ -113,14 +144,7 @@ pub struct Links {
 impl Links {
     pub fn new(rank: usize, links: LinkTable, abort_flag: Arc<AtomicBool>, spin: Duration) -> Self {
         let n = links.len();
-        Links {
-            rank,
-            links,
-            abort_flag,
-            spin,
-            scratch: vec![0u64; REDUCE_SCRATCH / 8],
-            mid_frame: vec![false; n],
-        }
+        Links { rank, links, abort_flag, spin, scratch: vec![0u64; REDUCE_SCRATCH / 8], mid_frame: vec![false; n] }
     }
 
     pub fn world(&self) -> usize {
@@ -129,10 +153,7 @@ impl Links {
 
     fn link(&mut self, peer: usize) -> Result<&mut Box<dyn Link>> {
         let rank = self.rank;
-        self.links
-            .get_mut(peer)
-            .and_then(|l| l.as_mut())
-            .ok_or_else(|| Error::InvalidArgument(format!("rank {rank} has no link to rank {peer}")))
+        self.links.get_mut(peer).and_then(|l| l.as_mut()).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} has no link to rank {peer}")))
     }
 
     /// Runs all `sends` and `recvs` of one algorithm step concurrently until every one is
@@ -141,26 +162,9 @@ impl Links {
     pub fn exchange(&mut self, call: &CallHeader, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>], deadline: Instant) -> Result<()> {
         let mut sstate: Vec<SendState> = sends
             .iter()
-            .map(|s| SendState {
-                header: FrameHeader {
-                    kind: FrameKind::Data,
-                    call: *call,
-                    step: s.step,
-                    len: s.data.len() as u64,
-                }
-                .encode(),
-                done: 0,
-            })
+            .map(|s| SendState { header: FrameHeader { kind: FrameKind::Data, call: *call, step: s.step, len: s.data.len() as u64 }.encode(), done: 0 })
             .collect();
-        let mut rstate: Vec<RecvState> = recvs
-            .iter()
-            .map(|_| RecvState {
-                header: [0; HEADER_LEN],
-                header_done: 0,
-                payload_done: 0,
-                carry: 0,
-            })
-            .collect();
+        let mut rstate: Vec<RecvState> = recvs.iter().map(|_| RecvState { header: [0; HEADER_LEN], header_done: 0, payload_done: 0, carry: 0 }).collect();
         let start = Instant::now();
         let mut idle_since: Option<Instant> = None;
         let mut last_liveness = start;
@@ -198,17 +202,10 @@ impl Links {
                 continue;
             }
             if self.abort_flag.load(Ordering::Acquire) {
-                return Err(Error::Aborted {
-                    rank: self.rank,
-                    peer: self.rank,
-                    reason: "aborted locally".into(),
-                });
+                return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted locally".into() });
             }
             let now = Instant::now();
-            let waiting_on = (0..self.world())
-                .find(|&p| pending_recv[p])
-                .or_else(|| (0..self.world()).find(|&p| pending_send[p]))
-                .unwrap_or(self.rank);
+            let waiting_on = (0..self.world()).find(|&p| pending_recv[p]).or_else(|| (0..self.world()).find(|&p| pending_send[p])).unwrap_or(self.rank);
             if now >= deadline {
                 let dir = if pending_recv[waiting_on] { "data from" } else { "room to send to" };
                 return Err(Error::Timeout {
@@ -223,12 +220,7 @@ impl Links {
                 for p in 0..self.world() {
                     if pending_send[p] || pending_recv[p] {
                         if let Some(why) = self.link(p)?.peer_gone() {
-                            return Err(Error::PeerLost {
-                                rank: self.rank,
-                                peer: p,
-                                op: call.to_string(),
-                                cause: why,
-                            });
+                            return Err(Error::PeerLost { rank: self.rank, peer: p, op: call.to_string(), cause: why });
                         }
                     }
                 }
@@ -268,10 +260,7 @@ impl Links {
         let peer = op.peer;
         let mut total = 0;
         while st.header_done < HEADER_LEN {
-            let n = self
-                .link(peer)?
-                .try_read(&mut st.header[st.header_done..])
-                .map_err(|e| lost(rank, peer, call, "receive", e))?;
+            let n = self.link(peer)?.try_read(&mut st.header[st.header_done..]).map_err(|e| lost(rank, peer, call, "receive", e))?;
             if n == 0 {
                 return Ok(total);
             }
@@ -285,10 +274,7 @@ impl Links {
         while st.payload_done < expected {
             let n = match &mut op.sink {
                 Sink::Copy(buf) => {
-                    let n = self
-                        .link(peer)?
-                        .try_read(&mut buf[st.payload_done..])
-                        .map_err(|e| lost(rank, peer, call, "receive", e))?;
+                    let n = self.link(peer)?.try_read(&mut buf[st.payload_done..]).map_err(|e| lost(rank, peer, call, "receive", e))?;
                     st.payload_done += n;
                     n
                 }
@@ -340,19 +326,10 @@ impl Links {
                     Err(_) => break,
                 }
             }
-            return Err(Error::Aborted {
-                rank: self.rank,
-                peer: op.peer,
-                reason: String::from_utf8_lossy(&reason[..got]).into_owned(),
-            });
+            return Err(Error::Aborted { rank: self.rank, peer: op.peer, reason: String::from_utf8_lossy(&reason[..got]).into_owned() });
         }
         if h.call != *call {
-            return Err(Error::Mismatch {
-                rank: self.rank,
-                mine: call.to_string(),
-                peer: op.peer,
-                theirs: h.call.to_string(),
-            });
+            return Err(Error::Mismatch { rank: self.rank, mine: call.to_string(), peer: op.peer, theirs: h.call.to_string() });
         }
         if h.step != op.step || h.len != op.sink.len() as u64 {
             return Err(Error::Protocol(format!(
@@ -390,34 +367,17 @@ impl Links {
                 None => any_fdless = true,
             }
         }
+        if any_fdless {
+            // Shared-memory peers have no descriptor: back off, and look at sockets too.
+            if !fds.is_empty() {
+                poll(&mut fds, 0);
+            }
+            Backoff { start: Instant::now() - idle, spin: self.spin }.pause();
+            return Ok(());
+        }
+        // Sockets only: sleep in poll, capped so a local abort is noticed promptly.
         let left = deadline.saturating_duration_since(Instant::now());
-        let timeout_ms: i32 = if any_fdless {
-            if idle < self.spin {
-                std::hint::spin_loop();
-                if !fds.is_empty() {
-                    poll(&mut fds, 0);
-                }
-                return Ok(());
-            }
-            if idle < self.spin * 4 + Duration::from_micros(200) {
-                std::thread::yield_now();
-                if !fds.is_empty() {
-                    poll(&mut fds, 0);
-                }
-                return Ok(());
-            }
-            // Long idle on shared memory: back off to short sleeps so waiting ranks leave the
-            // cores to ranks with work (ranks may outnumber cores).
-            if fds.is_empty() {
-                std::thread::sleep(Duration::from_micros(50).min(left));
-                return Ok(());
-            }
-            0
-        } else {
-            // Cap the poll so a local abort is noticed promptly.
-            left.as_millis().min(50) as i32
-        };
-        poll(&mut fds, timeout_ms.max(if any_fdless { 0 } else { 1 }));
+        poll(&mut fds, left.as_millis().clamp(1, 50) as i32);
         Ok(())
     }
 
@@ -437,13 +397,7 @@ impl Links {
                         count: 0,
                         seq: u64::MAX,
                     };
-                    let h = FrameHeader {
-                        kind: FrameKind::Abort,
-                        call,
-                        step: 0,
-                        len: msg.len() as u64,
-                    }
-                    .encode();
+                    let h = FrameHeader { kind: FrameKind::Abort, call, step: 0, len: msg.len() as u64 }.encode();
                     let _ = link.try_write(&[IoSlice::new(&h), IoSlice::new(msg)]);
                 }
                 link.shutdown();
@@ -464,10 +418,5 @@ fn lost(rank: usize, peer: usize, call: &CallHeader, dir: &str, e: std::io::Erro
         }
         _ => format!("{dir} failed: {e}"),
     };
-    Error::PeerLost {
-        rank,
-        peer,
-        op: call.to_string(),
-        cause,
-    }
+    Error::PeerLost { rank, peer, op: call.to_string(), cause }
 }

@@ -50,12 +50,7 @@ fn serve(s: &mut TcpStream, exposed: &Exposed) -> std::io::Result<()> {
         s.read_exact(&mut req)?;
         let u = |i: usize| u64::from_le_bytes(req[i..i + 8].try_into().unwrap_or_default());
         let (op, win, off, arg) = (req[0], u(1), u(9) as usize, u(17));
-        let region = exposed
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&win)
-            .cloned()
-            .ok_or_else(|| bad(format!("unknown window {win}")))?;
+        let region = exposed.read().unwrap_or_else(|p| p.into_inner()).get(&win).cloned().ok_or_else(|| bad(format!("unknown window {win}")))?;
         let len = if op == OP_FADD { 8 } else { arg as usize };
         let ok = off.checked_add(len).is_some_and(|end| end <= region.len()) && (op != OP_FADD || off % 8 == 0);
         // Status byte first: a bad request is refused, the connection stays usable.
@@ -130,9 +125,7 @@ impl Window {
         let deadline = Instant::now() + w.timeout;
         let fd = region.shared_fd().unwrap_or(-1);
         if w.shm_peer.iter().any(|&s| s) && fd < 0 {
-            return Err(invalid(
-                "a window shared with ranks on this host needs a shared region (Region::shared / RegionKind::Shared)",
-            ));
+            return Err(invalid("a window shared with ranks on this host needs a shared region (Region::shared / RegionKind::Shared)"));
         }
         if let Some(svc) = w.service {
             svc.expose(w.id, region.clone());
@@ -171,26 +164,13 @@ impl Window {
             targets.push(if w.shm_peer[p] {
                 Target::Mapped(Region::open_shared(pid, pfd, len)?)
             } else {
-                let s = auth::dial(
-                    addr,
-                    w.secret,
-                    format!("rma:{}", w.prefix).as_bytes(),
-                    deadline,
-                    &format!("rank {p}'s one-sided service"),
-                )?;
+                let s = auth::dial(addr, w.secret, format!("rma:{}", w.prefix).as_bytes(), deadline, &format!("rank {p}'s one-sided service"))?;
                 s.set_read_timeout(Some(w.timeout)).ok();
                 s.set_write_timeout(Some(w.timeout)).ok();
                 Target::Remote(Mutex::new(s))
             });
         }
-        Ok(Window {
-            id: w.id,
-            rank: w.rank,
-            own: region,
-            targets,
-            lens,
-            timeout: w.timeout,
-        })
+        Ok(Window { id: w.id, rank: w.rank, own: region, targets, lens, timeout: w.timeout })
     }
 
     /// Bytes rank `peer` exposed.
@@ -208,10 +188,7 @@ impl Window {
             return Err(invalid(format!("{what}: rank {peer} is not in this window")));
         }
         if off.checked_add(len).is_none_or(|e| e > self.lens[peer]) {
-            return Err(invalid(format!(
-                "{what}: [{off}, {off}+{len}) is outside rank {peer}'s {} bytes",
-                self.lens[peer]
-            )));
+            return Err(invalid(format!("{what}: [{off}, {off}+{len}) is outside rank {peer}'s {} bytes", self.lens[peer])));
         }
         Ok(())
     }
@@ -235,12 +212,7 @@ impl Window {
             } else {
                 format!("{e} (process exited or was killed?)")
             };
-            Error::PeerLost {
-                rank: self.rank,
-                peer,
-                op: what.into(),
-                cause,
-            }
+            Error::PeerLost { rank: self.rank, peer, op: what.into(), cause }
         };
         let mut msg = req.to_vec();
         msg.extend_from_slice(payload);
@@ -272,13 +244,7 @@ impl Window {
         match self.base(peer) {
             // SAFETY: bounds checked; the owner exposed the region for peer writes.
             Some(b) => unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), b.add(off), data.len()) },
-            None => self.remote(
-                peer,
-                &self.with_id(Self::request(OP_WRITE, off, data.len() as u64)),
-                data,
-                &mut [],
-                "one-sided write",
-            )?,
+            None => self.remote(peer, &self.with_id(Self::request(OP_WRITE, off, data.len() as u64)), data, &mut [], "one-sided write")?,
         }
         std::sync::atomic::fence(Ordering::Release);
         Ok(())

@@ -79,11 +79,7 @@ impl ShmDomain {
     /// Creates this rank's segment, publishes it, and maps every other local member's.
     pub fn create(prefix: &str, rank: usize, world: usize, members: &[usize], cfg: &Config, store: &StoreClient, deadline: Instant) -> Result<Arc<Self>> {
         let started = Instant::now();
-        let layout = Layout {
-            world,
-            ring: cfg.shm_ring_bytes,
-            stage: cfg.shm_stage_bytes,
-        };
+        let layout = Layout { world, ring: cfg.shm_ring_bytes, stage: cfg.shm_stage_bytes };
         let own = Region::shared(&format!("gradwire-{rank}"), layout.len())?;
         let pid = std::process::id();
         atomic_u32(own.as_ptr(), PID_AT).store(pid, Ordering::Release);
@@ -117,13 +113,7 @@ impl ShmDomain {
         }
         pids[rank] = pid;
         segs[rank] = Some(own);
-        Ok(Arc::new(ShmDomain {
-            rank,
-            layout,
-            segs,
-            pids,
-            members: members.to_vec(),
-        }))
+        Ok(Arc::new(ShmDomain { rank, layout, segs, pids, members: members.to_vec() }))
     }
 
     fn base(&self, r: usize) -> *mut u8 {
@@ -220,13 +210,7 @@ impl ShmLink {
         // SAFETY: ring offsets lie within both segments (same layout everywhere).
         let rx = unsafe { domain.base(me).add(l.ring_at(peer)) };
         let tx = unsafe { domain.base(peer).add(l.ring_at(me)) };
-        ShmLink {
-            cap: l.ring,
-            domain,
-            peer,
-            rx,
-            tx,
-        }
+        ShmLink { cap: l.ring, domain, peer, rx, tx }
     }
 }
 

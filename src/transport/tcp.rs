@@ -59,13 +59,7 @@ fn set_buffers(s: &TcpStream) {
     for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
         // SAFETY: valid fd, option value points to a c_int of the stated size.
         unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                &size as *const _ as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as u32,
-            );
+            libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, opt, &size as *const _ as *const libc::c_void, std::mem::size_of::<libc::c_int>() as u32);
         }
     }
 }
@@ -94,8 +88,7 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
         })?;
         let peer_addr = String::from_utf8_lossy(&peer_addr).into_owned();
         let mut s = auth::dial(&peer_addr, secret, context.as_bytes(), deadline, &format!("rank {p}"))?;
-        s.write_all(&(rank as u32).to_le_bytes())
-            .map_err(|e| Error::io(format!("hello to rank {p}"), e))?;
+        s.write_all(&(rank as u32).to_le_bytes()).map_err(|e| Error::io(format!("hello to rank {p}"), e))?;
         links[p] = Some(finish(s)?);
     }
     let mut expected: Vec<usize> = peers.iter().copied().filter(|&p| p > rank).collect();

@@ -23,11 +23,7 @@ pub fn wait_with_limit(mut child: Child, limit: Duration) -> Output {
         if start.elapsed() > limit {
             let _ = child.kill();
             let out = child.wait_with_output().expect("collect output");
-            panic!(
-                "command exceeded {limit:?}\nstdout:\n{}\nstderr:\n{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
+            panic!("command exceeded {limit:?}\nstdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -51,12 +47,7 @@ pub fn text(o: &Output) -> String {
 pub fn can_netns(test: &str) -> bool {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc_geteuid() } == 0;
-    let ip = Command::new("ip")
-        .arg("netns")
-        .arg("list")
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
+    let ip = Command::new("ip").arg("netns").arg("list").output().map(|o| o.status.success()).unwrap_or(false);
     if !(root && ip) {
         eprintln!("SKIP {test}: needs root and iproute2 for network namespaces (root={root}, ip netns works={ip})");
     }

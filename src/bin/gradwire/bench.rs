@@ -52,11 +52,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
         sizes.push(s);
         s = if a.factor > 1 { s * a.factor } else { s + a.min.max(es) };
     }
-    let kind = if comm.config().hugepages {
-        RegionKind::HugePages
-    } else {
-        RegionKind::Anonymous
-    };
+    let kind = if comm.config().hugepages { RegionKind::HugePages } else { RegionKind::Anonymous };
     let region_of = |len: usize| -> Result<Region> {
         match kind {
             RegionKind::HugePages => Region::huge(len),
@@ -110,10 +106,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             OpKind::ReduceScatter | OpKind::Allgather => total / w,
             _ => total,
         };
-        let req = Request {
-            algo: a.algo,
-            ..Request::new(a.op, a.dtype, a.redop, count)
-        };
+        let req = Request { algo: a.algo, ..Request::new(a.op, a.dtype, a.redop, count) };
         let inplace = matches!(a.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
         let mut once = || -> Result<()> {
             if inplace {
@@ -164,14 +157,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             );
             let _ = std::io::stdout().flush();
         }
-        rows.push(Row {
-            size: bytes as usize,
-            count,
-            time_us: t * 1e6,
-            algbw,
-            busbw,
-            wrong,
-        });
+        rows.push(Row { size: bytes as usize, count, time_us: t * 1e6, algbw, busbw, wrong });
     }
     if me == 0 {
         if let Some(path) = &a.csv {

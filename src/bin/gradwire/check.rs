@@ -20,16 +20,12 @@ pub fn run_bytes(comm: &Communicator, req: Request, send: &[u8], recv: &mut [u8]
     let (sl, rl) = req.lengths(comm.size())?;
     let in_place = send.is_empty() && matches!(req.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
     if (!in_place && send.len() < sl) || recv.len() < rl {
-        return Err(gradwire::Error::InvalidArgument(format!(
-            "buffers ({} and {} bytes) shorter than the request ({sl} and {rl})",
-            send.len(),
-            recv.len()
-        )));
+        return Err(gradwire::Error::InvalidArgument(format!("buffers ({} and {} bytes) shorter than the request ({sl} and {rl})", send.len(), recv.len())));
     }
     let sp = if in_place { recv.as_ptr() } else { send.as_ptr() };
     // SAFETY: both buffers are borrowed for the whole call and are long enough (checked);
     // wait() returns only after the engine is done with them.
-    unsafe { comm.start(req, sp, recv.as_mut_ptr())?.wait() }
+    unsafe { comm.run(req, sp, recv.as_mut_ptr()) }
 }
 
 /// Per-rank generator of one case's input (deterministic from seed, rank and case).
@@ -37,10 +33,7 @@ struct Gen(rand::rngs::SmallRng, DType);
 
 impl Gen {
     fn new(seed: u64, rank: usize, case: u64, dtype: DType) -> Self {
-        Gen(
-            rand::rngs::SmallRng::seed_from_u64(seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ case.wrapping_mul(0xD1B5_4A32_D192_ED03)),
-            dtype,
-        )
+        Gen(rand::rngs::SmallRng::seed_from_u64(seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ case.wrapping_mul(0xD1B5_4A32_D192_ED03)), dtype)
     }
     fn take(&mut self, n: usize) -> Vec<f64> {
         (0..n).map(|_| round_to(self.1, self.0.random_range(-1.0..1.0))).collect()
@@ -75,11 +68,8 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
     let mut plan: Vec<(OpKind, DType, ReduceOp, usize, Option<Algo>)> = Vec::new();
     for &op in &args.collectives {
         for &dt in &args.dtypes {
-            let redops: Vec<ReduceOp> = if matches!(op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) {
-                args.ops.clone()
-            } else {
-                vec![ReduceOp::Sum]
-            };
+            let redops: Vec<ReduceOp> =
+                if matches!(op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) { args.ops.clone() } else { vec![ReduceOp::Sum] };
             for &ro in &redops {
                 for &n in &args.counts {
                     if op == OpKind::Allreduce {
@@ -109,22 +99,14 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
         let case = cases;
         let failures_before = failures.len();
         let root = (case as usize) % w;
-        let req = Request {
-            root,
-            algo,
-            ..Request::new(op, dtype, redop, n)
-        };
+        let req = Request { root, algo, ..Request::new(op, dtype, redop, n) };
         let label = format!(
             "{} {} {} n={n}{}{}",
             op.name(),
             dtype.name(),
             redop.name(),
             algo.map(|a| format!(" algo={a:?}")).unwrap_or_default(),
-            if matches!(op, OpKind::Broadcast | OpKind::Reduce) {
-                format!(" root={root}")
-            } else {
-                String::new()
-            }
+            if matches!(op, OpKind::Broadcast | OpKind::Reduce) { format!(" root={root}") } else { String::new() }
         );
         let wrong = run_case(comm, seed, case, req, &label, &mut failures)?;
         if wrong > 0 {
@@ -229,13 +211,7 @@ pub fn run_case(comm: &Communicator, seed: u64, case: u64, req: Request, label: 
                 let bad = count_wrong(&got, &want);
                 if bad > 0 && wrong == 0 {
                     if let Some(i) = (0..m).find(|&i| !within(got[i], want[i])) {
-                        failures.push(format!(
-                            "rank {me}: {label}: element {} = {} but reference {} ± {}",
-                            off + i,
-                            got[i],
-                            want[i].0,
-                            want[i].1
-                        ));
+                        failures.push(format!("rank {me}: {label}: element {} = {} but reference {} ± {}", off + i, got[i], want[i].0, want[i].1));
                     }
                 }
                 wrong += bad;
@@ -264,11 +240,7 @@ pub fn run_case(comm: &Communicator, seed: u64, case: u64, req: Request, label: 
         OpKind::Broadcast => {
             let root_data = Gen::new(seed, root, case, dtype).take(n);
             let mut buf = vec![0u8; n * es];
-            let mine = if me == root {
-                root_data.clone()
-            } else {
-                Gen::new(seed, me, case, dtype).take(n)
-            };
+            let mine = if me == root { root_data.clone() } else { Gen::new(seed, me, case, dtype).take(n) };
             encode(dtype, &mine, &mut buf);
             run_bytes(comm, req, &[], &mut buf)?;
             count_wrong(&decode(dtype, &buf), &root_data.iter().map(|&v| (v, 0.0)).collect::<Vec<_>>())

@@ -4,9 +4,7 @@ use gradwire::config::{Config, SETTINGS};
 
 fn meminfo(key: &str) -> Option<String> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    text.lines()
-        .find(|l| l.starts_with(key))
-        .map(|l| l[key.len()..].trim_start_matches(':').trim().to_string())
+    text.lines().find(|l| l.starts_with(key)).map(|l| l[key.len()..].trim_start_matches(':').trim().to_string())
 }
 
 fn memlock() -> String {
@@ -54,14 +52,7 @@ pub fn run(settings_only: bool) -> i32 {
     println!("cpus               {}", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     let shm_ok = gradwire::Region::shared("gradwire-info", 4096).is_ok();
     println!("transports");
-    println!(
-        "  shm              {}",
-        if shm_ok {
-            "available (memfd shared through /proc/<pid>/fd)"
-        } else {
-            "UNAVAILABLE: memfd_create failed"
-        }
-    );
+    println!("  shm              {}", if shm_ok { "available (memfd shared through /proc/<pid>/fd)" } else { "UNAVAILABLE: memfd_create failed" });
     println!("  tcp              available");
     let devs = rdma_devices();
     if devs.is_empty() {
@@ -93,23 +84,14 @@ pub fn run(settings_only: bool) -> i32 {
                 "  allreduce        {:?}: {}",
                 c.algo,
                 match c.algo {
-                    gradwire::Algo::Auto => format!(
-                        "one-host shared-buffer reduction when all ranks share a host; else recursive doubling below {} B, ring above",
-                        c.small_bytes
-                    ),
+                    gradwire::Algo::Auto =>
+                        format!("one-host shared-buffer reduction when all ranks share a host; else recursive doubling below {} B, ring above", c.small_bytes),
                     a => format!("forced to {a:?}"),
                 }
             );
             println!("  shm ring         {} B per peer, staging {} B per rank", c.shm_ring_bytes, c.shm_stage_bytes);
             println!("  waiting          spin {} us, then yield, then sleep", c.spin.as_micros());
-            println!(
-                "  huge pages       {}",
-                if c.hugepages {
-                    "requested (falls back to normal pages with a logged reason)"
-                } else {
-                    "off"
-                }
-            );
+            println!("  huge pages       {}", if c.hugepages { "requested (falls back to normal pages with a logged reason)" } else { "off" });
         }
         Err(e) => {
             println!("effective settings: INVALID: {e}");
@@ -119,11 +101,7 @@ pub fn run(settings_only: bool) -> i32 {
     println!("settings (GRADWIRE_*)");
     for st in SETTINGS {
         let cur = std::env::var(st.env).ok();
-        println!(
-            "  {:<26} {}",
-            st.env,
-            cur.map(|v| format!("= {v}")).unwrap_or_else(|| format!("(default {})", st.default))
-        );
+        println!("  {:<26} {}", st.env, cur.map(|v| format!("= {v}")).unwrap_or_else(|| format!("(default {})", st.default)));
     }
     0
 }

@@ -36,10 +36,7 @@ struct Netns {
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run `ip` (install iproute2): {e}"))?;
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("cannot run `ip` (install iproute2): {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
@@ -54,10 +51,7 @@ impl Netns {
             return Err("--netns needs root (network namespaces, veth pairs, tc)".into());
         }
         let id = std::process::id();
-        let mut me = Netns {
-            bridge: format!("gwb{id}"),
-            namespaces: vec![],
-        };
+        let mut me = Netns { bridge: format!("gwb{id}"), namespaces: vec![] };
         ip(&["link", "add", &me.bridge, "type", "bridge"])?;
         ip(&["link", "set", &me.bridge, "up"])?;
         for i in 0..nodes {
@@ -135,10 +129,7 @@ fn describe(status: ExitStatus) -> String {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or(29500)
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29500)
 }
 
 fn stop_all(children: &mut [Option<Child>], sig: i32) {
@@ -165,10 +156,7 @@ pub fn run(a: &LaunchArgs) -> i32 {
         return 2;
     }
     if a.nprocs == 0 || a.ranks_per_node == 0 || a.nprocs % a.ranks_per_node != 0 {
-        eprintln!(
-            "gradwire launch: -n {} must be a positive multiple of --ranks-per-node {}",
-            a.nprocs, a.ranks_per_node
-        );
+        eprintln!("gradwire launch: -n {} must be a positive multiple of --ranks-per-node {}", a.nprocs, a.ranks_per_node);
         return 2;
     }
     install_handlers();
@@ -236,15 +224,9 @@ pub fn run(a: &LaunchArgs) -> i32 {
         }
         if let Some(t) = a.timeout {
             if start.elapsed() > t {
-                let running: Vec<usize> = children
-                    .iter_mut()
-                    .enumerate()
-                    .filter_map(|(r, c)| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None))).then_some(r))
-                    .collect();
-                eprintln!(
-                    "gradwire launch: timed out after {} s; ranks still running: {running:?}; stopping them",
-                    t.as_secs()
-                );
+                let running: Vec<usize> =
+                    children.iter_mut().enumerate().filter_map(|(r, c)| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None))).then_some(r)).collect();
+                eprintln!("gradwire launch: timed out after {} s; ranks still running: {running:?}; stopping them", t.as_secs());
                 stop_all(&mut children, libc::SIGTERM);
                 code = 124;
                 break;

@@ -34,11 +34,7 @@ fn collective_arg(s: &str) -> Result<OpKind, String> {
         "broadcast" | "bcast" => OpKind::Broadcast,
         "reduce" => OpKind::Reduce,
         "barrier" => OpKind::Barrier,
-        _ => {
-            return Err(format!(
-                "unknown collective {s:?} (allreduce, reduce_scatter, allgather, broadcast, reduce, barrier)"
-            ))
-        }
+        _ => return Err(format!("unknown collective {s:?} (allreduce, reduce_scatter, allgather, broadcast, reduce, barrier)")),
     })
 }
 
@@ -161,80 +157,20 @@ fn exit_code(what: &str, result: gradwire::Result<bool>) -> i32 {
 fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
-        Cmd::Launch {
-            nprocs,
-            netns,
-            ranks_per_node,
-            link_gbit,
-            timeout,
-            cmd,
-        } => launch::run(&launch::LaunchArgs {
-            nprocs,
-            netns,
-            ranks_per_node,
-            link_gbit,
-            timeout: timeout.map(Duration::from_secs_f64),
-            cmd,
-        }),
+        Cmd::Launch { nprocs, netns, ranks_per_node, link_gbit, timeout, cmd } => {
+            launch::run(&launch::LaunchArgs { nprocs, netns, ranks_per_node, link_gbit, timeout: timeout.map(Duration::from_secs_f64), cmd })
+        }
         Cmd::Info { settings } => info::run(settings),
-        Cmd::Bench {
-            collective,
-            min,
-            max,
-            factor,
-            iters,
-            warmup,
-            dtype,
-            op,
-            algo,
-            transport,
-            check,
-            csv,
-            json,
-        } => {
+        Cmd::Bench { collective, min, max, factor, iters, warmup, dtype, op, algo, transport, check, csv, json } => {
             set_transport(transport);
-            let args = bench::BenchArgs {
-                op: collective,
-                min,
-                max,
-                factor,
-                iters,
-                warmup,
-                dtype,
-                redop: op,
-                algo,
-                check,
-                csv,
-                json,
-            };
-            let all_right = Communicator::init()
-                .and_then(|c| bench::run(&c, &args))
-                .map(|rows| rows.iter().all(|r| r.wrong.unwrap_or(0) == 0));
+            let args = bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, algo, check, csv, json };
+            let all_right = Communicator::init().and_then(|c| bench::run(&c, &args)).map(|rows| rows.iter().all(|r| r.wrong.unwrap_or(0) == 0));
             exit_code("bench", all_right)
         }
-        Cmd::Check {
-            counts,
-            large,
-            collectives,
-            dtypes,
-            ops,
-            transport,
-            split,
-            verbose,
-        } => {
+        Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, verbose } => {
             set_transport(transport);
-            let args = check::CheckArgs {
-                counts,
-                large_bytes: large,
-                collectives,
-                dtypes,
-                ops,
-                verbose,
-            };
-            exit_code(
-                "check",
-                Communicator::init().and_then(|c| if split { check::run_split(&c, &args) } else { check::run(&c, &args) }),
-            )
+            let args = check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose };
+            exit_code("check", Communicator::init().and_then(|c| if split { check::run_split(&c, &args) } else { check::run(&c, &args) }))
         }
     };
     std::process::exit(code);

@@ -76,7 +76,5 @@ pub fn count_wrong(got: &[f64], want: &[(f64, f64)]) -> usize {
 
 /// FNV-1a over bytes, for checking that every rank holds bit-identical results.
 pub fn fingerprint(bytes: &[u8]) -> u64 {
-    bytes
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
