@@ -1,11 +1,26 @@
 #!/usr/bin/env bash
 # benches/compare.sh -- side-by-side allreduce benchmark: gradwire vs Open MPI
 # vs Gloo (torch.distributed), same sizes, same machine, one run; writes
-# BENCHMARKS.md at the repository root.
+# BENCHMARKS.md at the repository root, headed by a "Targets" table (the
+# performance targets of the issue "Make the CPU paths beat Open MPI and
+# Gloo", judged from this run's medians).
 #
-#   benches/compare.sh                  # full run: 4K..256M x4, W=2,4, shm+tcp, 3 repeats
-#   benches/compare.sh --quick          # smoke test: 4K..4M, 1 repeat
+#   benches/compare.sh                  # full run: all parts, 3 repeats (~15 min on 2 cores)
+#   benches/compare.sh --quick          # smoke test: small sizes, 1 repeat (~2 min)
+#   benches/compare.sh --parts netns    # only the network-namespace part
 #   benches/compare.sh --help           # all options
+#
+# Parts (--parts, default "local latency netns"):
+#   local    one host, W in RANKS, gradwire + Open MPI over shm and TCP
+#            loopback, Gloo over TCP loopback; sizes -b..-e
+#   latency  one host, shm, W in RANKS, gradwire + Open MPI at one small size
+#            (--lat-size, 4K) with many iterations (--lat-iters): the
+#            small-message latency target
+#   netns    --netns-ranks (4) network namespaces, 1 rank each, on a private
+#            bridge with tbf-shaped links, one run per rate in --netns-rates
+#            ("10 1" Gbit/s): gradwire, Open MPI, Gloo all under
+#            `gradwire launch --netns --link-gbit R` (needs root); sizes
+#            --netns-min..--netns-max with their own -n/-w
 #
 # What it does (idempotent, safe to re-run):
 #   1. installs Open MPI from Debian if mpicc/mpirun are missing (apt-get);
@@ -13,13 +28,21 @@
 #      "n/a (torch not importable)");
 #   2. builds gradwire (cargo build --release) and the peers
 #      (benches/peers/*.c) into target/peers/;
-#   3. measures the machine's single-thread copy bandwidth (copybw);
-#   4. for each repeat, for W in RANKS, for transport in shm tcp: runs
-#      gradwire, then Open MPI, then (once per W and repeat) Gloo, all with the
-#      same -b/-e/-f/-n/-w; every run is wrapped in `timeout`;
-#   5. benches/peers/merge.py takes the median busbw per cell across repeats
-#      and writes the markdown.
+#   3. measures the machine's single-thread copy bandwidth (copybw; its
+#      memcpy figure is the copy_bw of the memory-bandwidth bound) and the
+#      loopback TCP round trip (pingpong);
+#   4. for each repeat, runs every selected part (tools interleaved), all
+#      with the same sizes and iterations for every tool; every run is
+#      wrapped in `timeout`;
+#   5. benches/peers/merge.py takes the median per cell across repeats and
+#      writes the markdown (targets, tables, exact commands).
 # Raw CSVs, logs and the run list stay in target/peers/results/.
+#
+# Network namespaces: this script creates none itself.  `gradwire launch
+# --netns` creates gw<pid>n<i> + bridge gwb<pid> and removes them at exit;
+# Open MPI runs inside the same launch through benches/peers/mpi_netns.sh.
+# If a launcher dies without cleaning up (SIGKILL), the namespaces of that
+# launcher pid are removed here after the run and in an EXIT trap.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -41,12 +64,19 @@ DO_BUILD=1
 DO_INSTALL=1
 MPI_EXTRA=""
 MPI_PLACE="--inplace"   # gradwire's bench and Gloo allreduce in place; so does MPI by default
+PARTS="local latency netns"
+LAT_SIZE=4K LAT_ITERS=1000 LAT_WARMUP=100
+NETNS_RANKS=4
+NETNS_RATES="10 1"
+NETNS_MIN=1M NETNS_MAX=64M NETNS_ITERS=5 NETNS_WARMUP=2
 PYTHON="${PYTHON:-python3}"   # the interpreter that has torch (Gloo) and runs merge.py
 
 usage() {
     cat <<EOF
 usage: benches/compare.sh [options]
-  --quick               sizes 4K..4M, 1 repeat (smoke test; same as -e 4M --repeats 1)
+  --quick               smoke test: 1 repeat, local sizes 4K..4M, netns 1M..4M,
+                        --lat-iters 200
+  --parts "local latency netns"  which parts to run (default "$PARTS")
   -b, --min SIZE        smallest message in bytes, K/M/G suffixes (default $MIN)
   -e, --max SIZE        largest message (default $MAX)
   -f, --factor F        size multiplier (default $FACTOR)
@@ -56,7 +86,19 @@ usage: benches/compare.sh [options]
   --ranks "2 4"         world sizes (default "$RANKS")
   --transports "shm tcp"  gradwire/MPI transports (default "$TRANSPORTS"; Gloo is always TCP)
   --tools "gradwire mpi gloo"  subset of tools to run (default all)
-  --timeout S           per-launch time limit in seconds (default 120, or 600 if MAX > 16M)
+ latency part (shm, W in --ranks, gradwire and Open MPI):
+  --lat-size SIZE       message size (default $LAT_SIZE)
+  --lat-iters N         timed iterations (default $LAT_ITERS)
+  --lat-warmup N        warmup iterations (default $LAT_WARMUP)
+ netns part (needs root; W = --netns-ranks namespaces, 1 rank each):
+  --netns-ranks W       number of namespaces / ranks (default $NETNS_RANKS)
+  --netns-rates "10 1"  link rates in Gbit/s, one run per rate (default "$NETNS_RATES")
+  --netns-min SIZE      smallest message (default $NETNS_MIN)
+  --netns-max SIZE      largest message (default $NETNS_MAX; at 1 Gbit/s, 64 MiB ~ 1 s a call)
+  --netns-iters N       timed iterations (default $NETNS_ITERS)
+  --netns-warmup N      warmup iterations (default $NETNS_WARMUP)
+  --timeout S           per-launch time limit in seconds (default 120, or 600 if MAX or
+                        --netns-max > 16M)
   --mpi-args "ARGS"     extra mpirun arguments (recorded in the output)
   --mpi-out-of-place    MPI_Allreduce with separate send/recv buffers (default: MPI_IN_PLACE,
                         like gradwire's bench and Gloo)
@@ -76,7 +118,17 @@ for a in "$@"; do ORIG_CMD+=" $(printf '%q' "$a")"; done
 
 while [ $# -gt 0 ]; do
     case "$1" in
-        --quick) MAX=4M; REPEATS=1 ;;
+        --quick) MAX=4M; REPEATS=1; NETNS_MAX=4M; LAT_ITERS=200; LAT_WARMUP=20 ;;
+        --parts) PARTS=$2; shift ;;
+        --lat-size) LAT_SIZE=$2; shift ;;
+        --lat-iters) LAT_ITERS=$2; shift ;;
+        --lat-warmup) LAT_WARMUP=$2; shift ;;
+        --netns-ranks) NETNS_RANKS=$2; shift ;;
+        --netns-rates) NETNS_RATES=$2; shift ;;
+        --netns-min) NETNS_MIN=$2; shift ;;
+        --netns-max) NETNS_MAX=$2; shift ;;
+        --netns-iters) NETNS_ITERS=$2; shift ;;
+        --netns-warmup) NETNS_WARMUP=$2; shift ;;
         -b|--min) MIN=$2; shift ;;
         -e|--max) MAX=$2; shift ;;
         -f|--factor) FACTOR=$2; shift ;;
@@ -111,14 +163,30 @@ to_bytes() {  # 4K -> 4096
     echo $((n * m))
 }
 MIN_B=$(to_bytes "$MIN"); MAX_B=$(to_bytes "$MAX")
-for v in "$FACTOR" "$ITERS" "$WARMUP" "$REPEATS"; do
+NETNS_MIN_B=$(to_bytes "$NETNS_MIN"); NETNS_MAX_B=$(to_bytes "$NETNS_MAX")
+to_bytes "$LAT_SIZE" >/dev/null
+for v in "$FACTOR" "$ITERS" "$WARMUP" "$REPEATS" "$LAT_ITERS" "$LAT_WARMUP" \
+         "$NETNS_RANKS" "$NETNS_ITERS" "$NETNS_WARMUP"; do
     [[ "$v" =~ ^[0-9]+$ ]] || { echo "compare.sh: '$v' is not a number" >&2; exit 2; }
 done
-if [ "$REPEATS" -lt 1 ] || [ "$FACTOR" -lt 2 ] || [ "$MAX_B" -lt "$MIN_B" ]; then
+for v in $NETNS_RATES; do
+    [[ "$v" =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "compare.sh: bad rate '$v' (Gbit/s)" >&2; exit 2; }
+done
+for p in $PARTS; do
+    case "$p" in local|latency|netns) ;; *) echo "compare.sh: unknown part '$p' (local latency netns)" >&2; exit 2 ;; esac
+done
+if [ "$REPEATS" -lt 1 ] || [ "$FACTOR" -lt 2 ] || [ "$MAX_B" -lt "$MIN_B" ] ||
+   [ "$NETNS_MAX_B" -lt "$NETNS_MIN_B" ] || [ "$NETNS_RANKS" -lt 2 ] ||
+   [ "$LAT_ITERS" -lt 1 ] || [ "$NETNS_ITERS" -lt 1 ]; then
     echo "compare.sh: bad parameters" >&2; exit 2
 fi
+has_part() { [[ " $PARTS " == *" $1 "* ]]; }
 if [ -z "$RUN_TIMEOUT" ]; then
-    if [ "$MAX_B" -gt $((16 * 1024 * 1024)) ]; then RUN_TIMEOUT=600; else RUN_TIMEOUT=120; fi
+    RUN_TIMEOUT=120
+    if { has_part local && [ "$MAX_B" -gt $((16 * 1024 * 1024)) ]; } ||
+       { has_part netns && [ "$NETNS_MAX_B" -gt $((16 * 1024 * 1024)) ]; }; then
+        RUN_TIMEOUT=600
+    fi
 fi
 has_tool() { [[ " $TOOLS " == *" $1 "* ]]; }
 
@@ -147,10 +215,17 @@ if awk -v l="$LOAD1" -v n="$(nproc)" 'BEGIN { exit !(l > 0.5 * n) }'; then
     log "WARNING: load average $LOAD1 on $(nproc) cores: results will be noisy; run on an idle machine"
     meta load_warning "1-minute load average was $LOAD1 on $(nproc) cores when the run started: other work was competing for the CPUs, so these numbers are not representative"
 fi
-meta params "-b $MIN -e $MAX -f $FACTOR -n $ITERS -w $WARMUP, repeats $REPEATS, W in {$RANKS}, transports {$TRANSPORTS}, per-launch timeout ${RUN_TIMEOUT}s"
+meta params "parts {$PARTS}, repeats $REPEATS, per-launch timeout ${RUN_TIMEOUT}s"
+meta parts "$PARTS"
 meta repeats "$REPEATS"
 meta ranks "$RANKS"
 meta transports "$TRANSPORTS"
+meta local_params "-b $MIN -e $MAX -f $FACTOR -n $ITERS -w $WARMUP, W in {$RANKS}, transports {$TRANSPORTS}"
+meta lat_params "-b $LAT_SIZE -e $LAT_SIZE -n $LAT_ITERS -w $LAT_WARMUP, shm, W in {$RANKS}"
+meta lat_iters "$LAT_ITERS"
+meta netns_params "-b $NETNS_MIN -e $NETNS_MAX -f $FACTOR -n $NETNS_ITERS -w $NETNS_WARMUP, W = $NETNS_RANKS namespaces (1 rank each), link rates {$NETNS_RATES} Gbit/s"
+meta netns_ranks "$NETNS_RANKS"
+meta netns_rates "$NETNS_RATES"
 meta tools "$TOOLS"
 meta mpi_place "$([ -n "$MPI_PLACE" ] && echo in-place || echo out-of-place)"
 
@@ -235,6 +310,20 @@ else
 fi
 meta gloo_launcher "$GLOO_LAUNCHER"
 
+# The netns part: root, iproute2/tc, and a gradwire launcher with --netns --link-gbit
+# (it also starts the Open MPI and Gloo ranks there).
+NETNS_STATUS=ok
+if ! has_part netns; then
+    NETNS_STATUS="not run (--parts)"
+elif [ "$(id -u)" != 0 ]; then
+    NETNS_STATUS="n/a (needs root: network namespaces, veth pairs, tc)"
+elif ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
+    NETNS_STATUS="n/a (ip/tc missing: install iproute2)"
+elif [ "$LAUNCH_OK" != 1 ] || [[ "$("$GW" launch --help 2>&1)" != *--link-gbit* ]]; then
+    NETNS_STATUS="n/a (gradwire launch has no --netns --link-gbit)"
+fi
+meta netns_status "$NETNS_STATUS"
+
 # ---- 3. machine copy bandwidth, loopback wake-up latency ------------------------
 if gcc -O3 -o "$BUILD/copybw" "$PEERS/copybw.c" >"$RESULTS/logs/copybw_build.log" 2>&1; then
     log "measuring copy bandwidth (256 MiB, best of 7)"
@@ -250,22 +339,79 @@ fi
 
 # ---- 4. runs -----------------------------------------------------------------
 BENCH_ARGS=(-b "$MIN" -e "$MAX" -f "$FACTOR" -n "$ITERS" -w "$WARMUP")
+LAT_ARGS=(-b "$LAT_SIZE" -e "$LAT_SIZE" -f 2 -n "$LAT_ITERS" -w "$LAT_WARMUP")
+NETNS_ARGS=(-b "$NETNS_MIN" -e "$NETNS_MAX" -f "$FACTOR" -n "$NETNS_ITERS" -w "$NETNS_WARMUP")
 KILL_AFTER=10
 OUTER_TIMEOUT=$((RUN_TIMEOUT + 30))
 
-# run_one TOOL W TRANSPORT REPEAT CMD...   (CMD must write the CSV itself)
+# Namespaces are made and removed by `gradwire launch --netns` (gw<pid>n<i>, veth
+# gw<pid>h<i>, bridge gwb<pid>).  We note the pid of every launcher we start and,
+# should one die without cleaning up, remove what that pid left behind: only
+# those names, never anybody else's.
+LAUNCHER_PIDS=()
+netns_sweep() {  # netns_sweep PID...
+    local pid ns i left
+    for pid in "$@"; do
+        [ -n "$pid" ] || continue
+        kill -0 "$pid" 2>/dev/null && continue   # still running: it cleans up itself
+        left=$(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^gw${pid}n[0-9]+\$")
+        for ns in $left; do
+            i=${ns##*n}
+            ip link del "gw${pid}h$i" 2>/dev/null
+            ip netns del "$ns" 2>/dev/null && log "removed namespace $ns left by launcher $pid"
+        done
+        ip link del "gwb$pid" 2>/dev/null && log "removed bridge gwb$pid left by launcher $pid"
+    done
+}
+cleanup() {
+    if [ ${#LAUNCHER_PIDS[@]} -gt 0 ]; then
+        sleep 0.5   # a launcher stopped by the same signal may still be cleaning up
+        netns_sweep "${LAUNCHER_PIDS[@]}"
+    fi
+}
+CUR_PID=""
+CUR_PIDF=""
+on_signal() {
+    log "interrupted: stopping the current run"
+    if [ -n "$CUR_PID" ]; then
+        kill -TERM "$CUR_PID" 2>/dev/null
+        wait "$CUR_PID" 2>/dev/null
+        [ -n "$CUR_PIDF" ] && [ -s "$CUR_PIDF" ] && LAUNCHER_PIDS+=("$(cat "$CUR_PIDF")")
+    fi
+    exit 130
+}
+trap cleanup EXIT
+trap on_signal INT TERM HUP
+
+# run_one TOOL W TRANSPORT REPEAT CMD...   (CMD must write the CSV itself; its last
+# argument is a placeholder for the CSV path).  The command runs through a tiny
+# shell that records its pid (then execs it), so a netns launcher's leftovers
+# can be attributed to it.
 run_one() {
     local tool=$1 w=$2 tr=$3 rep=$4; shift 4
     local tag="${tool}_w${w}_${tr}_r${rep}"
     local csv="$RESULTS/csv/$tag.csv" logf="$RESULTS/logs/$tag.log"
-    local cmd=("$@") status t0 t1 rc
-    # the CSV path is the last argument of every command
+    local pidf="$RESULTS/logs/$tag.pid"
+    CUR_PIDF=$pidf
+    local cmd=("$@") status t0 t1 rc pid
     cmd[${#cmd[@]}-1]=$csv
     log "run $tag"
     t0=$(date +%s%N)
-    timeout --kill-after=$KILL_AFTER "$OUTER_TIMEOUT" "${cmd[@]}" >"$logf" 2>&1
+    # In the background + wait, so that a signal to this script is handled at once
+    # (on_signal stops the run; `timeout` forwards SIGTERM to the launcher, which
+    # stops its ranks and removes its namespaces).
+    timeout --kill-after=$KILL_AFTER "$OUTER_TIMEOUT" \
+        bash -c 'echo $$ >"$0"; exec "$@"' "$pidf" "${cmd[@]}" >"$logf" 2>&1 </dev/null &
+    CUR_PID=$!
+    wait "$CUR_PID"
     rc=$?
+    CUR_PID=""
     t1=$(date +%s%N)
+    pid=$(cat "$pidf" 2>/dev/null); rm -f "$pidf"
+    if [[ "$tr" == netns-* ]] && [ -n "$pid" ]; then
+        LAUNCHER_PIDS+=("$pid")
+        netns_sweep "$pid"
+    fi
     if [ $rc -eq 0 ] && [ -s "$csv" ]; then
         status=ok
     elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
@@ -285,8 +431,24 @@ record_na() {  # record_na TOOL W TRANSPORT REPEAT STATUS
     printf '%s\t%s\t%s\t%s\t%s\t\t0\t\n' "$@" >>"$RUNS"
 }
 
-NPROC=$(nproc)
-for rep in $(seq 1 "$REPEATS"); do
+mpi_btl() {  # mpi_btl TRANSPORT -> sets array BTL
+    case "$1" in
+        shm) BTL=(--mca btl "self,vader") ;;
+        tcp) BTL=(--mca btl "self,tcp" --mca btl_tcp_if_include lo) ;;
+        *) BTL=() ;;
+    esac
+}
+
+gloo_launcher() {  # gloo_launcher W -> sets array LAUNCHER
+    if [ "$LAUNCH_OK" = 1 ]; then
+        LAUNCHER=("$GW" launch -n "$1" --timeout "$RUN_TIMEOUT" --)
+    else
+        LAUNCHER=("$PYTHON" -m torch.distributed.run --standalone --no-python --nproc-per-node "$1")
+    fi
+}
+
+part_local() {  # part_local REPEAT
+    local rep=$1 w tr
     for w in $RANKS; do
         for tr in $TRANSPORTS; do
             if [ "$GW_OK" = 1 ]; then
@@ -299,16 +461,12 @@ for rep in $(seq 1 "$REPEATS"); do
             fi
 
             if [ "$MPI_STATUS" = ok ]; then
-                case "$tr" in
-                    shm) btl=(--mca btl "self,vader") ;;
-                    tcp) btl=(--mca btl "self,tcp" --mca btl_tcp_if_include lo) ;;
-                    *) btl=() ;;
-                esac
+                mpi_btl "$tr"
                 # pml ob1 so the btl choice is honoured (the ucx pml would bypass it).
                 # shellcheck disable=SC2086
                 run_one mpi "$w" "$tr" "$rep" \
                     mpirun --allow-run-as-root --oversubscribe -np "$w" \
-                    --mca pml ob1 "${btl[@]}" $MPI_EXTRA \
+                    --mca pml ob1 "${BTL[@]}" $MPI_EXTRA \
                     "$BUILD/mpi_allreduce" "${BENCH_ARGS[@]}" -d float32 -o sum \
                     $MPI_PLACE --csv CSV
             else
@@ -318,21 +476,95 @@ for rep in $(seq 1 "$REPEATS"); do
 
         # Gloo: TCP only, run once per (W, repeat), shown beside every transport.
         if [ "$GLOO_STATUS" = ok ]; then
-            if [ "$LAUNCH_OK" = 1 ]; then
-                launcher=("$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" --)
-            else
-                launcher=("$PYTHON" -m torch.distributed.run --standalone --no-python --nproc-per-node "$w")
-            fi
+            gloo_launcher "$w"
             run_one gloo "$w" tcp "$rep" \
-                env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 "${launcher[@]}" \
+                env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 "${LAUNCHER[@]}" \
                 "$PYTHON" "$PEERS/gloo_allreduce.py" "${BENCH_ARGS[@]}" -d float32 -o sum --csv CSV
         else
             record_na gloo "$w" tcp "$rep" "$GLOO_STATUS"
         fi
     done
+}
+
+part_latency() {  # part_latency REPEAT: shm only, gradwire and Open MPI
+    local rep=$1 w
+    for w in $RANKS; do
+        if [ "$GW_OK" = 1 ]; then
+            run_one gradwire "$w" lat-shm "$rep" \
+                "$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" -- \
+                "$GW" bench allreduce "${LAT_ARGS[@]}" -d float32 -o sum \
+                --transport shm --check --csv CSV
+        else
+            record_na gradwire "$w" lat-shm "$rep" "$GW_STATUS"
+        fi
+        if [ "$MPI_STATUS" = ok ]; then
+            mpi_btl shm
+            # shellcheck disable=SC2086
+            run_one mpi "$w" lat-shm "$rep" \
+                mpirun --allow-run-as-root --oversubscribe -np "$w" \
+                --mca pml ob1 "${BTL[@]}" $MPI_EXTRA \
+                "$BUILD/mpi_allreduce" "${LAT_ARGS[@]}" -d float32 -o sum \
+                $MPI_PLACE --csv CSV
+        else
+            record_na mpi "$w" lat-shm "$rep" "$MPI_STATUS"
+        fi
+    done
+}
+
+part_netns() {  # part_netns REPEAT: W namespaces, 1 rank each, per link rate
+    local rep=$1 w=$NETNS_RANKS rate tr
+    for rate in $NETNS_RATES; do
+        tr="netns-$rate"
+        local launch=("$GW" launch -n "$w" --netns --link-gbit "$rate" --timeout "$RUN_TIMEOUT" --)
+        if [ "$NETNS_STATUS" != ok ]; then
+            record_na gradwire "$w" "$tr" "$rep" "$NETNS_STATUS"
+            record_na mpi "$w" "$tr" "$rep" "$NETNS_STATUS"
+            record_na gloo "$w" "$tr" "$rep" "$NETNS_STATUS"
+            continue
+        fi
+        if [ "$GW_OK" = 1 ]; then
+            run_one gradwire "$w" "$tr" "$rep" "${launch[@]}" \
+                "$GW" bench allreduce "${NETNS_ARGS[@]}" -d float32 -o sum \
+                --transport tcp --check --csv CSV
+        else
+            record_na gradwire "$w" "$tr" "$rep" "$GW_STATUS"
+        fi
+        if [ "$MPI_STATUS" = ok ]; then
+            local extra=()
+            [ -n "$MPI_EXTRA" ] && extra=(--mpi-args "$MPI_EXTRA")
+            # shellcheck disable=SC2086
+            run_one mpi "$w" "$tr" "$rep" "${launch[@]}" \
+                "$PEERS/mpi_netns.sh" "${extra[@]}" -- \
+                "$BUILD/mpi_allreduce" "${NETNS_ARGS[@]}" -d float32 -o sum \
+                $MPI_PLACE --csv CSV
+        else
+            record_na mpi "$w" "$tr" "$rep" "$MPI_STATUS"
+        fi
+        if [ "$GLOO_STATUS" = ok ]; then
+            # the namespace's only interface besides lo is eth0
+            run_one gloo "$w" "$tr" "$rep" \
+                env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 "${launch[@]}" \
+                "$PYTHON" "$PEERS/gloo_allreduce.py" "${NETNS_ARGS[@]}" -d float32 -o sum --csv CSV
+        else
+            record_na gloo "$w" "$tr" "$rep" "$GLOO_STATUS"
+        fi
+    done
+}
+
+NPROC=$(nproc)
+for rep in $(seq 1 "$REPEATS"); do
+    has_part local && part_local "$rep"
+    has_part latency && part_latency "$rep"
+    has_part netns && part_netns "$rep"
 done
 meta loadavg_end "$(cut -d' ' -f1-3 /proc/loadavg)"
 [ "$NPROC" -gt 0 ] && meta oversubscribed_when "W > $NPROC"
+if has_part netns && [ "$NETNS_STATUS" = ok ]; then
+    sleep 0.5
+    netns_sweep "${LAUNCHER_PIDS[@]}"
+    left=$(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^gw[0-9]+n[0-9]+$' | tr '\n' ' ')
+    [ -n "$left" ] && log "note: namespaces present now (not started by this run, or still in use): $left"
+fi
 
 # ---- 5. merge -------------------------------------------------------------------
 "$PYTHON" "$PEERS/merge.py" --results "$RESULTS" --out "$OUT" || { log "merge.py failed"; exit 1; }

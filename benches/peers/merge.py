@@ -4,15 +4,27 @@
 Input (a results directory written by compare.sh):
   meta.tsv   key<TAB>value lines (date, uname, CPU, copy bandwidth, command...)
   runs.tsv   one row per launch: tool, world, transport, repeat, status, csv,
-             seconds, command; status is "ok" or why there is no data
+             seconds, command; status is "ok" or why there is no data.
+             transport is "shm" / "tcp" (local part), "lat-shm" (latency
+             part) or "netns-<Gbit/s>" (network-namespace part)
   csv/*.csv  gradwire-format CSVs:
              size_bytes,count,type,redop,time_us,algbw_gbs,busbw_gbs,wrong
+  logs/*.log the runs' output (the mpirun line of the netns runs is read
+             from there)
 
-Output: markdown with one table per (W, transport): per size the median
-busbw of each tool across repeats (with the +-spread when repeats > 1), the
-gradwire / best-peer busbw ratio, the median time_us of each tool and the
-#wrong elements of each tool (max over repeats).  Gloo only has TCP; its
-numbers are shown beside both the shm and the tcp table.
+Output: markdown with
+  * "Targets": every performance target of the issue "Make the CPU paths
+    beat Open MPI and Gloo", judged from this run's medians (met / not met);
+  * one table per (W, transport) of the local part: per size the median
+    busbw of each tool across repeats (with the +-spread when repeats > 1),
+    the gradwire / best-peer busbw ratio, for shm the memory-bandwidth bound
+    and gradwire's fraction of it, the median time_us and the #wrong elements
+    of each tool (max over repeats).  Gloo only has TCP; its numbers are
+    shown beside both the shm and the tcp table;
+  * the small-message latency table (latency part);
+  * one table per link rate of the netns part, with gradwire's fraction of
+    the link rate;
+  * the exact commands.
 
 Usage: merge.py --results DIR [--out BENCHMARKS.md]
 """
@@ -25,7 +37,31 @@ import sys
 from collections import defaultdict
 
 TOOLS = [("gradwire", "gradwire"), ("mpi", "Open MPI"), ("gloo", "Gloo")]
+NAMES = dict(TOOLS)
 PEERS = ("mpi", "gloo")
+MiB = 1 << 20
+
+# ---- the targets (issue "Make the CPU paths beat Open MPI and Gloo") ---------------
+T1_RATIO = 2.5          # shm busbw >= 2.5x Open MPI (vader), W=2 and 4, 16..256 MiB
+T1_BOUND_FRAC = 0.70    # ... and >= 70% of the memory-bandwidth bound
+T1_SIZES = (16 * MiB, 256 * MiB)
+T2_SIZE = 4096          # 4 KiB latency vs Open MPI (shm)
+T2_MAX_RATIO = {2: 2.0, 4: 1.0}
+T3_FAST = (10.0, 1.5, 16 * MiB)   # 10 Gbit/s: busbw >= 1.5x best peer, sizes >= 16 MiB
+T3_SLOW = (1.0, 0.95, 1 * MiB)    # 1 Gbit/s: busbw >= 95% of the link rate, sizes >= 1 MiB
+T4_RATIO, T4_MIN = 1.2, 16 * MiB  # loopback TCP, W=2 and 4: >= 1.2x best peer
+
+
+def bound_k(w: int) -> float:
+    """Bytes moved per rank per byte of message by a zero-copy shared-memory
+    allreduce: 2.5 at W=2 and 2.75 at W=4 (the issue's figures); 3 - 1/W gives
+    both and is used for any other W."""
+    return 3.0 - 1.0 / w
+
+
+def bound_busbw(copy_bw: float, w: int) -> float:
+    """busbw of an allreduce that takes k*S/copy_bw: copy_bw/k * 2(W-1)/W."""
+    return copy_bw / bound_k(w) * 2.0 * (w - 1) / w
 
 
 def human(n: int) -> str:
@@ -35,11 +71,15 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
+def num(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.2f}"
+
+
 def fmt_bw(vals):
     if not vals:
         return "—"
     med = statistics.median(vals)
-    s = f"{med:.3f}" if med < 10 else f"{med:.2f}"
+    s = num(med)
     if len(vals) > 1 and med > 0:
         spread = (max(vals) - min(vals)) / 2 / med * 100
         s += f" ±{spread:.0f}%"
@@ -50,7 +90,11 @@ def fmt_us(vals):
     if not vals:
         return "—"
     med = statistics.median(vals)
-    return f"{med:.1f}" if med < 1000 else f"{med:,.0f}"
+    return us(med)
+
+
+def us(x: float) -> str:
+    return f"{x:.1f}" if x < 1000 else f"{x:,.0f}"
 
 
 def read_tsv(path):
@@ -67,13 +111,28 @@ def read_meta(path):
     return meta
 
 
+def rate_of(kind: str):
+    """'netns-10' -> 10.0; anything else -> None."""
+    if kind.startswith("netns-"):
+        try:
+            return float(kind[len("netns-"):])
+        except ValueError:
+            return None
+    return None
+
+
+def rate_label(rate: float) -> str:
+    return f"{rate:g} Gbit/s"
+
+
 def load(results):
-    """-> data[(tool, W, transport)][size] = list of row dicts (one per repeat),
-          status[(tool, W, transport)] = list of non-ok statuses,
-          commands[(tool, W, transport)] = one example command."""
+    """-> data[(tool, W, kind)][size] = list of row dicts (one per repeat),
+          status[(tool, W, kind)] = list of non-ok statuses,
+          commands[(tool, W, kind)] = one example command,
+          inner[(tool, W, kind)] = the mpirun line mpi_netns.sh ran (netns)."""
     data = defaultdict(lambda: defaultdict(list))
     status = defaultdict(list)
-    commands = {}
+    commands, inner = {}, {}
     for run in read_tsv(os.path.join(results, "runs.tsv")):
         key = (run["tool"], int(run["world"]), run["transport"])
         if run.get("command"):
@@ -81,6 +140,16 @@ def load(results):
         if run["status"] != "ok":
             status[key].append(f"repeat {run['repeat']}: {run['status']}")
             continue
+        if run["tool"] == "mpi" and run["transport"].startswith("netns-"):
+            logf = os.path.join(results, "logs",
+                                os.path.basename(run["csv"])[:-len(".csv")] + ".log")
+            try:
+                with open(logf) as f:
+                    for line in f:
+                        if line.startswith("mpi_netns.sh: mpirun "):
+                            inner[key] = line[len("mpi_netns.sh: "):].strip()
+            except OSError:
+                pass
         try:
             with open(run["csv"], newline="") as f:
                 rows = list(csv.DictReader(f))
@@ -101,64 +170,352 @@ def load(results):
                 })
             except (KeyError, ValueError) as e:
                 status[key].append(f"repeat {run['repeat']}: bad row {dict(row)} ({e})")
-    return data, status, commands
+    return data, status, commands, inner
 
 
-def tool_key(tool, w, transport):
+class Results:
+    def __init__(self, data, status):
+        self.data, self.status = data, status
+
+    def rows(self, key, size):
+        return self.data[key].get(size, []) if key in self.data else []
+
+    def med(self, key, size, field="busbw"):
+        vals = [r[field] for r in self.rows(key, size)]
+        return statistics.median(vals) if vals else None
+
+    def sizes(self, *keys):
+        out = set()
+        for k in keys:
+            if k in self.data:
+                out |= set(self.data[k].keys())
+        return sorted(out)
+
+    def why_absent(self, key):
+        """None if the key has data, else the reason (for a cell)."""
+        if key in self.data and self.data[key]:
+            return None
+        why = [x.split(": ", 1)[-1] for x in self.status.get(key, [])]
+        reason = why[0] if why else "no data"
+        return reason if reason.startswith(("n/a", "not run")) else f"n/a ({reason})"
+
+    def wrong_cell(self, keys, size):
+        out = []
+        for k in keys:
+            rows = self.rows(k, size)
+            ws = [r["wrong"] for r in rows if r["wrong"] is not None]
+            out.append(str(max(ws)) if ws else ("unchecked" if rows else
+                                                ("n/a" if self.why_absent(k) else "—")))
+        return " / ".join(out)
+
+
+def local_key(tool, w, transport):
     return (tool, w, "tcp" if tool == "gloo" else transport)
 
 
-def table(data, status, w, transport):
-    keys = {t: tool_key(t, w, transport) for t, _ in TOOLS}
-    # A tool with no data at all in this table: say why in its cells.
-    absent = {}
-    for t, _ in TOOLS:
-        if not data[keys[t]]:
-            why = [x.split(": ", 1)[-1] for x in status.get(keys[t], [])]
-            reason = why[0] if why else "no data"
-            absent[t] = reason if reason.startswith(("n/a", "not run")) else f"n/a ({reason})"
-    sizes = sorted(set().union(*(data[keys[t]].keys() for t, _ in TOOLS)))
+def best_peer(res, keys_by_tool, size):
+    """-> (value, tool) of the peer with the highest median busbw, or (None, None)."""
+    best = (None, None)
+    for p in PEERS:
+        v = res.med(keys_by_tool[p], size)
+        if v is not None and (best[0] is None or v > best[0]):
+            best = (v, p)
+    return best
+
+
+def table_local(res, w, transport, copy_bw):
+    keys = {t: local_key(t, w, transport) for t, _ in TOOLS}
+    absent = {t: res.why_absent(keys[t]) for t, _ in TOOLS}
+    sizes = res.sizes(*keys.values())
+    bound = bound_busbw(copy_bw, w) if (transport == "shm" and copy_bw) else None
+
     def label(t, n):
         return f"{n} (tcp)" if t == "gloo" and transport != "tcp" else n
     head = ["size"] + [f"{label(t, n)} busbw GB/s" for t, n in TOOLS] + \
-           ["gradwire / best peer"] + [f"{label(t, n)} µs" for t, n in TOOLS] + \
-           ["#wrong gw / MPI / Gloo"]
+           ["gradwire / best peer"]
+    if bound is not None:
+        head += ["mem. bound busbw GB/s", "gradwire / bound"]
+    head += [f"{label(t, n)} µs" for t, n in TOOLS] + ["#wrong gw / MPI / Gloo"]
     lines = ["| " + " | ".join(head) + " |",
              "|" + "|".join(["---:"] * len(head)) + "|"]
     ratios = []
     for size in sizes:
         cells = [human(size)]
-        med = {}
         for t, _ in TOOLS:
-            vals = [r["busbw"] for r in data[keys[t]].get(size, [])]
-            cells.append(absent[t] if t in absent else fmt_bw(vals))
-            if vals:
-                med[t] = statistics.median(vals)
-        peers = [med[p] for p in PEERS if p in med]
-        if "gradwire" in med and peers and max(peers) > 0:
-            ratio = med["gradwire"] / max(peers)
-            best = max((p for p in PEERS if p in med), key=lambda p: med[p])
-            ratios.append((size, ratio))
-            cells.append(f"{ratio:.2f}× (vs {dict(TOOLS)[best]})")
+            cells.append(absent[t] or fmt_bw([r["busbw"] for r in res.rows(keys[t], size)]))
+        gw = res.med(keys["gradwire"], size)
+        pv, pt = best_peer(res, keys, size)
+        if gw is not None and pv:
+            ratios.append((size, gw / pv))
+            cells.append(f"{gw / pv:.2f}× (vs {NAMES[pt]})")
         else:
             cells.append("n/a")
+        if bound is not None:
+            cells.append(num(bound))
+            cells.append(f"{gw / bound * 100:.0f}%" if gw is not None else "n/a")
         for t, _ in TOOLS:
-            cells.append("n/a" if t in absent else
-                         fmt_us([r["time_us"] for r in data[keys[t]].get(size, [])]))
-        wrong = []
-        for t, _ in TOOLS:
-            rows = data[keys[t]].get(size, [])
-            ws = [r["wrong"] for r in rows if r["wrong"] is not None]
-            wrong.append(str(max(ws)) if ws else ("unchecked" if rows else
-                                                  ("n/a" if t in absent else "—")))
-        cells.append(" / ".join(wrong))
+            cells.append("n/a" if absent[t] else
+                         fmt_us([r["time_us"] for r in res.rows(keys[t], size)]))
+        cells.append(res.wrong_cell([keys[t] for t, _ in TOOLS], size))
         lines.append("| " + " | ".join(cells) + " |")
     return lines, ratios
+
+
+def table_netns(res, w, kind):
+    rate = rate_of(kind)
+    link = rate / 8.0  # GB/s
+    keys = {t: (t, w, kind) for t, _ in TOOLS}
+    absent = {t: res.why_absent(keys[t]) for t, _ in TOOLS}
+    sizes = res.sizes(*keys.values())
+    head = ["size"] + [f"{n} busbw GB/s" for _, n in TOOLS] + \
+           ["gradwire / best peer", "gradwire / link rate"] + \
+           [f"{n} µs" for _, n in TOOLS] + ["#wrong gw / MPI / Gloo"]
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join(["---:"] * len(head)) + "|"]
+    ratios = []
+    for size in sizes:
+        cells = [human(size)]
+        for t, _ in TOOLS:
+            cells.append(absent[t] or fmt_bw([r["busbw"] for r in res.rows(keys[t], size)]))
+        gw = res.med(keys["gradwire"], size)
+        pv, pt = best_peer(res, keys, size)
+        if gw is not None and pv:
+            ratios.append((size, gw / pv))
+            cells.append(f"{gw / pv:.2f}× (vs {NAMES[pt]})")
+        else:
+            cells.append("n/a")
+        cells.append(f"{gw / link * 100:.0f}%" if gw is not None else "n/a")
+        for t, _ in TOOLS:
+            cells.append("n/a" if absent[t] else
+                         fmt_us([r["time_us"] for r in res.rows(keys[t], size)]))
+        cells.append(res.wrong_cell([keys[t] for t, _ in TOOLS], size))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines, ratios
+
+
+def table_latency(res, ranks):
+    head = ["W", "size", "gradwire µs", "Open MPI µs", "gradwire / Open MPI (time)",
+            "gradwire busbw GB/s", "Open MPI busbw GB/s", "#wrong gw / MPI"]
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join(["---:"] * len(head)) + "|"]
+    for w in ranks:
+        kg, km = ("gradwire", w, "lat-shm"), ("mpi", w, "lat-shm")
+        ag, am = res.why_absent(kg), res.why_absent(km)
+        for size in res.sizes(kg, km) or [None]:
+            if size is None:
+                lines.append(f"| {w} | — | {ag or '—'} | {am or '—'} | n/a | | | |")
+                continue
+            tg = res.med(kg, size, "time_us")
+            tm = res.med(km, size, "time_us")
+            ratio = f"{tg / tm:.2f}×" if tg is not None and tm else "n/a"
+            lines.append("| " + " | ".join([
+                str(w), human(size),
+                ag or fmt_us([r["time_us"] for r in res.rows(kg, size)]) + spread(res, kg, size),
+                am or fmt_us([r["time_us"] for r in res.rows(km, size)]) + spread(res, km, size),
+                ratio,
+                ag or fmt_bw([r["busbw"] for r in res.rows(kg, size)]),
+                am or fmt_bw([r["busbw"] for r in res.rows(km, size)]),
+                res.wrong_cell([kg, km], size)]) + " |")
+    return lines
+
+
+def spread(res, key, size):
+    vals = [r["time_us"] for r in res.rows(key, size)]
+    if len(vals) > 1:
+        med = statistics.median(vals)
+        if med > 0:
+            return f" ±{(max(vals) - min(vals)) / 2 / med * 100:.0f}%"
+    return ""
+
+
+# ---- targets ------------------------------------------------------------------------
+
+def verdict(per_size, le=False, thr=None):
+    """per_size: list of (size, ratio or None).  -> result cell."""
+    if not per_size:
+        return "n/a (no sizes in range in this run)"
+    missing = [s for s, r in per_size if r is None]
+    bad = [s for s, r in per_size if r is not None and ((r > thr) if le else (r < thr))]
+    if bad:
+        return "**not met**" + (f" ({', '.join(human(s) for s in bad)})"
+                                if len(per_size) > 1 else "")
+    if missing:
+        return f"n/a (no data at {', '.join(human(s) for s in missing)})"
+    return "**met**"
+
+
+def join(xs):
+    return " · ".join(xs) if xs else "—"
+
+
+def targets(res, meta, copy_bw, ranks_local, transports):
+    """-> (lines, tally) of the Targets table."""
+    rows = []  # (target, W, sizes, gradwire, reference, ratio, threshold, result)
+    parts = meta.get("parts", "local").split()
+    lat_size_ok = False
+
+    def in_range(keys, lo, hi=None):
+        return [s for s in res.sizes(*keys) if s >= lo and (hi is None or s <= hi)]
+
+    # 1. one host, shm, W=2 and 4, 16..256 MiB: vs Open MPI and vs the memory bound
+    for w in (2, 4):
+        kg, km = ("gradwire", w, "shm"), ("mpi", w, "shm")
+        sizes = in_range([kg, km], *T1_SIZES)
+        where = f"W={w}"
+        if "local" not in parts or w not in ranks_local or "shm" not in transports:
+            na = "n/a (local shm part with W=%d not run)" % w
+            rows.append(("1a shm busbw ≥ 2.5× Open MPI (vader)", where, "16–256 MiB",
+                         "—", "—", "—", f"≥ {T1_RATIO:.2f}×", na))
+            rows.append(("1b shm busbw ≥ 70% of memory bound", where, "16–256 MiB",
+                         "—", "—", "—", f"≥ {T1_BOUND_FRAC:.0%}", na))
+            continue
+        gw = {s: res.med(kg, s) for s in sizes}
+        mp = {s: res.med(km, s) for s in sizes}
+        rat = [(s, gw[s] / mp[s] if gw[s] is not None and mp[s] else None) for s in sizes]
+        rows.append(("1a shm busbw ≥ 2.5× Open MPI (vader)", where,
+                     join([human(s) for s in sizes]),
+                     join([num(gw[s]) if gw[s] is not None else "—" for s in sizes]),
+                     join([num(mp[s]) if mp[s] is not None else "—" for s in sizes]) +
+                     " (Open MPI)",
+                     join([f"{r:.2f}×" if r is not None else "—" for _, r in rat]),
+                     f"≥ {T1_RATIO:.2f}×", verdict(rat, thr=T1_RATIO)))
+        if copy_bw:
+            b = bound_busbw(copy_bw, w)
+            frac = [(s, gw[s] / b if gw[s] is not None else None) for s in sizes]
+            rows.append(("1b shm busbw ≥ 70% of memory bound", where,
+                         join([human(s) for s in sizes]),
+                         join([num(gw[s]) if gw[s] is not None else "—" for s in sizes]),
+                         f"{num(b)} (bound: memcpy {copy_bw:g} / {bound_k(w):g} · "
+                         f"{2 * (w - 1) / w:g})",
+                         join([f"{f * 100:.0f}%" if f is not None else "—" for _, f in frac]),
+                         f"≥ {T1_BOUND_FRAC:.0%}", verdict(frac, thr=T1_BOUND_FRAC)))
+        else:
+            rows.append(("1b shm busbw ≥ 70% of memory bound", where, "16–256 MiB",
+                         "—", "—", "—", f"≥ {T1_BOUND_FRAC:.0%}",
+                         "n/a (no copy bandwidth measured)"))
+
+    # 2. 4 KiB latency, shm: <= 2x Open MPI at W=2, <= Open MPI at W=4
+    for w in (2, 4):
+        thr = T2_MAX_RATIO[w]
+        src = None
+        for kind, label in (("lat-shm", f"latency part, -n {meta.get('lat_iters', '?')}"),
+                            ("shm", "local sweep")):
+            kg, km = ("gradwire", w, kind), ("mpi", w, kind)
+            if res.med(kg, T2_SIZE, "time_us") is not None or \
+               res.med(km, T2_SIZE, "time_us") is not None:
+                src = (kg, km, label)
+                break
+        if src is None:
+            rows.append((f"2 4 KiB latency ≤ {thr:g}× Open MPI (shm)", f"W={w}", "4 KiB",
+                         "—", "—", "—", f"≤ {thr:.2f}×",
+                         "n/a (no 4 KiB shm run with W=%d)" % w))
+            continue
+        kg, km, label = src
+        tg, tm = res.med(kg, T2_SIZE, "time_us"), res.med(km, T2_SIZE, "time_us")
+        r = tg / tm if tg is not None and tm else None
+        rows.append((f"2 4 KiB latency ≤ {thr:g}× Open MPI (shm)", f"W={w}",
+                     f"4 KiB ({label})",
+                     f"{us(tg)} µs" if tg is not None else "—",
+                     f"{us(tm)} µs (Open MPI)" if tm is not None else "—",
+                     f"{r:.2f}×" if r is not None else "—",
+                     f"≤ {thr:.2f}×", verdict([(T2_SIZE, r)], le=True, thr=thr)))
+
+    # 3. network namespaces
+    netns_kinds = sorted({k[2] for k in list(res.data) + list(res.status)
+                          if k[2].startswith("netns-")})
+    nw = int(meta.get("netns_ranks", "4") or 4)
+
+    def find_kind(rate):
+        for kd in netns_kinds:
+            if rate_of(kd) == rate:
+                return kd
+        return None
+
+    rate, factor, lo = T3_FAST
+    kd = find_kind(rate)
+    name = f"3a {rate_label(rate)} busbw ≥ {factor:g}× best of Open MPI, Gloo"
+    if kd is None:
+        rows.append((name, f"W={nw}", f"≥ {human(lo)}", "—", "—", "—", f"≥ {factor:.2f}×",
+                     f"n/a (no {rate_label(rate)} netns run)"))
+    else:
+        keys = {t: (t, nw, kd) for t, _ in TOOLS}
+        sizes = in_range(keys.values(), lo)
+        gw = {s: res.med(keys["gradwire"], s) for s in sizes}
+        peer = {s: best_peer(res, keys, s) for s in sizes}
+        rat = [(s, gw[s] / peer[s][0] if gw[s] is not None and peer[s][0] else None)
+               for s in sizes]
+        rows.append((name, f"W={nw}", join([human(s) for s in sizes]),
+                     join([num(gw[s]) if gw[s] is not None else "—" for s in sizes]),
+                     join([f"{num(peer[s][0])} ({NAMES[peer[s][1]]})" if peer[s][0] else "—"
+                           for s in sizes]),
+                     join([f"{r:.2f}×" if r is not None else "—" for _, r in rat]),
+                     f"≥ {factor:.2f}×", verdict(rat, thr=factor)))
+
+    rate, frac_thr, lo = T3_SLOW
+    kd = find_kind(rate)
+    link = rate / 8.0
+    name = f"3b {rate_label(rate)} busbw ≥ {frac_thr:.0%} of link rate"
+    if kd is None:
+        rows.append((name, f"W={nw}", f"≥ {human(lo)}", "—", "—", "—", f"≥ {frac_thr:.0%}",
+                     f"n/a (no {rate_label(rate)} netns run)"))
+    else:
+        k = ("gradwire", nw, kd)
+        sizes = in_range([k], lo)
+        gw = {s: res.med(k, s) for s in sizes}
+        frac = [(s, gw[s] / link if gw[s] is not None else None) for s in sizes]
+        rows.append((name, f"W={nw}", join([human(s) for s in sizes]),
+                     join([num(gw[s]) if gw[s] is not None else "—" for s in sizes]),
+                     f"{link:g} (link rate, GB/s)",
+                     join([f"{f * 100:.0f}%" if f is not None else "—" for _, f in frac]),
+                     f"≥ {frac_thr:.0%}", verdict(frac, thr=frac_thr)))
+
+    # 4. loopback TCP, W=2 and 4, >= 16 MiB: >= 1.2x the best peer
+    for w in (2, 4):
+        name = f"4 loopback TCP busbw ≥ {T4_RATIO:g}× best of Open MPI, Gloo"
+        if "local" not in parts or w not in ranks_local or "tcp" not in transports:
+            rows.append((name, f"W={w}", f"≥ {human(T4_MIN)}", "—", "—", "—",
+                         f"≥ {T4_RATIO:.2f}×", f"n/a (local tcp part with W={w} not run)"))
+            continue
+        keys = {t: local_key(t, w, "tcp") for t, _ in TOOLS}
+        sizes = in_range(keys.values(), T4_MIN)
+        gw = {s: res.med(keys["gradwire"], s) for s in sizes}
+        peer = {s: best_peer(res, keys, s) for s in sizes}
+        rat = [(s, gw[s] / peer[s][0] if gw[s] is not None and peer[s][0] else None)
+               for s in sizes]
+        rows.append((name, f"W={w}", join([human(s) for s in sizes]),
+                     join([num(gw[s]) if gw[s] is not None else "—" for s in sizes]),
+                     join([f"{num(peer[s][0])} ({NAMES[peer[s][1]]})" if peer[s][0] else "—"
+                           for s in sizes]),
+                     join([f"{r:.2f}×" if r is not None else "—" for _, r in rat]),
+                     f"≥ {T4_RATIO:.2f}×", verdict(rat, thr=T4_RATIO)))
+
+    head = ["#", "target", "W", "sizes", "gradwire", "reference", "gradwire / reference",
+            "threshold", "result"]
+    lines = ["| " + " | ".join(head) + " |",
+             "|---|---|---:|---|---:|---:|---:|---:|---|"]
+    tally = defaultdict(int)
+    # by target id, then W (stable: the order rows were made in within one id)
+    rows.sort(key=lambda r: r[0].split(" ", 1)[0])
+    for r in rows:
+        tid, _, name = r[0].partition(" ")
+        lines.append("| " + " | ".join((tid, name) + tuple(r[1:])) + " |")
+        res_cell = r[-1]
+        tally["met" if res_cell == "**met**" else
+              "not met" if res_cell.startswith("**not met") else "n/a"] += 1
+    return lines, tally
 
 
 def geomean(xs):
     xs = [x for x in xs if x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def parse_csvish(value, keys_hint):
+    """'a,b;1,2;' -> {'a': '1', 'b': '2'} or None."""
+    parts = [p for p in value.split(";") if p]
+    if len(parts) == 2 and "," in parts[0]:
+        return dict(zip(parts[0].split(","), parts[1].split(",")))
+    return None
 
 
 def main() -> int:
@@ -168,25 +525,30 @@ def main() -> int:
     args = ap.parse_args()
 
     meta = read_meta(os.path.join(args.results, "meta.tsv"))
-    data, status, commands = load(args.results)
+    data, status, commands, inner = load(args.results)
+    res = Results(data, status)
     ranks = [int(x) for x in meta.get("ranks", "2 4").split()]
     transports = meta.get("transports", "shm tcp").split()
+    parts = meta.get("parts", "local").split()
     nproc = int(meta.get("nproc", "0") or 0)
     repeats = int(meta.get("repeats", "1") or 1)
 
     copybw = meta.get("copybw", "n/a")
-    parts = [p for p in copybw.split(";") if p]
-    if len(parts) == 2 and "," in parts[0]:
-        cb = dict(zip(parts[0].split(","), parts[1].split(",")))
+    copy_bw = None
+    cb = parse_csvish(copybw, None)
+    if cb:
+        try:
+            copy_bw = float(cb.get("memcpy_gbs", ""))
+        except ValueError:
+            copy_bw = None
         copybw = (f"memcpy {cb.get('memcpy_gbs')} GB/s, reduce-add (`d[i] += s[i]`) "
                   f"{cb.get('add_gbs')} GB/s, triad {cb.get('triad_gbs')} GB/s "
                   f"(single thread, {cb.get('buffer_mib')} MiB buffers, best of 7; "
                   f"bytes of destination per second)")
 
     pingpong = meta.get("pingpong", "n/a")
-    parts = [p for p in pingpong.split(";") if p]
-    if len(parts) == 2 and "," in parts[0]:
-        pp = dict(zip(parts[0].split(","), parts[1].split(",")))
+    pp = parse_csvish(pingpong, None)
+    if pp:
         pingpong = (f"{pp.get('rtt_us_mean')} µs mean, {pp.get('rtt_us_min')} µs min "
                     "(8-byte messages, blocking reads: the latency floor for a transport "
                     "that sleeps in the kernel while it waits)")
@@ -200,6 +562,35 @@ def main() -> int:
     if meta.get("load_warning"):
         w(f"> **Warning:** {meta['load_warning']}.")
         w("")
+
+    # ---- targets
+    tlines, tally = targets(res, meta, copy_bw, ranks, transports)
+    w("## Targets")
+    w("")
+    w("The performance targets of the issue \"Make the CPU paths beat Open MPI and Gloo\" "
+      "(float32 SUM allreduce), judged by `benches/peers/merge.py` from **this run's "
+      "medians** (every figure below is the median over repeats of the cell it comes "
+      "from; ratios are ratios of medians). busbw in GB/s (1e9 B/s). A row is met only "
+      "if every size in its range meets the threshold; the sizes that do not are named.")
+    w("")
+    out.extend(tlines)
+    w("")
+    w(f"**{tally['met']} met, {tally['not met']} not met, {tally['n/a']} n/a** "
+      f"(of {sum(tally.values())} rows).")
+    w("")
+    w("- 1b: memory-bandwidth bound of a zero-copy allreduce, which moves about k·S bytes "
+      "per rank (k = 2.5 at W=2, 2.75 at W=4): bound time = k·S / copy_bw, bound busbw = "
+      "copy_bw / k · 2(W−1)/W, with **copy_bw = the memcpy figure of `copybw` measured in "
+      "this run**" + (f" ({copy_bw:g} GB/s)" if copy_bw else "") + ".")
+    w("- 2: time per call at 4 KiB (slowest rank's mean), from the latency part (many "
+      "iterations of the one size) when it ran, else from the 4 KiB row of the local "
+      "shm sweep.")
+    w(f"- 3: {meta.get('netns_ranks', '4')} network namespaces (1 rank each) on a bridge, "
+      "each node's egress shaped with tc tbf to the rate; link rate in GB/s = Gbit/s / 8. "
+      "3a compares with the better of Open MPI and Gloo at each size.")
+    w("- 4: loopback TCP (`--transport tcp`, Open MPI `btl self,tcp` on `lo`, Gloo on `lo`).")
+    w("")
+
     w("## Setup")
     w("")
     w(f"- **Command:** `{meta.get('command', '?')}`")
@@ -211,6 +602,12 @@ def main() -> int:
     w(f"- **Load average** at start: {meta.get('loadavg_start', '?')}, "
       f"at end: {meta.get('loadavg_end', '?')}")
     w(f"- **Parameters:** {meta.get('params', '?')}")
+    if "local" in parts:
+        w(f"  - local: {meta.get('local_params', '?')}")
+    if "latency" in parts:
+        w(f"  - latency: {meta.get('lat_params', '?')}")
+    if "netns" in parts:
+        w(f"  - netns: {meta.get('netns_params', '?')}; status: {meta.get('netns_status', '?')}")
     w(f"- **gradwire:** {meta.get('gradwire_rev', '?')}, {meta.get('rustc', '?')}; "
       f"status: {meta.get('gradwire_status', '?')}")
     w(f"- **Open MPI:** {meta.get('mpi_version', '?')}; status: {meta.get('mpi_status', '?')}")
@@ -220,7 +617,8 @@ def main() -> int:
     w("## Method")
     w("")
     w("- Every tool sweeps the same sizes with the same `-n` timed and `-w` warmup "
-      "iterations of a float32 SUM allreduce. Per size: warmup, barrier, timed loop; "
+      "iterations of a float32 SUM allreduce (per part: see Parameters). Per size: warmup, "
+      "barrier, timed loop; "
       "**time = the slowest rank's mean time per call** (max over ranks of the mean); "
       "algbw = bytes / time (GB = 1e9 bytes); **busbw = algbw · 2(W−1)/W** "
       "(nccl-tests convention, comparable to the copy bandwidth above).")
@@ -233,6 +631,17 @@ def main() -> int:
       "on CPU tensors over TCP loopback (`GLOO_SOCKET_IFNAME=lo`), 1 torch thread per rank. "
       "Gloo has no shared-memory transport, so its TCP numbers appear in both the shm "
       "and tcp tables.")
+    if "netns" in parts:
+        w("- Network namespaces: all three tools run under the same "
+          "`gradwire launch -n W --netns --link-gbit R` (one namespace per rank on a private "
+          "bridge, 10.77.0.0/24, each node's `eth0` egress shaped by `tc tbf`; the launcher "
+          "removes them at exit). gradwire: `--transport tcp`. Gloo: "
+          "`GLOO_SOCKET_IFNAME=eth0`. Open MPI: `benches/peers/mpi_netns.sh` — rank 0's "
+          "namespace runs `mpirun`, which starts the orteds of the other namespaces through "
+          "an rsh agent that runs `ip netns exec`; `btl self,tcp` and oob on `eth0`, "
+          "`--bind-to none` and, when W > cores, `mpi_yield_when_idle 1` (what Open MPI does "
+          "itself when it knows a node is oversubscribed; every orted believes it has a "
+          "node to itself). The mpirun line is listed under Exact commands.")
     w("- **#wrong**: after timing, each tool checks an allreduce of per-rank "
       "pseudo-random integers (exact in float32) against an independently computed "
       "sum and counts differing elements (max over repeats; should be 0).")
@@ -240,37 +649,75 @@ def main() -> int:
         w(f"- Each cell is the **median of {repeats} repeats** (whole sweeps, interleaved "
           "across tools); `±x%` is half the min–max range relative to the median.")
     w("- ratio = gradwire busbw / the best peer's busbw at that size (>1: gradwire faster).")
+    if copy_bw:
+        w("- shm tables: **mem. bound** = copy_bw / k · 2(W−1)/W with copy_bw = the memcpy "
+          f"figure above ({copy_bw:g} GB/s) and k = 2.5 (W=2), 2.75 (W=4), 3 − 1/W in "
+          "general (bytes a zero-copy allreduce moves per rank per message byte); "
+          "gradwire / bound is gradwire's busbw as a fraction of it.")
     if nproc:
-        over = [r for r in ranks if r > nproc]
+        allw = set(ranks) | ({int(meta.get("netns_ranks", "0") or 0)} if "netns" in parts
+                             else set())
+        over = sorted(r for r in allw if r > nproc)
         if over:
             w(f"- W = {', '.join(map(str, over))} is **more ranks than cores** ({nproc}): "
               "ranks time-share cores, so those rows measure scheduling as much as "
               "the transport.")
     w("")
 
-    summary = []
-    for wsz in ranks:
-        for tr in transports:
-            lines, ratios = table(data, status, wsz, tr)
-            w(f"## W = {wsz}, transport = {tr}")
+    def missing_notes(keys_names):
+        notes = []
+        for k, name in keys_names:
+            if status.get(k):
+                notes.append(f"- {name}: " + "; ".join(sorted(set(status[k]))))
+        if notes:
             w("")
+            w("Missing data:")
+            w("")
+            out.extend(notes)
+
+    summary = []
+    if "local" in parts:
+        for wsz in ranks:
+            for tr in transports:
+                lines, ratios = table_local(res, wsz, tr, copy_bw)
+                w(f"## W = {wsz}, transport = {tr}")
+                w("")
+                if len(lines) <= 2:
+                    w("_No data._")
+                else:
+                    out.extend(lines)
+                missing_notes([(local_key(t, wsz, tr), n) for t, n in TOOLS])
+                if ratios:
+                    big = [r for s, r in ratios if s >= MiB]
+                    summary.append((wsz, tr, geomean([r for _, r in ratios]),
+                                    geomean(big) if big else float("nan")))
+                w("")
+
+    if "latency" in parts:
+        w(f"## Small-message latency, shm ({meta.get('lat_params', '?')})")
+        w("")
+        out.extend(table_latency(res, ranks))
+        missing_notes([((t, wsz, "lat-shm"), f"{n} W={wsz}") for wsz in ranks
+                       for t, n in TOOLS[:2]])
+        w("")
+
+    if "netns" in parts:
+        nw = int(meta.get("netns_ranks", "4") or 4)
+        for r in meta.get("netns_rates", "").split():
+            kind = f"netns-{r}"
+            rate = rate_of(kind)
+            w(f"## W = {nw} network namespaces, links shaped to {rate_label(rate)} "
+              f"(link rate {rate / 8:g} GB/s)")
+            w("")
+            lines, ratios = table_netns(res, nw, kind)
             if len(lines) <= 2:
                 w("_No data._")
             else:
                 out.extend(lines)
-            notes = []
-            for t, name in TOOLS:
-                k = tool_key(t, wsz, tr)
-                if status.get(k):
-                    notes.append(f"- {name}: " + "; ".join(sorted(set(status[k]))))
-            if notes:
-                w("")
-                w("Missing data:")
-                w("")
-                out.extend(notes)
+            missing_notes([((t, nw, kind), n) for t, n in TOOLS])
             if ratios:
-                big = [r for s, r in ratios if s >= (1 << 20)]
-                summary.append((wsz, tr, geomean([r for _, r in ratios]),
+                big = [x for s, x in ratios if s >= MiB]
+                summary.append((nw, f"netns {rate_label(rate)}", geomean([x for _, x in ratios]),
                                 geomean(big) if big else float("nan")))
             w("")
 
@@ -286,11 +733,20 @@ def main() -> int:
 
     w("## Exact commands")
     w("")
-    w("One per (tool, W, transport), as run for the last repeat (paths relative to the repo root).")
+    w("One per (tool, W, part/transport), as run for the last repeat (paths relative to "
+      "the repo root). `gradwire launch` sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+      "(torchrun-style) for every rank it starts.")
     w("")
     w("```")
-    for key in sorted(commands):
+
+    def order(k):
+        kind = k[2]
+        part = 0 if kind in ("shm", "tcp") else 1 if kind.startswith("lat-") else 2
+        return (part, kind, k[1], [t for t, _ in TOOLS].index(k[0]) if k[0] in NAMES else 9)
+    for key in sorted(commands, key=order):
         w(commands[key])
+        if key in inner:
+            w(f"#   rank 0 of the above runs: {inner[key]}")
     w("```")
     w("")
 

@@ -16,7 +16,8 @@
 #   mpirun --allow-run-as-root -np W --host A0,A1,...  --bind-to none \
 #       --mca plm_rsh_agent "mpi_netns.sh --agent" --mca plm_rsh_no_tree_spawn 1 \
 #       --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include eth0 \
-#       --mca oob_tcp_if_include eth0 [ARGS] PROGRAM ARGS...
+#       --mca oob_tcp_if_include eth0 [--mca mpi_yield_when_idle 1] \
+#       [ARGS] PROGRAM ARGS...
 #
 # mpirun runs in namespace 0; A0 is its own address, so rank 0 is started by
 # mpirun itself; for A1.. mpirun calls the "rsh agent", which is this script
@@ -24,9 +25,20 @@
 # runs the orted command there (`ip netns exec NS sh -c "CMD"`, as ssh would
 # run it through a shell).  The orteds call back to mpirun over the shaped
 # links (oob), and the MPI data goes over eth0 (btl tcp), i.e. through the
-# tbf qdisc of every node.  `--bind-to none`: every orted thinks it has a
-# node of its own and would otherwise bind its rank to core 0 -- all W ranks
-# on one core.
+# tbf qdisc of every node.
+#
+# Every orted thinks it has a node (all of this host's cores) to itself, so
+# two of Open MPI's automatic choices would go wrong when the "nodes" are
+# namespaces of one host:
+#   --bind-to none              otherwise every orted binds its rank to core 0:
+#                               all W ranks on one core;
+#   --mca mpi_yield_when_idle 1 (only when W > cores) otherwise every rank
+#                               busy-polls as on a dedicated node; with more
+#                               ranks than cores a waiting rank then burns the
+#                               time slice its sender needs (64 KiB allreduce,
+#                               W=4 on 2 cores: ~13 ms instead of ~0.3 ms).
+#                               It is what Open MPI itself does when it knows
+#                               a node is oversubscribed (the local W=4 runs).
 #
 # Needs root (ip netns exec), like gradwire launch --netns itself.  Creates
 # nothing: the namespaces belong to gradwire launch, which removes them.
@@ -85,6 +97,9 @@ cmd=(mpirun --allow-run-as-root -np "$WORLD_SIZE" --host "$host_list" --bind-to 
      --mca plm_rsh_agent "$SELF --agent" --mca plm_rsh_no_tree_spawn 1
      --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include eth0
      --mca oob_tcp_if_include eth0)
+if [ "$WORLD_SIZE" -gt "$(nproc)" ]; then
+    cmd+=(--mca mpi_yield_when_idle 1)
+fi
 # shellcheck disable=SC2206
 [ -n "$MPI_EXTRA" ] && cmd+=($MPI_EXTRA)
 cmd+=("$@")

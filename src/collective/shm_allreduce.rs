@@ -189,3 +189,55 @@ pub fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Re
     }
     Ok(())
 }
+
+/// From this size on the zero-copy path wins; below it the staged copies stay in cache and
+/// cross-memory attach's page pinning costs more than it saves (measured: at 4 MiB and 4
+/// ranks, staging 4.4 GB/s busbw against 3.0 GB/s zero-copy).
+pub const ZERO_COPY_MIN: usize = 8 << 20;
+
+/// Bytes read from a peer per cross-memory-attach call in the reduce phase: the scratch
+/// stays in L2 while it is combined.
+const CMA_BLOCK: usize = 256 << 10;
+
+/// Zero-copy one-host allreduce: rank r reduces part r straight out of the peers' own
+/// buffers (cross-memory attach, no staging copy), then gathers the finished parts from
+/// their owners' buffers. Bytes moved per rank: S/W (own part), plus (W−1)S/W (peers'
+/// parts), plus S/W (write), plus 2(W−1)S/W (gather): 2.5 S at W=2, 2.75 S at W=4. Three
+/// barriers: all buffers published; all parts reduced (nobody reads inputs any more); all
+/// parts gathered (nobody reads our buffer any more).
+pub fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let (w, me) = (cx.world, cx.rank);
+    let elem = dtype.size();
+    let bounds = super::algos::part_bounds(buf.len() / elem, w, elem);
+    let base = cx.dom.phase(me).load(Ordering::Relaxed);
+    cx.dom.set_buffer_addr(buf.as_ptr() as usize);
+    cx.advance(base + 1);
+    cx.wait_all(base + 1)?;
+    cx.check_calls()?;
+    let addrs: Vec<usize> = (0..w).map(|p| cx.dom.buffer_addr(p)).collect();
+    let lost = |p: usize, e: std::io::Error| Error::PeerLost { rank: me, peer: p, op: cx.call.to_string(), cause: format!("reading its buffer: {e}") };
+    let (lo, hi) = (bounds[me], bounds[me + 1]);
+    let mut scratch = vec![0u64; CMA_BLOCK / 8];
+    // SAFETY: a u64 vector viewed as bytes.
+    let scratch = unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u8, CMA_BLOCK) };
+    let mut b = lo;
+    while b < hi {
+        let e = (b + CMA_BLOCK).min(hi);
+        for p in (0..w).filter(|&p| p != me) {
+            cx.dom.read_peer(p, addrs[p] + b, &mut scratch[..e - b]).map_err(|err| lost(p, err))?;
+            reduce_bytes(dtype, op, &mut buf[b..e], &scratch[..e - b]);
+        }
+        b = e;
+    }
+    if op == ReduceOp::Avg {
+        scale(dtype, &mut buf[lo..hi], 1.0 / w as f64);
+    }
+    cx.advance(base + 2);
+    cx.wait_all(base + 2)?;
+    for p in (0..w).filter(|&p| p != me) {
+        let (lo, hi) = (bounds[p], bounds[p + 1]);
+        cx.dom.read_peer(p, addrs[p] + lo, &mut buf[lo..hi]).map_err(|err| lost(p, err))?;
+    }
+    cx.advance(base + 3);
+    cx.wait_all(base + 3)
+}

@@ -25,6 +25,12 @@ const REASON_AT: usize = 72;
 const REASON_MAX: usize = 1024;
 const PHASE_AT: usize = 1152;
 const CALL_AT: usize = 1216;
+/// Address of the buffer of the current zero-copy allreduce (read by peers through
+/// cross-memory attach).
+const BUF_ADDR_AT: usize = 1280;
+/// A known value peers read through cross-memory attach to test that it works.
+const CMA_PROBE_AT: usize = 1344;
+const CMA_PROBE: u64 = 0x6772_6164_7769_7265;
 const RING_HEAD: usize = 0;
 const RING_TAIL: usize = 64;
 const RING_DATA: usize = 128;
@@ -57,6 +63,8 @@ pub struct ShmDomain {
     pids: Vec<u32>,
     /// Local ranks (including this one), ascending.
     pub members: Vec<usize>,
+    /// Every local rank can read every other's memory with `process_vm_readv`.
+    pub cma: bool,
 }
 
 // SAFETY: the regions are plain shared memory; all concurrent access goes through atomics
@@ -113,7 +121,67 @@ impl ShmDomain {
         }
         pids[rank] = pid;
         segs[rank] = Some(own);
-        Ok(Arc::new(ShmDomain { rank, layout, segs, pids, members: members.to_vec() }))
+        let mut dom = ShmDomain { rank, layout, segs, pids, members: members.to_vec(), cma: false };
+        dom.cma = dom.agree_on_cma(prefix, store, deadline)?;
+        Ok(Arc::new(dom))
+    }
+
+    /// Tests cross-memory attach to every local peer (it needs ptrace permission, which
+    /// containers and Yama may deny) and agrees through the store: zero-copy is used only
+    /// if every pair works.
+    fn agree_on_cma(&self, prefix: &str, store: &StoreClient, deadline: Instant) -> Result<bool> {
+        let own = self.base(self.rank);
+        atomic_u64(own, CMA_PROBE_AT).store(CMA_PROBE, Ordering::Release);
+        store.set(&format!("{prefix}/cma-addr/{}", self.rank), (own as usize + CMA_PROBE_AT).to_string().as_bytes())?;
+        let mut ok = true;
+        for &p in self.members.iter().filter(|&&p| p != self.rank) {
+            let v = store.get(&format!("{prefix}/cma-addr/{p}"), deadline)?.unwrap_or_default();
+            let addr: usize = String::from_utf8_lossy(&v).parse().unwrap_or(0);
+            let mut got = [0u8; 8];
+            ok &= self.read_peer(p, addr, &mut got).is_ok() && u64::from_ne_bytes(got) == CMA_PROBE;
+        }
+        store.set(&format!("{prefix}/cma-ok/{}", self.rank), if ok { b"1" } else { b"0" })?;
+        for &p in &self.members {
+            let v = store.get(&format!("{prefix}/cma-ok/{p}"), deadline)?.ok_or_else(|| Error::Timeout {
+                rank: self.rank,
+                peer: p,
+                op: "shared-memory setup (cross-memory attach probe)".into(),
+                waited_ms: 0,
+            })?;
+            ok &= v == b"1";
+        }
+        if !ok {
+            log::info!("rank {}: process_vm_readv between local ranks is not permitted; the one-host allreduce stages through shared memory", self.rank);
+        }
+        Ok(ok)
+    }
+
+    /// Copies `buf.len()` bytes at `addr` in local rank `r`'s address space into `buf`
+    /// (cross-memory attach: one kernel copy, no help from the peer).
+    pub fn read_peer(&self, r: usize, addr: usize, buf: &mut [u8]) -> std::io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let local = libc::iovec { iov_base: buf[done..].as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() - done };
+            let remote = libc::iovec { iov_base: (addr + done) as *mut libc::c_void, iov_len: buf.len() - done };
+            // SAFETY: `local` describes memory we own exclusively; the kernel validates the
+            // remote range against the peer's mappings and fails instead of faulting.
+            let n = unsafe { libc::process_vm_readv(self.pids[r] as libc::pid_t, &local, 1, &remote, 1, 0) };
+            if n <= 0 {
+                return Err(if n == 0 { std::io::Error::other("process_vm_readv read nothing") } else { std::io::Error::last_os_error() });
+            }
+            done += n as usize;
+        }
+        Ok(())
+    }
+
+    /// Publishes the address of this rank's buffer in the current zero-copy allreduce.
+    pub fn set_buffer_addr(&self, addr: usize) {
+        atomic_u64(self.base(self.rank), BUF_ADDR_AT).store(addr as u64, Ordering::Relaxed);
+    }
+
+    /// Local rank `r`'s published buffer address (read after its phase announcement).
+    pub fn buffer_addr(&self, r: usize) -> usize {
+        atomic_u64(self.base(r), BUF_ADDR_AT).load(Ordering::Relaxed) as usize
     }
 
     fn base(&self, r: usize) -> *mut u8 {
