@@ -6,7 +6,7 @@
 # Gloo", judged from this run's medians).
 #
 #   benches/compare.sh                  # full run: all parts, 3 repeats (~15 min on 2 cores)
-#   benches/compare.sh --quick          # smoke test: small sizes, 1 repeat (~2 min)
+#   benches/compare.sh --quick          # smoke test: up to 16M, 1 repeat (~2 min)
 #   benches/compare.sh --parts netns    # only the network-namespace part
 #   benches/compare.sh --help           # all options
 #
@@ -74,16 +74,18 @@ PYTHON="${PYTHON:-python3}"   # the interpreter that has torch (Gloo) and runs m
 usage() {
     cat <<EOF
 usage: benches/compare.sh [options]
-  --quick               smoke test: 1 repeat, local sizes 4K..4M, netns 1M..4M,
-                        --lat-iters 200
+  --quick               smoke test: 1 repeat, local sizes 4K..16M, netns 1M..16M,
+                        --lat-iters 200 (one size per target range: every target row fills)
   --parts "local latency netns"  which parts to run (default "$PARTS")
+ local part (one host, W in --ranks):
   -b, --min SIZE        smallest message in bytes, K/M/G suffixes (default $MIN)
   -e, --max SIZE        largest message (default $MAX)
-  -f, --factor F        size multiplier (default $FACTOR)
+  -f, --factor F        size multiplier, local and netns parts (default $FACTOR)
   -n, --iters N         timed iterations per size (default $ITERS)
   -w, --warmup N        untimed warmup iterations per size (default $WARMUP)
-  --repeats R           whole-sweep repeats; BENCHMARKS.md shows the median (default $REPEATS)
-  --ranks "2 4"         world sizes (default "$RANKS")
+  --repeats R           repeats of every part, interleaved; BENCHMARKS.md shows medians
+                        (default $REPEATS)
+  --ranks "2 4"         world sizes, local and latency parts (default "$RANKS")
   --transports "shm tcp"  gradwire/MPI transports (default "$TRANSPORTS"; Gloo is always TCP)
   --tools "gradwire mpi gloo"  subset of tools to run (default all)
  latency part (shm, W in --ranks, gradwire and Open MPI):
@@ -118,7 +120,7 @@ for a in "$@"; do ORIG_CMD+=" $(printf '%q' "$a")"; done
 
 while [ $# -gt 0 ]; do
     case "$1" in
-        --quick) MAX=4M; REPEATS=1; NETNS_MAX=4M; LAT_ITERS=200; LAT_WARMUP=20 ;;
+        --quick) MAX=16M; REPEATS=1; NETNS_MAX=16M; LAT_ITERS=200; LAT_WARMUP=20 ;;
         --parts) PARTS=$2; shift ;;
         --lat-size) LAT_SIZE=$2; shift ;;
         --lat-iters) LAT_ITERS=$2; shift ;;
@@ -400,6 +402,7 @@ run_one() {
     # In the background + wait, so that a signal to this script is handled at once
     # (on_signal stops the run; `timeout` forwards SIGTERM to the launcher, which
     # stops its ranks and removes its namespaces).
+    # shellcheck disable=SC2016  # $$ and $@ belong to the inner shell
     timeout --kill-after=$KILL_AFTER "$OUTER_TIMEOUT" \
         bash -c 'echo $$ >"$0"; exec "$@"' "$pidf" "${cmd[@]}" >"$logf" 2>&1 </dev/null &
     CUR_PID=$!
@@ -414,8 +417,10 @@ run_one() {
     fi
     if [ $rc -eq 0 ] && [ -s "$csv" ]; then
         status=ok
-    elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    elif [ $rc -eq 124 ] || { [ $rc -eq 137 ] && [ $(( (t1 - t0) / 1000000000 )) -ge "$OUTER_TIMEOUT" ]; }; then
         status="timeout after ${OUTER_TIMEOUT}s"
+    elif [ $rc -gt 128 ]; then
+        status="killed by signal $((rc - 128))"
     else
         status="failed (exit $rc)"
     fi

@@ -1,5 +1,6 @@
-//! Criterion benches of the hot paths that do not need several processes: the reduction
-//! kernels (per dtype and op) and the frame header codec.
+//! Criterion benches of the hot paths: the reduction kernels (per dtype and op), the frame
+//! header codec, and a two-rank allreduce over each transport (ranks as threads of one
+//! process, real shared memory and real sockets). `cargo bench --bench kernels`.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use gradwire::collective::reduce::reduce_bytes;
@@ -33,5 +34,57 @@ fn header(c: &mut Criterion) {
     c.bench_function("frame_header_roundtrip", |b| b.iter(|| FrameHeader::decode(&black_box(h).encode())));
 }
 
-criterion_group!(benches, kernels, header);
+criterion_group!(benches, kernels, header, transports);
 criterion_main!(benches);
+
+/// Two ranks as threads of this process, joined by real links of one transport.
+fn pair(transport: gradwire::TransportChoice) -> (gradwire::Communicator, gradwire::Communicator) {
+    use gradwire::bootstrap::RankEnv;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let env = move |rank| RankEnv {
+        rank,
+        world: 2,
+        local_rank: None,
+        local_world: None,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        secret: "bench-secret-123".into(),
+    };
+    let mut cfg = gradwire::Config::from_env().unwrap();
+    cfg.transport = transport;
+    let cfg1 = cfg.clone();
+    let t = std::thread::spawn(move || gradwire::Communicator::with_env(env(1), cfg1).unwrap());
+    let c0 = gradwire::Communicator::with_env(env(0), cfg).unwrap();
+    (c0, t.join().unwrap())
+}
+
+/// The transports' hot path end to end: a blocking allreduce between two ranks (the peer
+/// runs the same number of iterations on its own thread).
+fn transports(c: &mut Criterion) {
+    for (name, t) in [("shm", gradwire::TransportChoice::Shm), ("tcp", gradwire::TransportChoice::Tcp)] {
+        let (c0, c1) = pair(t);
+        let mut g = c.benchmark_group(format!("allreduce_pair_{name}"));
+        for bytes in [4usize << 10, 1 << 20] {
+            g.throughput(Throughput::Bytes(bytes as u64));
+            g.bench_function(format!("{}KiB", bytes >> 10), |b| {
+                b.iter_custom(|iters| {
+                    std::thread::scope(|s| {
+                        s.spawn(|| {
+                            let mut v = vec![1f32; bytes / 4];
+                            for _ in 0..iters {
+                                c1.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                            }
+                        });
+                        let mut v = vec![1f32; bytes / 4];
+                        let t0 = std::time::Instant::now();
+                        for _ in 0..iters {
+                            c0.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                        }
+                        t0.elapsed()
+                    })
+                })
+            });
+        }
+        g.finish();
+    }
+}

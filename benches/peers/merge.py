@@ -150,8 +150,13 @@ def load(results):
                             inner[key] = line[len("mpi_netns.sh: "):].strip()
             except OSError:
                 pass
+        # The CSV of this results directory (it may have been moved or copied), else
+        # the path as recorded.
+        csv_path = os.path.join(results, "csv", os.path.basename(run["csv"]))
+        if not os.path.exists(csv_path):
+            csv_path = run["csv"]
         try:
-            with open(run["csv"], newline="") as f:
+            with open(csv_path, newline="") as f:
                 rows = list(csv.DictReader(f))
         except OSError as e:
             status[key].append(f"repeat {run['repeat']}: unreadable CSV ({e})")
@@ -387,7 +392,7 @@ def targets(res, meta, copy_bw, ranks_local, transports):
                          join([num(gw[s]) if gw[s] is not None else "—" for s in sizes]),
                          f"{num(b)} (bound: memcpy {copy_bw:g} / {bound_k(w):g} · "
                          f"{2 * (w - 1) / w:g})",
-                         join([f"{f * 100:.0f}%" if f is not None else "—" for _, f in frac]),
+                         join([f"{f * 100:.1f}%" if f is not None else "—" for _, f in frac]),
                          f"≥ {T1_BOUND_FRAC:.0%}", verdict(frac, thr=T1_BOUND_FRAC)))
         else:
             rows.append(("1b shm busbw ≥ 70% of memory bound", where, "16–256 MiB",
@@ -466,7 +471,7 @@ def targets(res, meta, copy_bw, ranks_local, transports):
         rows.append((name, f"W={nw}", join([human(s) for s in sizes]),
                      join([num(gw[s]) if gw[s] is not None else "—" for s in sizes]),
                      f"{link:g} (link rate, GB/s)",
-                     join([f"{f * 100:.0f}%" if f is not None else "—" for _, f in frac]),
+                     join([f"{f * 100:.1f}%" if f is not None else "—" for _, f in frac]),
                      f"≥ {frac_thr:.0%}", verdict(frac, thr=frac_thr)))
 
     # 4. loopback TCP, W=2 and 4, >= 16 MiB: >= 1.2x the best peer
@@ -587,7 +592,10 @@ def main() -> int:
       "shm sweep.")
     w(f"- 3: {meta.get('netns_ranks', '4')} network namespaces (1 rank each) on a bridge, "
       "each node's egress shaped with tc tbf to the rate; link rate in GB/s = Gbit/s / 8. "
-      "3a compares with the better of Open MPI and Gloo at each size.")
+      "3a compares with the better of Open MPI and Gloo at each size. 3b: tbf counts "
+      "whole frames, so with MTU 1500 and TCP timestamps a link carries at most "
+      "1448/1514 = 95.6% of its rate as TCP payload in steady state (a short transfer can "
+      "do slightly better while the tbf bucket's initial burst lasts).")
     w("- 4: loopback TCP (`--transport tcp`, Open MPI `btl self,tcp` on `lo`, Gloo on `lo`).")
     w("")
 
@@ -602,8 +610,8 @@ def main() -> int:
     w(f"- **Load average** at start: {meta.get('loadavg_start', '?')}, "
       f"at end: {meta.get('loadavg_end', '?')}")
     w(f"- **Parameters:** {meta.get('params', '?')}")
-    if "local" in parts:
-        w(f"  - local: {meta.get('local_params', '?')}")
+    if "local" in parts and meta.get("local_params"):
+        w(f"  - local: {meta['local_params']}")
     if "latency" in parts:
         w(f"  - latency: {meta.get('lat_params', '?')}")
     if "netns" in parts:
@@ -742,7 +750,8 @@ def main() -> int:
     def order(k):
         kind = k[2]
         part = 0 if kind in ("shm", "tcp") else 1 if kind.startswith("lat-") else 2
-        return (part, kind, k[1], [t for t, _ in TOOLS].index(k[0]) if k[0] in NAMES else 9)
+        sub = (-(rate_of(kind) or 0), "") if part == 2 else (0, kind)
+        return (part, sub, k[1], [t for t, _ in TOOLS].index(k[0]) if k[0] in NAMES else 9)
     for key in sorted(commands, key=order):
         w(commands[key])
         if key in inner:

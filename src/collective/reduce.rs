@@ -27,11 +27,45 @@ fn combine_f64(op: ReduceOp, d: &mut [f64], s: &[f64]) {
 
 const BLOCK: usize = 512;
 
-/// f16 and bf16: widen a block to f32, combine, narrow back (one rounding per combine).
-fn combine_half<H>(op: ReduceOp, d: &mut [H], s: &[H])
-where
-    [H]: HalfFloatSliceExt,
-{
+/// f16: widen to f32, combine, narrow back (one rounding per combine). x86 CPUs with F16C
+/// convert 8 lanes per instruction; others go through `half` in blocks.
+fn combine_f16(op: ReduceOp, d: &mut [f16], s: &[f16]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx") {
+        let n8 = d.len() / 8 * 8;
+        // SAFETY: the CPU supports the enabled features (checked above); n8 <= both lengths.
+        unsafe { f16c::combine(op, &mut d[..n8], &s[..n8]) };
+        return combine_f16_blocks(op, &mut d[n8..], &s[n8..]);
+    }
+    combine_f16_blocks(op, d, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use super::ReduceOp;
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support AVX and F16C; `d` and `s` have the same length, a multiple of 8.
+    #[target_feature(enable = "avx,f16c")]
+    pub unsafe fn combine(op: ReduceOp, d: &mut [f16], s: &[f16]) {
+        for i in (0..d.len()).step_by(8) {
+            let dp = d.as_mut_ptr().add(i) as *mut __m128i;
+            let a = _mm256_cvtph_ps(_mm_loadu_si128(dp));
+            let b = _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i) as *const __m128i));
+            // Same semantics as the f32 kernel: min = s < d ? s : d, max = s > d ? s : d.
+            let r = match op {
+                ReduceOp::Sum | ReduceOp::Avg => _mm256_add_ps(a, b),
+                ReduceOp::Min => _mm256_min_ps(b, a),
+                ReduceOp::Max => _mm256_max_ps(b, a),
+            };
+            _mm_storeu_si128(dp, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+        }
+    }
+}
+
+fn combine_f16_blocks(op: ReduceOp, d: &mut [f16], s: &[f16]) {
     let (mut a, mut b) = ([0f32; BLOCK], [0f32; BLOCK]);
     for (dc, sc) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
         let n = dc.len();
@@ -39,6 +73,47 @@ where
         sc.convert_to_f32_slice(&mut b[..n]);
         combine_f32(op, &mut a[..n], &b[..n]);
         dc.convert_from_f32_slice(&a[..n]);
+    }
+}
+
+/// bf16 is the top half of an f32: widening is a shift, narrowing rounds to nearest even
+/// (NaN stays a quiet NaN). One fused, branch-free loop per op so it vectorises.
+fn combine_bf16(op: ReduceOp, d: &mut [u16], s: &[u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked above).
+        return unsafe { combine_bf16_avx2(op, d, s) };
+    }
+    combine_bf16_portable(op, d, s)
+}
+
+/// The same loop compiled for AVX2 (the baseline x86-64 target has no cheap 32-to-16-bit
+/// pack, which stops it vectorising: 2.5 against 8.4 GiB/s measured).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn combine_bf16_avx2(op: ReduceOp, d: &mut [u16], s: &[u16]) {
+    combine_bf16_portable(op, d, s)
+}
+
+#[inline(always)]
+fn combine_bf16_portable(op: ReduceOp, d: &mut [u16], s: &[u16]) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => bf16_loop(d, s, |x, y| x + y),
+        ReduceOp::Min => bf16_loop(d, s, |x, y| if y < x { y } else { x }),
+        ReduceOp::Max => bf16_loop(d, s, |x, y| if y > x { y } else { x }),
+    }
+}
+
+#[inline(always)]
+fn bf16_loop(d: &mut [u16], s: &[u16], f: impl Fn(f32, f32) -> f32) {
+    for (dv, sv) in d.iter_mut().zip(s) {
+        let r = f(f32::from_bits((*dv as u32) << 16), f32::from_bits((*sv as u32) << 16)).to_bits();
+        let rounded = r.wrapping_add(0x7fff + ((r >> 16) & 1)) >> 16;
+        let quiet_nan = (r >> 16) | 0x40;
+        *dv = (if (r & 0x7fff_ffff) > 0x7f80_0000 { quiet_nan } else { rounded }) as u16;
     }
 }
 
@@ -80,8 +155,8 @@ pub fn reduce_bytes(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     match dtype {
         DType::F32 => combine_f32(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
         DType::F64 => combine_f64(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
-        DType::F16 => combine_half::<f16>(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
-        DType::BF16 => combine_half::<bf16>(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
+        DType::F16 => combine_f16(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
+        DType::BF16 => combine_bf16(op, cast_mut::<u16>(dst).unwrap_or_default(), cast::<u16>(src).unwrap_or_default()),
     }
 }
 
@@ -154,6 +229,35 @@ mod tests {
             let s: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
             reduce_bytes(DType::BF16, op, bytes_mut(&mut d), bytes(&s));
             assert_eq!(d.iter().map(|x| x.to_f64()).collect::<Vec<_>>(), want);
+        }
+    }
+
+    #[test]
+    fn bf16_rounding_matches_half() {
+        // Round-to-nearest-even, ties, overflow to infinity, NaN: same as `half`.
+        let vals = [1.0f32, 1.00390625, 1.01171875, -3.3e38, 3.3e38, f32::INFINITY, f32::NAN, 1e-40, 65504.0, 0.1];
+        for &a in &vals {
+            for &b in &vals {
+                let mut d = [bf16::from_f32(a)];
+                let s = [bf16::from_f32(b)];
+                reduce_bytes(DType::BF16, ReduceOp::Sum, bytes_mut(&mut d), bytes(&s));
+                let want = bf16::from_f32(bf16::from_f32(a).to_f32() + bf16::from_f32(b).to_f32());
+                assert!(d[0] == want || (d[0].is_nan() && want.is_nan()), "{a} + {b}: {} vs {}", d[0], want);
+            }
+        }
+    }
+
+    #[test]
+    fn f16_vector_path_matches_scalar() {
+        // 37 elements: the 8-lane path and the scalar tail both run.
+        let a: Vec<f16> = (0..37).map(|i| f16::from_f32(i as f32 * 0.37 - 5.0)).collect();
+        let b: Vec<f16> = (0..37).map(|i| f16::from_f32(3.0 - i as f32 * 0.11)).collect();
+        for op in ReduceOp::ALL {
+            let mut fast = a.clone();
+            reduce_bytes(DType::F16, op, bytes_mut(&mut fast), bytes(&b));
+            let mut slow = a.clone();
+            combine_f16_blocks(op, &mut slow, &b);
+            assert_eq!(fast, slow, "{op:?}");
         }
     }
 
