@@ -234,8 +234,9 @@ mod tests {
 
     #[test]
     fn bf16_rounding_matches_half() {
-        // Round-to-nearest-even, ties, overflow to infinity, NaN: same as `half`.
-        let vals = [1.0f32, 1.00390625, 1.01171875, -3.3e38, 3.3e38, f32::INFINITY, f32::NAN, 1e-40, 65504.0, 0.1];
+        // Round-to-nearest-even (1 + 2^-8 and 1 + 3·2^-8 are ties), overflow to infinity,
+        // NaN: same as `half`.
+        let vals = [1.0f32, f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000), -3.3e38, 3.3e38, f32::INFINITY, f32::NAN, 1e-40, 65504.0, 0.1];
         for &a in &vals {
             for &b in &vals {
                 let mut d = [bf16::from_f32(a)];
