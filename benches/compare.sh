@@ -8,9 +8,10 @@
 #   benches/compare.sh                  # full run: all parts, 3 repeats (~15 min on 2 cores)
 #   benches/compare.sh --quick          # smoke test: up to 16M, 1 repeat (~2 min)
 #   benches/compare.sh --parts netns    # only the network-namespace part
+#   benches/compare.sh --parts bound    # only the transport ceilings
 #   benches/compare.sh --help           # all options
 #
-# Parts (--parts, default "local latency netns"):
+# Parts (--parts, default "local latency netns bound"):
 #   local    one host, W in RANKS, gradwire + Open MPI over shm and TCP
 #            loopback, Gloo over TCP loopback; sizes -b..-e
 #   latency  one host, shm, W in RANKS, gradwire + Open MPI at one small size
@@ -21,6 +22,18 @@
 #            ("10 1" Gbit/s): gradwire, Open MPI, Gloo all under
 #            `gradwire launch --netns --link-gbit R` (needs root); sizes
 #            --netns-min..--netns-max with their own -n/-w
+#   bound    the transport ceiling of the TCP targets: gradwire *allgather*
+#            busbw (`gradwire bench allgather --transport tcp`, no reduction)
+#            over TCP loopback for W in RANKS with the local part's sizes and
+#            -n/-w, and under `gradwire launch -n W --netns --link-gbit R` for
+#            every netns rate with the netns sizes (that netns run needs root).
+#            A ring allgather of S bytes (whole gathered buffer) moves the same
+#            per-link traffic, in the same S/W chunks, as each of a ring
+#            allreduce's two phases, with no reduction: its busbw
+#            (algbw*(W-1)/W) is the rate the sockets sustain here, the ceiling
+#            for any ring allreduce over TCP (gradwire's, Gloo's, Open MPI's).
+#            merge.py shows it in its own table and, per size, beside targets
+#            3a, 3b and 4 (context only: it does not change met / not met)
 #
 # What it does (idempotent, safe to re-run):
 #   1. installs Open MPI from Debian if mpicc/mpirun are missing (apt-get);
@@ -64,7 +77,7 @@ DO_BUILD=1
 DO_INSTALL=1
 MPI_EXTRA=""
 MPI_PLACE="--inplace"   # gradwire's bench and Gloo allreduce in place; so does MPI by default
-PARTS="local latency netns"
+PARTS="local latency netns bound"
 LAT_SIZE=4K LAT_ITERS=1000 LAT_WARMUP=100
 NETNS_RANKS=4
 NETNS_RATES="10 1"
@@ -76,7 +89,7 @@ usage() {
 usage: benches/compare.sh [options]
   --quick               smoke test: 1 repeat, local sizes 4K..16M, netns 1M..16M,
                         --lat-iters 200 (one size per target range: every target row fills)
-  --parts "local latency netns"  which parts to run (default "$PARTS")
+  --parts "local latency netns bound"  which parts to run (default "$PARTS")
  local part (one host, W in --ranks):
   -b, --min SIZE        smallest message in bytes, K/M/G suffixes (default $MIN)
   -e, --max SIZE        largest message (default $MAX)
@@ -99,6 +112,11 @@ usage: benches/compare.sh [options]
   --netns-max SIZE      largest message (default $NETNS_MAX; at 1 Gbit/s, 64 MiB ~ 1 s a call)
   --netns-iters N       timed iterations (default $NETNS_ITERS)
   --netns-warmup N      warmup iterations (default $NETNS_WARMUP)
+ bound part (transport ceilings of the TCP targets; no options of its own):
+                        gradwire allgather busbw (no reduction: the rate the sockets
+                        sustain) over TCP loopback, W in --ranks, local sizes/-n/-w, and
+                        under --netns --link-gbit R for every --netns-rates rate (root),
+                        W = --netns-ranks, netns sizes/-n/-w; shown beside targets 3a, 3b, 4
   --timeout S           per-launch time limit in seconds (default 120, or 600 if MAX or
                         --netns-max > 16M)
   --mpi-args "ARGS"     extra mpirun arguments (recorded in the output)
@@ -175,7 +193,7 @@ for v in $NETNS_RATES; do
     [[ "$v" =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "compare.sh: bad rate '$v' (Gbit/s)" >&2; exit 2; }
 done
 for p in $PARTS; do
-    case "$p" in local|latency|netns) ;; *) echo "compare.sh: unknown part '$p' (local latency netns)" >&2; exit 2 ;; esac
+    case "$p" in local|latency|netns|bound) ;; *) echo "compare.sh: unknown part '$p' (local latency netns bound)" >&2; exit 2 ;; esac
 done
 if [ "$REPEATS" -lt 1 ] || [ "$FACTOR" -lt 2 ] || [ "$MAX_B" -lt "$MIN_B" ] ||
    [ "$NETNS_MAX_B" -lt "$NETNS_MIN_B" ] || [ "$NETNS_RANKS" -lt 2 ] ||
@@ -185,8 +203,8 @@ fi
 has_part() { [[ " $PARTS " == *" $1 "* ]]; }
 if [ -z "$RUN_TIMEOUT" ]; then
     RUN_TIMEOUT=120
-    if { has_part local && [ "$MAX_B" -gt $((16 * 1024 * 1024)) ]; } ||
-       { has_part netns && [ "$NETNS_MAX_B" -gt $((16 * 1024 * 1024)) ]; }; then
+    if { { has_part local || has_part bound; } && [ "$MAX_B" -gt $((16 * 1024 * 1024)) ]; } ||
+       { { has_part netns || has_part bound; } && [ "$NETNS_MAX_B" -gt $((16 * 1024 * 1024)) ]; }; then
         RUN_TIMEOUT=600
     fi
 fi
@@ -228,6 +246,7 @@ meta lat_iters "$LAT_ITERS"
 meta netns_params "-b $NETNS_MIN -e $NETNS_MAX -f $FACTOR -n $NETNS_ITERS -w $NETNS_WARMUP, W = $NETNS_RANKS namespaces (1 rank each), link rates {$NETNS_RATES} Gbit/s"
 meta netns_ranks "$NETNS_RANKS"
 meta netns_rates "$NETNS_RATES"
+meta bound_params "gradwire bench allgather --transport tcp: TCP loopback with -b $MIN -e $MAX -f $FACTOR -n $ITERS -w $WARMUP, W in {$RANKS}; netns with -b $NETNS_MIN -e $NETNS_MAX -f $FACTOR -n $NETNS_ITERS -w $NETNS_WARMUP, W = $NETNS_RANKS, link rates {$NETNS_RATES} Gbit/s"
 meta tools "$TOOLS"
 meta mpi_place "$([ -n "$MPI_PLACE" ] && echo in-place || echo out-of-place)"
 
@@ -312,10 +331,11 @@ else
 fi
 meta gloo_launcher "$GLOO_LAUNCHER"
 
-# The netns part: root, iproute2/tc, and a gradwire launcher with --netns --link-gbit
-# (it also starts the Open MPI and Gloo ranks there).
+# The netns part (and the netns half of the bound part): root, iproute2/tc, and a
+# gradwire launcher with --netns --link-gbit (it also starts the Open MPI and Gloo
+# ranks there).
 NETNS_STATUS=ok
-if ! has_part netns; then
+if ! has_part netns && ! has_part bound; then
     NETNS_STATUS="not run (--parts)"
 elif [ "$(id -u)" != 0 ]; then
     NETNS_STATUS="n/a (needs root: network namespaces, veth pairs, tc)"
@@ -325,6 +345,17 @@ elif [ "$LAUNCH_OK" != 1 ] || [[ "$("$GW" launch --help 2>&1)" != *--link-gbit* 
     NETNS_STATUS="n/a (gradwire launch has no --netns --link-gbit)"
 fi
 meta netns_status "$NETNS_STATUS"
+
+# The bound part runs `gradwire bench allgather`.
+BOUND_STATUS=ok
+if ! has_part bound; then
+    BOUND_STATUS="not run (--parts)"
+elif [ "$GW_OK" != 1 ]; then
+    BOUND_STATUS=$GW_STATUS
+elif [[ "$("$GW" bench allgather --help 2>&1)" != *--csv* ]]; then
+    BOUND_STATUS="n/a (gradwire has no 'bench allgather --csv')"
+fi
+meta bound_status "$BOUND_STATUS"
 
 # ---- 3. machine copy bandwidth, loopback wake-up latency ------------------------
 if gcc -O3 -o "$BUILD/copybw" "$PEERS/copybw.c" >"$RESULTS/logs/copybw_build.log" 2>&1; then
@@ -411,7 +442,7 @@ run_one() {
     CUR_PID=""
     t1=$(date +%s%N)
     pid=$(cat "$pidf" 2>/dev/null); rm -f "$pidf"
-    if [[ "$tr" == netns-* ]] && [ -n "$pid" ]; then
+    if [[ "$tr" == *netns-* ]] && [ -n "$pid" ]; then
         LAUNCHER_PIDS+=("$pid")
         netns_sweep "$pid"
     fi
@@ -556,15 +587,48 @@ part_netns() {  # part_netns REPEAT: W namespaces, 1 rank each, per link rate
     done
 }
 
+# part_bound REPEAT: the transport ceiling of the TCP targets.  gradwire allgather
+# (no reduction) over TCP: loopback for W in RANKS with the local sizes, and across
+# the namespaces for every netns rate with the netns sizes.  Recorded as tool
+# gradwire, transport bound-tcp / bound-netns-<Gbit/s>.
+part_bound() {
+    local rep=$1 w rate tr
+    for w in $RANKS; do
+        if [ "$BOUND_STATUS" = ok ]; then
+            run_one gradwire "$w" bound-tcp "$rep" \
+                "$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" -- \
+                "$GW" bench allgather "${BENCH_ARGS[@]}" -d float32 \
+                --transport tcp --check --csv CSV
+        else
+            record_na gradwire "$w" bound-tcp "$rep" "$BOUND_STATUS"
+        fi
+    done
+    w=$NETNS_RANKS
+    for rate in $NETNS_RATES; do
+        tr="bound-netns-$rate"
+        if [ "$BOUND_STATUS" != ok ]; then
+            record_na gradwire "$w" "$tr" "$rep" "$BOUND_STATUS"
+        elif [ "$NETNS_STATUS" != ok ]; then
+            record_na gradwire "$w" "$tr" "$rep" "$NETNS_STATUS"
+        else
+            run_one gradwire "$w" "$tr" "$rep" \
+                "$GW" launch -n "$w" --netns --link-gbit "$rate" --timeout "$RUN_TIMEOUT" -- \
+                "$GW" bench allgather "${NETNS_ARGS[@]}" -d float32 \
+                --transport tcp --check --csv CSV
+        fi
+    done
+}
+
 NPROC=$(nproc)
 for rep in $(seq 1 "$REPEATS"); do
     has_part local && part_local "$rep"
     has_part latency && part_latency "$rep"
     has_part netns && part_netns "$rep"
+    has_part bound && part_bound "$rep"
 done
 meta loadavg_end "$(cut -d' ' -f1-3 /proc/loadavg)"
 [ "$NPROC" -gt 0 ] && meta oversubscribed_when "W > $NPROC"
-if has_part netns && [ "$NETNS_STATUS" = ok ]; then
+if { has_part netns || has_part bound; } && [ "$NETNS_STATUS" = ok ]; then
     sleep 0.5
     netns_sweep "${LAUNCHER_PIDS[@]}"
     left=$(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^gw[0-9]+n[0-9]+$' | tr '\n' ' ')

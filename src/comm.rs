@@ -27,6 +27,8 @@ pub struct Communicator {
     prefix: String,
     /// Transport used to reach each peer ("self", "shm", "tcp").
     link_kinds: Vec<&'static str>,
+    /// Global rank of each rank of this communicator.
+    global_ranks: Vec<usize>,
     /// Serves one-sided operations from tcp peers; started by the first `expose`.
     rma: std::sync::OnceLock<RmaService>,
     windows: AtomicU64,
@@ -59,7 +61,7 @@ impl Communicator {
         let topo = boot.topology.clone();
         let store = boot.store.clone();
         let secret = boot.env.secret.clone();
-        Self::build(rank, size, topo, cfg, store, secret, "w".into(), deadline, Some(boot))
+        Self::build(rank, size, topo, cfg, store, secret, "w".into(), deadline, Some(boot), (0..size).collect())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -73,6 +75,7 @@ impl Communicator {
         prefix: String,
         deadline: Instant,
         boot: Option<Arc<Bootstrap>>,
+        global_ranks: Vec<usize>,
     ) -> Result<Self> {
         let local = topology.local_ranks(rank);
         if cfg.transport == TransportChoice::Shm && !topology.single_host() {
@@ -101,7 +104,7 @@ impl Communicator {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let spin = if local.len() > cores { std::time::Duration::ZERO } else { cfg.spin };
         let links = Links::new(rank, links, abort.clone(), spin);
-        let state = EngineState::new(rank, size, links, shm, shm_all, spin, abort);
+        let state = EngineState::new(rank, size, links, shm, shm_all, spin, abort, global_ranks.clone());
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
         Ok(Communicator {
             rank,
@@ -115,6 +118,7 @@ impl Communicator {
             prefix,
             link_kinds,
             rma: std::sync::OnceLock::new(),
+            global_ranks,
             windows: AtomicU64::new(0),
             p2p_sent: (0..size).map(|_| AtomicU64::new(0)).collect(),
             p2p_received: (0..size).map(|_| AtomicU64::new(0)).collect(),
@@ -133,6 +137,11 @@ impl Communicator {
     /// Which ranks of this communicator share a host.
     pub fn topology(&self) -> &Topology {
         &self.topology
+    }
+
+    /// The job-wide rank of each rank of this communicator.
+    pub fn global_ranks(&self) -> &[usize] {
+        &self.global_ranks
     }
 
     /// The transport used to reach each rank ("self", "shm" or "tcp").
@@ -177,7 +186,8 @@ impl Communicator {
         let prefix = format!("{}/s{n}c{color}", self.prefix);
         let deadline = Instant::now() + self.config.timeout;
         let store = if ranks.len() > 1 { self.store.clone() } else { None };
-        Self::build(new_rank, ranks.len(), topo, self.config.clone(), store, self.secret.clone(), prefix, deadline, self._bootstrap.clone()).map(Some)
+        let global = ranks.iter().map(|&r| self.global_ranks[r]).collect();
+        Self::build(new_rank, ranks.len(), topo, self.config.clone(), store, self.secret.clone(), prefix, deadline, self._bootstrap.clone(), global).map(Some)
     }
 
     /// Exposes `region` for one-sided write/read/fetch-add by every rank and connects to

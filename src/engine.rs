@@ -11,8 +11,8 @@ use crate::error::{Error, Result};
 use crate::transport::shm::ShmDomain;
 use crate::transport::Links;
 use crossbeam_channel::{Receiver, Sender};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,48 @@ pub struct EngineState {
     failed: Option<String>,
     /// Collectives executed so far: the sequence number in every message header.
     seq: u64,
+    /// Global rank of each rank of this communicator (errors name global ranks).
+    global: Vec<usize>,
+    /// This engine's entry in the sibling registry.
+    id: u64,
+}
+
+/// Every live communicator of this process, so that one that fails can abort its siblings
+/// with the same reason: a rank that dies of an error in one group (say the cross-node
+/// one) must not look like an unexplained exit to its peers in another (the node group).
+struct Sibling {
+    id: u64,
+    state: Weak<Mutex<EngineState>>,
+    shm: Option<Arc<ShmDomain>>,
+    abort: Arc<AtomicBool>,
+}
+
+fn siblings() -> std::sync::MutexGuard<'static, Vec<Sibling>> {
+    static SIBLINGS: OnceLock<Mutex<Vec<Sibling>>> = OnceLock::new();
+    SIBLINGS.get_or_init(Mutex::default).lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Aborts every other communicator of this process with `reason`: directly when it is
+/// idle (abort frames to its tcp peers, the reason in its shared-memory page), else
+/// through its shared-memory page and abort flag (its running operation then fails).
+fn abort_siblings(except: u64, reason: &str) {
+    let others: Vec<(Weak<Mutex<EngineState>>, Option<Arc<ShmDomain>>, Arc<AtomicBool>)> =
+        siblings().iter().filter(|s| s.id != except).map(|s| (s.state.clone(), s.shm.clone(), s.abort.clone())).collect();
+    let reason = format!("another communicator of this process failed: {reason}");
+    for (state, shm, abort) in others {
+        if let Some(shm) = shm {
+            shm.set_aborted(&reason);
+        }
+        if let Some(state) = state.upgrade() {
+            if let Ok(mut st) = state.try_lock() {
+                if st.failed.is_none() {
+                    st.fail_here(reason.clone());
+                }
+                continue;
+            }
+        }
+        abort.store(true, Ordering::Release);
+    }
 }
 
 /// An operation for the progress thread. Receives the state and its deadline.
@@ -120,7 +162,9 @@ impl Engine {
     pub fn start(state: EngineState, timeout: Duration, name: String) -> Result<Self> {
         let (tx, rx): (Sender<(Job, Arc<WorkShared>)>, Receiver<_>) = crossbeam_channel::unbounded();
         let abort = state.abort.clone();
+        let (id, shm) = (state.id, state.shm.clone());
         let state = Arc::new(Mutex::new(state));
+        siblings().push(Sibling { id, state: Arc::downgrade(&state), shm, abort: abort.clone() });
         let queued = Arc::new(AtomicUsize::new(0));
         let (st, q) = (state.clone(), queued.clone());
         let thread = std::thread::Builder::new()
@@ -168,8 +212,20 @@ impl Engine {
 }
 
 impl EngineState {
-    pub fn new(rank: usize, world: usize, links: Links, shm: Option<Arc<ShmDomain>>, shm_all: bool, spin: Duration, abort: Arc<AtomicBool>) -> Self {
-        EngineState { rank, world, links, shm, shm_all, spin, abort, failed: None, seq: 0 }
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        rank: usize,
+        world: usize,
+        links: Links,
+        shm: Option<Arc<ShmDomain>>,
+        shm_all: bool,
+        spin: Duration,
+        abort: Arc<AtomicBool>,
+        global: Vec<usize>,
+    ) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        EngineState { rank, world, links, shm, shm_all, spin, abort, failed: None, seq: 0, global, id }
     }
 
     /// The next collective's sequence number.
@@ -186,16 +242,22 @@ impl EngineState {
             self.fail("aborted by the application".into());
             return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted by the application".into() });
         }
-        let r = job(self, Instant::now() + timeout);
+        let r = job(self, Instant::now() + timeout).map_err(|e| e.with_global_ranks(&self.global));
         if let Err(e) = &r {
             self.fail(e.to_string());
         }
         r
     }
 
-    /// Marks the communicator failed and tells every peer why, so that they fail with our
-    /// reason instead of waiting for their deadline.
+    /// Marks the communicator failed, tells every peer why (so that they fail with our
+    /// reason instead of waiting for their deadline), and aborts the process's other
+    /// communicators with the same reason.
     fn fail(&mut self, reason: String) {
+        self.fail_here(reason.clone());
+        abort_siblings(self.id, &reason);
+    }
+
+    fn fail_here(&mut self, reason: String) {
         log::debug!("rank {}: aborting communicator: {reason}", self.rank);
         self.links.abort_all(&reason);
         if let Some(shm) = &self.shm {
@@ -212,5 +274,7 @@ impl Drop for Engine {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        let me = Arc::as_ptr(&self.state) as usize;
+        siblings().retain(|s| s.state.as_ptr() as usize != me && s.state.strong_count() > 0);
     }
 }

@@ -66,6 +66,19 @@ impl Error {
         Error::Io { what: what.to_string(), source }
     }
 
+    /// Rewrites the rank numbers of a sub-communicator's error (its own numbering) into the
+    /// job's global ranks, so a message always names the process to look at.
+    pub fn with_global_ranks(self, global: &[usize]) -> Self {
+        let g = |r: usize| global.get(r).copied().unwrap_or(r);
+        match self {
+            Error::Timeout { rank, peer, op, waited_ms } => Error::Timeout { rank: g(rank), peer: g(peer), op, waited_ms },
+            Error::PeerLost { rank, peer, op, cause } => Error::PeerLost { rank: g(rank), peer: g(peer), op, cause },
+            Error::Mismatch { rank, mine, peer, theirs } => Error::Mismatch { rank: g(rank), mine, peer: g(peer), theirs },
+            Error::Aborted { rank, peer, reason } => Error::Aborted { rank: g(rank), peer: g(peer), reason },
+            other => other,
+        }
+    }
+
     /// Stable numeric code for the C ABI (negative; 0 is success).
     pub fn code(&self) -> i32 {
         match self {

@@ -23,6 +23,7 @@ pub mod ffi;
 pub mod mem;
 pub mod transport;
 
+pub use collective::hierarchical::{HierarchicalAlgo, Hierarchy};
 pub use collective::{Pending, Request};
 pub use comm::Communicator;
 pub use config::{Algo, Config, TransportChoice};

@@ -6,7 +6,9 @@ Input (a results directory written by compare.sh):
   runs.tsv   one row per launch: tool, world, transport, repeat, status, csv,
              seconds, command; status is "ok" or why there is no data.
              transport is "shm" / "tcp" (local part), "lat-shm" (latency
-             part) or "netns-<Gbit/s>" (network-namespace part)
+             part), "netns-<Gbit/s>" (network-namespace part) or
+             "bound-tcp" / "bound-netns-<Gbit/s>" (bound part: gradwire
+             allgather, tool "gradwire")
   csv/*.csv  gradwire-format CSVs:
              size_bytes,count,type,redop,time_us,algbw_gbs,busbw_gbs,wrong
   logs/*.log the runs' output (the mpirun line of the netns runs is read
@@ -24,6 +26,12 @@ Output: markdown with
   * the small-message latency table (latency part);
   * one table per link rate of the netns part, with gradwire's fraction of
     the link rate;
+  * "Transport ceilings" (bound part): per (W, TCP loopback / netns rate)
+    and size, the median busbw of gradwire's allgather (no reduction: the
+    rate the sockets sustain, the ceiling of any ring allreduce over TCP)
+    and the allreduce busbw of gradwire and of the best peer as fractions
+    of it; the same figures per size in the "TCP ceiling" column of targets
+    3a, 3b and 4 (context: met / not met does not depend on them);
   * the exact commands.
 
 Usage: merge.py --results DIR [--out BENCHMARKS.md]
@@ -112,7 +120,9 @@ def read_meta(path):
 
 
 def rate_of(kind: str):
-    """'netns-10' -> 10.0; anything else -> None."""
+    """'netns-10' or 'bound-netns-10' -> 10.0; anything else -> None."""
+    if kind.startswith("bound-"):
+        kind = kind[len("bound-"):]
     if kind.startswith("netns-"):
         try:
             return float(kind[len("netns-"):])
@@ -333,6 +343,106 @@ def spread(res, key, size):
     return ""
 
 
+# ---- transport ceilings (bound part) -------------------------------------------------
+#
+# gradwire's allgather over TCP: a ring allgather of S bytes (the whole gathered
+# buffer) sends the same per-link traffic, in the same S/W chunks, as each of the two
+# phases of a ring allreduce of S bytes, without reducing anything; its busbw
+# (algbw·(W−1)/W) is therefore the rate the sockets sustain here, the ceiling of any
+# ring allreduce's busbw (algbw·2(W−1)/W) over the same TCP path.
+
+def bound_key(res, w, rate=None):
+    """The bound part's key for TCP loopback (rate None) or the netns rate, or None."""
+    if rate is None:
+        return ("gradwire", w, "bound-tcp")
+    for k in sorted(set(res.data) | set(res.status)):
+        if k[0] == "gradwire" and k[1] == w and k[2].startswith("bound-netns-") and \
+                rate_of(k[2]) == rate:
+            return k
+    return None
+
+
+def allreduce_keys(bkind, w):
+    """The allreduce keys (per tool) the bound kind is the ceiling of."""
+    if bkind == "bound-tcp":
+        return {t: local_key(t, w, "tcp") for t, _ in TOOLS}
+    return {t: (t, w, bkind[len("bound-"):]) for t, _ in TOOLS}
+
+
+def pct(x):
+    return f"{x * 100:.0f}%" if x is not None else "—"
+
+
+def ceiling_figures(res, bkey, keys, size):
+    """-> (ceiling, gradwire allreduce, (best peer value, tool)) medians at size."""
+    c = res.med(bkey, size) if bkey else None
+    return c, res.med(keys["gradwire"], size), best_peer(res, keys, size)
+
+
+def ceiling_cell(res, parts, bkey, keys, lo, need, link=None):
+    """The Targets table's "TCP ceiling" cell of a TCP target row: per size >= lo,
+    the ceiling (allgather busbw), gradwire's allreduce and the best peer's as
+    fractions of it and, when need(size, best peer value) gives the busbw the
+    target asks for, that as a fraction of it too."""
+    if "bound" not in parts:
+        return "n/a (bound part not run)"
+    if bkey is None:
+        return "n/a (no bound run for this W / rate)"
+    why = res.why_absent(bkey)
+    if why:
+        return why
+    sizes = [s for s in res.sizes(bkey, *keys.values()) if s >= lo]
+    if not sizes:
+        return "n/a (no sizes in range in this run)"
+    out = []
+    for s in sizes:
+        c, gw, (pv, pt) = ceiling_figures(res, bkey, keys, s)
+        if not c:
+            out.append(f"{human(s)}: no ceiling at this size")
+            continue
+        cell = f"{human(s)}: ceiling {num(c)} GB/s (allgather"
+        cell += f", {pct(c / link)} of link rate)" if link else ")"
+        cell += f"; gradwire allreduce at {pct(gw / c if gw is not None else None)} of it"
+        cell += (f"; best peer at {pct(pv / c)} of it ({NAMES[pt]})" if pv else
+                 "; best peer at — of it")
+        nd = need(s, pv)
+        if nd is not None:
+            cell += f"; target needs {pct(nd / c)}"
+        out.append(cell)
+    return "<br>".join(out)
+
+
+def table_bound(res, bkey, link=None):
+    """Per size: ceiling (allgather busbw), allreduce busbw of gradwire and the best
+    peer and their fractions of the ceiling; for netns also the ceiling's fraction of
+    the link rate."""
+    keys = allreduce_keys(bkey[2], bkey[1])
+    sizes = res.sizes(bkey, *keys.values())
+    head = ["size", "ceiling: gradwire allgather busbw GB/s", "allgather µs",
+            "gradwire allreduce busbw GB/s", "gradwire / ceiling",
+            "best peer allreduce busbw GB/s", "best peer / ceiling"]
+    if link:
+        head.append("ceiling / link rate")
+    head.append("#wrong (allgather)")
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join(["---:"] * len(head)) + "|"]
+    absent = res.why_absent(bkey)
+    for size in sizes:
+        c, gw, (pv, pt) = ceiling_figures(res, bkey, keys, size)
+        cells = [human(size),
+                 absent or fmt_bw([r["busbw"] for r in res.rows(bkey, size)]),
+                 "n/a" if absent else fmt_us([r["time_us"] for r in res.rows(bkey, size)]),
+                 num(gw) if gw is not None else "—",
+                 pct(gw / c) if gw is not None and c else "—",
+                 f"{num(pv)} ({NAMES[pt]})" if pv else "—",
+                 pct(pv / c) if pv and c else "—"]
+        if link:
+            cells.append(pct(c / link) if c is not None else "—")
+        cells.append(res.wrong_cell([bkey], size))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 # ---- targets ------------------------------------------------------------------------
 
 def verdict(per_size, le=False, thr=None):
@@ -356,6 +466,7 @@ def join(xs):
 def targets(res, meta, copy_bw, ranks_local, transports):
     """-> (lines, tally) of the Targets table."""
     rows = []  # (target, W, sizes, gradwire, reference, ratio, threshold, result)
+    ceil = {}  # (target id, W) -> the "TCP ceiling" cell (targets 3a, 3b, 4)
     parts = meta.get("parts", "local").split()
     lat_size_ok = False
 
@@ -436,7 +547,14 @@ def targets(res, meta, copy_bw, ranks_local, transports):
                 return kd
         return None
 
+    def netns_ceiling(tid, rate, lo, need):
+        kd = find_kind(rate) or f"netns-{rate:g}"
+        keys = {t: (t, nw, kd) for t, _ in TOOLS}
+        ceil[(tid, f"W={nw}")] = ceiling_cell(res, parts, bound_key(res, nw, rate), keys,
+                                              lo, need, link=rate / 8.0)
+
     rate, factor, lo = T3_FAST
+    netns_ceiling("3a", rate, lo, lambda s, pv, f=factor: f * pv if pv else None)
     kd = find_kind(rate)
     name = f"3a {rate_label(rate)} busbw ≥ {factor:g}× best of Open MPI, Gloo"
     if kd is None:
@@ -457,6 +575,7 @@ def targets(res, meta, copy_bw, ranks_local, transports):
                      f"≥ {factor:.2f}×", verdict(rat, thr=factor)))
 
     rate, frac_thr, lo = T3_SLOW
+    netns_ceiling("3b", rate, lo, lambda s, pv, x=frac_thr * rate / 8.0: x)
     kd = find_kind(rate)
     link = rate / 8.0
     name = f"3b {rate_label(rate)} busbw ≥ {frac_thr:.0%} of link rate"
@@ -477,6 +596,10 @@ def targets(res, meta, copy_bw, ranks_local, transports):
     # 4. loopback TCP, W=2 and 4, >= 16 MiB: >= 1.2x the best peer
     for w in (2, 4):
         name = f"4 loopback TCP busbw ≥ {T4_RATIO:g}× best of Open MPI, Gloo"
+        ceil[("4", f"W={w}")] = ceiling_cell(
+            res, parts, bound_key(res, w) if w in ranks_local else None,
+            {t: local_key(t, w, "tcp") for t, _ in TOOLS}, T4_MIN,
+            lambda s, pv: T4_RATIO * pv if pv else None)
         if "local" not in parts or w not in ranks_local or "tcp" not in transports:
             rows.append((name, f"W={w}", f"≥ {human(T4_MIN)}", "—", "—", "—",
                          f"≥ {T4_RATIO:.2f}×", f"n/a (local tcp part with W={w} not run)"))
@@ -495,15 +618,16 @@ def targets(res, meta, copy_bw, ranks_local, transports):
                      f"≥ {T4_RATIO:.2f}×", verdict(rat, thr=T4_RATIO)))
 
     head = ["#", "target", "W", "sizes", "gradwire", "reference", "gradwire / reference",
-            "threshold", "result"]
+            "threshold", "result", "TCP ceiling (bound part; context, not judged)"]
     lines = ["| " + " | ".join(head) + " |",
-             "|---|---|---:|---|---:|---:|---:|---:|---|"]
+             "|---|---|---:|---|---:|---:|---:|---:|---|---|"]
     tally = defaultdict(int)
     # by target id, then W (stable: the order rows were made in within one id)
     rows.sort(key=lambda r: r[0].split(" ", 1)[0])
     for r in rows:
         tid, _, name = r[0].partition(" ")
-        lines.append("| " + " | ".join((tid, name) + tuple(r[1:])) + " |")
+        lines.append("| " + " | ".join((tid, name) + tuple(r[1:]) +
+                                       (ceil.get((tid, r[1]), "—"),)) + " |")
         res_cell = r[-1]
         tally["met" if res_cell == "**met**" else
               "not met" if res_cell.startswith("**not met") else "n/a"] += 1
@@ -597,6 +721,15 @@ def main() -> int:
       "1448/1514 = 95.6% of its rate as TCP payload in steady state (a short transfer can "
       "do slightly better while the tbf bucket's initial burst lasts).")
     w("- 4: loopback TCP (`--transport tcp`, Open MPI `btl self,tcp` on `lo`, Gloo on `lo`).")
+    w("- TCP ceiling (rows 3a, 3b, 4; from the bound part, see \"Transport ceilings\"): "
+      "per size, the median busbw of gradwire's **allgather** over the same TCP path "
+      "(same W, same sizes), which moves a ring allreduce's per-link traffic without "
+      "reducing: the rate the sockets sustain on this machine, so no ring allreduce over "
+      "TCP (gradwire's, Open MPI's, Gloo's) should exceed it. Then gradwire's and the "
+      "best peer's allreduce busbw as percentages of it and, where the target's threshold "
+      "is a busbw, the percentage the target asks for (above 100%: out of reach of a ring "
+      "allreduce over this transport here). Context only: the result column does not "
+      "depend on it.")
     w("")
 
     w("## Setup")
@@ -616,6 +749,9 @@ def main() -> int:
         w(f"  - latency: {meta.get('lat_params', '?')}")
     if "netns" in parts:
         w(f"  - netns: {meta.get('netns_params', '?')}; status: {meta.get('netns_status', '?')}")
+    if "bound" in parts:
+        w(f"  - bound: {meta.get('bound_params', '?')}; status: "
+          f"{meta.get('bound_status', '?')}, netns: {meta.get('netns_status', '?')}")
     w(f"- **gradwire:** {meta.get('gradwire_rev', '?')}, {meta.get('rustc', '?')}; "
       f"status: {meta.get('gradwire_status', '?')}")
     w(f"- **Open MPI:** {meta.get('mpi_version', '?')}; status: {meta.get('mpi_status', '?')}")
@@ -663,8 +799,8 @@ def main() -> int:
           "general (bytes a zero-copy allreduce moves per rank per message byte); "
           "gradwire / bound is gradwire's busbw as a fraction of it.")
     if nproc:
-        allw = set(ranks) | ({int(meta.get("netns_ranks", "0") or 0)} if "netns" in parts
-                             else set())
+        allw = set(ranks) | ({int(meta.get("netns_ranks", "0") or 0)}
+                             if "netns" in parts or "bound" in parts else set())
         over = sorted(r for r in allw if r > nproc)
         if over:
             w(f"- W = {', '.join(map(str, over))} is **more ranks than cores** ({nproc}): "
@@ -729,6 +865,39 @@ def main() -> int:
                                 geomean(big) if big else float("nan")))
             w("")
 
+    if "bound" in parts:
+        w("## Transport ceilings (gradwire allgather busbw, same run)")
+        w("")
+        w("`gradwire bench allgather --transport tcp` (size = the whole gathered buffer; "
+          "busbw = algbw · (W−1)/W) with the same W, sizes and iterations as the "
+          "allreduce runs it is set against. A ring allgather of S bytes sends each link "
+          "the same traffic, in the same S/W chunks, as each of the two phases of a ring "
+          "allreduce of S bytes (whose busbw = algbw · 2(W−1)/W counts both), but reduces "
+          "nothing: its busbw is the rate the sockets sustain on this machine, the "
+          "ceiling for any ring allreduce over the same TCP path. Medians across repeats; "
+          "the allreduce columns repeat the medians of the tables above. A fraction above "
+          "100% means the allgather itself fell short of the sockets' rate at that size.")
+        w("")
+        nw = int(meta.get("netns_ranks", "4") or 4)
+        blocks = [(wsz, None) for wsz in ranks] + \
+                 [(nw, float(r)) for r in meta.get("netns_rates", "").split()]
+        for wsz, rate in blocks:
+            bkey = bound_key(res, wsz, rate) or ("gradwire", wsz, f"bound-netns-{rate:g}")
+            link = rate / 8.0 if rate else None
+            if rate is None:
+                w(f"### W = {wsz}, TCP loopback")
+            else:
+                w(f"### W = {wsz} network namespaces, links shaped to {rate_label(rate)} "
+                  f"(link rate {link:g} GB/s)")
+            w("")
+            lines = table_bound(res, bkey, link)
+            if len(lines) <= 2:
+                w("_No data._")
+            else:
+                out.extend(lines)
+            missing_notes([(bkey, "gradwire allgather")])
+            w("")
+
     if summary:
         w("## Summary: gradwire / best-peer busbw (geometric mean over sizes)")
         w("")
@@ -749,8 +918,9 @@ def main() -> int:
 
     def order(k):
         kind = k[2]
-        part = 0 if kind in ("shm", "tcp") else 1 if kind.startswith("lat-") else 2
-        sub = (-(rate_of(kind) or 0), "") if part == 2 else (0, kind)
+        part = 0 if kind in ("shm", "tcp") else 1 if kind.startswith("lat-") else \
+            3 if kind.startswith("bound-") else 2
+        sub = (-(rate_of(kind) or math.inf), "") if part >= 2 else (0, kind)
         return (part, sub, k[1], [t for t, _ in TOOLS].index(k[0]) if k[0] in NAMES else 9)
     for key in sorted(commands, key=order):
         w(commands[key])

@@ -7,6 +7,7 @@
 //! `GRADWIRE_SMALL_BYTES` and the ring above it.
 
 pub mod algos;
+pub mod hierarchical;
 pub mod reduce;
 pub mod shm_allreduce;
 

@@ -19,6 +19,8 @@ pub struct BenchArgs {
     pub check: bool,
     pub csv: Option<String>,
     pub json: Option<String>,
+    /// Allreduce through the node-local + cross-node hierarchy.
+    pub hierarchical: Option<gradwire::HierarchicalAlgo>,
 }
 
 /// nccl-tests' bus-bandwidth factor: what each rank's link carries relative to S/t.
@@ -74,12 +76,15 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
     };
     if me == 0 {
         println!(
-            "# gradwire bench {}: {} ranks, {} host(s), links {:?}, algo {:?}, dtype {}, op {}, iters {}, warmup {}",
+            "# gradwire bench {}: {} ranks, {} host(s), links {:?}, algo {}, dtype {}, op {}, iters {}, warmup {}",
             a.op.name(),
             w,
             comm.topology().hosts(),
             kinds,
-            a.algo.unwrap_or(comm.config().algo),
+            match a.hierarchical {
+                Some(h) => format!("hierarchical {h:?}"),
+                None => format!("{:?}", a.algo.unwrap_or(comm.config().algo)),
+            },
             a.dtype.name(),
             a.redop.name(),
             a.iters,
@@ -99,6 +104,11 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             "size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"
         );
     }
+    let hierarchy = match a.hierarchical {
+        Some(_) if a.op != OpKind::Allreduce => return Err(gradwire::Error::InvalidArgument("--hierarchical applies to allreduce".into())),
+        Some(algo) => Some((gradwire::Hierarchy::new(comm)?, algo)),
+        None => None,
+    };
     let mut rows = vec![];
     for (si, &size) in sizes.iter().enumerate() {
         let total = size / es;
@@ -109,7 +119,9 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
         let req = Request { algo: a.algo, ..Request::new(a.op, a.dtype, a.redop, count) };
         let inplace = matches!(a.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
         let mut once = || -> Result<()> {
-            if inplace {
+            if let Some((h, algo)) = &hierarchy {
+                h.allreduce_bytes(a.dtype, &mut recv.as_mut_slice()[..count * es], a.redop, *algo)
+            } else if inplace {
                 run_bytes(comm, req, &[], recv.as_mut_slice())
             } else {
                 run_bytes(comm, req, send.as_slice(), recv.as_mut_slice())
@@ -133,7 +145,8 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
         let wrong = if a.check {
             let mut failures = vec![];
             let label = format!("bench {} size {size}", a.op.name());
-            let bad = run_case(comm, seed, 1000 + si as u64, req, &label, &mut failures)?;
+            let hier = hierarchy.as_ref().map(|(h, algo)| (h, *algo));
+            let bad = run_case(comm, seed, 1000 + si as u64, req, hier, &label, &mut failures)?;
             for f in &failures {
                 eprintln!("FAIL {f}");
             }

@@ -3,7 +3,7 @@
 //! data, plus a check that all ranks hold bit-identical allreduce results.
 
 use crate::verify::{count_wrong, decode, encode, fingerprint, reference, round_to, within};
-use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, Request, Result};
+use gradwire::{Algo, Communicator, DType, HierarchicalAlgo, Hierarchy, OpKind, ReduceOp, Request, Result};
 use rand::{Rng, SeedableRng};
 
 pub struct CheckArgs {
@@ -13,6 +13,8 @@ pub struct CheckArgs {
     pub dtypes: Vec<DType>,
     pub ops: Vec<ReduceOp>,
     pub verbose: bool,
+    /// Test the hierarchical allreduce (both algorithms) instead of the flat collectives.
+    pub hierarchical: bool,
 }
 
 /// Runs a request on byte buffers and waits.
@@ -66,16 +68,24 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
     let mut failures: Vec<String> = Vec::new();
     let mut failed_cases = 0u64;
     let mut plan: Vec<(OpKind, DType, ReduceOp, usize, Option<Algo>)> = Vec::new();
+    let hierarchy = if args.hierarchical { Some(Hierarchy::new(comm)?) } else { None };
+    let hier_algos: Vec<Option<HierarchicalAlgo>> =
+        if args.hierarchical { vec![Some(HierarchicalAlgo::Sharded), Some(HierarchicalAlgo::Leader)] } else { vec![None] };
     for &op in &args.collectives {
+        if args.hierarchical && op != OpKind::Allreduce {
+            continue;
+        }
         for &dt in &args.dtypes {
             let redops: Vec<ReduceOp> =
                 if matches!(op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) { args.ops.clone() } else { vec![ReduceOp::Sum] };
             for &ro in &redops {
                 for &n in &args.counts {
-                    if op == OpKind::Allreduce {
+                    if op == OpKind::Allreduce && !args.hierarchical {
                         for &a in &allreduce_algos {
                             plan.push((op, dt, ro, n, a));
                         }
+                    } else if op == OpKind::Allreduce {
+                        plan.push((op, dt, ro, n, None));
                     } else if op != OpKind::Barrier || (dt == DType::F32 && n == args.counts[0]) {
                         plan.push((op, dt, ro, n, None));
                     }
@@ -94,7 +104,8 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
             plan.push((OpKind::Broadcast, DType::F32, ReduceOp::Sum, n, None));
         }
     }
-    for (op, dtype, redop, n, algo) in plan {
+    let plan: Vec<_> = plan.into_iter().flat_map(|p| hier_algos.iter().map(move |h| (p, *h))).collect();
+    for ((op, dtype, redop, n, algo), hier_algo) in plan {
         cases += 1;
         let case = cases;
         let failures_before = failures.len();
@@ -108,7 +119,8 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
             algo.map(|a| format!(" algo={a:?}")).unwrap_or_default(),
             if matches!(op, OpKind::Broadcast | OpKind::Reduce) { format!(" root={root}") } else { String::new() }
         );
-        let wrong = run_case(comm, seed, case, req, &label, &mut failures)?;
+        let hier = hierarchy.as_ref().zip(hier_algo);
+        let wrong = run_case(comm, seed, case, req, hier, &label, &mut failures)?;
         if wrong > 0 {
             failures.push(format!("rank {me}: {label}: {wrong} wrong elements"));
         } else if args.verbose && me == 0 {
@@ -119,10 +131,12 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
         }
     }
     // Point-to-point and one-sided operations, on the same transports.
-    cases += 2;
-    for f in p2p_and_onesided(comm, seed)? {
-        failures.push(f);
-        failed_cases += 1;
+    if !args.hierarchical {
+        cases += 2;
+        for f in p2p_and_onesided(comm, seed)? {
+            failures.push(f);
+            failed_cases += 1;
+        }
     }
     let mut total = [failed_cases as f64];
     comm.allreduce(&mut total, ReduceOp::Sum)?;
@@ -171,7 +185,15 @@ pub fn run_split(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
 
 /// Runs one collective on fresh inputs of `case` and returns how many output elements
 /// differ from the independent reference; describes failures in `failures`.
-pub fn run_case(comm: &Communicator, seed: u64, case: u64, req: Request, label: &str, failures: &mut Vec<String>) -> Result<usize> {
+pub fn run_case(
+    comm: &Communicator,
+    seed: u64,
+    case: u64,
+    req: Request,
+    hier: Option<(&Hierarchy, HierarchicalAlgo)>,
+    label: &str,
+    failures: &mut Vec<String>,
+) -> Result<usize> {
     let (w, me) = (comm.size(), comm.rank());
     let (op, dtype, redop, n, root) = (req.op, req.dtype, req.redop, req.count, req.root);
     let es = dtype.size();
@@ -184,7 +206,10 @@ pub fn run_case(comm: &Communicator, seed: u64, case: u64, req: Request, label: 
                 debug_assert!(i * BLOCK * es < n * es || n == 0);
                 encode(dtype, &vals, c);
             }
-            run_bytes(comm, req, &[], &mut buf)?;
+            match hier {
+                Some((h, algo)) => h.allreduce_bytes(dtype, &mut buf, redop, algo)?,
+                None => run_bytes(comm, req, &[], &mut buf)?,
+            }
             if op == OpKind::Allreduce {
                 let fp = fingerprint(&buf);
                 let mut all = vec![0f64; 2 * w];
@@ -329,4 +354,42 @@ fn p2p_and_onesided(comm: &Communicator, seed: u64) -> Result<Vec<String>> {
     }
     comm.barrier()?;
     Ok(bad)
+}
+
+/// The non-blocking cross-node allreduce overlapping node-local collectives, `iters` times:
+/// each iteration starts a cross-node allreduce, runs a node-local allreduce meanwhile,
+/// then waits; both results are checked exactly (integer-valued data). Every wait is
+/// under the communicators' deadline, so a deadlock between the two groups fails the run.
+pub fn overlap(comm: &Communicator, iters: usize) -> Result<bool> {
+    let h = Hierarchy::new(comm)?;
+    let topo = comm.topology();
+    let me = comm.rank();
+    let local_index = |r: usize| topo.local_ranks(r).iter().position(|&x| x == r).unwrap_or(0);
+    let node_members = topo.local_ranks(me);
+    let cross_members: Vec<usize> = (0..comm.size()).filter(|&r| local_index(r) == local_index(me)).collect();
+    let value = |r: usize, it: usize, i: usize| ((r * 7919 + it * 31 + i) % 1000) as f64;
+    let mut bad = 0usize;
+    for it in 0..iters {
+        let cross_in: Vec<f64> = (0..1000).map(|i| value(me, it, i)).collect();
+        let pending = h.start_cross(cross_in, ReduceOp::Sum)?;
+        let mut node_buf: Vec<f64> = (0..5003).map(|i| value(me, it + 1, i)).collect();
+        h.node.allreduce(&mut node_buf, ReduceOp::Sum)?;
+        let cross_out = pending.wait()?;
+        bad += (0..1000).filter(|&i| cross_out[i] != cross_members.iter().map(|&r| value(r, it, i)).sum::<f64>()).count();
+        bad += (0..5003).filter(|&i| node_buf[i] != node_members.iter().map(|&r| value(r, it + 1, i)).sum::<f64>()).count();
+    }
+    let mut total = [bad as f64];
+    comm.allreduce(&mut total, ReduceOp::Sum)?;
+    if me == 0 {
+        let iterations = iters * comm.size();
+        let failed = if total[0] > 0.0 { 1 } else { 0 };
+        println!(
+            "overlap: {iters} iterations x {} ranks ({} nodes): cross-node iallreduce during node-local allreduce, {} wrong elements: {} passed, {failed} failed",
+            comm.size(),
+            h.nodes(),
+            total[0],
+            if failed == 0 { iterations } else { 0 }
+        );
+    }
+    Ok(total[0] == 0.0)
 }

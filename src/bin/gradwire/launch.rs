@@ -233,21 +233,29 @@ pub fn run(a: &LaunchArgs) -> i32 {
             }
         }
         let mut all_done = true;
+        // Ranks that ended in this poll. When several fail at once, one killed by a signal
+        // is the likelier root cause than one that exited with an error after seeing it.
+        let mut ended: Vec<(usize, ExitStatus)> = vec![];
         for (r, slot) in children.iter_mut().enumerate() {
             let Some(c) = slot else { continue };
             match c.try_wait() {
                 Ok(Some(st)) => {
                     *slot = None;
-                    if !st.success() && failed.is_none() {
-                        failed = Some((r, describe(st)));
-                        code = st.code().filter(|&c| c != 0).unwrap_or(1);
-                    }
+                    ended.push((r, st));
                 }
                 Ok(None) => all_done = false,
                 Err(e) => {
                     eprintln!("gradwire launch: waiting for rank {r}: {e}");
                     *slot = None;
                 }
+            }
+        }
+        if failed.is_none() {
+            use std::os::unix::process::ExitStatusExt;
+            let culprit = ended.iter().find(|(_, st)| st.signal().is_some()).or_else(|| ended.iter().find(|(_, st)| !st.success()));
+            if let Some((r, st)) = culprit {
+                failed = Some((*r, describe(*st)));
+                code = st.code().filter(|&c| c != 0).unwrap_or(1);
             }
         }
         if let Some((r, why)) = &failed {

@@ -95,6 +95,9 @@ enum Cmd {
         csv: Option<String>,
         #[arg(long)]
         json: Option<String>,
+        /// Allreduce through node-local + cross-node groups: sharded or leader.
+        #[arg(long)]
+        hierarchical: Option<gradwire::HierarchicalAlgo>,
     },
     /// Correctness matrix: every collective x dtype x op x count against an independent
     /// reference on fresh random data (run under `gradwire launch`).
@@ -117,6 +120,13 @@ enum Cmd {
         /// even/odd ranks (all made by `split`).
         #[arg(long)]
         split: bool,
+        /// Run the matrix through the hierarchical allreduce (node-local + cross-node groups).
+        #[arg(long)]
+        hierarchical: bool,
+        /// Instead: N iterations of a non-blocking cross-node allreduce overlapping a
+        /// node-local allreduce, both checked.
+        #[arg(long)]
+        overlap: Option<usize>,
         #[arg(short, long)]
         verbose: bool,
     },
@@ -161,16 +171,23 @@ fn main() {
             launch::run(&launch::LaunchArgs { nprocs, netns, ranks_per_node, link_gbit, timeout: timeout.map(Duration::from_secs_f64), cmd })
         }
         Cmd::Info { settings } => info::run(settings),
-        Cmd::Bench { collective, min, max, factor, iters, warmup, dtype, op, algo, transport, check, csv, json } => {
+        Cmd::Bench { collective, min, max, factor, iters, warmup, dtype, op, algo, transport, check, csv, json, hierarchical } => {
             set_transport(transport);
-            let args = bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, algo, check, csv, json };
+            let args = bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, algo, check, csv, json, hierarchical };
             let all_right = Communicator::init().and_then(|c| bench::run(&c, &args)).map(|rows| rows.iter().all(|r| r.wrong.unwrap_or(0) == 0));
             exit_code("bench", all_right)
         }
-        Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, verbose } => {
+        Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, hierarchical, overlap, verbose } => {
             set_transport(transport);
-            let args = check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose };
-            exit_code("check", Communicator::init().and_then(|c| if split { check::run_split(&c, &args) } else { check::run(&c, &args) }))
+            let args = check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose, hierarchical };
+            exit_code(
+                "check",
+                Communicator::init().and_then(|c| match (overlap, split) {
+                    (Some(iters), _) => check::overlap(&c, iters),
+                    (None, true) => check::run_split(&c, &args),
+                    (None, false) => check::run(&c, &args),
+                }),
+            )
         }
     };
     std::process::exit(code);

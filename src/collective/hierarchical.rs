@@ -1,0 +1,132 @@
+//! Hierarchical allreduce over a node-local group and a cross-node group.
+//!
+//! Sharded (default): (1) reduce-scatter inside the node, so local rank l holds shard l of
+//! the node's sum; (2) G concurrent cross-node allreduces, one per local index l over the
+//! ranks holding shard l; (3) allgather inside the node. Every rank's link carries 1/G of
+//! the cross-node traffic. Leader: reduce to local rank 0, allreduce among the leaders,
+//! broadcast inside the node — fewer, larger cross-node messages. `gradwire bench
+//! allreduce --hierarchical sharded|leader` measures both.
+//!
+//! Inside a node the groups use shared memory; between nodes tcp (verbs later). GPU
+//! buffers take the same path with NCCL as the node-local step (see `gpu`).
+
+use super::reduce::scale;
+use super::Request;
+use crate::comm::Communicator;
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{config, invalid, Result};
+use crate::transport::frame::OpKind;
+
+/// How the cross-node step is organised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HierarchicalAlgo {
+    Sharded,
+    Leader,
+}
+
+impl std::str::FromStr for HierarchicalAlgo {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "sharded" => Ok(Self::Sharded),
+            "leader" => Ok(Self::Leader),
+            _ => Err(format!("unknown hierarchical algorithm {s:?} (sharded or leader)")),
+        }
+    }
+}
+
+/// The two groups of a hierarchical allreduce, made once (two `split`s) and reused.
+pub struct Hierarchy {
+    /// The ranks of this node.
+    pub node: Communicator,
+    /// The ranks of every node with this rank's local index.
+    pub cross: Communicator,
+    world: usize,
+}
+
+impl Hierarchy {
+    /// Builds the groups. Every node must hold the same number of ranks (the sharded
+    /// cross-node step pairs shard l of every node).
+    pub fn new(comm: &Communicator) -> Result<Self> {
+        let topo = comm.topology();
+        let g = topo.local_ranks(comm.rank()).len();
+        if let Some(r) = (0..comm.size()).find(|&r| topo.local_ranks(r).len() != g) {
+            return Err(config(format!(
+                "hierarchical allreduce needs the same number of ranks on every node: rank {} has {g} local ranks, rank {r} has {}",
+                comm.rank(),
+                topo.local_ranks(r).len()
+            )));
+        }
+        let node = comm.split_node_local()?;
+        let cross = comm.split_cross_node()?;
+        Ok(Hierarchy { node, cross, world: comm.size() })
+    }
+
+    /// Nodes in the job.
+    pub fn nodes(&self) -> usize {
+        self.cross.size()
+    }
+
+    /// Allreduce of `buf` across all ranks of the parent communicator.
+    pub fn allreduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, algo: HierarchicalAlgo) -> Result<()> {
+        // SAFETY: a float slice viewed as its bytes, exclusively borrowed for the call.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, std::mem::size_of_val(buf)) };
+        self.allreduce_bytes(T::DTYPE, bytes, op, algo)
+    }
+
+    /// [`Hierarchy::allreduce`] on raw bytes of `dtype` elements.
+    pub fn allreduce_bytes(&self, dtype: DType, buf: &mut [u8], op: ReduceOp, algo: HierarchicalAlgo) -> Result<()> {
+        let es = dtype.size();
+        if buf.len() % es != 0 {
+            return Err(invalid(format!("hierarchical allreduce: {} bytes is not a whole number of {}", buf.len(), dtype.name())));
+        }
+        let n = buf.len() / es;
+        // Avg is a sum divided once by the world size at the end, so the node and
+        // cross-node steps cannot round it twice.
+        let inner = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+        let p = buf.as_mut_ptr();
+        match algo {
+            HierarchicalAlgo::Leader => {
+                let at_root = |op| Request { root: 0, ..Request::new(op, dtype, inner, n) };
+                // SAFETY: `buf` is exclusively borrowed and each run() completes before the next.
+                unsafe {
+                    self.node.run(at_root(OpKind::Reduce), p, p)?;
+                    if self.node.rank() == 0 {
+                        self.cross.run(Request::new(OpKind::Allreduce, dtype, inner, n), p, p)?;
+                    }
+                    self.node.run(at_root(OpKind::Broadcast), p, p)?;
+                }
+            }
+            HierarchicalAlgo::Sharded => {
+                let g = self.node.size();
+                let shard = n.div_ceil(g);
+                // Reduce-scatter needs g equal parts: the tail is padded; padded elements
+                // are combined like the others and never copied back. u64 storage keeps
+                // every dtype aligned.
+                let mut padded = vec![0u64; (shard * g * es).div_ceil(8)];
+                let mut mine = vec![0u64; (shard * es).div_ceil(8)];
+                let (pp, mp) = (padded.as_mut_ptr() as *mut u8, mine.as_mut_ptr() as *mut u8);
+                // SAFETY: both vectors hold at least the bytes each request reads or writes,
+                // and each run() completes before the next.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(p, pp, buf.len());
+                    self.node.run(Request::new(OpKind::ReduceScatter, dtype, inner, shard), pp, mp)?;
+                    self.cross.run(Request::new(OpKind::Allreduce, dtype, inner, shard), mp, mp)?;
+                    self.node.run(Request::new(OpKind::Allgather, dtype, inner, shard), mp, pp)?;
+                    std::ptr::copy_nonoverlapping(pp, p, buf.len());
+                }
+            }
+        }
+        if op == ReduceOp::Avg {
+            scale(dtype, buf, 1.0 / self.world as f64);
+        }
+        Ok(())
+    }
+
+    /// Starts a cross-node allreduce of `buf` among the ranks with this local index and
+    /// returns at once: it progresses on the cross-node group's own engine while this
+    /// thread runs node-local work (DASO's delayed global parameter sync).
+    pub fn start_cross<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Result<crate::collective::Pending<Vec<T>>> {
+        self.cross.iallreduce(buf, op)
+    }
+}
