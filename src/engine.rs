@@ -38,6 +38,7 @@ pub struct EngineState {
 /// Every live communicator of this process, so that one that fails can abort its siblings
 /// with the same reason: a rank that dies of an error in one group (say the cross-node
 /// one) must not look like an unexplained exit to its peers in another (the node group).
+#[derive(Clone)]
 struct Sibling {
     id: u64,
     state: Weak<Mutex<EngineState>>,
@@ -54,10 +55,9 @@ fn siblings() -> std::sync::MutexGuard<'static, Vec<Sibling>> {
 /// idle (abort frames to its tcp peers, the reason in its shared-memory page), else
 /// through its shared-memory page and abort flag (its running operation then fails).
 fn abort_siblings(except: u64, reason: &str) {
-    let others: Vec<(Weak<Mutex<EngineState>>, Option<Arc<ShmDomain>>, Arc<AtomicBool>)> =
-        siblings().iter().filter(|s| s.id != except).map(|s| (s.state.clone(), s.shm.clone(), s.abort.clone())).collect();
+    let others: Vec<Sibling> = siblings().iter().filter(|s| s.id != except).cloned().collect();
     let reason = format!("another communicator of this process failed: {reason}");
-    for (state, shm, abort) in others {
+    for Sibling { state, shm, abort, .. } in others {
         if let Some(shm) = shm {
             shm.set_aborted(&reason);
         }

@@ -351,6 +351,12 @@ def spread(res, key, size):
 # (algbw·(W−1)/W) is therefore the rate the sockets sustain here, the ceiling of any
 # ring allreduce's busbw (algbw·2(W−1)/W) over the same TCP path.
 
+# An allreduce more than 5% above the allgather "ceiling" is flagged in the Targets
+# table: there the allgather fell short of the sockets' rate (noise, or a peer that
+# keeps more in flight than gradwire's step-by-step ring), so it bounds nothing.
+ABOVE_CEILING = 1.05
+
+
 def bound_key(res, w, rate=None):
     """The bound part's key for TCP loopback (rate None) or the netns rate, or None."""
     if rate is None:
@@ -408,6 +414,8 @@ def ceiling_cell(res, parts, bkey, keys, lo, need, link=None):
         nd = need(s, pv)
         if nd is not None:
             cell += f"; target needs {pct(nd / c)}"
+        if max(gw or 0, pv or 0) > ABOVE_CEILING * c:
+            cell += " (**an allreduce is above it: no bound at this size**)"
         out.append(cell)
     return "<br>".join(out)
 
@@ -725,7 +733,8 @@ def main() -> int:
       "per size, the median busbw of gradwire's **allgather** over the same TCP path "
       "(same W, same sizes), which moves a ring allreduce's per-link traffic without "
       "reducing: the rate the sockets sustain on this machine, so no ring allreduce over "
-      "TCP (gradwire's, Open MPI's, Gloo's) should exceed it. Then gradwire's and the "
+      "TCP (gradwire's, Open MPI's, Gloo's) should exceed it; where one does by more than "
+      f"{ABOVE_CEILING - 1:.0%} the cell says so, and that size has no bound. Then gradwire's and the "
       "best peer's allreduce busbw as percentages of it and, where the target's threshold "
       "is a busbw, the percentage the target asks for (above 100%: out of reach of a ring "
       "allreduce over this transport here). Context only: the result column does not "
