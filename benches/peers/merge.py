@@ -733,9 +733,10 @@ def main() -> int:
       "per size, the median busbw of gradwire's **allgather** over the same TCP path "
       "(same W, same sizes), which moves a ring allreduce's per-link traffic without "
       "reducing: the rate the sockets sustain on this machine, so no ring allreduce over "
-      "TCP (gradwire's, Open MPI's, Gloo's) should exceed it; where one does by more than "
-      f"{ABOVE_CEILING - 1:.0%} the cell says so, and that size has no bound. Then gradwire's and the "
-      "best peer's allreduce busbw as percentages of it and, where the target's threshold "
+      "TCP (gradwire's, Open MPI's, Gloo's) should exceed it; where one does by more "
+      f"than {ABOVE_CEILING - 1:.0%} the cell says so, and that size has no bound. Then "
+      "gradwire's and the best peer's allreduce busbw as percentages of it and, where the "
+      "target's threshold "
       "is a busbw, the percentage the target asks for (above 100%: out of reach of a ring "
       "allreduce over this transport here). Context only: the result column does not "
       "depend on it.")

@@ -84,8 +84,6 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
                         for &a in &allreduce_algos {
                             plan.push((op, dt, ro, n, a));
                         }
-                    } else if op == OpKind::Allreduce {
-                        plan.push((op, dt, ro, n, None));
                     } else if op != OpKind::Barrier || (dt == DType::F32 && n == args.counts[0]) {
                         plan.push((op, dt, ro, n, None));
                     }
