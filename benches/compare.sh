@@ -5,7 +5,7 @@
 # performance targets of the issue "Make the CPU paths beat Open MPI and
 # Gloo", judged from this run's medians).
 #
-#   benches/compare.sh                  # full run: all parts, 3 repeats (~15 min on 2 cores)
+#   benches/compare.sh                  # full run: all parts, 3 repeats (~16 min on 2 cores)
 #   benches/compare.sh --quick          # smoke test: up to 16M, 1 repeat (~2 min)
 #   benches/compare.sh --parts netns    # only the network-namespace part
 #   benches/compare.sh --parts bound    # only the transport ceilings
@@ -33,7 +33,9 @@
 #            (algbw*(W-1)/W) is the rate the sockets sustain here, the ceiling
 #            for any ring allreduce over TCP (gradwire's, Gloo's, Open MPI's).
 #            merge.py shows it in its own table and, per size, beside targets
-#            3a, 3b and 4 (context only: it does not change met / not met)
+#            3a, 3b and 4 (context only: it does not change met / not met).
+#            The bench's allgather is out of place, so its time includes each
+#            rank's copy of its own S/W bytes; merge.py shows that share
 #
 # What it does (idempotent, safe to re-run):
 #   1. installs Open MPI from Debian if mpicc/mpirun are missing (apt-get);

@@ -420,17 +420,21 @@ def ceiling_cell(res, parts, bkey, keys, lo, need, link=None):
     return "<br>".join(out)
 
 
-def table_bound(res, bkey, link=None):
+def table_bound(res, bkey, link=None, copy_bw=None):
     """Per size: ceiling (allgather busbw), allreduce busbw of gradwire and the best
     peer and their fractions of the ceiling; for netns also the ceiling's fraction of
-    the link rate."""
+    the link rate.  With copy_bw (GB/s), the share of the allgather's time that its
+    out-of-place copy of the rank's own S/W bytes takes at that rate."""
     keys = allreduce_keys(bkey[2], bkey[1])
+    w = bkey[1]
     sizes = res.sizes(bkey, *keys.values())
     head = ["size", "ceiling: gradwire allgather busbw GB/s", "allgather µs",
             "gradwire allreduce busbw GB/s", "gradwire / ceiling",
             "best peer allreduce busbw GB/s", "best peer / ceiling"]
     if link:
         head.append("ceiling / link rate")
+    if copy_bw:
+        head.append("own S/W copy, share of allgather time")
     head.append("#wrong (allgather)")
     lines = ["| " + " | ".join(head) + " |",
              "|" + "|".join(["---:"] * len(head)) + "|"]
@@ -446,6 +450,9 @@ def table_bound(res, bkey, link=None):
                  pct(pv / c) if pv and c else "—"]
         if link:
             cells.append(pct(c / link) if c is not None else "—")
+        if copy_bw:
+            t = res.med(bkey, size, "time_us")
+            cells.append(pct(size / w / (copy_bw * 1e3) / t) if t else "—")
         cells.append(res.wrong_cell([bkey], size))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -729,17 +736,17 @@ def main() -> int:
       "1448/1514 = 95.6% of its rate as TCP payload in steady state (a short transfer can "
       "do slightly better while the tbf bucket's initial burst lasts).")
     w("- 4: loopback TCP (`--transport tcp`, Open MPI `btl self,tcp` on `lo`, Gloo on `lo`).")
-    w("- TCP ceiling (rows 3a, 3b, 4; from the bound part, see \"Transport ceilings\"): "
-      "per size, the median busbw of gradwire's **allgather** over the same TCP path "
-      "(same W, same sizes), which moves a ring allreduce's per-link traffic without "
-      "reducing: the rate the sockets sustain on this machine, so no ring allreduce over "
-      "TCP (gradwire's, Open MPI's, Gloo's) should exceed it; where one does by more "
-      f"than {ABOVE_CEILING - 1:.0%} the cell says so, and that size has no bound. Then "
-      "gradwire's and the best peer's allreduce busbw as percentages of it and, where the "
-      "target's threshold "
-      "is a busbw, the percentage the target asks for (above 100%: out of reach of a ring "
-      "allreduce over this transport here). Context only: the result column does not "
-      "depend on it.")
+    if "bound" in parts:
+        w("- TCP ceiling (rows 3a, 3b, 4; from the bound part, see \"Transport ceilings\"): "
+          "per size, the median busbw of gradwire's **allgather** over the same TCP path "
+          "(same W, same sizes), which moves a ring allreduce's per-link traffic without "
+          "reducing: the rate the sockets sustain on this machine, so no ring allreduce "
+          "over TCP (gradwire's, Open MPI's, Gloo's) should exceed it; where one does by "
+          f"more than {ABOVE_CEILING - 1:.0%} the cell says so, and that size has no bound. "
+          "Then gradwire's and the best peer's allreduce busbw as percentages of it and, "
+          "where the target's threshold is a busbw, the percentage the target asks for "
+          "(above 100%: out of reach of a ring allreduce over this transport here). "
+          "Context only: the result column does not depend on it.")
     w("")
 
     w("## Setup")
@@ -886,7 +893,16 @@ def main() -> int:
           "nothing: its busbw is the rate the sockets sustain on this machine, the "
           "ceiling for any ring allreduce over the same TCP path. Medians across repeats; "
           "the allreduce columns repeat the medians of the tables above. A fraction above "
-          "100% means the allgather itself fell short of the sockets' rate at that size.")
+          "100% means the allgather itself fell short of the sockets' rate at that size "
+          "(noise, a peer that keeps more in flight than gradwire's step-by-step ring, "
+          "or a small size where the allreduce is not a ring: below `GRADWIRE_SMALL_BYTES` "
+          "(64 KiB by default) gradwire's uses recursive doubling, whose busbw is no "
+          "per-link rate). The bench's allgather is "
+          "out of place: each rank first copies its own S/W bytes into the gathered "
+          "buffer, and its time includes that copy (the allreduce runs in place). "
+          + ("\"own S/W copy\" estimates that copy's share at the memcpy rate of this "
+             "run; the ceiling understates the sockets by about that much."
+             if copy_bw else ""))
         w("")
         nw = int(meta.get("netns_ranks", "4") or 4)
         blocks = [(wsz, None) for wsz in ranks] + \
@@ -900,7 +916,7 @@ def main() -> int:
                 w(f"### W = {wsz} network namespaces, links shaped to {rate_label(rate)} "
                   f"(link rate {link:g} GB/s)")
             w("")
-            lines = table_bound(res, bkey, link)
+            lines = table_bound(res, bkey, link, copy_bw)
             if len(lines) <= 2:
                 w("_No data._")
             else:
