@@ -9,6 +9,7 @@
 //! | transport | [`transport`] | point-to-point links (`shm`, `tcp`) and the framed, checked exchange on top |
 //! | engine | [`engine`] | progress thread per communicator, `Work` handles, deadlines, abort |
 //! | collectives | [`collective`], [`comm`] | the algorithms and the `Communicator` API |
+//! | GPU | `gpu` (feature `cuda`) | NCCL inside a node through cudarc (loaded at run time), GPU hierarchical allreduce |
 //! | C ABI | [`ffi`] + `ffi/gradwire.h` | the stable C interface other frameworks link |
 //! | CLI | `src/bin` | `gradwire launch`, `bench`, `info`, `check` |
 
@@ -20,6 +21,8 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod ffi;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod mem;
 pub mod transport;
 

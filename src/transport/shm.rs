@@ -220,6 +220,12 @@ impl ShmDomain {
 
     /// Why rank `r` is gone or aborted, if it is.
     pub fn peer_gone(&self, r: usize) -> Option<String> {
+        // A peer writes its reason before it exits: if it exited between our two reads, the
+        // second look at the flag still finds the reason.
+        self.aborted_reason(r).or_else(|| process_gone(self.pids[r]).map(|gone| self.aborted_reason(r).unwrap_or(gone)))
+    }
+
+    fn aborted_reason(&self, r: usize) -> Option<String> {
         let base = self.base(r);
         if atomic_u32(base, ABORT_AT).load(Ordering::Acquire) != 0 {
             let len = (atomic_u32(base, REASON_LEN_AT).load(Ordering::Relaxed) as usize).min(REASON_MAX);
@@ -227,7 +233,7 @@ impl ShmDomain {
             let bytes = unsafe { std::slice::from_raw_parts(base.add(REASON_AT), len) };
             return Some(format!("it aborted: {}", String::from_utf8_lossy(bytes)));
         }
-        process_gone(self.pids[r])
+        None
     }
 
     /// Marks this rank aborted with a reason every peer can read.

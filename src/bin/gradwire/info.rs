@@ -60,6 +60,13 @@ pub fn run(settings_only: bool) -> i32 {
     } else {
         println!("  verbs            devices {devs:?} (verbs transport not built into this version yet)");
     }
+    #[cfg(feature = "cuda")]
+    match gradwire::gpu::unavailable() {
+        None => println!("  nccl (GPU)       available: {} CUDA device(s)", cudarc_devices()),
+        Some(why) => println!("  nccl (GPU)       unavailable: {why}"),
+    }
+    #[cfg(not(feature = "cuda"))]
+    println!("  nccl (GPU)       not built (cargo feature `cuda` is off)");
     println!(
         "huge pages         total {}, free {}, size {}",
         meminfo("HugePages_Total").unwrap_or_else(|| "?".into()),
@@ -104,4 +111,9 @@ pub fn run(settings_only: bool) -> i32 {
         println!("  {:<26} {}", st.env, cur.map(|v| format!("= {v}")).unwrap_or_else(|| format!("(default {})", st.default)));
     }
     0
+}
+
+#[cfg(feature = "cuda")]
+fn cudarc_devices() -> i32 {
+    cudarc::driver::CudaContext::device_count().unwrap_or(0)
 }

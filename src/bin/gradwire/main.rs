@@ -2,6 +2,8 @@
 
 mod bench;
 mod check;
+#[cfg(feature = "cuda")]
+mod gpu_check;
 mod info;
 mod launch;
 mod verify;
@@ -58,6 +60,9 @@ enum Cmd {
         /// Stop everything after S seconds.
         #[arg(long)]
         timeout: Option<f64>,
+        /// core: pin each rank to its own CPU when ranks <= CPUs (as mpirun does); none.
+        #[arg(long, default_value = "core", value_parser = ["core", "none"])]
+        bind: String,
         /// The command and its arguments (after `--`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         cmd: Vec<String>,
@@ -130,6 +135,13 @@ enum Cmd {
         #[arg(short, long)]
         verbose: bool,
     },
+    /// NCCL on device memory against an independent reference (needs a GPU; run under
+    /// `gradwire launch`). --hierarchical adds NCCL-inside-the-node + gradwire-across.
+    #[cfg(feature = "cuda")]
+    GpuCheck {
+        #[arg(long)]
+        hierarchical: bool,
+    },
     /// What this host offers (transports, RDMA devices, huge pages, RLIMIT_MEMLOCK) and the
     /// settings gradwire will use.
     Info {
@@ -158,7 +170,9 @@ fn exit_code(what: &str, result: gradwire::Result<bool>) -> i32 {
         Ok(false) => 1,
         Err(e) => {
             let rank = std::env::var("RANK").map(|r| format!("rank {r}: ")).unwrap_or_default();
-            eprintln!("{rank}gradwire {what}: {e}");
+            // One write per line: ranks share the launcher's stderr.
+            use std::io::Write;
+            let _ = std::io::stderr().write_all(format!("{rank}gradwire {what}: {e}\n").as_bytes());
             1
         }
     }
@@ -167,10 +181,25 @@ fn exit_code(what: &str, result: gradwire::Result<bool>) -> i32 {
 fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
-        Cmd::Launch { nprocs, netns, ranks_per_node, link_gbit, timeout, cmd } => {
-            launch::run(&launch::LaunchArgs { nprocs, netns, ranks_per_node, link_gbit, timeout: timeout.map(Duration::from_secs_f64), cmd })
+        Cmd::Launch { nprocs, netns, ranks_per_node, link_gbit, timeout, bind, cmd } => launch::run(&launch::LaunchArgs {
+            nprocs,
+            netns,
+            ranks_per_node,
+            link_gbit,
+            timeout: timeout.map(Duration::from_secs_f64),
+            bind: bind == "core",
+            cmd,
+        }),
+        Cmd::Info { settings } => {
+            // `gradwire info | head` should end quietly like other Unix tools. Only here:
+            // everywhere else SIGPIPE stays ignored so that a write to a dead peer's socket
+            // is an EPIPE error naming the peer, not a silent death.
+            // SAFETY: restoring the default disposition of a signal has no preconditions.
+            unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+            info::run(settings)
         }
-        Cmd::Info { settings } => info::run(settings),
+        #[cfg(feature = "cuda")]
+        Cmd::GpuCheck { hierarchical } => exit_code("gpu-check", Communicator::init().and_then(|c| gpu_check::run(&c, hierarchical))),
         Cmd::Bench { collective, min, max, factor, iters, warmup, dtype, op, algo, transport, check, csv, json, hierarchical } => {
             set_transport(transport);
             let args = bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, algo, check, csv, json, hierarchical };

@@ -1,0 +1,58 @@
+//! The GPU path. Without a CUDA driver, NCCL or a device these tests check that gradwire
+//! says so clearly (no panic) and skip the device work with the reason; on a GPU machine
+//! they run NCCL for real: allreduce and broadcast on device memory, and a hierarchical
+//! allreduce of two processes sharing the GPU (a one-rank NCCL communicator each, joined
+//! by gradwire's tcp/shm).
+#![cfg(feature = "cuda")]
+
+mod common;
+use common::*;
+
+#[test]
+fn missing_gpu_is_explained_not_a_panic() {
+    match gradwire::gpu::unavailable() {
+        Some(why) => {
+            eprintln!("SKIP GPU device tests: {why}");
+            assert!(
+                why.contains("searched") || why.contains("no GPU") || why.contains("NCCL is at") || why.contains("cannot count"),
+                "unhelpful reason: {why}"
+            );
+            // The same reason comes back as an error, not a panic, from the NCCL entry point.
+            std::env::set_var("RANK", "0");
+            std::env::set_var("WORLD_SIZE", "1");
+            let comm = gradwire::Communicator::init().unwrap();
+            let err = gradwire::gpu::NcclGroup::new(&comm, 0).err().expect("no GPU here, so this must fail");
+            assert!(matches!(err, gradwire::Error::Unsupported(_)), "{err}");
+        }
+        None => eprintln!("GPU available: the device tests below run for real"),
+    }
+}
+
+#[test]
+fn nccl_collectives_on_device_memory() {
+    if let Some(why) = gradwire::gpu::unavailable() {
+        eprintln!("SKIP nccl_collectives_on_device_memory: {why}");
+        return;
+    }
+    let out = launch(1, &[], &["gpu-check"], &[]);
+    let t = text(&out);
+    println!("{t}");
+    assert!(out.status.success(), "{t}");
+}
+
+#[test]
+fn hierarchical_allreduce_two_processes_sharing_the_gpu() {
+    if let Some(why) = gradwire::gpu::unavailable() {
+        eprintln!("SKIP hierarchical_allreduce_two_processes_sharing_the_gpu: {why}");
+        return;
+    }
+    // Each process is its own "node" (distinct host ids), so NCCL sees one rank per
+    // communicator and the cross-node step is gradwire's.
+    let script = format!("GRADWIRE_HOST_ID=node$RANK exec {} gpu-check --hierarchical", bin());
+    let mut cmd = std::process::Command::new(bin());
+    cmd.args(["launch", "-n", "2", "--", "sh", "-c", &script]);
+    let out = run_with_limit(cmd, std::time::Duration::from_secs(300));
+    let t = text(&out);
+    println!("{t}");
+    assert!(out.status.success(), "{t}");
+}
