@@ -11,6 +11,7 @@
 use crate::comm::Communicator;
 use crate::dtype::ReduceOp;
 use crate::error::{invalid, Error, Result};
+use crate::mem::Region;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclOp};
 use std::path::PathBuf;
@@ -120,12 +121,49 @@ fn gpu_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Unsupported(format!("{what}: {e:?}"))
 }
 
+/// A host region registered (pinned) with CUDA: device copies to and from it run at full
+/// DMA speed and without an extra bounce through a driver buffer. Registered once and
+/// kept; replaced only when a larger one is needed.
+struct PinnedStaging {
+    region: Region,
+}
+
+impl PinnedStaging {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        let region = Region::anonymous(bytes)?;
+        ctx.bind_to_thread().map_err(|e| gpu_err("cuCtxSetCurrent", e))?;
+        // SAFETY: the region is a live, page-aligned mapping of `len` bytes owned by us; it
+        // is unregistered in Drop before the mapping goes away.
+        let r = unsafe { cudarc::driver::sys::cuMemHostRegister_v2(region.as_ptr() as *mut _, region.len(), cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE) };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(Error::Unsupported(format!("cuMemHostRegister of {} bytes failed: {r:?} (RLIMIT_MEMLOCK too small?)", region.len())));
+        }
+        Ok(PinnedStaging { region })
+    }
+
+    /// The first `n` elements of the region as `T`.
+    fn slice<T: DeviceRepr>(&mut self, n: usize) -> &mut [T] {
+        debug_assert!(n * std::mem::size_of::<T>() <= self.region.len());
+        // SAFETY: page-aligned, large enough (checked by the caller's sizing), and every
+        // bit pattern is a valid float; `&mut self` makes the borrow exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.region.as_ptr() as *mut T, n) }
+    }
+}
+
+impl Drop for PinnedStaging {
+    fn drop(&mut self) {
+        // SAFETY: registered in `new` and not yet unregistered.
+        unsafe { cudarc::driver::sys::cuMemHostUnregister(self.region.as_ptr() as *mut _) };
+    }
+}
+
 /// One NCCL communicator over the ranks of `group` (typically the node-local group made
 /// by `split_node_local`), each rank on its own device or all on one device with one rank.
 pub struct NcclGroup {
     comm: Comm,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
+    staging: std::sync::Mutex<Option<PinnedStaging>>,
 }
 
 impl NcclGroup {
@@ -157,7 +195,7 @@ impl NcclGroup {
             }
         }
         let comm = Comm::from_rank(stream.clone(), group.rank(), group.size(), Id::uninit(internal)).map_err(|e| gpu_err("ncclCommInitRank", e))?;
-        Ok(NcclGroup { comm, stream, ctx })
+        Ok(NcclGroup { comm, stream, ctx, staging: std::sync::Mutex::new(None) })
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -210,12 +248,12 @@ impl NcclGroup {
     }
 
     /// Hierarchical allreduce of a device buffer: NCCL reduce-scatter inside the node, the
-    /// shard through host memory to gradwire's cross-node allreduce (`cross`: the ranks of
-    /// every node with this local index), back to the device, NCCL allgather. The only
-    /// copies are device-to-host and host-to-device of the 1/G shard.
+    /// shard through pinned host memory to gradwire's cross-node allreduce (`cross`: the
+    /// ranks of every node with this local index), back to the device, NCCL allgather. The
+    /// only copies are device-to-host and host-to-device of the 1/G shard.
     pub fn hierarchical_allreduce<T>(&self, cross: &Communicator, buf: &mut CudaSlice<T>, op: ReduceOp) -> Result<()>
     where
-        T: NcclType + DeviceRepr + ValidAsZeroBits + crate::dtype::Element + Default,
+        T: NcclType + DeviceRepr + ValidAsZeroBits + crate::dtype::Element,
     {
         let g = self.size();
         if buf.len() % g != 0 {
@@ -225,15 +263,22 @@ impl NcclGroup {
         let shard_len = buf.len() / g;
         let mut shard = self.stream.alloc_zeros::<T>(shard_len).map_err(|e| gpu_err("cuMemAlloc", e))?;
         self.reduce_scatter(buf, &mut shard, inner)?;
-        let mut host = vec![T::default(); shard_len];
-        self.stream.memcpy_dtoh(&shard, &mut host).map_err(|e| gpu_err("device to host copy", e))?;
+        let bytes = shard_len * std::mem::size_of::<T>();
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if staging.as_ref().is_none_or(|s| s.region.len() < bytes) {
+            *staging = None; // unregister the smaller one first
+            *staging = Some(PinnedStaging::new(&self.ctx, bytes)?);
+        }
+        let host = staging.as_mut().map(|s| s.slice::<T>(shard_len)).ok_or_else(|| invalid("no staging region"))?;
+        self.stream.memcpy_dtoh(&shard, &mut *host).map_err(|e| gpu_err("device to host copy", e))?;
         self.sync("device to host copy")?;
-        cross.allreduce(&mut host, inner)?;
+        cross.allreduce(host, inner)?;
         if op == ReduceOp::Avg {
             let w = (g * cross.size()) as f64;
             host.iter_mut().for_each(|x| *x = T::from_f64(x.to_f64() / w));
         }
-        self.stream.memcpy_htod(&host, &mut shard).map_err(|e| gpu_err("host to device copy", e))?;
+        self.stream.memcpy_htod(&*host, &mut shard).map_err(|e| gpu_err("host to device copy", e))?;
+        drop(staging);
         self.allgather(&shard, buf)
     }
 }
