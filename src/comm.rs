@@ -104,7 +104,7 @@ impl Communicator {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let spin = if local.len() > cores { std::time::Duration::ZERO } else { cfg.spin };
         let links = Links::new(rank, links, abort.clone(), spin);
-        let state = EngineState::new(rank, size, links, shm, shm_all, spin, abort, global_ranks.clone());
+        let state = EngineState::new(rank, size, links, shm, shm_all, spin, abort, global_ranks.clone()).with_store(store.clone(), &prefix);
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
         Ok(Communicator {
             rank,

@@ -33,6 +33,9 @@ pub struct EngineState {
     global: Vec<usize>,
     /// This engine's entry in the sibling registry.
     id: u64,
+    /// The rendezvous store and this communicator's key prefix: where a failing rank leaves
+    /// its reason, so a peer that only sees a closed connection can name the root cause.
+    store: Option<(Arc<crate::bootstrap::StoreClient>, String)>,
 }
 
 /// Every live communicator of this process, so that one that fails can abort its siblings
@@ -225,7 +228,30 @@ impl EngineState {
     ) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        EngineState { rank, world, links, shm, shm_all, spin, abort, failed: None, seq: 0, global, id }
+        EngineState { rank, world, links, shm, shm_all, spin, abort, failed: None, seq: 0, global, id, store: None }
+    }
+
+    /// Lets failures be explained through the rendezvous store (see `store`).
+    pub fn with_store(mut self, store: Option<Arc<crate::bootstrap::StoreClient>>, prefix: &str) -> Self {
+        self.store = store.map(|s| (s, prefix.to_string()));
+        self
+    }
+
+    fn reason_key(&self, prefix: &str, local: usize) -> String {
+        format!("{prefix}/failed/{}", self.global.get(local).copied().unwrap_or(local))
+    }
+
+    /// For a lost peer, the reason it left in the store when it failed first, if any.
+    fn reason_of(&self, e: Error) -> Error {
+        let Error::PeerLost { rank, peer, op, cause } = e else { return e };
+        let Some((store, prefix)) = &self.store else { return Error::PeerLost { rank, peer, op, cause } };
+        let local = self.global.iter().position(|&g| g == peer).unwrap_or(peer);
+        let found = store.get(&self.reason_key(prefix, local), Instant::now() + Duration::from_millis(300)).ok().flatten();
+        let cause = match found {
+            Some(why) => format!("{cause}; it had failed first: {}", String::from_utf8_lossy(&why)),
+            None => cause,
+        };
+        Error::PeerLost { rank, peer, op, cause }
     }
 
     /// The next collective's sequence number.
@@ -242,7 +268,7 @@ impl EngineState {
             self.fail("aborted by the application".into());
             return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted by the application".into() });
         }
-        let r = job(self, Instant::now() + timeout).map_err(|e| e.with_global_ranks(&self.global));
+        let r = job(self, Instant::now() + timeout).map_err(|e| self.reason_of(e.with_global_ranks(&self.global)));
         if let Err(e) = &r {
             self.fail(e.to_string());
         }
@@ -258,6 +284,9 @@ impl EngineState {
     }
 
     fn fail_here(&mut self, reason: String) {
+        if let Some((store, prefix)) = &self.store {
+            let _ = store.set_within(&self.reason_key(prefix, self.rank), reason.as_bytes(), Duration::from_secs(1));
+        }
         log::debug!("rank {}: aborting communicator: {reason}", self.rank);
         self.links.abort_all(&reason);
         if let Some(shm) = &self.shm {

@@ -117,12 +117,18 @@ impl StoreClient {
 
     fn call(&self, req: &[u8], timeout: Duration) -> Result<Vec<u8>> {
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        c.set_read_timeout(Some(timeout + Duration::from_secs(5))).ok();
+        c.set_read_timeout(Some(timeout + Duration::from_secs(1))).ok();
         write_frame(&mut *c, req).and_then(|_| read_frame(&mut *c)).map_err(|e| Error::io(format!("rendezvous store at {} (did rank 0 exit?)", self.addr), e))
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        let r = self.call(&request(SET, key, value), Duration::from_secs(10))?;
+        self.set_within(key, value, Duration::from_secs(10))
+    }
+
+    /// `set` that gives up after about `timeout` (plus the socket's grace) when the store
+    /// does not answer.
+    pub fn set_within(&self, key: &str, value: &[u8], timeout: Duration) -> Result<()> {
+        let r = self.call(&request(SET, key, value), timeout)?;
         if r != b"K" {
             return Err(Error::Protocol("store: unexpected reply to set".into()));
         }
