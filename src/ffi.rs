@@ -112,6 +112,22 @@ fn out<T>(p: *mut T, what: &str, name: &str) -> Result<()> {
     }
 }
 
+/// Registers a communicator and returns its handle.
+fn register(c: Communicator) -> *mut gradwire_comm_t {
+    let mut reg = registry();
+    let id = reg.id();
+    reg.comms.insert(id, Arc::new(c));
+    to_handle(id)
+}
+
+/// Writes `value` through an out-parameter after checking it is not NULL.
+fn put<T>(p: *mut T, value: T, what: &str, name: &str) -> Result<()> {
+    out(p, what, name)?;
+    // SAFETY: checked non-null; the C contract makes it valid for one write of T.
+    unsafe { p.write(value) };
+    Ok(())
+}
+
 fn dtype(v: gradwire_dtype_t, what: &str) -> Result<DType> {
     u8::try_from(v)
         .ok()
@@ -157,12 +173,7 @@ pub unsafe extern "C" fn gradwire_init(comm_out: *mut *mut gradwire_comm_t) -> c
     guard(|| {
         out(comm_out, "gradwire_init", "comm")?;
         let c = Communicator::init()?;
-        let mut reg = registry();
-        let id = reg.id();
-        reg.comms.insert(id, Arc::new(c));
-        // SAFETY: checked non-null; the caller passes a pointer to a handle variable.
-        unsafe { *comm_out = to_handle(id) };
-        Ok(())
+        put(comm_out, register(c), "gradwire_init", "comm")
     })
 }
 
@@ -173,10 +184,7 @@ pub unsafe extern "C" fn gradwire_init(comm_out: *mut *mut gradwire_comm_t) -> c
 pub unsafe extern "C" fn gradwire_comm_rank(comm_p: *const gradwire_comm_t, rank: *mut c_int) -> c_int {
     guard(|| {
         let (_, c) = comm(comm_p, "gradwire_comm_rank")?;
-        out(rank, "gradwire_comm_rank", "rank")?;
-        // SAFETY: checked non-null.
-        unsafe { *rank = c.rank() as c_int };
-        Ok(())
+        put(rank, c.rank() as c_int, "gradwire_comm_rank", "rank")
     })
 }
 
@@ -187,10 +195,7 @@ pub unsafe extern "C" fn gradwire_comm_rank(comm_p: *const gradwire_comm_t, rank
 pub unsafe extern "C" fn gradwire_comm_size(comm_p: *const gradwire_comm_t, size: *mut c_int) -> c_int {
     guard(|| {
         let (_, c) = comm(comm_p, "gradwire_comm_size")?;
-        out(size, "gradwire_comm_size", "size")?;
-        // SAFETY: checked non-null.
-        unsafe { *size = c.size() as c_int };
-        Ok(())
+        put(size, c.size() as c_int, "gradwire_comm_size", "size")
     })
 }
 
@@ -202,19 +207,8 @@ pub unsafe extern "C" fn gradwire_comm_split(comm_p: *mut gradwire_comm_t, color
     guard(|| {
         let (_, c) = comm(comm_p, "gradwire_comm_split")?;
         out(newcomm, "gradwire_comm_split", "newcomm")?;
-        let sub = c.split(color, key)?;
-        let handle = match sub {
-            None => std::ptr::null_mut(),
-            Some(s) => {
-                let mut reg = registry();
-                let id = reg.id();
-                reg.comms.insert(id, Arc::new(s));
-                to_handle(id)
-            }
-        };
-        // SAFETY: checked non-null.
-        unsafe { *newcomm = handle };
-        Ok(())
+        let handle = c.split(color, key)?.map(register).unwrap_or(std::ptr::null_mut());
+        put(newcomm, handle, "gradwire_comm_split", "newcomm")
     })
 }
 
@@ -258,12 +252,13 @@ pub unsafe extern "C" fn gradwire_iallreduce(
         check_buffers(&c, &req, sendbuf, recvbuf, w)?;
         // SAFETY: checked buffers; the caller keeps them valid until the work completes.
         let handle = unsafe { c.start(req, sendbuf as *const u8, recvbuf as *mut u8)? };
-        let mut reg = registry();
-        let id = reg.id();
-        reg.works.insert(id, handle);
-        // SAFETY: checked non-null.
-        unsafe { *work = to_handle(id) };
-        Ok(())
+        let id = {
+            let mut reg = registry();
+            let id = reg.id();
+            reg.works.insert(id, handle);
+            id
+        };
+        put(work, to_handle(id), w, "work")
     })
 }
 
@@ -362,9 +357,7 @@ pub unsafe extern "C" fn gradwire_alloc(comm_p: *mut gradwire_comm_t, bytes: usi
         let region = Region::shared("gradwire-alloc", bytes)?;
         let addr = region.as_ptr();
         registry().allocs.insert(addr as usize, (id, region));
-        // SAFETY: checked non-null.
-        unsafe { *ptr = addr as *mut c_void };
-        Ok(())
+        put(ptr, addr as *mut c_void, w, "ptr")
     })
 }
 
