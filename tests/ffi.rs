@@ -8,13 +8,9 @@ use std::ffi::{c_void, CStr};
 use std::process::Command;
 use std::time::Duration;
 
-fn lib_dir() -> std::path::PathBuf {
-    std::path::Path::new(bin()).parent().expect("target dir").to_path_buf()
-}
-
 #[test]
 fn c_example_with_four_ranks() {
-    let dir = lib_dir();
+    let dir = cdylib_dir();
     let root = env!("CARGO_MANIFEST_DIR");
     let exe = dir.join("collectives-c-example");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());

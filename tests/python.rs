@@ -13,7 +13,7 @@ fn python_has(module: &str) -> bool {
 
 fn run_py(n: usize, script: &str, env: &[(&str, &str)]) -> String {
     let root = env!("CARGO_MANIFEST_DIR");
-    let lib = std::path::Path::new(bin()).parent().unwrap().join("libgradwire.so");
+    let lib = cdylib_dir().join("libgradwire.so");
     let mut cmd = Command::new(bin());
     cmd.args(["launch", "-n", &n.to_string(), "--", "python3", &format!("{root}/python/tests/{script}")])
         .env("PYTHONPATH", format!("{root}/python"))
