@@ -10,6 +10,7 @@
 //! | engine | [`engine`] | progress thread per communicator, `Work` handles, deadlines, abort |
 //! | collectives | [`collective`], [`comm`] | the algorithms and the `Communicator` API |
 //! | GPU | `gpu` (feature `cuda`) | NCCL inside a node through cudarc (loaded at run time), GPU hierarchical allreduce |
+//! | remote memory | [`rma`] | parameter-server shards and the token ring on one-sided operations |
 //! | C ABI | [`ffi`] + `ffi/gradwire.h` | the stable C interface other frameworks link |
 //! | CLI | `src/bin` | `gradwire launch`, `bench`, `info`, `check` |
 
@@ -24,6 +25,7 @@ pub mod ffi;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod mem;
+pub mod rma;
 pub mod transport;
 
 pub use collective::hierarchical::{HierarchicalAlgo, Hierarchy};

@@ -102,6 +102,9 @@ pub struct Window {
     own: Arc<Region>,
     targets: Vec<Target>,
     lens: Vec<usize>,
+    /// Process ids of the peers mapped through shared memory (their liveness is not
+    /// visible through a connection).
+    pids: Vec<Option<u32>>,
     timeout: Duration,
 }
 
@@ -134,6 +137,7 @@ impl Window {
         let svc_addr = w.service.map(|s| s.addr.clone()).unwrap_or_default();
         let mut targets = Vec::with_capacity(w.world);
         let mut lens = vec![0; w.world];
+        let mut pids = vec![None; w.world];
         if let Some(store) = w.store {
             store.set(&key(w.rank), format!("{} {fd} {} {svc_addr}", std::process::id(), region.len()).as_bytes())?;
         }
@@ -162,6 +166,7 @@ impl Window {
             };
             *peer_len = len;
             targets.push(if w.shm_peer[p] {
+                pids[p] = Some(pid);
                 Target::Mapped(Region::open_shared(pid, pfd, len)?)
             } else {
                 let s = auth::dial(addr, w.secret, format!("rma:{}", w.prefix).as_bytes(), deadline, &format!("rank {p}'s one-sided service"))?;
@@ -170,7 +175,22 @@ impl Window {
                 Target::Remote(Mutex::new(s))
             });
         }
-        Ok(Window { id: w.id, rank: w.rank, own: region, targets, lens, timeout: w.timeout })
+        Ok(Window { id: w.id, rank: w.rank, own: region, targets, lens, pids, timeout: w.timeout })
+    }
+
+    /// Why `peer` is gone, for peers whose death no connection reports (shared memory).
+    pub fn peer_gone(&self, peer: usize) -> Option<String> {
+        self.pids.get(peer).copied().flatten().and_then(super::shm::process_gone)
+    }
+
+    /// This rank's number in the window's communicator.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the window.
+    pub fn size(&self) -> usize {
+        self.targets.len()
     }
 
     /// Bytes rank `peer` exposed.

@@ -132,6 +132,16 @@ enum Cmd {
         /// node-local allreduce, both checked.
         #[arg(long)]
         overlap: Option<usize>,
+        /// Instead: the token ring and parameter-server shards, N steps per rank
+        /// (conservation, token uniqueness, no torn pulls).
+        #[arg(long)]
+        token_ring: Option<usize>,
+        /// With --token-ring: the fixed cyclic policy instead of the dynamic delay.
+        #[arg(long)]
+        cyclic: bool,
+        /// With --token-ring: RANK:STEP — that rank SIGKILLs itself holding the token.
+        #[arg(long)]
+        kill: Option<String>,
         #[arg(short, long)]
         verbose: bool,
     },
@@ -206,12 +216,14 @@ fn main() {
             let all_right = Communicator::init().and_then(|c| bench::run(&c, &args)).map(|rows| rows.iter().all(|r| r.wrong.unwrap_or(0) == 0));
             exit_code("bench", all_right)
         }
-        Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, hierarchical, overlap, verbose } => {
+        Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, hierarchical, overlap, token_ring, cyclic, kill, verbose } => {
+            let kill = kill.and_then(|k| k.split_once(':').and_then(|(r, s)| Some((r.parse().ok()?, s.parse().ok()?))));
             set_transport(transport);
             let args = check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose, hierarchical };
             exit_code(
                 "check",
                 Communicator::init().and_then(|c| match (overlap, split) {
+                    _ if token_ring.is_some() => check::token_ring(&c, token_ring.unwrap_or(0), cyclic, kill),
                     (Some(iters), _) => check::overlap(&c, iters),
                     (None, true) => check::run_split(&c, &args),
                     (None, false) => check::run(&c, &args),
