@@ -232,28 +232,29 @@ impl RemoteMemory {
         let start = Instant::now();
         while !self.has_token() {
             if start.elapsed() > self.timeout {
-                let mut counts = Vec::with_capacity(self.world);
-                for r in 0..self.world {
-                    // A rank we cannot even read is the answer.
-                    match self.read_word(r, TOKEN_AT) {
-                        Ok(c) => counts.push(c),
-                        Err(e) => {
-                            return Err(Error::PeerLost {
-                                rank: self.rank,
-                                peer: r,
-                                op: "token ring: waiting for the token".into(),
-                                cause: format!("unreachable: {e}"),
-                            })
-                        }
-                    }
-                }
-                let max = counts.iter().copied().max().unwrap_or(0);
-                let holder = (0..self.world).rev().find(|&r| counts[r] == max).unwrap_or(0);
-                return Err(self.gone(holder, &format!("token ring: waiting for the token, last received by rank {holder}"), start.elapsed()));
+                return Err(self.diagnose_token(start.elapsed()));
             }
             std::thread::yield_now();
         }
         Ok(())
+    }
+
+    /// Who holds the token that never came. Token counts rise along the ring, so the holder
+    /// follows the highest-numbered rank with the largest count; ranks that cannot be read
+    /// any more (dead, or exited after failing themselves) are skipped, so that a late
+    /// survivor still names the rank that died holding the token, not one that exited
+    /// because of it.
+    fn diagnose_token(&self, waited: Duration) -> Error {
+        let counts: Vec<Option<u64>> = (0..self.world).map(|r| self.read_word(r, TOKEN_AT).ok()).collect();
+        let max = counts.iter().flatten().copied().max().unwrap_or(0);
+        let last_max = (0..self.world).rev().find(|&r| counts[r] == Some(max)).unwrap_or(0);
+        let next = (last_max + 1) % self.world;
+        let what = "token ring: waiting for the token";
+        if counts[next].is_none() {
+            Error::PeerLost { rank: self.rank, peer: next, op: what.into(), cause: "it received the token last and cannot be reached".into() }
+        } else {
+            self.gone(last_max, &format!("{what}, last received by rank {last_max}"), waited)
+        }
     }
 
     /// Rank 0's count of current token holders (0 or 1 when all is well).

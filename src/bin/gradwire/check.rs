@@ -460,9 +460,12 @@ pub fn token_ring(comm: &Communicator, steps: usize, cyclic: bool, kill: Option<
     comm.allreduce(&mut totals, ReduceOp::Sum)?;
     let applied: Vec<f64> = params.iter().map(|p| -*p as f64).collect();
     let lost = totals.iter().zip(&applied).filter(|(t, a)| t != a).count();
+    // Every remote read happens before the last collectives: after them a server rank may
+    // already be gone.
+    let applied_pushes: u64 = (0..servers.len()).map(|i| rm.applied(i)).sum::<Result<u64>>()?;
     let mut stats = [pushes as f64, torn as f64, lost as f64];
     comm.allreduce(&mut stats, ReduceOp::Sum)?;
-    let applied_pushes: u64 = (0..servers.len()).map(|i| rm.applied(i)).sum::<Result<u64>>()?;
+    comm.barrier()?;
     let ok = stats[1] == 0.0 && stats[2] == 0.0 && applied_pushes == stats[0] as u64 * servers.len() as u64;
     if me == 0 {
         println!(
