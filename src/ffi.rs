@@ -156,6 +156,24 @@ fn check_buffers(c: &Communicator, req: &Request, send: *const c_void, recv: *mu
     Ok(())
 }
 
+/// A blocking reducing collective after decoding its C dtype and op.
+#[allow(clippy::too_many_arguments)]
+fn reducing(
+    comm_p: *mut gradwire_comm_t,
+    kind: OpKind,
+    count: usize,
+    dt: gradwire_dtype_t,
+    op: gradwire_op_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    w: &str,
+) -> c_int {
+    match (dtype(dt, w), redop(op, w)) {
+        (Ok(d), Ok(o)) => blocking(comm_p, Request::new(kind, d, o, count), send, recv, w),
+        (Err(e), _) | (_, Err(e)) => guard(|| Err(e)),
+    }
+}
+
 fn blocking(p: *mut gradwire_comm_t, req: Request, send: *const c_void, recv: *mut c_void, what: &str) -> c_int {
     guard(|| {
         let (_, c) = comm(p, what)?;
@@ -224,11 +242,7 @@ pub unsafe extern "C" fn gradwire_allreduce(
     dt: gradwire_dtype_t,
     op: gradwire_op_t,
 ) -> c_int {
-    let w = "gradwire_allreduce";
-    match (dtype(dt, w), redop(op, w)) {
-        (Ok(d), Ok(o)) => blocking(comm_p, Request::new(OpKind::Allreduce, d, o, count), sendbuf, recvbuf, w),
-        (Err(e), _) | (_, Err(e)) => guard(|| Err(e)),
-    }
+    reducing(comm_p, OpKind::Allreduce, count, dt, op, sendbuf, recvbuf, "gradwire_allreduce")
 }
 
 /// # Safety
@@ -327,11 +341,7 @@ pub unsafe extern "C" fn gradwire_reduce_scatter(
     dt: gradwire_dtype_t,
     op: gradwire_op_t,
 ) -> c_int {
-    let w = "gradwire_reduce_scatter";
-    match (dtype(dt, w), redop(op, w)) {
-        (Ok(d), Ok(o)) => blocking(comm_p, Request::new(OpKind::ReduceScatter, d, o, recvcount), sendbuf, recvbuf, w),
-        (Err(e), _) | (_, Err(e)) => guard(|| Err(e)),
-    }
+    reducing(comm_p, OpKind::ReduceScatter, recvcount, dt, op, sendbuf, recvbuf, "gradwire_reduce_scatter")
 }
 
 #[no_mangle]
