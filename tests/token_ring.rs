@@ -79,3 +79,15 @@ fn killed_server_shard_is_named_by_every_worker() {
     killed("shm", 3, false);
     killed("tcp", 3, false);
 }
+
+#[test]
+fn benches_run_and_check() {
+    for t in ["shm", "tcp"] {
+        let out = launch(2, &[], &["bench", "ps", "-b", "4K", "-e", "64K", "-f", "4", "-n", "5", "--transport", t], &[]);
+        let txt = text(&out);
+        assert!(out.status.success() && txt.contains("push GB/s") && txt.lines().filter(|l| l.trim_start().starts_with("65536")).count() == 1, "{txt}");
+        let out = launch(3, &[], &["bench", "token-ring", "-n", "2", "--check", "--transport", t], &[]);
+        let txt = text(&out);
+        assert!(out.status.success() && txt.contains("token round time") && txt.contains("conservation exact"), "{txt}");
+    }
+}

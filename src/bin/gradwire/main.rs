@@ -1,6 +1,7 @@
 //! The `gradwire` command: launch, bench, check, info.
 
 mod bench;
+mod bench_rma;
 mod check;
 #[cfg(feature = "cuda")]
 mod gpu_check;
@@ -26,6 +27,22 @@ struct Cli {
 
 fn size_arg(s: &str) -> Result<usize, String> {
     parse_size(s).map(|v| v as usize)
+}
+
+/// What `gradwire bench` measures: a collective, or the remote-memory layer.
+#[derive(Clone, Copy)]
+enum BenchTarget {
+    Collective(OpKind),
+    Ps,
+    TokenRing,
+}
+
+fn bench_arg(s: &str) -> Result<BenchTarget, String> {
+    match s {
+        "ps" => Ok(BenchTarget::Ps),
+        "token-ring" | "token_ring" => Ok(BenchTarget::TokenRing),
+        other => collective_arg(other).map(BenchTarget::Collective),
+    }
 }
 
 fn collective_arg(s: &str) -> Result<OpKind, String> {
@@ -69,9 +86,11 @@ enum Cmd {
     },
     /// nccl-tests style benchmark of one collective (run under `gradwire launch`).
     Bench {
-        /// allreduce, reduce_scatter, allgather, broadcast, reduce, barrier.
-        #[arg(value_parser = collective_arg)]
-        collective: OpKind,
+        /// allreduce, reduce_scatter, allgather, broadcast, reduce, barrier; or ps
+        /// (parameter-server push/pull against raw one-sided bandwidth) or token-ring
+        /// (round time; with --check also pushes under the dynamic delay, conservation checked).
+        #[arg(value_parser = bench_arg)]
+        collective: BenchTarget,
         #[arg(short = 'b', long = "minbytes", default_value = "4K", value_parser = size_arg)]
         min: usize,
         #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = size_arg)]
@@ -210,7 +229,41 @@ fn main() {
         }
         #[cfg(feature = "cuda")]
         Cmd::GpuCheck { hierarchical } => exit_code("gpu-check", Communicator::init().and_then(|c| gpu_check::run(&c, hierarchical))),
-        Cmd::Bench { collective, min, max, factor, iters, warmup, dtype, op, algo, transport, check, csv, json, hierarchical } => {
+        Cmd::Bench { collective: BenchTarget::Ps, min, max, factor, iters, transport, .. } => {
+            set_transport(transport);
+            let sizes: Vec<usize> = std::iter::successors(Some(min.max(4)), |s| Some(s * factor.max(2))).take_while(|s| *s <= max).collect();
+            exit_code("bench ps", Communicator::init().and_then(|c| bench_rma::ps(&c, &sizes, iters)).map(|_| true))
+        }
+        Cmd::Bench { collective: BenchTarget::TokenRing, iters, transport, check, .. } => {
+            set_transport(transport);
+            exit_code(
+                "bench token-ring",
+                Communicator::init().and_then(|c| {
+                    bench_rma::token_ring(&c, iters.max(1) * 50)?;
+                    if check {
+                        check::token_ring(&c, 300, false, None)
+                    } else {
+                        Ok(true)
+                    }
+                }),
+            )
+        }
+        Cmd::Bench {
+            collective: BenchTarget::Collective(collective),
+            min,
+            max,
+            factor,
+            iters,
+            warmup,
+            dtype,
+            op,
+            algo,
+            transport,
+            check,
+            csv,
+            json,
+            hierarchical,
+        } => {
             set_transport(transport);
             let args = bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, algo, check, csv, json, hierarchical };
             let all_right = Communicator::init().and_then(|c| bench::run(&c, &args)).map(|rows| rows.iter().all(|r| r.wrong.unwrap_or(0) == 0));

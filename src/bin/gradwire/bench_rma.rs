@@ -1,0 +1,87 @@
+//! `gradwire bench ps` and `gradwire bench token-ring` (run under `gradwire launch`).
+
+use gradwire::rma::{ApplyRule, RemoteMemory};
+use gradwire::{Communicator, ReduceOp, Region, Result};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Push/pull bandwidth of rank 1 (a worker) against the shard on rank 0, beside the raw
+/// one-sided write/read bandwidth of the same transport and sizes. A push includes the
+/// wait for the shard to apply the previous one.
+pub fn ps(comm: &Communicator, sizes: &[usize], iters: usize) -> Result<()> {
+    if comm.size() < 2 {
+        return Err(gradwire::Error::InvalidArgument("bench ps needs at least 2 ranks".into()));
+    }
+    let me = comm.rank();
+    if me == 0 {
+        println!("# gradwire bench ps: shard on rank 0, rank 1 pushes and pulls; links {:?}", comm.link_kinds()[1]);
+        println!("{:>12} {:>12} {:>12} {:>8} {:>12} {:>12} {:>8}", "size(B)", "write GB/s", "push GB/s", "push %", "read GB/s", "pull GB/s", "pull %");
+    }
+    let max = sizes.iter().copied().max().unwrap_or(0);
+    let win = comm.expose(Arc::new(Region::shared("bench-ps-raw", max.max(8))?))?;
+    for &size in sizes {
+        let n = size / 4;
+        let rm = RemoteMemory::new(comm, &[0], &vec![0f32; n], ApplyRule::Sum, 1.0)?;
+        let mut row = [0f64; 4];
+        if me == 1 {
+            let data = vec![1u8; size];
+            let mut back = vec![0u8; size];
+            let grads = vec![1f32; n];
+            let mut params = vec![0f32; n];
+            let rate = |t: Instant| (size * iters) as f64 / t.elapsed().as_secs_f64() / 1e9;
+            let t = Instant::now();
+            for _ in 0..iters {
+                win.write(0, 0, &data)?;
+            }
+            row[0] = rate(t);
+            let t = Instant::now();
+            for _ in 0..iters {
+                rm.push(&grads, 1)?;
+            }
+            rm.flush()?;
+            row[1] = rate(t);
+            let t = Instant::now();
+            for _ in 0..iters {
+                win.read(0, 0, &mut back)?;
+            }
+            row[2] = rate(t);
+            let t = Instant::now();
+            for _ in 0..iters {
+                rm.pull(&mut params)?;
+            }
+            row[3] = rate(t);
+        }
+        comm.allreduce(&mut row, ReduceOp::Sum)?;
+        if me == 0 {
+            println!(
+                "{size:>12} {:>12.3} {:>12.3} {:>7.0}% {:>12.3} {:>12.3} {:>7.0}%",
+                row[0],
+                row[1],
+                100.0 * row[1] / row[0],
+                row[2],
+                row[3],
+                100.0 * row[3] / row[2]
+            );
+        }
+        comm.barrier()?;
+    }
+    Ok(())
+}
+
+/// Mean time for the token to go once around all ranks, over `rounds` rounds.
+pub fn token_ring(comm: &Communicator, rounds: usize) -> Result<()> {
+    let mut rm = RemoteMemory::new(comm, &[0], &[0f32; 1], ApplyRule::Sum, 1.0)?;
+    let t = Instant::now();
+    for _ in 0..rounds {
+        rm.wait_token()?;
+        rm.take_token()?;
+        rm.pass_token()?;
+    }
+    let per_round = t.elapsed().as_secs_f64() / rounds.max(1) as f64;
+    comm.barrier()?;
+    if comm.rank() == 0 {
+        println!("# gradwire bench token-ring: {} ranks, links {:?}", comm.size(), comm.link_kinds().iter().filter(|k| **k != "self").collect::<Vec<_>>());
+        println!("token round time: {:.1} us per round ({:.2} us per hand-off), {rounds} rounds", per_round * 1e6, per_round * 1e6 / comm.size() as f64);
+    }
+    Ok(())
+}
