@@ -228,6 +228,22 @@ def local_key(tool, w, transport):
     return (tool, w, "tcp" if tool == "gloo" else transport)
 
 
+def busbw_cells(res, keys, absent, size, ratios):
+    """The cells every per-size row starts with: size, each tool's busbw, and gradwire's
+    ratio to the best peer (also appended to `ratios`). Returns (cells, gradwire busbw)."""
+    cells = [human(size)]
+    for t, _ in TOOLS:
+        cells.append(absent[t] or fmt_bw([r["busbw"] for r in res.rows(keys[t], size)]))
+    gw = res.med(keys["gradwire"], size)
+    pv, pt = best_peer(res, keys, size)
+    if gw is not None and pv:
+        ratios.append((size, gw / pv))
+        cells.append(f"{gw / pv:.2f}× (vs {NAMES[pt]})")
+    else:
+        cells.append("n/a")
+    return cells, gw
+
+
 def best_peer(res, keys_by_tool, size):
     """-> (value, tool) of the peer with the highest median busbw, or (None, None)."""
     best = (None, None)
@@ -255,16 +271,7 @@ def table_local(res, w, transport, copy_bw):
              "|" + "|".join(["---:"] * len(head)) + "|"]
     ratios = []
     for size in sizes:
-        cells = [human(size)]
-        for t, _ in TOOLS:
-            cells.append(absent[t] or fmt_bw([r["busbw"] for r in res.rows(keys[t], size)]))
-        gw = res.med(keys["gradwire"], size)
-        pv, pt = best_peer(res, keys, size)
-        if gw is not None and pv:
-            ratios.append((size, gw / pv))
-            cells.append(f"{gw / pv:.2f}× (vs {NAMES[pt]})")
-        else:
-            cells.append("n/a")
+        cells, gw = busbw_cells(res, keys, absent, size, ratios)
         if bound is not None:
             cells.append(num(bound))
             cells.append(f"{gw / bound * 100:.0f}%" if gw is not None else "n/a")
@@ -289,16 +296,7 @@ def table_netns(res, w, kind):
              "|" + "|".join(["---:"] * len(head)) + "|"]
     ratios = []
     for size in sizes:
-        cells = [human(size)]
-        for t, _ in TOOLS:
-            cells.append(absent[t] or fmt_bw([r["busbw"] for r in res.rows(keys[t], size)]))
-        gw = res.med(keys["gradwire"], size)
-        pv, pt = best_peer(res, keys, size)
-        if gw is not None and pv:
-            ratios.append((size, gw / pv))
-            cells.append(f"{gw / pv:.2f}× (vs {NAMES[pt]})")
-        else:
-            cells.append("n/a")
+        cells, gw = busbw_cells(res, keys, absent, size, ratios)
         cells.append(f"{gw / link * 100:.0f}%" if gw is not None else "n/a")
         for t, _ in TOOLS:
             cells.append("n/a" if absent[t] else
