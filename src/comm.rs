@@ -25,12 +25,15 @@ pub struct Communicator {
     store: Option<Arc<StoreClient>>,
     secret: String,
     prefix: String,
-    /// Transport used to reach each peer ("self", "shm", "tcp").
+    /// Transport used to reach each peer ("self", "shm", "tcp", "verbs").
     link_kinds: Vec<&'static str>,
     /// Global rank of each rank of this communicator.
     global_ranks: Vec<usize>,
     /// Serves one-sided operations from tcp peers; started by the first `expose`.
     rma: std::sync::OnceLock<RmaService>,
+    /// The RDMA device this communicator's verbs links (and windows) use.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+    verbs: VerbsDomain,
     windows: AtomicU64,
     /// Per-peer message counters of point-to-point send/recv (their header sequence).
     pub(crate) p2p_sent: Vec<AtomicU64>,
@@ -82,15 +85,24 @@ impl Communicator {
             let other = (0..size).find(|&r| !topology.same_host(rank, r)).unwrap_or(0);
             return Err(config(format!("GRADWIRE_TRANSPORT=shm, but rank {rank} and rank {other} are on different hosts (use auto or tcp)")));
         }
-        let use_shm = cfg.transport != TransportChoice::Tcp;
+        let use_shm = !matches!(cfg.transport, TransportChoice::Tcp | TransportChoice::Verbs);
         let shm_peers: Vec<usize> = if use_shm { local.iter().copied().filter(|&p| p != rank).collect() } else { vec![] };
-        let tcp_peers: Vec<usize> = (0..size).filter(|&p| p != rank && !shm_peers.contains(&p)).collect();
+        let remote: Vec<usize> = (0..size).filter(|&p| p != rank && !shm_peers.contains(&p)).collect();
+        let (verbs, verbs_peers) = verbs_peers(&prefix, rank, &cfg, &remote, store.as_deref(), deadline)?;
+        let tcp_peers: Vec<usize> = remote.iter().copied().filter(|p| !verbs_peers.contains(p)).collect();
         let abort = Arc::new(AtomicBool::new(false));
         let (mut links, shm): (LinkTable, Option<Arc<ShmDomain>>) = match &store {
             None => ((0..size).map(|_| None).collect(), None),
             Some(store) => {
                 let shm = if shm_peers.is_empty() { None } else { Some(ShmDomain::create(&prefix, rank, size, &local, &cfg, store, deadline)?) };
-                (tcp::connect_all(&prefix, rank, size, &tcp_peers, store, &secret, deadline)?, shm)
+                let mut links = tcp::connect_all(&prefix, rank, size, &tcp_peers, store, &secret, deadline)?;
+                #[cfg(feature = "verbs")]
+                if let Some(dom) = &verbs {
+                    for (p, l) in crate::transport::verbs::link::connect_all(&prefix, rank, &verbs_peers, store, dom, cfg.ib_ring_bytes, deadline)? {
+                        links[p] = Some(l);
+                    }
+                }
+                (links, shm)
             }
         };
         if let Some(dom) = &shm {
@@ -118,6 +130,7 @@ impl Communicator {
             prefix,
             link_kinds,
             rma: std::sync::OnceLock::new(),
+            verbs,
             global_ranks,
             windows: AtomicU64::new(0),
             p2p_sent: (0..size).map(|_| AtomicU64::new(0)).collect(),
@@ -144,7 +157,7 @@ impl Communicator {
         &self.global_ranks
     }
 
-    /// The transport used to reach each rank ("self", "shm" or "tcp").
+    /// The transport used to reach each rank ("self", "shm", "tcp" or "verbs").
     pub fn link_kinds(&self) -> &[&'static str] {
         &self.link_kinds
     }
@@ -207,7 +220,11 @@ impl Communicator {
         } else {
             None
         };
+        #[cfg(feature = "verbs")]
+        let verbs_peer: Vec<bool> = self.link_kinds.iter().map(|k| *k == "verbs").collect();
         let w = WindowSetup {
+            #[cfg(feature = "verbs")]
+            verbs: self.verbs.as_ref().map(|d| (d, verbs_peer.as_slice())),
             prefix: &self.prefix,
             id,
             rank: self.rank,
@@ -233,3 +250,48 @@ impl Communicator {
         self.split(local_index, self.rank as i32)?.ok_or_else(|| config("cross-node split produced no group"))
     }
 }
+
+/// The verbs domain (when used) and the peers reached over verbs: with `verbs` all remote
+/// peers; with `auto` the peers where both ends have a usable RDMA port (each rank
+/// publishes whether it has one, so both ends of a pair agree).
+#[cfg(feature = "verbs")]
+fn verbs_peers(prefix: &str, rank: usize, cfg: &Config, remote: &[usize], store: Option<&StoreClient>, deadline: Instant) -> Result<(VerbsDomain, Vec<usize>)> {
+    use crate::transport::verbs::Domain;
+    let Some(store) = store.filter(|_| !remote.is_empty()) else { return Ok((None, vec![])) };
+    let ip = store.local_ip().ok();
+    match cfg.transport {
+        TransportChoice::Verbs => Ok((Some(Domain::get(ip)?), remote.to_vec())),
+        TransportChoice::Auto => {
+            let dom = match Domain::get(ip) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    log::info!("rank {rank}: no verbs between hosts ({e}); using tcp");
+                    None
+                }
+            };
+            store.set(&format!("{prefix}/ib-up/{rank}"), if dom.is_some() { b"1" } else { b"0" })?;
+            let mut peers = Vec::new();
+            for &p in remote {
+                let theirs = store.get(&format!("{prefix}/ib-up/{p}"), deadline)?;
+                if dom.is_some() && theirs.as_deref() == Some(b"1") {
+                    peers.push(p);
+                }
+            }
+            Ok((dom.filter(|_| !peers.is_empty()), peers))
+        }
+        _ => Ok((None, vec![])),
+    }
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_peers(_: &str, _: usize, cfg: &Config, _: &[usize], _: Option<&StoreClient>, _: Instant) -> Result<(VerbsDomain, Vec<usize>)> {
+    if cfg.transport == TransportChoice::Verbs {
+        return Err(crate::error::Error::Unsupported("GRADWIRE_TRANSPORT=verbs, but this build has no verbs transport (cargo feature `verbs`)".into()));
+    }
+    Ok((None, vec![]))
+}
+
+#[cfg(feature = "verbs")]
+type VerbsDomain = Option<Arc<crate::transport::verbs::Domain>>;
+#[cfg(not(feature = "verbs"))]
+type VerbsDomain = Option<()>;

@@ -14,7 +14,7 @@ pub struct Setting {
 /// All `GRADWIRE_*` settings (rank discovery variables are in `bootstrap`).
 pub const SETTINGS: &[Setting] = &[
     Setting { env: "GRADWIRE_TIMEOUT_MS", default: "60000", help: "Deadline of every wait (collective, connect, store lookup), in ms." },
-    Setting { env: "GRADWIRE_TRANSPORT", default: "auto", help: "auto (shm inside a host, tcp between hosts), shm (error if ranks span hosts) or tcp." },
+    Setting { env: "GRADWIRE_TRANSPORT", default: "auto", help: "auto (shm inside a host; between hosts verbs when an RDMA port is up, else tcp), shm (error if ranks span hosts), tcp, or verbs (every peer, also inside a host)." },
     Setting {
         env: "GRADWIRE_ALGO",
         default: "auto",
@@ -32,6 +32,14 @@ pub const SETTINGS: &[Setting] = &[
         default: "50",
         help: "How long a waiting rank spins before it yields and then sleeps (keep small when ranks outnumber cores).",
     },
+    Setting { env: "GRADWIRE_IB_DEV", default: "(automatic)", help: "RDMA device to use (see `gradwire info` for the list and the automatic choice)." },
+    Setting { env: "GRADWIRE_IB_PORT", default: "(first ACTIVE port)", help: "RDMA port number on that device." },
+    Setting {
+        env: "GRADWIRE_GID_INDEX",
+        default: "(automatic)",
+        help: "GID table index; automatic: the RoCE v2 IPv4-mapped GID on the bootstrap address's subnet.",
+    },
+    Setting { env: "GRADWIRE_IB_RING_BYTES", default: "4194304", help: "Per-peer, per-direction receive ring of the verbs transport (registered memory)." },
     Setting { env: "GRADWIRE_HUGEPAGES", default: "0", help: "1: back regions with huge pages when the host has them (falls back with a logged reason)." },
     Setting { env: "GRADWIRE_HOST_ID", default: "hostname + network namespace", help: "Override of the host identity that decides which ranks share memory." },
     Setting {
@@ -88,6 +96,7 @@ pub enum TransportChoice {
     Auto,
     Shm,
     Tcp,
+    Verbs,
 }
 
 impl std::str::FromStr for TransportChoice {
@@ -97,7 +106,8 @@ impl std::str::FromStr for TransportChoice {
             "auto" => Ok(Self::Auto),
             "shm" => Ok(Self::Shm),
             "tcp" => Ok(Self::Tcp),
-            other => Err(format!("unknown transport {other:?} (expected auto, shm or tcp)")),
+            "verbs" => Ok(Self::Verbs),
+            other => Err(format!("unknown transport {other:?} (expected auto, shm, tcp or verbs)")),
         }
     }
 }
@@ -142,6 +152,7 @@ pub struct Config {
     pub shm_stage_bytes: usize,
     pub spin: Duration,
     pub hugepages: bool,
+    pub ib_ring_bytes: usize,
 }
 
 impl Config {
@@ -159,7 +170,12 @@ impl Config {
         if !(4096..=(1 << 32)).contains(&stage) {
             return Err(config(format!("GRADWIRE_SHM_STAGE_BYTES={stage}: must be between 4K and 4G")));
         }
+        let ib_ring = env_u64("GRADWIRE_IB_RING_BYTES", 4 << 20)? as usize;
+        if !(64 << 10..=1 << 30).contains(&ib_ring) || !ib_ring.is_power_of_two() {
+            return Err(config(format!("GRADWIRE_IB_RING_BYTES={ib_ring}: must be a power of two between 64K and 1G")));
+        }
         Ok(Config {
+            ib_ring_bytes: ib_ring,
             timeout: Duration::from_millis(timeout_ms),
             transport: env_parse("GRADWIRE_TRANSPORT", TransportChoice::Auto)?,
             algo: env_parse("GRADWIRE_ALGO", Algo::Auto)?,

@@ -1,6 +1,6 @@
 //! Transport layer: point-to-point links between two ranks.
 //!
-//! Each transport (`shm`, `tcp`; `verbs` later) implements one small interface, [`Link`]:
+//! Each transport (`shm`, `tcp`, `verbs`) implements one small interface, [`Link`]:
 //! a non-blocking, ordered byte stream to one peer plus liveness. On top of it,
 //! [`Links::exchange`] runs a set of tagged two-sided sends and receives concurrently, with
 //! one deadline, reducing received data as it arrives when asked to, and checking every
@@ -10,6 +10,8 @@ pub mod frame;
 pub mod onesided;
 pub mod shm;
 pub mod tcp;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 use crate::error::{Error, Result};
 use frame::{CallHeader, FrameHeader, FrameKind, HEADER_LEN};
@@ -21,7 +23,7 @@ use std::time::{Duration, Instant};
 
 /// A non-blocking ordered byte stream to one peer.
 pub trait Link: Send {
-    /// Transport name for messages ("shm", "tcp").
+    /// Transport name for messages ("shm", "tcp", "verbs").
     fn kind(&self) -> &'static str;
     /// Writes as much of `bufs` as fits now; `Ok(0)` means "try later".
     fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize>;
@@ -32,7 +34,7 @@ pub trait Link: Send {
     fn poll_fd(&self) -> Option<RawFd>;
     /// Liveness check for transports without a connection to notice the peer dying.
     /// Returns a description of why the peer is gone.
-    fn peer_gone(&self) -> Option<String> {
+    fn peer_gone(&mut self) -> Option<String> {
         None
     }
     /// Best-effort: tell the peer why we abort (out of band where possible).

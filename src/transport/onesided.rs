@@ -1,7 +1,8 @@
 //! One-sided operations — write, read, fetch-add into a peer's registered region — on
 //! every transport. On shm the peer's memfd region is mapped and accessed directly (atomics
-//! for fetch-add); on tcp a service thread on the target applies requests, so the target's
-//! application never takes part, as with RDMA. The remote-memory layer (token ring,
+//! for fetch-add); on verbs they are RDMA WRITE, READ and atomic fetch-and-add on a queue
+//! pair of the window's own; on tcp a service thread on the target applies requests, so the
+//! target's application never takes part, as with RDMA. The remote-memory layer (token ring,
 //! parameter-server shards) is built on this.
 
 use crate::bootstrap::{auth, StoreClient};
@@ -93,6 +94,8 @@ enum Target {
     Own,
     Mapped(Region),
     Remote(Mutex<TcpStream>),
+    #[cfg(feature = "verbs")]
+    Verbs(Mutex<super::verbs::RmaPeer>),
 }
 
 /// A window: every rank's exposed region, reachable by one-sided operations.
@@ -116,6 +119,9 @@ pub struct WindowSetup<'a> {
     pub world: usize,
     /// Per peer: reach it through shared memory (same host) or tcp.
     pub shm_peer: &'a [bool],
+    /// Per peer: reach it through RDMA on this domain (takes precedence over tcp).
+    #[cfg(feature = "verbs")]
+    pub verbs: Option<(&'a std::sync::Arc<super::verbs::Domain>, &'a [bool])>,
     pub store: Option<&'a StoreClient>,
     pub service: Option<&'a RmaService>,
     pub secret: &'a str,
@@ -141,7 +147,15 @@ impl Window {
         if let Some(store) = w.store {
             store.set(&key(w.rank), format!("{} {fd} {} {svc_addr}", std::process::id(), region.len()).as_bytes())?;
         }
+        #[cfg(feature = "verbs")]
+        let mut verbs = verbs_setup(&w, &region, deadline)?;
         for (p, peer_len) in lens.iter_mut().enumerate() {
+            #[cfg(feature = "verbs")]
+            if let Some(peer) = verbs[p].take() {
+                *peer_len = peer.remote_len();
+                targets.push(Target::Verbs(Mutex::new(peer)));
+                continue;
+            }
             if p == w.rank {
                 targets.push(Target::Own);
                 *peer_len = region.len();
@@ -217,11 +231,15 @@ impl Window {
         match &self.targets[peer] {
             Target::Own => Some(self.own.as_ptr()),
             Target::Mapped(r) => Some(r.as_ptr()),
-            Target::Remote(_) => None,
+            _ => None,
         }
     }
 
     fn remote(&self, peer: usize, req: &[u8], payload: &[u8], reply: &mut [u8], what: &str) -> Result<()> {
+        #[cfg(feature = "verbs")]
+        if let Target::Verbs(rma) = &self.targets[peer] {
+            return self.verbs_op(peer, rma, req, payload, reply, what);
+        }
         let Target::Remote(conn) = &self.targets[peer] else {
             return Err(invalid("not a remote peer"));
         };
@@ -299,4 +317,60 @@ impl Window {
             }
         }
     }
+}
+
+#[cfg(feature = "verbs")]
+impl Window {
+    /// Runs a request encoded as for the tcp service over RDMA instead.
+    fn verbs_op(&self, peer: usize, rma: &Mutex<super::verbs::RmaPeer>, req: &[u8], payload: &[u8], reply: &mut [u8], what: &str) -> Result<()> {
+        let rma = rma.lock().unwrap_or_else(|p| p.into_inner());
+        let u = |i: usize| u64::from_le_bytes(req[i..i + 8].try_into().unwrap_or_default());
+        let (off, arg) = (u(9) as usize, u(17));
+        let deadline = Instant::now() + self.timeout;
+        let r = match req[0] {
+            OP_WRITE => rma.write(off, payload, deadline),
+            OP_READ => rma.read(off, reply, deadline),
+            _ => rma.fetch_add(off, arg, deadline).map(|old| reply.copy_from_slice(&old.to_le_bytes())),
+        };
+        r.map_err(|e| Error::PeerLost { rank: self.rank, peer, op: what.into(), cause: e.to_string() })
+    }
+}
+
+/// Queue pairs to every verbs peer of a window, connected through the store.
+#[cfg(feature = "verbs")]
+fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> Result<Vec<Option<super::verbs::RmaPeer>>> {
+    use super::verbs::{Endpoint, RmaPeer};
+    let mut out: Vec<Option<RmaPeer>> = (0..w.world).map(|_| None).collect();
+    let Some((dom, verbs_peer)) = w.verbs else { return Ok(out) };
+    let peers: Vec<usize> = (0..w.world).filter(|&p| verbs_peer.get(p).copied().unwrap_or(false)).collect();
+    if peers.is_empty() {
+        return Ok(out);
+    }
+    let store = w.store.ok_or_else(|| invalid("no rendezvous store"))?;
+    let mr = dom.register(region)?;
+    let key = |a: usize, b: usize| format!("{}/win{}/ib/{a}>{b}", w.prefix, w.id);
+    let mut made = Vec::new();
+    for &p in &peers {
+        let (qp, cq) = RmaPeer::create(dom)?;
+        let psn = rand::random::<u32>() & 0xFF_FFFF;
+        store.set(&key(w.rank, p), qp.endpoint(psn, Some(&mr)).encode().as_bytes())?;
+        made.push((p, qp, cq, psn));
+    }
+    for (p, qp, cq, psn) in made {
+        let v = store.get(&key(p, w.rank), deadline)?.ok_or_else(|| Error::Timeout {
+            rank: w.rank,
+            peer: p,
+            op: format!("window {} setup (peer never published its queue pair)", w.id),
+            waited_ms: w.timeout.as_millis() as u64,
+        })?;
+        let remote = Endpoint::decode(&String::from_utf8_lossy(&v)).map_err(|e| Error::Protocol(format!("rank {p}: {e}")))?;
+        out[p] = Some(RmaPeer::connect(dom, qp, cq, psn, remote).map_err(|e| Error::PeerLost { rank: w.rank, peer: p, op: "one-sided window setup".into(), cause: e.to_string() })?);
+    }
+    // A peer's first request must not reach a queue pair that is not connected yet.
+    let ready = |r: usize| format!("{}/win{}/ib/ready/{r}", w.prefix, w.id);
+    store.set(&ready(w.rank), b"1")?;
+    for &p in &peers {
+        store.get(&ready(p), deadline)?.ok_or_else(|| Error::Timeout { rank: w.rank, peer: p, op: format!("window {} setup", w.id), waited_ms: w.timeout.as_millis() as u64 })?;
+    }
+    Ok(out)
 }

@@ -343,7 +343,7 @@ impl Link for ShmLink {
         None
     }
 
-    fn peer_gone(&self) -> Option<String> {
+    fn peer_gone(&mut self) -> Option<String> {
         self.domain.peer_gone(self.peer)
     }
 

@@ -28,6 +28,16 @@ fn memlock() -> String {
     format!("soft {}, hard {}{note}", fmt(r.rlim_cur), fmt(r.rlim_max))
 }
 
+/// The local address that reaches the rendezvous host (what a rank's GID choice keys on).
+#[cfg(feature = "verbs")]
+fn bootstrap_ip() -> Option<std::net::IpAddr> {
+    let host = ["GRADWIRE_MASTER_ADDR", "MASTER_ADDR"].iter().find_map(|k| std::env::var(k).ok())?;
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    s.connect((host.as_str(), 9)).ok()?;
+    s.local_addr().ok().map(|a| a.ip())
+}
+
+#[cfg(not(feature = "verbs"))]
 fn rdma_devices() -> Vec<String> {
     let Ok(dir) = std::fs::read_dir("/sys/class/infiniband") else { return vec![] };
     dir.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect()
@@ -54,12 +64,13 @@ pub fn run(settings_only: bool) -> i32 {
     println!("transports");
     println!("  shm              {}", if shm_ok { "available (memfd shared through /proc/<pid>/fd)" } else { "UNAVAILABLE: memfd_create failed" });
     println!("  tcp              available");
-    let devs = rdma_devices();
-    if devs.is_empty() {
-        println!("  verbs            no RDMA device (/sys/class/infiniband is empty or missing; a kernel without RDMA, or no rxe link: `rdma link add rxe0 type rxe netdev eth0`)");
-    } else {
-        println!("  verbs            devices {devs:?} (verbs transport not built into this version yet)");
+    #[cfg(feature = "verbs")]
+    match gradwire::transport::verbs::overrides() {
+        Ok(o) => print!("{}", gradwire::transport::verbs::device::explain(bootstrap_ip(), &o)),
+        Err(e) => println!("  verbs            INVALID override: {e}"),
     }
+    #[cfg(not(feature = "verbs"))]
+    println!("  verbs            not built (cargo feature `verbs` is off); kernel devices: {:?}", rdma_devices());
     #[cfg(feature = "cuda")]
     match gradwire::gpu::unavailable() {
         None => println!("  nccl (GPU)       available: {} CUDA device(s)", cudarc_devices()),
@@ -82,9 +93,10 @@ pub fn run(settings_only: bool) -> i32 {
                 "  transport        {:?}: {}",
                 c.transport,
                 match c.transport {
-                    gradwire::TransportChoice::Auto => "shm between ranks of one host, tcp between hosts",
+                    gradwire::TransportChoice::Auto => "shm between ranks of one host; between hosts verbs when an RDMA port is up, else tcp",
                     gradwire::TransportChoice::Shm => "shm only (all ranks must share a host)",
                     gradwire::TransportChoice::Tcp => "tcp everywhere (even inside a host)",
+                    gradwire::TransportChoice::Verbs => "verbs everywhere (even inside a host)",
                 }
             );
             println!(
@@ -96,6 +108,7 @@ pub fn run(settings_only: bool) -> i32 {
                     a => format!("forced to {a:?}"),
                 }
             );
+            println!("  verbs ring       {} B per peer and direction (registered)", c.ib_ring_bytes);
             println!("  shm ring         {} B per peer, staging {} B per rank", c.shm_ring_bytes, c.shm_stage_bytes);
             println!("  waiting          spin {} us, then yield, then sleep", c.spin.as_micros());
             println!("  huge pages       {}", if c.hugepages { "requested (falls back to normal pages with a logged reason)" } else { "off" });

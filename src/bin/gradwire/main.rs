@@ -186,6 +186,7 @@ fn set_transport(t: Option<TransportChoice>) {
             TransportChoice::Auto => "auto",
             TransportChoice::Shm => "shm",
             TransportChoice::Tcp => "tcp",
+            TransportChoice::Verbs => "verbs",
         };
         std::env::set_var("GRADWIRE_TRANSPORT", v);
     }

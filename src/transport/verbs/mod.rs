@@ -1,0 +1,664 @@
+//! RDMA verbs transport (InfiniBand, RoCE, soft-RoCE `rxe`).
+//!
+//! Device discovery uses the `ibverbs` crate; everything past it uses `ibverbs-sys`
+//! directly, because the safe layer stops short of what a collective library needs: it
+//! fixes port 1, registers only memory it allocates itself, posts only SEND/RECV, and ties
+//! every object's lifetime to a borrowed `Context` (which cannot live in a long-lived
+//! communicator). The small RAII types here keep the same ownership with `Arc`s instead.
+//!
+//! - [`device`]: device, port and GID choice, explained.
+//! - [`link`]: the two-sided byte stream ([`crate::transport::Link`]) on RDMA WRITE WITH
+//!   IMMEDIATE into a slotted ring at the peer, with credits returned by the receiver.
+//! - One-sided write/read/fetch-add of windows: [`RmaPeer`].
+
+pub mod device;
+pub mod link;
+
+pub(crate) use ibverbs_sys as sys;
+
+use crate::error::{Error, Result};
+use crate::mem::Region;
+use std::ffi::CStr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+use sys::ibv_access_flags as Access;
+
+/// An open device context (closed on drop).
+pub struct Context {
+    raw: *mut sys::ibv_context,
+    pub name: String,
+}
+
+// SAFETY: libibverbs contexts are thread-safe (verbs calls lock internally).
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Opens the device called `name`.
+    pub fn open(name: &str) -> Result<Context> {
+        let mut n = 0i32;
+        // SAFETY: out-parameter for the count; the list is freed below.
+        let list = unsafe { sys::ibv_get_device_list(&mut n) };
+        if list.is_null() {
+            return Err(Error::io("ibv_get_device_list", std::io::Error::last_os_error()));
+        }
+        let mut raw = std::ptr::null_mut();
+        for i in 0..n.max(0) as usize {
+            // SAFETY: i < n entries of the list.
+            let dev = unsafe { *list.add(i) };
+            // SAFETY: a listed device has a static name.
+            let dn = unsafe { CStr::from_ptr(sys::ibv_get_device_name(dev)) };
+            if dn.to_bytes() == name.as_bytes() {
+                // SAFETY: dev is a listed device; the context outlives the list.
+                raw = unsafe { sys::ibv_open_device(dev) };
+                break;
+            }
+        }
+        // SAFETY: list from ibv_get_device_list.
+        unsafe { sys::ibv_free_device_list(list) };
+        if raw.is_null() {
+            return Err(Error::Unsupported(format!("cannot open RDMA device {name}: {}", std::io::Error::last_os_error())));
+        }
+        Ok(Context { raw, name: name.to_string() })
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: opened by us; every child object holds an Arc to the Domain that owns us.
+        unsafe { sys::ibv_close_device(self.raw) };
+    }
+}
+
+/// One process's use of one device port: context, protection domain and the cache of
+/// registered regions. Shared by every link and window of every communicator.
+pub struct Domain {
+    pub choice: device::Choice,
+    pd: *mut sys::ibv_pd,
+    ctx: Context,
+    /// Regions registered for zero-copy, kept alive by the cache (so a cached key never
+    /// outlives its memory). Re-registered only when a region at the same address grows.
+    regs: Mutex<Vec<(Arc<Region>, Arc<Mr>)>>,
+}
+
+// SAFETY: the protection domain is used only through thread-safe verbs calls.
+unsafe impl Send for Domain {}
+unsafe impl Sync for Domain {}
+
+impl Drop for Domain {
+    fn drop(&mut self) {
+        self.regs.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        // SAFETY: every QP/CQ/MR holds an Arc<Domain>, so none is left.
+        unsafe { sys::ibv_dealloc_pd(self.pd) };
+    }
+}
+
+/// The overrides from the environment.
+pub fn overrides() -> Result<device::Overrides> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+    let num = |k: &str| -> Result<Option<u64>> {
+        var(k).map(|v| v.trim().parse::<u64>().map_err(|_| Error::Config(format!("{k}={v:?}: not a number")))).transpose()
+    };
+    let port = num("GRADWIRE_IB_PORT")?;
+    if port.is_some_and(|p| p == 0 || p > 255) {
+        return Err(Error::Config(format!("GRADWIRE_IB_PORT={}: ports are numbered from 1", port.unwrap_or(0))));
+    }
+    let gid = num("GRADWIRE_GID_INDEX")?;
+    if gid.is_some_and(|g| g > u32::MAX as u64) {
+        return Err(Error::Config("GRADWIRE_GID_INDEX: too large".into()));
+    }
+    Ok(device::Overrides { dev: var("GRADWIRE_IB_DEV"), port: port.map(|p| p as u8), gid_index: gid.map(|g| g as u32) })
+}
+
+static DOMAIN: OnceLock<Mutex<Option<Arc<Domain>>>> = OnceLock::new();
+
+impl Domain {
+    /// The process's domain for the device chosen from `local_ip` and the overrides
+    /// (opened once, then shared).
+    pub fn get(local_ip: Option<std::net::IpAddr>) -> Result<Arc<Domain>> {
+        let cell = DOMAIN.get_or_init(|| Mutex::new(None));
+        let mut slot = cell.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = slot.as_ref() {
+            return Ok(d.clone());
+        }
+        let choice = device::choose(&device::scan()?, local_ip, &overrides()?)?;
+        log::info!("verbs: {}", choice.reason);
+        let ctx = Context::open(&choice.dev)?;
+        // SAFETY: open context.
+        let pd = unsafe { sys::ibv_alloc_pd(ctx.raw) };
+        if pd.is_null() {
+            return Err(Error::io(format!("ibv_alloc_pd({})", ctx.name), std::io::Error::last_os_error()));
+        }
+        let d = Arc::new(Domain { choice, pd, ctx, regs: Mutex::new(Vec::new()) });
+        *slot = Some(d.clone());
+        Ok(d)
+    }
+
+    /// Registers `len` bytes at `addr` for local use and remote write/read/atomics.
+    ///
+    /// # Safety
+    /// The memory must stay mapped while the returned registration lives.
+    pub unsafe fn register_raw(self: &Arc<Self>, addr: *mut u8, len: usize) -> Result<Mr> {
+        let access = Access::IBV_ACCESS_LOCAL_WRITE | Access::IBV_ACCESS_REMOTE_WRITE | Access::IBV_ACCESS_REMOTE_READ | Access::IBV_ACCESS_REMOTE_ATOMIC;
+        // SAFETY: caller keeps the memory mapped; pd is ours.
+        let mr = unsafe { sys::ibv_reg_mr(self.pd, addr as *mut _, len.max(1), access.0 as i32) };
+        if mr.is_null() {
+            return Err(register_error(len, std::io::Error::last_os_error()));
+        }
+        Ok(Mr { raw: mr, addr: addr as u64, len, _dom: self.clone() })
+    }
+
+    /// A registration of `region`, from the cache when it is already registered.
+    pub fn register(self: &Arc<Self>, region: &Arc<Region>) -> Result<Arc<Mr>> {
+        let mut regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
+        let addr = region.as_ptr() as u64;
+        if let Some((_, mr)) = regs.iter().find(|(r, mr)| Arc::ptr_eq(r, region) && mr.len >= region.len()) {
+            return Ok(mr.clone());
+        }
+        regs.retain(|(r, mr)| !(Arc::ptr_eq(r, region) || mr.addr == addr));
+        // SAFETY: the cache holds the Arc<Region>, so the memory outlives the registration.
+        let mr = Arc::new(unsafe { self.register_raw(region.as_ptr(), region.len())? });
+        regs.push((region.clone(), mr.clone()));
+        Ok(mr)
+    }
+
+    /// The cached registration covering `[addr, addr+len)`, if any (zero-copy sends).
+    pub fn lookup(&self, addr: *const u8, len: usize) -> Option<Arc<Mr>> {
+        let a = addr as u64;
+        let regs = self.regs.lock().unwrap_or_else(|p| p.into_inner());
+        regs.iter().find(|(_, mr)| a >= mr.addr && a + len as u64 <= mr.addr + mr.len as u64).map(|(_, mr)| mr.clone())
+    }
+
+    /// A completion queue with room for `entries` completions.
+    pub fn create_cq(self: &Arc<Self>, entries: usize) -> Result<Arc<Cq>> {
+        // SAFETY: open context; no channel, no vector.
+        let cq = unsafe { sys::ibv_create_cq(self.ctx.raw, entries as i32, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+        if cq.is_null() {
+            return Err(Error::io(format!("ibv_create_cq({entries})"), std::io::Error::last_os_error()));
+        }
+        Ok(Arc::new(Cq { raw: cq, _dom: self.clone() }))
+    }
+
+    /// A reliable-connected queue pair on `cq`, in RESET state until [`Qp::connect`].
+    pub fn create_qp(self: &Arc<Self>, cq: &Arc<Cq>, max_send: u32, max_recv: u32) -> Result<Qp> {
+        let mut tries = [64u32, 0].into_iter();
+        loop {
+            let inline = tries.next().unwrap_or(0);
+            let mut attr = sys::ibv_qp_init_attr {
+                qp_context: std::ptr::null_mut(),
+                send_cq: cq.raw,
+                recv_cq: cq.raw,
+                srq: std::ptr::null_mut(),
+                cap: sys::ibv_qp_cap { max_send_wr: max_send, max_recv_wr: max_recv, max_send_sge: 1, max_recv_sge: 1, max_inline_data: inline },
+                qp_type: sys::ibv_qp_type::IBV_QPT_RC,
+                sq_sig_all: 0,
+            };
+            // SAFETY: pd and cq are live; attr is a valid in/out parameter.
+            let qp = unsafe { sys::ibv_create_qp(self.pd, &mut attr) };
+            if !qp.is_null() {
+                return Ok(Qp { raw: qp, max_inline: attr.cap.max_inline_data as usize, dom: self.clone(), _cq: cq.clone() });
+            }
+            if inline == 0 {
+                return Err(Error::io(format!("ibv_create_qp on {}", self.ctx.name), std::io::Error::last_os_error()));
+            }
+        }
+    }
+}
+
+fn memlock_text() -> String {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: valid out-parameter.
+    unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) };
+    let f = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { "unlimited".to_string() } else { format!("{} KiB", v / 1024) };
+    format!("RLIMIT_MEMLOCK is soft {} / hard {}", f(r.rlim_cur), f(r.rlim_max))
+}
+
+fn register_error(len: usize, e: std::io::Error) -> Error {
+    let hint = match e.raw_os_error() {
+        Some(libc::ENOMEM) | Some(libc::EPERM) | Some(libc::EAGAIN) => format!(
+            ": pinning {len} bytes needs locked memory and {}; raise it with `ulimit -l unlimited` (shell), LimitMEMLOCK=infinity \
+             (systemd), `--ulimit memlock=-1` (docker) or memlock in /etc/security/limits.conf",
+            memlock_text()
+        ),
+        _ => String::new(),
+    };
+    Error::Unsupported(format!("ibv_reg_mr of {len} bytes failed: {e}{hint}"))
+}
+
+/// A completion queue.
+pub struct Cq {
+    raw: *mut sys::ibv_cq,
+    _dom: Arc<Domain>,
+}
+
+// SAFETY: polled by one thread at a time (each owner keeps its CQ to itself).
+unsafe impl Send for Cq {}
+unsafe impl Sync for Cq {}
+
+impl Cq {
+    /// Takes up to `out.len()` completions; never blocks.
+    pub fn poll<'a>(&self, out: &'a mut [sys::ibv_wc]) -> std::io::Result<&'a [sys::ibv_wc]> {
+        // SAFETY: the CQ is live; poll_cq is the provider's entry point (ibv_poll_cq is an
+        // inline function in verbs.h, so bindgen has no symbol for it).
+        let n = unsafe {
+            let ctx = (*self.raw).context;
+            let f = (*ctx).ops.poll_cq.ok_or_else(|| std::io::Error::other("provider has no poll_cq"))?;
+            f(self.raw, out.len() as i32, out.as_mut_ptr())
+        };
+        if n < 0 {
+            return Err(std::io::Error::other("ibv_poll_cq failed"));
+        }
+        Ok(&out[..n as usize])
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        // SAFETY: every QP on this CQ holds an Arc to it and is gone.
+        unsafe { sys::ibv_destroy_cq(self.raw) };
+    }
+}
+
+/// A registered memory region.
+pub struct Mr {
+    raw: *mut sys::ibv_mr,
+    pub addr: u64,
+    pub len: usize,
+    _dom: Arc<Domain>,
+}
+
+// SAFETY: keys are plain numbers; deregistration happens once, on drop.
+unsafe impl Send for Mr {}
+unsafe impl Sync for Mr {}
+
+impl Mr {
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: live registration.
+        unsafe { (*self.raw).lkey }
+    }
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: live registration.
+        unsafe { (*self.raw).rkey }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: registered by us.
+        unsafe { sys::ibv_dereg_mr(self.raw) };
+    }
+}
+
+/// What a peer needs to connect a queue pair to ours and to write into our memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub qpn: u32,
+    pub psn: u32,
+    pub lid: u16,
+    pub gid: [u8; 16],
+    /// Address and key of the memory the peer may access (ring or window).
+    pub addr: u64,
+    pub rkey: u32,
+    pub len: u64,
+}
+
+impl Endpoint {
+    pub fn encode(&self) -> String {
+        let gid: String = self.gid.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{} {} {} {gid} {} {} {}", self.qpn, self.psn, self.lid, self.addr, self.rkey, self.len)
+    }
+
+    pub fn decode(s: &str) -> std::result::Result<Endpoint, String> {
+        let f: Vec<&str> = s.split(' ').collect();
+        if f.len() != 7 || f[3].len() != 32 {
+            return Err(format!("malformed verbs endpoint {s:?}"));
+        }
+        let n = |i: usize| f[i].parse::<u64>().map_err(|_| format!("malformed verbs endpoint field {:?}", f[i]));
+        let mut gid = [0u8; 16];
+        for (i, g) in gid.iter_mut().enumerate() {
+            *g = u8::from_str_radix(&f[3][2 * i..2 * i + 2], 16).map_err(|_| format!("malformed GID in {s:?}"))?;
+        }
+        let (qpn, psn, lid) = (n(0)?, n(1)?, n(2)?);
+        if qpn >= 1 << 24 || psn >= 1 << 24 || lid > u16::MAX as u64 {
+            return Err(format!("verbs endpoint out of range: {s:?}"));
+        }
+        Ok(Endpoint { qpn: qpn as u32, psn: psn as u32, lid: lid as u16, gid, addr: n(4)?, rkey: n(5)? as u32, len: n(6)? })
+    }
+}
+
+/// ACK timeout exponent: 4.096 µs · 2^16 ≈ 270 ms per try, 7 tries: a dead or unreachable
+/// peer fails a pending work request in about 2 s, well inside the default deadline.
+const ACK_TIMEOUT: u8 = 16;
+const RETRY_COUNT: u8 = 7;
+
+/// A reliable-connected queue pair.
+pub struct Qp {
+    raw: *mut sys::ibv_qp,
+    pub max_inline: usize,
+    dom: Arc<Domain>,
+    _cq: Arc<Cq>,
+}
+
+// SAFETY: posting is thread-safe in libibverbs; each owner posts from one thread.
+unsafe impl Send for Qp {}
+unsafe impl Sync for Qp {}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        // SAFETY: created by us.
+        unsafe { sys::ibv_destroy_qp(self.raw) };
+    }
+}
+
+/// A work request to post.
+pub enum Wr<'a> {
+    /// RDMA WRITE WITH IMMEDIATE (or plain WRITE when `imm` is `None`) of `local` to
+    /// `remote_addr`.
+    Write { local: Option<(&'a [u8], u32)>, remote_addr: u64, rkey: u32, imm: Option<u32> },
+    /// SEND WITH IMMEDIATE of no data (credits and control words).
+    SendImm(u32),
+    /// RDMA READ of `len` bytes at `remote_addr` into `local` (lkey).
+    Read { local: (*mut u8, usize, u32), remote_addr: u64, rkey: u32 },
+    /// Atomic fetch-and-add of `add` at `remote_addr`; the old value lands at `local`.
+    FetchAdd { local: (*mut u8, u32), remote_addr: u64, rkey: u32, add: u64 },
+}
+
+impl Qp {
+    pub fn qpn(&self) -> u32 {
+        // SAFETY: live QP.
+        unsafe { (*self.raw).qp_num }
+    }
+
+    /// This side's endpoint for memory `mr` (or none).
+    pub fn endpoint(&self, psn: u32, mr: Option<&Mr>) -> Endpoint {
+        let c = &self.dom.choice;
+        Endpoint { qpn: self.qpn(), psn, lid: c.lid, gid: c.gid.raw, addr: mr.map_or(0, |m| m.addr), rkey: mr.map_or(0, |m| m.rkey()), len: mr.map_or(0, |m| m.len as u64) }
+    }
+
+    fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: sys::ibv_qp_attr_mask, what: &str) -> Result<()> {
+        // SAFETY: live QP; attr valid for the call.
+        let rc = unsafe { sys::ibv_modify_qp(self.raw, attr, mask.0 as i32) };
+        if rc != 0 {
+            let c = &self.dom.choice;
+            return Err(Error::io(
+                format!("ibv_modify_qp to {what} on {} port {} (GID {} {})", c.dev, c.port, c.gid.index, c.gid),
+                std::io::Error::from_raw_os_error(rc),
+            ));
+        }
+        Ok(())
+    }
+
+    /// RESET → INIT → RTR → RTS towards `remote`.
+    pub fn connect(&self, local_psn: u32, remote: &Endpoint) -> Result<()> {
+        use sys::ibv_qp_attr_mask as M;
+        let c = &self.dom.choice;
+        let access = Access::IBV_ACCESS_LOCAL_WRITE | Access::IBV_ACCESS_REMOTE_WRITE | Access::IBV_ACCESS_REMOTE_READ | Access::IBV_ACCESS_REMOTE_ATOMIC;
+        let mut a = sys::ibv_qp_attr { qp_state: sys::ibv_qp_state::IBV_QPS_INIT, pkey_index: 0, port_num: c.port, qp_access_flags: access.0, ..Default::default() };
+        self.modify(&mut a, M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS, "INIT")?;
+        let mtu = match c.mtu {
+            4096.. => sys::IBV_MTU_4096,
+            2048.. => sys::IBV_MTU_2048,
+            1024.. => sys::IBV_MTU_1024,
+            512.. => sys::IBV_MTU_512,
+            _ => sys::IBV_MTU_256,
+        };
+        let mut a = sys::ibv_qp_attr {
+            qp_state: sys::ibv_qp_state::IBV_QPS_RTR,
+            path_mtu: mtu,
+            dest_qp_num: remote.qpn,
+            rq_psn: remote.psn,
+            max_dest_rd_atomic: 16,
+            min_rnr_timer: 12,
+            ..Default::default()
+        };
+        a.ah_attr.dlid = remote.lid;
+        a.ah_attr.port_num = c.port;
+        if c.ethernet || remote.gid != [0; 16] {
+            a.ah_attr.is_global = 1;
+            a.ah_attr.grh.dgid.raw = remote.gid;
+            a.ah_attr.grh.hop_limit = 64;
+            a.ah_attr.grh.sgid_index = c.gid.index as u8;
+        }
+        self.modify(
+            &mut a,
+            M::IBV_QP_STATE | M::IBV_QP_AV | M::IBV_QP_PATH_MTU | M::IBV_QP_DEST_QPN | M::IBV_QP_RQ_PSN | M::IBV_QP_MAX_DEST_RD_ATOMIC | M::IBV_QP_MIN_RNR_TIMER,
+            "RTR",
+        )?;
+        let mut a = sys::ibv_qp_attr {
+            qp_state: sys::ibv_qp_state::IBV_QPS_RTS,
+            timeout: ACK_TIMEOUT,
+            retry_cnt: RETRY_COUNT,
+            rnr_retry: 7,
+            sq_psn: local_psn,
+            max_rd_atomic: 16,
+            ..Default::default()
+        };
+        self.modify(&mut a, M::IBV_QP_STATE | M::IBV_QP_TIMEOUT | M::IBV_QP_RETRY_CNT | M::IBV_QP_RNR_RETRY | M::IBV_QP_SQ_PSN | M::IBV_QP_MAX_QP_RD_ATOMIC, "RTS")
+    }
+
+    /// Posts one signaled work request.
+    pub fn post(&self, wr_id: u64, wr: Wr<'_>) -> std::io::Result<()> {
+        let mut sge = sys::ibv_sge::default();
+        let mut w = sys::ibv_send_wr { wr_id, send_flags: sys::ibv_send_flags::IBV_SEND_SIGNALED.0, ..unsafe_zeroed() };
+        match wr {
+            Wr::Write { local, remote_addr, rkey, imm } => {
+                w.opcode = if imm.is_some() { sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM } else { sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE };
+                if let Some(imm) = imm {
+                    w.__bindgen_anon_1.imm_data = imm.to_be();
+                }
+                if let Some((data, lkey)) = local {
+                    sge = sys::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey };
+                    w.num_sge = (!data.is_empty()) as i32;
+                    if !data.is_empty() && data.len() <= self.max_inline {
+                        w.send_flags |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
+                    }
+                }
+                w.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
+            }
+            Wr::SendImm(imm) => {
+                w.opcode = sys::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
+                w.__bindgen_anon_1.imm_data = imm.to_be();
+            }
+            Wr::Read { local: (ptr, len, lkey), remote_addr, rkey } => {
+                w.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_READ;
+                sge = sys::ibv_sge { addr: ptr as u64, length: len as u32, lkey };
+                w.num_sge = 1;
+                w.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
+            }
+            Wr::FetchAdd { local: (ptr, lkey), remote_addr, rkey, add } => {
+                w.opcode = sys::ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
+                sge = sys::ibv_sge { addr: ptr as u64, length: 8, lkey };
+                w.num_sge = 1;
+                w.wr.atomic = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_2 { remote_addr, compare_add: add, swap: 0, rkey };
+            }
+        }
+        w.sg_list = &mut sge;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: live QP; the WR and its SGE live for the call; the memory they name is
+        // registered (or inline) and outlives the request by the caller's protocol.
+        let rc = unsafe {
+            let ctx = (*self.raw).context;
+            let f = (*ctx).ops.post_send.ok_or_else(|| std::io::Error::other("provider has no post_send"))?;
+            f(self.raw, &mut w, &mut bad)
+        };
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+        Ok(())
+    }
+
+    /// Posts one receive without buffers (it only catches an immediate).
+    pub fn post_recv(&self, wr_id: u64) -> std::io::Result<()> {
+        let mut w = sys::ibv_recv_wr { wr_id, next: std::ptr::null_mut(), sg_list: std::ptr::null_mut(), num_sge: 0 };
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: live QP; a receive with no scatter entries.
+        let rc = unsafe {
+            let ctx = (*self.raw).context;
+            let f = (*ctx).ops.post_recv.ok_or_else(|| std::io::Error::other("provider has no post_recv"))?;
+            f(self.raw, &mut w, &mut bad)
+        };
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+        Ok(())
+    }
+
+    pub fn domain(&self) -> &Arc<Domain> {
+        &self.dom
+    }
+}
+
+fn unsafe_zeroed<T: Copy>() -> T {
+    // SAFETY: only used for bindgen structs of integers, pointers and unions thereof, for
+    // which all-zero is the documented "unset" value.
+    unsafe { std::mem::zeroed() }
+}
+
+/// Decodes a failed completion: status name and number, vendor error, and what usually
+/// causes it.
+pub fn completion_error(wc: &sys::ibv_wc, op: &str, dom: &Domain) -> std::io::Error {
+    let (status, vendor) = wc.error().unwrap_or((0, 0));
+    // SAFETY: ibv_wc_status_str returns a static string for any value.
+    let name = unsafe { CStr::from_ptr(sys::ibv_wc_status_str(status)) }.to_string_lossy().into_owned();
+    let c = &dom.choice;
+    let hint = match status {
+        sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR => format!(
+            ": the peer did not acknowledge — its process is gone, or it is unreachable from {} port {} with local GID {} {} ({}); \
+             a wrong GID index (GRADWIRE_GID_INDEX) shows up exactly like this",
+            c.dev,
+            c.port,
+            c.gid.index,
+            c.gid,
+            c.gid.kind.name()
+        ),
+        sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR => ": flushed because the queue pair had already failed".to_string(),
+        sys::ibv_wc_status::IBV_WC_REM_ACCESS_ERR => ": the peer refused access (its region was unregistered or too small)".to_string(),
+        _ => String::new(),
+    };
+    std::io::Error::other(format!("RDMA {op} failed: {name} (status {status}, vendor error {vendor:#x}){hint}"))
+}
+
+/// One-sided access to one peer's exposed region: its own queue pair and completion
+/// queue, and a registered bounce buffer for caller memory that is not registered.
+pub struct RmaPeer {
+    qp: Qp,
+    cq: Arc<Cq>,
+    remote: Endpoint,
+    // Deregistered before the memory is unmapped (fields drop in order).
+    bounce_mr: Mr,
+    bounce: Region,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+const BOUNCE_BYTES: usize = 1 << 20;
+
+impl RmaPeer {
+    /// Creates the queue pair (connected later with [`RmaPeer::connect`]).
+    pub fn create(dom: &Arc<Domain>) -> Result<(Qp, Arc<Cq>)> {
+        let cq = dom.create_cq(64)?;
+        let qp = dom.create_qp(&cq, 16, 1)?;
+        Ok((qp, cq))
+    }
+
+    pub fn connect(dom: &Arc<Domain>, qp: Qp, cq: Arc<Cq>, local_psn: u32, remote: Endpoint) -> Result<RmaPeer> {
+        qp.connect(local_psn, &remote)?;
+        let region = Region::anonymous(BOUNCE_BYTES)?;
+        // SAFETY: the region lives in the same struct and outlives the registration.
+        let mr = unsafe { dom.register_raw(region.as_ptr(), region.len())? };
+        Ok(RmaPeer { qp, cq, remote, bounce_mr: mr, bounce: region, next_id: 1.into() })
+    }
+
+    pub fn remote_len(&self) -> usize {
+        self.remote.len as usize
+    }
+
+    /// Posts `wr` and waits for its completion until `deadline`.
+    fn run(&self, wr: Wr<'_>, what: &str, deadline: Instant) -> std::io::Result<()> {
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.qp.post(id, wr)?;
+        let mut wc = [sys::ibv_wc::default(); 4];
+        let mut naps = 0u32;
+        loop {
+            for c in self.cq.poll(&mut wc)? {
+                if c.wr_id() != id {
+                    continue; // a request of an earlier call that timed out
+                }
+                if !c.is_valid() {
+                    return Err(completion_error(c, what, self.qp.domain()));
+                }
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("RDMA {what}: no completion before the deadline")));
+            }
+            naps += 1;
+            if naps > 200 {
+                std::thread::sleep(Duration::from_micros(20));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// RDMA WRITE of `data` at `off` of the peer's region; complete at the peer on return.
+    pub fn write(&self, off: usize, data: &[u8], deadline: Instant) -> std::io::Result<()> {
+        let dom = self.qp.domain();
+        if let Some(mr) = dom.lookup(data.as_ptr(), data.len()) {
+            let wr = Wr::Write { local: Some((data, mr.lkey())), remote_addr: self.remote.addr + off as u64, rkey: self.remote.rkey, imm: None };
+            return self.run(wr, "write", deadline);
+        }
+        for (i, chunk) in data.chunks(BOUNCE_BYTES).enumerate() {
+            // SAFETY: the bounce buffer is ours and no request on it is pending.
+            let bounce = unsafe { std::slice::from_raw_parts_mut(self.bounce.as_ptr(), chunk.len()) };
+            bounce.copy_from_slice(chunk);
+            let wr = Wr::Write {
+                local: Some((bounce, self.bounce_mr.lkey())),
+                remote_addr: self.remote.addr + (off + i * BOUNCE_BYTES) as u64,
+                rkey: self.remote.rkey,
+                imm: None,
+            };
+            self.run(wr, "write", deadline)?;
+        }
+        Ok(())
+    }
+
+    /// RDMA READ of `buf.len()` bytes at `off` of the peer's region.
+    pub fn read(&self, off: usize, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+        for (i, chunk) in buf.chunks_mut(BOUNCE_BYTES).enumerate() {
+            let wr = Wr::Read {
+                local: (self.bounce.as_ptr(), chunk.len(), self.bounce_mr.lkey()),
+                remote_addr: self.remote.addr + (off + i * BOUNCE_BYTES) as u64,
+                rkey: self.remote.rkey,
+            };
+            self.run(wr, "read", deadline)?;
+            // SAFETY: the read completed into our bounce buffer.
+            chunk.copy_from_slice(unsafe { std::slice::from_raw_parts(self.bounce.as_ptr(), chunk.len()) });
+        }
+        Ok(())
+    }
+
+    /// Atomic fetch-and-add on the u64 at `off` (8-aligned); returns the old value.
+    pub fn fetch_add(&self, off: usize, add: u64, deadline: Instant) -> std::io::Result<u64> {
+        let wr = Wr::FetchAdd { local: (self.bounce.as_ptr(), self.bounce_mr.lkey()), remote_addr: self.remote.addr + off as u64, rkey: self.remote.rkey, add };
+        self.run(wr, "fetch-add", deadline)?;
+        let mut old = [0u8; 8];
+        // SAFETY: the atomic completed into the first 8 bytes of the bounce buffer.
+        old.copy_from_slice(unsafe { std::slice::from_raw_parts(self.bounce.as_ptr(), 8) });
+        // Atomics return the remote word in host order on the responder's host.
+        Ok(u64::from_ne_bytes(old))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Endpoint;
+
+    #[test]
+    fn endpoint_round_trips_and_rejects_garbage() {
+        let e = Endpoint { qpn: 0x11, psn: 0xABCDE, lid: 0, gid: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 2, 15], addr: 0x7f00_1234_5000, rkey: 0x1234, len: 4 << 20 };
+        assert_eq!(Endpoint::decode(&e.encode()), Ok(e));
+        for bad in ["", "1 2 3", "1 2 3 zz 4 5 6", "16777216 0 0 00000000000000000000ffff0a00020f 0 0 0", "1 2 3 00000000000000000000ffff0a00020f x 5 6"] {
+            assert!(Endpoint::decode(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+}
