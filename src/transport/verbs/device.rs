@@ -289,13 +289,18 @@ impl super::Context {
         if rc != 0 {
             return Err(Error::io(format!("ibv_query_device({})", self.name), std::io::Error::from_raw_os_error(rc)));
         }
-        let mut entries = vec![ffi::ibv_gid_entry::default(); 4096];
+        let attrs = (1..=attr.phys_port_cnt).map(|n| self.query_port(n)).collect::<Result<Vec<_>>>()?;
+        // The table holds at most the sum of the ports' GID table lengths.
+        let total: usize = attrs.iter().map(|a| a.gid_tbl_len.max(0) as usize).sum();
+        let mut entries = vec![ffi::ibv_gid_entry::default(); total.max(1)];
         // SAFETY: buffer of entries.len() entries of the stated size.
         let n = unsafe { ffi::_ibv_query_gid_table(self.raw, entries.as_mut_ptr(), entries.len(), 0, std::mem::size_of::<ffi::ibv_gid_entry>()) };
-        entries.truncate(n.max(0) as usize);
+        if n < 0 {
+            return Err(Error::io(format!("ibv_query_gid_table({})", self.name), std::io::Error::from_raw_os_error((-n) as i32)));
+        }
+        entries.truncate(n as usize);
         let mut ports = Vec::new();
-        for num in 1..=attr.phys_port_cnt {
-            let pa = self.query_port(num)?;
+        for (num, pa) in (1..=attr.phys_port_cnt).zip(attrs) {
             let gids = entries
                 .iter()
                 .filter(|e| e.port_num == num as u32)

@@ -532,7 +532,7 @@ pub fn completion_error(wc: &sys::ibv_wc, op: &str, dom: &Domain) -> std::io::Er
             c.gid.kind.name()
         ),
         sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR => ": flushed because the queue pair had already failed".to_string(),
-        sys::ibv_wc_status::IBV_WC_REM_ACCESS_ERR => ": the peer refused access (its region was unregistered or too small)".to_string(),
+        sys::ibv_wc_status::IBV_WC_REM_ACCESS_ERR => ": the peer refused access — its process exited (taking its registrations along) or the region is smaller than the request".to_string(),
         _ => String::new(),
     };
     std::io::Error::other(format!("RDMA {op} failed: {name} (status {status}, vendor error {vendor:#x}){hint}"))
