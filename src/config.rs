@@ -41,7 +41,7 @@ pub const SETTINGS: &[Setting] = &[
     },
     Setting { env: "GRADWIRE_IB_RING_BYTES", default: "4194304", help: "Per-peer, per-direction receive ring of the verbs transport (registered memory)." },
     Setting { env: "GRADWIRE_HUGEPAGES", default: "0", help: "1: back regions with huge pages when the host has them (falls back with a logged reason)." },
-    Setting { env: "GRADWIRE_HOST_ID", default: "hostname + network namespace", help: "Override of the host identity that decides which ranks share memory." },
+    Setting { env: "GRADWIRE_HOST_ID", default: "hostname + boot id + network namespace", help: "Override of the host identity that decides which ranks share memory." },
     Setting {
         env: "GRADWIRE_JOB_SECRET",
         default: "(set by gradwire launch)",

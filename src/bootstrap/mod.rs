@@ -55,7 +55,7 @@ impl Topology {
     }
 }
 
-/// This host's identity: `GRADWIRE_HOST_ID`, else hostname plus network namespace (ranks in
+/// This host's identity: `GRADWIRE_HOST_ID`, else hostname, boot id and network namespace (ranks in
 /// different namespaces are different "nodes", as in `gradwire launch --netns`).
 pub fn host_id() -> String {
     if let Some(id) = crate::config::env_str("GRADWIRE_HOST_ID") {
@@ -63,7 +63,10 @@ pub fn host_id() -> String {
     }
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "localhost".into());
     let netns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
-    format!("{host}/{netns}")
+    // The boot id tells apart machines (or VMs) that share a hostname: the initial network
+    // namespace has the same inode number on every Linux kernel.
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().chars().take(8).collect::<String>()).unwrap_or_default();
+    format!("{host}/{boot}/{netns}")
 }
 
 /// Everything a communicator needs from the launcher: identity, store, topology.
