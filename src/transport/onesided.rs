@@ -364,13 +364,23 @@ fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> 
             waited_ms: w.timeout.as_millis() as u64,
         })?;
         let remote = Endpoint::decode(&String::from_utf8_lossy(&v)).map_err(|e| Error::Protocol(format!("rank {p}: {e}")))?;
-        out[p] = Some(RmaPeer::connect(dom, qp, cq, psn, remote).map_err(|e| Error::PeerLost { rank: w.rank, peer: p, op: "one-sided window setup".into(), cause: e.to_string() })?);
+        out[p] = Some(RmaPeer::connect(dom, qp, cq, psn, remote).map_err(|e| Error::PeerLost {
+            rank: w.rank,
+            peer: p,
+            op: "one-sided window setup".into(),
+            cause: e.to_string(),
+        })?);
     }
     // A peer's first request must not reach a queue pair that is not connected yet.
     let ready = |r: usize| format!("{}/win{}/ib/ready/{r}", w.prefix, w.id);
     store.set(&ready(w.rank), b"1")?;
     for &p in &peers {
-        store.get(&ready(p), deadline)?.ok_or_else(|| Error::Timeout { rank: w.rank, peer: p, op: format!("window {} setup", w.id), waited_ms: w.timeout.as_millis() as u64 })?;
+        store.get(&ready(p), deadline)?.ok_or_else(|| Error::Timeout {
+            rank: w.rank,
+            peer: p,
+            op: format!("window {} setup", w.id),
+            waited_ms: w.timeout.as_millis() as u64,
+        })?;
     }
     Ok(out)
 }

@@ -4,8 +4,11 @@
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// The gradwire executable under test; `GRADWIRE_TEST_BIN` points elsewhere when the test
+/// binary runs where cargo's path does not exist (inside the rxe VM).
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_gradwire")
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| std::env::var("GRADWIRE_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_gradwire").to_string()))
 }
 
 /// Runs a command to completion, killing it after `limit` (a hung test fails, never hangs).
@@ -90,4 +93,80 @@ pub fn cdylib_dir() -> std::path::PathBuf {
         dir
     })
     .clone()
+}
+
+/// How long a killed-rank test lets ranks settle, the deadline it sets, and how soon each
+/// survivor must have reported (deadline plus process start/exit slack).
+pub struct FaultTiming {
+    pub settle: Duration,
+    pub deadline_ms: u64,
+    pub report_within: Duration,
+}
+
+/// On this host.
+pub const LOCAL: FaultTiming = FaultTiming { settle: Duration::from_millis(1500), deadline_ms: 2000, report_within: Duration::from_secs(6) };
+
+pub fn spawn_rank(rank: usize, world: usize, port: u16, secret: &str, env: &[(&str, &str)], args: &[&str]) -> Child {
+    let mut cmd = Command::new(bin());
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    rank_env(&mut cmd, rank, world, port, secret);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn rank")
+}
+
+/// Starts `world` ranks running long allreduces, SIGKILLs `victim` once they are running,
+/// and checks every survivor fails within the deadline (plus process start/exit slack)
+/// with an error naming the victim.
+pub fn killed_rank(world: usize, victim: usize, transport: &str, bytes: &str, t: &FaultTiming) {
+    let port = free_port();
+    let deadline = t.deadline_ms.to_string();
+    let env = [("GRADWIRE_TIMEOUT_MS", deadline.as_str()), ("GRADWIRE_TRANSPORT", transport)];
+    let args = ["bench", "allreduce", "-b", bytes, "-e", bytes, "-n", "1000000", "-w", "1"];
+    let mut ranks: Vec<Child> = (0..world).map(|r| spawn_rank(r, world, port, "fault-test-secret", &env, &args)).collect();
+    // Let them connect and get into the allreduce loop.
+    std::thread::sleep(t.settle);
+    for (r, c) in ranks.iter_mut().enumerate() {
+        assert!(c.try_wait().unwrap().is_none(), "rank {r} exited before the kill");
+    }
+    ranks[victim].kill().unwrap();
+    let killed_at = Instant::now();
+    let _ = ranks[victim].wait();
+    for (r, c) in ranks.into_iter().enumerate() {
+        if r == victim {
+            continue;
+        }
+        let out = wait_with_limit(c, t.report_within * 5);
+        let elapsed = killed_at.elapsed();
+        let out_text = text(&out);
+        println!("survivor {r} after {elapsed:?}: {out_text}");
+        assert!(!out.status.success(), "rank {r} should fail after rank {victim} died:\n{out_text}");
+        assert!(out_text.contains(&format!("rank {victim}")), "rank {r}'s error does not name rank {victim}:\n{out_text}");
+        assert!(!out_text.contains("panicked"), "{out_text}");
+        assert!(elapsed < t.report_within, "rank {r} took {elapsed:?} to report the dead rank (deadline {} ms)", t.deadline_ms);
+    }
+}
+
+/// Rank 1 runs `odd` while the others run `even`: every rank must fail fast with a
+/// mismatch error that names both calls.
+pub fn mismatch(transport: &str, even: &[&str], odd: &[&str], expect: &[&str]) {
+    let world = 3;
+    let port = free_port();
+    let env = [("GRADWIRE_TIMEOUT_MS", "30000"), ("GRADWIRE_TRANSPORT", transport)];
+    let start = Instant::now();
+    let ranks: Vec<Child> = (0..world).map(|r| spawn_rank(r, world, port, "fault-test-secret", &env, if r == 1 { odd } else { even })).collect();
+    let outs: Vec<_> = ranks.into_iter().map(|c| wait_with_limit(c, Duration::from_secs(60))).collect();
+    let elapsed = start.elapsed();
+    let all: String = outs.iter().map(text).collect();
+    println!("{all}");
+    assert!(elapsed < Duration::from_secs(20), "mismatch took {elapsed:?}: it waited for the 30 s deadline instead of detecting it");
+    for (r, o) in outs.iter().enumerate() {
+        assert!(!o.status.success(), "rank {r} succeeded despite a mismatched call:\n{all}");
+    }
+    assert!(all.contains("mismatch"), "no mismatch reported:\n{all}");
+    for e in expect {
+        assert!(all.contains(e), "expected {e:?} in:\n{all}");
+    }
+    assert!(!all.contains("panicked"), "{all}");
 }

@@ -186,7 +186,10 @@ pub fn choose(devices: &[Device], local: Option<IpAddr>, o: &Overrides) -> Resul
     let names = || devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>().join(", ");
     let devs: Vec<&Device> = match &o.dev {
         Some(want) => {
-            let d = devices.iter().find(|d| &d.name == want).ok_or_else(|| Error::Config(format!("GRADWIRE_IB_DEV={want}: no such RDMA device (present: {})", names())))?;
+            let d = devices
+                .iter()
+                .find(|d| &d.name == want)
+                .ok_or_else(|| Error::Config(format!("GRADWIRE_IB_DEV={want}: no such RDMA device (present: {})", names())))?;
             vec![d]
         }
         None => devices.iter().collect(),
@@ -199,7 +202,11 @@ pub fn choose(devices: &[Device], local: Option<IpAddr>, o: &Overrides) -> Resul
         let ports: Vec<&Port> = match o.port {
             Some(n) => {
                 let p = d.ports.iter().find(|p| p.num == n).ok_or_else(|| {
-                    Error::Config(format!("GRADWIRE_IB_PORT={n}: {} has ports {}", d.name, d.ports.iter().map(|p| p.num.to_string()).collect::<Vec<_>>().join(", ")))
+                    Error::Config(format!(
+                        "GRADWIRE_IB_PORT={n}: {} has ports {}",
+                        d.name,
+                        d.ports.iter().map(|p| p.num.to_string()).collect::<Vec<_>>().join(", ")
+                    ))
                 })?;
                 vec![p]
             }
@@ -344,7 +351,16 @@ pub fn explain(local: Option<IpAddr>, o: &Overrides) -> String {
     }
     for d in &devices {
         for p in &d.ports {
-            let _ = writeln!(s, "  {} port {}   {} ({}), MTU {}, {}", d.name, p.num, p.state, if p.ethernet { "Ethernet" } else { "InfiniBand" }, p.mtu, format_args!("lid {}", p.lid));
+            let _ = writeln!(
+                s,
+                "  {} port {}   {} ({}), MTU {}, {}",
+                d.name,
+                p.num,
+                p.state,
+                if p.ethernet { "Ethernet" } else { "InfiniBand" },
+                p.mtu,
+                format_args!("lid {}", p.lid)
+            );
             for g in &p.gids {
                 let _ = writeln!(s, "      gid[{}] {:<40} {}", g.index, g.to_string(), g.kind.name());
             }

@@ -109,7 +109,10 @@ impl VerbsLink {
                         let imm = wc.imm_data().map(u32::from_be).unwrap_or(0);
                         if wc.opcode() == sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
                             if imm as usize > self.slot || self.arrived.len() >= self.slots {
-                                let e = std::io::Error::other(format!("protocol: rank {} wrote {imm} bytes into a {}-byte slot of a full ring", self.peer, self.slot));
+                                let e = std::io::Error::other(format!(
+                                    "protocol: rank {} wrote {imm} bytes into a {}-byte slot of a full ring",
+                                    self.peer, self.slot
+                                ));
                                 return Err(self.fail(e));
                             }
                             self.arrived.push_back(imm as usize);
@@ -263,7 +266,15 @@ fn lost(rank: usize, peer: usize, cause: String) -> Error {
 /// rendezvous store. Before returning, every pair exchanges a hello over the new queue
 /// pairs, so an unreachable peer (wrong GID, wrong port) fails here, named, and not in the
 /// first collective.
-pub fn connect_all(prefix: &str, rank: usize, peers: &[usize], store: &StoreClient, dom: &Arc<Domain>, ring_bytes: usize, deadline: Instant) -> Result<Vec<(usize, Box<dyn Link>)>> {
+pub fn connect_all(
+    prefix: &str,
+    rank: usize,
+    peers: &[usize],
+    store: &StoreClient,
+    dom: &Arc<Domain>,
+    ring_bytes: usize,
+    deadline: Instant,
+) -> Result<Vec<(usize, Box<dyn Link>)>> {
     let started = Instant::now();
     if peers.is_empty() {
         return Ok(vec![]);
@@ -303,7 +314,10 @@ pub fn connect_all(prefix: &str, rank: usize, peers: &[usize], store: &StoreClie
         })?;
         let remote = Endpoint::decode(&String::from_utf8_lossy(&v)).map_err(|e| Error::Protocol(format!("rank {p}: {e}")))?;
         if remote.len < ring_bytes as u64 {
-            return Err(Error::Config(format!("rank {p} has a {}-byte verbs ring, rank {rank} {ring_bytes}: set GRADWIRE_IB_RING_BYTES alike on every rank", remote.len)));
+            return Err(Error::Config(format!(
+                "rank {p} has a {}-byte verbs ring, rank {rank} {ring_bytes}: set GRADWIRE_IB_RING_BYTES alike on every rank",
+                remote.len
+            )));
         }
         pd.qp.connect(pd.psn, &remote).map_err(|e| lost(rank, p, e.to_string()))?;
         for _ in 0..slots + 16 {

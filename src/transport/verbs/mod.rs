@@ -96,9 +96,8 @@ impl Drop for Domain {
 /// The overrides from the environment.
 pub fn overrides() -> Result<device::Overrides> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-    let num = |k: &str| -> Result<Option<u64>> {
-        var(k).map(|v| v.trim().parse::<u64>().map_err(|_| Error::Config(format!("{k}={v:?}: not a number")))).transpose()
-    };
+    let num =
+        |k: &str| -> Result<Option<u64>> { var(k).map(|v| v.trim().parse::<u64>().map_err(|_| Error::Config(format!("{k}={v:?}: not a number")))).transpose() };
     let port = num("GRADWIRE_IB_PORT")?;
     if port.is_some_and(|p| p == 0 || p > 255) {
         return Err(Error::Config(format!("GRADWIRE_IB_PORT={}: ports are numbered from 1", port.unwrap_or(0))));
@@ -372,7 +371,15 @@ impl Qp {
     /// This side's endpoint for memory `mr` (or none).
     pub fn endpoint(&self, psn: u32, mr: Option<&Mr>) -> Endpoint {
         let c = &self.dom.choice;
-        Endpoint { qpn: self.qpn(), psn, lid: c.lid, gid: c.gid.raw, addr: mr.map_or(0, |m| m.addr), rkey: mr.map_or(0, |m| m.rkey()), len: mr.map_or(0, |m| m.len as u64) }
+        Endpoint {
+            qpn: self.qpn(),
+            psn,
+            lid: c.lid,
+            gid: c.gid.raw,
+            addr: mr.map_or(0, |m| m.addr),
+            rkey: mr.map_or(0, |m| m.rkey()),
+            len: mr.map_or(0, |m| m.len as u64),
+        }
     }
 
     fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: sys::ibv_qp_attr_mask, what: &str) -> Result<()> {
@@ -393,7 +400,8 @@ impl Qp {
         use sys::ibv_qp_attr_mask as M;
         let c = &self.dom.choice;
         let access = Access::IBV_ACCESS_LOCAL_WRITE | Access::IBV_ACCESS_REMOTE_WRITE | Access::IBV_ACCESS_REMOTE_READ | Access::IBV_ACCESS_REMOTE_ATOMIC;
-        let mut a = sys::ibv_qp_attr { qp_state: sys::ibv_qp_state::IBV_QPS_INIT, pkey_index: 0, port_num: c.port, qp_access_flags: access.0, ..Default::default() };
+        let mut a =
+            sys::ibv_qp_attr { qp_state: sys::ibv_qp_state::IBV_QPS_INIT, pkey_index: 0, port_num: c.port, qp_access_flags: access.0, ..Default::default() };
         self.modify(&mut a, M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS, "INIT")?;
         let mtu = match c.mtu {
             4096.. => sys::IBV_MTU_4096,
@@ -421,7 +429,13 @@ impl Qp {
         }
         self.modify(
             &mut a,
-            M::IBV_QP_STATE | M::IBV_QP_AV | M::IBV_QP_PATH_MTU | M::IBV_QP_DEST_QPN | M::IBV_QP_RQ_PSN | M::IBV_QP_MAX_DEST_RD_ATOMIC | M::IBV_QP_MIN_RNR_TIMER,
+            M::IBV_QP_STATE
+                | M::IBV_QP_AV
+                | M::IBV_QP_PATH_MTU
+                | M::IBV_QP_DEST_QPN
+                | M::IBV_QP_RQ_PSN
+                | M::IBV_QP_MAX_DEST_RD_ATOMIC
+                | M::IBV_QP_MIN_RNR_TIMER,
             "RTR",
         )?;
         let mut a = sys::ibv_qp_attr {
@@ -433,7 +447,11 @@ impl Qp {
             max_rd_atomic: 16,
             ..Default::default()
         };
-        self.modify(&mut a, M::IBV_QP_STATE | M::IBV_QP_TIMEOUT | M::IBV_QP_RETRY_CNT | M::IBV_QP_RNR_RETRY | M::IBV_QP_SQ_PSN | M::IBV_QP_MAX_QP_RD_ATOMIC, "RTS")
+        self.modify(
+            &mut a,
+            M::IBV_QP_STATE | M::IBV_QP_TIMEOUT | M::IBV_QP_RETRY_CNT | M::IBV_QP_RNR_RETRY | M::IBV_QP_SQ_PSN | M::IBV_QP_MAX_QP_RD_ATOMIC,
+            "RTS",
+        )
     }
 
     /// Posts one signaled work request.
@@ -532,7 +550,9 @@ pub fn completion_error(wc: &sys::ibv_wc, op: &str, dom: &Domain) -> std::io::Er
             c.gid.kind.name()
         ),
         sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR => ": flushed because the queue pair had already failed".to_string(),
-        sys::ibv_wc_status::IBV_WC_REM_ACCESS_ERR => ": the peer refused access — its process exited (taking its registrations along) or the region is smaller than the request".to_string(),
+        sys::ibv_wc_status::IBV_WC_REM_ACCESS_ERR => {
+            ": the peer refused access — its process exited (taking its registrations along) or the region is smaller than the request".to_string()
+        }
         _ => String::new(),
     };
     std::io::Error::other(format!("RDMA {op} failed: {name} (status {status}, vendor error {vendor:#x}){hint}"))
@@ -655,7 +675,15 @@ mod tests {
 
     #[test]
     fn endpoint_round_trips_and_rejects_garbage() {
-        let e = Endpoint { qpn: 0x11, psn: 0xABCDE, lid: 0, gid: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 2, 15], addr: 0x7f00_1234_5000, rkey: 0x1234, len: 4 << 20 };
+        let e = Endpoint {
+            qpn: 0x11,
+            psn: 0xABCDE,
+            lid: 0,
+            gid: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 2, 15],
+            addr: 0x7f00_1234_5000,
+            rkey: 0x1234,
+            len: 4 << 20,
+        };
         assert_eq!(Endpoint::decode(&e.encode()), Ok(e));
         for bad in ["", "1 2 3", "1 2 3 zz 4 5 6", "16777216 0 0 00000000000000000000ffff0a00020f 0 0 0", "1 2 3 00000000000000000000ffff0a00020f x 5 6"] {
             assert!(Endpoint::decode(bad).is_err(), "{bad:?} accepted");

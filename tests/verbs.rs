@@ -1,0 +1,195 @@
+//! The verbs transport on a real RDMA device.
+//!
+//! `device_*` tests need an ACTIVE RDMA port. Where this host has one (natively, or because
+//! this binary runs inside the rxe VM) they run for real; elsewhere they print why they
+//! skip. The `rxe_vm_*` tests are the host side: on a host without RDMA they boot the
+//! project's soft-RoCE guest (tests/rxe/run-in-vm.sh) and run this very binary's `device_*`
+//! tests inside it, one guest with several ranks and two guests as two nodes.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+/// An ACTIVE RDMA port on this host, e.g. "rxe0/1".
+fn active_port() -> Option<String> {
+    for dev in std::fs::read_dir("/sys/class/infiniband").ok()?.flatten() {
+        for port in std::fs::read_dir(dev.path().join("ports")).ok()?.flatten() {
+            let state = std::fs::read_to_string(port.path().join("state")).unwrap_or_default();
+            if state.contains("ACTIVE") {
+                return Some(format!("{}/{}", dev.file_name().to_string_lossy(), port.file_name().to_string_lossy()));
+            }
+        }
+    }
+    None
+}
+
+fn device_or_skip(test: &str) -> bool {
+    if active_port().is_some() {
+        return true;
+    }
+    println!("skipped {test}: no ACTIVE RDMA port on this host (the rxe_vm_* tests run it inside the soft-RoCE VM)");
+    false
+}
+
+/// Faults inside a TCG guest: everything is several times slower than on the host.
+const VM: FaultTiming = FaultTiming { settle: Duration::from_secs(6), deadline_ms: 5000, report_within: Duration::from_secs(20) };
+
+fn ok(out: &std::process::Output, what: &str) -> String {
+    let t = text(out);
+    assert!(out.status.success(), "{what} failed:\n{t}");
+    assert!(!t.contains("panicked"), "{t}");
+    t
+}
+
+#[test]
+fn device_every_collective_dtype_op_at_2_and_4_ranks() {
+    if !device_or_skip("device_every_collective_dtype_op_at_2_and_4_ranks") {
+        return;
+    }
+    for n in [2, 4] {
+        let large: &[&str] = if n == 2 { &["--large", "8M"] } else { &[] };
+        let args: Vec<&str> = ["check", "--transport", "verbs"].iter().chain(large).copied().collect();
+        let t = ok(&launch(n, &[], &args, &[]), &format!("{n}-rank verbs matrix"));
+        println!("{t}");
+        assert!(t.contains(r#"links ["verbs"]"#), "not over verbs:\n{t}");
+        assert!(t.contains(" 0 failed"), "{t}");
+    }
+}
+
+#[test]
+fn device_sub_communicators_and_windows() {
+    if !device_or_skip("device_sub_communicators_and_windows") {
+        return;
+    }
+    let split = ["check", "--transport", "verbs", "--split", "--dtypes", "float32,bfloat16", "--counts", "1,1003"];
+    let t = ok(&launch(4, &[], &split, &[]), "split over verbs");
+    assert!(t.contains(" 0 failed"), "{t}");
+    // The token ring and parameter-server shards: RDMA fetch-add, write and read.
+    let t = ok(&launch(3, &[], &["check", "--transport", "verbs", "--token-ring", "30"], &[]), "token ring over verbs");
+    println!("{t}");
+    assert!(t.contains("conservation exact"), "{t}");
+}
+
+#[test]
+fn device_killed_rank_is_named() {
+    if !device_or_skip("device_killed_rank_is_named") {
+        return;
+    }
+    killed_rank(3, 1, "verbs", "4M", &VM);
+    killed_rank(3, 0, "verbs", "4K", &VM);
+}
+
+#[test]
+fn device_mismatched_calls_fail_on_every_rank() {
+    if !device_or_skip("device_mismatched_calls_fail_on_every_rank") {
+        return;
+    }
+    let base = ["bench", "allreduce", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1"];
+    mismatch("verbs", &base, &["bench", "allreduce", "-b", "8K", "-e", "8K", "-n", "3", "-w", "1"], &["count 1024", "count 2048"]);
+    mismatch("verbs", &base, &["bench", "broadcast", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1"], &["allreduce#0", "broadcast#0"]);
+}
+
+#[test]
+fn device_info_explains_the_gid_choice_and_a_wrong_gid_is_refused() {
+    if !device_or_skip("device_info_explains_the_gid_choice_and_a_wrong_gid_is_refused") {
+        return;
+    }
+    let out = Command::new(bin()).arg("info").output().unwrap();
+    let t = ok(&out, "gradwire info");
+    println!("{t}");
+    let choice = t.lines().find(|l| l.contains("verbs choice")).unwrap_or_else(|| panic!("no verbs choice in:\n{t}"));
+    assert!(choice.contains("::ffff:") && choice.contains("IPv4-mapped"), "did not pick the IPv4-mapped GID: {choice}");
+    assert!(t.contains("gid[0]") && t.contains("RoCE v2") && t.contains("MTU"), "{t}");
+    // A GID index the port does not have: every rank says which variable and which GIDs exist.
+    let out = launch(2, &[], &["check", "--transport", "verbs", "--counts", "1"], &[("GRADWIRE_GID_INDEX", "9")]);
+    let t = text(&out);
+    println!("{t}");
+    assert!(!out.status.success(), "a wrong GID index was accepted:\n{t}");
+    assert!(t.contains("GRADWIRE_GID_INDEX=9") && t.contains("empty or out of range") && t.contains("::ffff:"), "{t}");
+    assert!(!t.contains("panicked"), "{t}");
+}
+
+/// Runs in each of two guests (one rank per guest); `auto` must pick verbs between them.
+#[test]
+fn device_two_nodes() {
+    if std::env::var("RXE_NODES").as_deref() != Ok("2") {
+        println!("skipped device_two_nodes: needs the two-guest harness (rxe_vm_two_guests)");
+        return;
+    }
+    let node = std::env::var("RXE_NODE").unwrap();
+    let mut cmd = Command::new(bin());
+    cmd.args(["check", "--dtypes", "float32,float16", "--counts", "1,7919", "--large", "4M"]);
+    cmd.env("GRADWIRE_RANK", &node).env("GRADWIRE_WORLD_SIZE", "2").env("GRADWIRE_MASTER_ADDR", "10.0.3.1").env("GRADWIRE_MASTER_PORT", "29500");
+    cmd.env("GRADWIRE_JOB_SECRET", "two-guest-test-secret");
+    let t = ok(&run_with_limit(cmd, Duration::from_secs(400)), "two-node check");
+    println!("{t}");
+    if node == "0" {
+        assert!(t.contains(r#"2 host(s), links ["verbs"]"#) && t.contains(" 0 failed"), "{t}");
+    }
+}
+
+// ---------------------------------------------------------------- host side: the VM
+
+fn harness() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rxe/run-in-vm.sh")
+}
+
+/// Why the VM cannot run here, if it cannot.
+fn vm_unavailable() -> Option<String> {
+    if active_port().is_some() {
+        return Some("this host has an RDMA device; the device_* tests ran natively".into());
+    }
+    match Command::new(harness()).arg("--check").output() {
+        Ok(o) if o.status.success() => None,
+        Ok(o) => Some(text(&o).trim().to_string()),
+        Err(e) => Some(format!("cannot run {}: {e}", harness().display())),
+    }
+}
+
+/// Stripped copies of this test binary and of gradwire (a smaller guest payload).
+fn payload() -> (PathBuf, PathBuf) {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("rxe-payload");
+    std::fs::create_dir_all(&dir).unwrap();
+    let copy = |from: &Path, name: &str| {
+        let to = dir.join(name);
+        let stripped = Command::new("strip").arg("-o").arg(&to).arg(from).status().is_ok_and(|s| s.success());
+        if !stripped {
+            std::fs::copy(from, &to).unwrap();
+        }
+        to
+    };
+    (copy(&std::env::current_exe().unwrap(), "verbs-tests"), copy(Path::new(bin()), "gradwire"))
+}
+
+fn in_vm(nodes: usize, filter: &[&str]) {
+    let (tests, gradwire) = payload();
+    let mut cmd = Command::new(harness());
+    cmd.args(["--nodes", &nodes.to_string(), "-t", "1500", "-f"]).arg(&gradwire).args(["-e", "GRADWIRE_TEST_BIN=gradwire", "--"]).arg(&tests);
+    cmd.args(filter).args(["--test-threads", "1", "--nocapture"]);
+    let out = run_with_limit(cmd, Duration::from_secs(1600));
+    let t = text(&out);
+    println!("{t}");
+    assert!(out.status.success(), "tests inside the rxe VM failed (status {:?})", out.status.code());
+    assert!(!t.contains("skipped device_"), "a device test skipped inside the VM:\n{t}");
+    assert!(t.contains("test result: ok"), "{t}");
+}
+
+#[test]
+fn rxe_vm_one_guest() {
+    if let Some(why) = vm_unavailable() {
+        println!("skipped rxe_vm_one_guest: {why}");
+        return;
+    }
+    in_vm(1, &["device_", "--skip", "device_two_nodes"]);
+}
+
+#[test]
+fn rxe_vm_two_guests() {
+    if let Some(why) = vm_unavailable() {
+        println!("skipped rxe_vm_two_guests: {why}");
+        return;
+    }
+    in_vm(2, &["device_two_nodes", "--exact"]);
+}
