@@ -1,9 +1,36 @@
-//! `gradwire bench ps` and `gradwire bench token-ring` (run under `gradwire launch`).
+//! `gradwire bench ps`, `bench write` and `bench token-ring` (run under `gradwire launch`).
 
 use gradwire::rma::{ApplyRule, RemoteMemory};
 use gradwire::{Communicator, ReduceOp, Region, Result};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Point-to-point one-sided write bandwidth, rank 0 to rank 1, from rank 0's exposed (so
+/// registered) memory into rank 1's: on verbs one RDMA WRITE per message, waited for, the
+/// figure to set beside `ib_write_bw`. Prints a row per size (bytes, GB/s, MB/s).
+pub fn write(comm: &Communicator, sizes: &[usize], iters: usize) -> Result<()> {
+    if comm.size() < 2 {
+        return Err(gradwire::Error::InvalidArgument("bench write needs at least 2 ranks".into()));
+    }
+    let max = sizes.iter().copied().max().unwrap_or(8).max(8);
+    let win = comm.expose(Arc::new(Region::shared("bench-write", max)?))?;
+    if comm.rank() == 0 {
+        println!("# gradwire bench write: rank 0 writes into rank 1's window; links {:?}", comm.link_kinds()[1]);
+        println!("{:>12} {:>8} {:>12} {:>12}", "size(B)", "iters", "GB/s", "MB/s");
+        let src = win.local().clone();
+        for &size in sizes {
+            let data = &src.as_slice()[..size];
+            win.write(1, 0, data)?; // warm-up: first touch, first request on the queue pair
+            let t = Instant::now();
+            for _ in 0..iters {
+                win.write(1, 0, data)?;
+            }
+            let gbs = (size * iters) as f64 / t.elapsed().as_secs_f64() / 1e9;
+            println!("{size:>12} {iters:>8} {gbs:>12.3} {:>12.1}", gbs * 1000.0);
+        }
+    }
+    comm.barrier()
+}
 
 /// Push/pull bandwidth of rank 1 (a worker) against the shard on rank 0, beside the raw
 /// one-sided write/read bandwidth of the same transport and sizes. A push includes the

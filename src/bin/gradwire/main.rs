@@ -35,11 +35,13 @@ enum BenchTarget {
     Collective(OpKind),
     Ps,
     TokenRing,
+    Write,
 }
 
 fn bench_arg(s: &str) -> Result<BenchTarget, String> {
     match s {
         "ps" => Ok(BenchTarget::Ps),
+        "write" => Ok(BenchTarget::Write),
         "token-ring" | "token_ring" => Ok(BenchTarget::TokenRing),
         other => collective_arg(other).map(BenchTarget::Collective),
     }
@@ -86,8 +88,9 @@ enum Cmd {
     },
     /// nccl-tests style benchmark of one collective (run under `gradwire launch`).
     Bench {
-        /// allreduce, reduce_scatter, allgather, broadcast, reduce, barrier; or ps
-        /// (parameter-server push/pull against raw one-sided bandwidth) or token-ring
+        /// allreduce, reduce_scatter, allgather, broadcast, reduce, barrier; or write
+        /// (point-to-point one-sided write, rank 0 into rank 1), ps (parameter-server
+        /// push/pull against raw one-sided bandwidth) or token-ring
         /// (round time; with --check also pushes under the dynamic delay, conservation checked).
         #[arg(value_parser = bench_arg)]
         collective: BenchTarget,
@@ -230,10 +233,11 @@ fn main() {
         }
         #[cfg(feature = "cuda")]
         Cmd::GpuCheck { hierarchical } => exit_code("gpu-check", Communicator::init().and_then(|c| gpu_check::run(&c, hierarchical))),
-        Cmd::Bench { collective: BenchTarget::Ps, min, max, factor, iters, transport, .. } => {
+        Cmd::Bench { collective: target @ (BenchTarget::Ps | BenchTarget::Write), min, max, factor, iters, transport, .. } => {
             set_transport(transport);
             let sizes: Vec<usize> = std::iter::successors(Some(min.max(4)), |s| Some(s * factor.max(2))).take_while(|s| *s <= max).collect();
-            exit_code("bench ps", Communicator::init().and_then(|c| bench_rma::ps(&c, &sizes, iters)).map(|_| true))
+            let run = |c: Communicator| if matches!(target, BenchTarget::Ps) { bench_rma::ps(&c, &sizes, iters) } else { bench_rma::write(&c, &sizes, iters) };
+            exit_code("bench", Communicator::init().and_then(run).map(|_| true))
         }
         Cmd::Bench { collective: BenchTarget::TokenRing, iters, transport, check, .. } => {
             set_transport(transport);
