@@ -1,11 +1,69 @@
 #!/usr/bin/env bash
 # gradwire over verbs against perftest's ib_write_bw on one soft-RoCE (rxe) device, inside
-# the project's QEMU guest (tests/rxe/run-in-vm.sh). Prints the markdown table recorded in
-# BENCHMARKS.md. Usage: benches/rxe_compare.sh [SIZES] (default "65536 1048576 4194304 16777216").
+# the project's QEMU guest (tests/rxe/run-in-vm.sh): point-to-point write bandwidth and
+# 2-rank allreduce busbw, same device, same sizes, medians of REPEATS turns.
+#
+#   benches/rxe_compare.sh            # print the table
+#   benches/rxe_compare.sh --record   # also write it into BENCHMARKS.md (its verbs section)
+#
+# Environment: SIZES (default "65536 1048576 4194304 16777216"), BYTES moved per size, tool
+# and repeat (default 64 MiB), REPEATS (default 3). About 5 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+record=0
+[ "${1:-}" = --record ] && record=1
+sizes=${SIZES:-65536 1048576 4194304 16777216}
 cargo build --release --bin gradwire >&2
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 strip -o "$tmp/gradwire" target/release/gradwire 2>/dev/null || cp target/release/gradwire "$tmp/gradwire"
-tests/rxe/run-in-vm.sh -t 1500 -e "SIZES=${1:-65536 1048576 4194304 16777216}" -e "BYTES=${BYTES:-67108864}" -e "REPEATS=${REPEATS:-3}" \
-  -f "$tmp/gradwire" -- benches/rxe/in-guest.sh
+tests/rxe/run-in-vm.sh -t 1500 -e "SIZES=$sizes" -e "BYTES=${BYTES:-67108864}" -e "REPEATS=${REPEATS:-3}" \
+  -f "$tmp/gradwire" -- benches/rxe/in-guest.sh | tee "$tmp/out"
+grep -q '^| [0-9]' "$tmp/out" || { echo "rxe_compare: no result rows" >&2; exit 1; }
+[ $record = 1 ] || exit 0
+
+python3 - "$tmp/out" "$sizes" "${REPEATS:-3}" <<'PY'
+import re, sys
+out, sizes, repeats = open(sys.argv[1]).read(), sys.argv[2], sys.argv[3]
+rows = [l for l in out.splitlines() if l.startswith("|")]
+data = [l for l in rows if re.match(r"\| \d", l)]
+def pct(cell):
+    m = re.match(r"\s*(\d+) %", cell)
+    return int(m.group(1)) if m else None
+judge = []
+for l in data:
+    c = [x.strip() for x in l.strip("|").split("|")]
+    size, w, a = int(c[0]), pct(c[3]), pct(c[5])
+    judge.append(f"| {size} | write {w} % ({'met' if w is not None and w >= 90 else 'NOT met'}) | "
+                 + (f"allreduce {a} % ({'met' if a is not None and a >= 80 else 'NOT met'})" if size >= 4 << 20 else f"allreduce {a} % (target applies from 4 MiB)")
+                 + " |")
+section = f"""## RDMA verbs on soft-RoCE (rxe), one QEMU guest
+
+Command: `benches/rxe_compare.sh --record` (sizes {sizes}; each cell the median of {repeats}
+turns in which the tools take turns). Inside one guest of `tests/rxe/run-in-vm.sh` (TCG, 2
+vCPUs on this 2-core host, rxe0 on the guest's eth0, active MTU 1024): perftest's
+`ib_write_bw` (client and server on rxe0, to the guest's own address), `gradwire bench
+write` (rank 0 RDMA-WRITEs from its registered window into rank 1's, one request in flight)
+and `gradwire bench allreduce --transport verbs` with 2 ranks (busbw = algbw at W=2). The
+last column is `ib_write_bw -b`, both directions at once: an allreduce moves data both ways.
+Absolute figures measure TCG-emulated soft-RoCE, not RDMA hardware; only the ratios count.
+
+{chr(10).join(rows)}
+
+Targets (issue: point-to-point >= 90 % of ib_write_bw; 2-rank allreduce busbw >= 80 % of it
+at >= 4 MiB):
+
+| size | point-to-point | allreduce |
+|---:|---|---|
+{chr(10).join(judge)}
+"""
+path = "BENCHMARKS.md"
+KEEP = "<!-- Sections below are written by other scripts (benches/rxe_compare.sh --record); merge.py keeps them. -->"
+text = open(path).read()
+head = "## RDMA verbs on soft-RoCE (rxe), one QEMU guest"
+if KEEP not in text:
+    text = text.rstrip("\n") + "\n\n" + KEEP + "\n"
+if head in text:
+    text = text[: text.index(head)]
+open(path, "w").write(text.rstrip("\n") + "\n\n" + section)
+print("recorded in BENCHMARKS.md", file=sys.stderr)
+PY

@@ -60,6 +60,9 @@ T3_SLOW = (1.0, 0.95, 1 * MiB)    # 1 Gbit/s: busbw >= 95% of the link rate, siz
 T4_RATIO, T4_MIN = 1.2, 16 * MiB  # loopback TCP, W=2 and 4: >= 1.2x best peer
 
 
+
+KEEP = "<!-- Sections below are written by other scripts (benches/rxe_compare.sh --record); merge.py keeps them. -->"
+
 def bound_k(w: int) -> float:
     """Bytes moved per rank per byte of message by a zero-copy shared-memory
     allreduce: 2.5 at W=2 and 2.75 at W=4 (the issue's figures); 3 - 1/W gives
@@ -953,8 +956,14 @@ def main() -> int:
     w("```")
     w("")
 
+    # Sections written by other scripts (benches/rxe_compare.sh) follow KEEP; keep them.
+    kept = KEEP + "\n"
+    if os.path.exists(args.out):
+        old = open(args.out).read()
+        if KEEP in old:
+            kept = old[old.index(KEEP):]
     with open(args.out, "w") as f:
-        f.write("\n".join(out))
+        f.write("\n".join(out).rstrip("\n") + "\n\n" + kept)
     print(f"merge.py: wrote {args.out}", file=sys.stderr)
     return 0
 
