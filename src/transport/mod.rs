@@ -30,6 +30,12 @@ pub trait Link: Send {
     /// Reads what is available now into `buf`; `Ok(0)` means "nothing yet". A closed
     /// stream is an error.
     fn try_read(&mut self, buf: &mut [u8]) -> std::io::Result<usize>;
+    /// Hands up to `max` bytes that are available now to `f` straight from the transport's
+    /// receive memory, then consumes them; `Some(Ok(0))` means nothing yet. `None`: the
+    /// transport has no such memory, use `try_read` (reduce-on-receive then skips a copy).
+    fn try_read_in_place(&mut self, _max: usize, _f: &mut dyn FnMut(&[u8])) -> Option<std::io::Result<usize>> {
+        None
+    }
     /// A descriptor to `poll` for readiness, if the transport has one.
     fn poll_fd(&self) -> Option<RawFd>;
     /// Liveness check for transports without a connection to notice the peer dying.
@@ -282,9 +288,33 @@ impl Links {
                 }
                 Sink::Reduce { dst, elem, reduce } => {
                     let elem = *elem;
+                    if st.carry == 0 {
+                        // Reduce straight out of the transport's memory where it has some.
+                        let at = st.payload_done;
+                        let mut carry = [0u8; 16];
+                        let mut rem = 0;
+                        let r = self.link(peer)?.try_read_in_place(expected - at, &mut |bytes: &[u8]| {
+                            let whole = bytes.len() / elem * elem;
+                            reduce(&mut dst[at..at + whole], &bytes[..whole]);
+                            rem = bytes.len() - whole;
+                            carry[..rem].copy_from_slice(&bytes[whole..]);
+                        });
+                        if let Some(r) = r {
+                            let n = r.map_err(|e| lost(rank, peer, call, "receive", e))?;
+                            // A partial element waits in the scratch for the rest of its bytes.
+                            let scratch_bytes: &mut [u8] = bytemuck_bytes(&mut self.scratch);
+                            scratch_bytes[..rem].copy_from_slice(&carry[..rem]);
+                            st.carry = rem;
+                            st.payload_done += n;
+                            if n == 0 {
+                                break;
+                            }
+                            total += n;
+                            continue;
+                        }
+                    }
                     let mut scratch = std::mem::take(&mut self.scratch);
-                    // SAFETY: a u64 vector reinterpreted as bytes; u8 has no alignment needs.
-                    let bytes = unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u8, scratch.len() * 8) };
+                    let bytes = bytemuck_bytes(&mut scratch);
                     let want = (expected - st.payload_done).min(bytes.len() - st.carry);
                     let r = self.link(peer)?.try_read(&mut bytes[st.carry..st.carry + want]);
                     let n = match r {
@@ -421,4 +451,10 @@ fn lost(rank: usize, peer: usize, call: &CallHeader, dir: &str, e: std::io::Erro
         _ => format!("{dir} failed: {e}"),
     };
     Error::PeerLost { rank, peer, op: call.to_string(), cause }
+}
+
+/// The scratch buffer as bytes.
+fn bytemuck_bytes(v: &mut [u64]) -> &mut [u8] {
+    // SAFETY: a u64 slice reinterpreted as bytes; u8 has no alignment needs.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 8) }
 }

@@ -153,6 +153,7 @@ impl Window {
             #[cfg(feature = "verbs")]
             if let Some(peer) = verbs[p].take() {
                 *peer_len = peer.remote_len();
+                pids[p] = peer.local_pid();
                 targets.push(Target::Verbs(Mutex::new(peer)));
                 continue;
             }
@@ -192,7 +193,8 @@ impl Window {
         Ok(Window { id: w.id, rank: w.rank, own: region, targets, lens, pids, timeout: w.timeout })
     }
 
-    /// Why `peer` is gone, for peers whose death no connection reports (shared memory).
+    /// Why `peer` is gone, for peers whose death no connection reports (shared memory, and
+    /// verbs peers on this host).
     pub fn peer_gone(&self, peer: usize) -> Option<String> {
         self.pids.get(peer).copied().flatten().and_then(super::shm::process_gone)
     }

@@ -147,6 +147,21 @@ impl VerbsLink {
         Ok(())
     }
 
+    /// `n` more bytes of the front slot (of `len`) are read; a finished slot becomes a credit.
+    fn consume(&mut self, n: usize, len: usize) -> std::io::Result<()> {
+        self.read_off += n;
+        if self.read_off == len {
+            self.arrived.pop_front();
+            self.taken += 1;
+            self.read_off = 0;
+            self.freed += 1;
+            if self.freed >= (self.slots / 4).max(1) {
+                self.return_credits()?;
+            }
+        }
+        Ok(())
+    }
+
     fn slot_ptr(region: &Region, slot: usize, index: u64, slots: usize) -> *mut u8 {
         // SAFETY: index % slots < slots, and the region holds slots * slot bytes.
         unsafe { region.as_ptr().add((index % slots as u64) as usize * slot) }
@@ -206,17 +221,26 @@ impl Link for VerbsLink {
         let src = Self::slot_ptr(&self.rx, self.slot, self.taken, self.slots);
         // SAFETY: the slot holds `len` landed bytes; read_off + n <= len.
         unsafe { std::ptr::copy_nonoverlapping(src.add(self.read_off), buf.as_mut_ptr(), n) };
-        self.read_off += n;
-        if self.read_off == len {
-            self.arrived.pop_front();
-            self.taken += 1;
-            self.read_off = 0;
-            self.freed += 1;
-            if self.freed >= (self.slots / 4).max(1) {
-                self.return_credits()?;
-            }
-        }
+        self.consume(n, len)?;
         Ok(n)
+    }
+
+    fn try_read_in_place(&mut self, max: usize, f: &mut dyn FnMut(&[u8])) -> Option<std::io::Result<usize>> {
+        if let Err(e) = self.progress() {
+            return Some(Err(e));
+        }
+        let Some(&len) = self.arrived.front() else {
+            if self.peer_closed {
+                return Some(Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "peer closed the link")));
+            }
+            return Some(Ok(0));
+        };
+        let n = max.min(len - self.read_off);
+        let src = Self::slot_ptr(&self.rx, self.slot, self.taken, self.slots);
+        // SAFETY: the slot holds `len` landed bytes and the sender does not reuse it before
+        // we return its credit below.
+        f(unsafe { std::slice::from_raw_parts(src.add(self.read_off), n) });
+        Some(self.consume(n, len).map(|_| n))
     }
 
     fn poll_fd(&self) -> Option<RawFd> {
@@ -226,6 +250,9 @@ impl Link for VerbsLink {
     fn peer_gone(&mut self) -> Option<String> {
         if let Err(e) = self.progress() {
             return Some(e.to_string());
+        }
+        if let Some(why) = self.remote.local_pid().and_then(crate::transport::shm::process_gone) {
+            return Some(why);
         }
         // Credits held back while the sender may be waiting for them.
         if self.arrived.is_empty() && self.return_credits().is_err() {

@@ -299,17 +299,34 @@ pub struct Endpoint {
     pub addr: u64,
     pub rkey: u32,
     pub len: u64,
+    /// The owner's process id and a hash of its host identity: a peer on the same host is
+    /// watched through /proc, faster and surer than waiting for transport retries.
+    pub pid: u32,
+    pub host: u64,
+}
+
+/// A hash of this host's identity (see [`crate::bootstrap::host_id`]).
+pub fn host_hash() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    crate::bootstrap::host_id().hash(&mut h);
+    h.finish()
 }
 
 impl Endpoint {
+    /// The peer's process id when it runs on this host.
+    pub fn local_pid(&self) -> Option<u32> {
+        (self.host == host_hash()).then_some(self.pid)
+    }
+
     pub fn encode(&self) -> String {
         let gid: String = self.gid.iter().map(|b| format!("{b:02x}")).collect();
-        format!("{} {} {} {gid} {} {} {}", self.qpn, self.psn, self.lid, self.addr, self.rkey, self.len)
+        format!("{} {} {} {gid} {} {} {} {} {}", self.qpn, self.psn, self.lid, self.addr, self.rkey, self.len, self.pid, self.host)
     }
 
     pub fn decode(s: &str) -> std::result::Result<Endpoint, String> {
         let f: Vec<&str> = s.split(' ').collect();
-        if f.len() != 7 || f[3].len() != 32 {
+        if f.len() != 9 || f[3].len() != 32 {
             return Err(format!("malformed verbs endpoint {s:?}"));
         }
         let n = |i: usize| f[i].parse::<u64>().map_err(|_| format!("malformed verbs endpoint field {:?}", f[i]));
@@ -318,10 +335,11 @@ impl Endpoint {
             *g = u8::from_str_radix(&f[3][2 * i..2 * i + 2], 16).map_err(|_| format!("malformed GID in {s:?}"))?;
         }
         let (qpn, psn, lid) = (n(0)?, n(1)?, n(2)?);
-        if qpn >= 1 << 24 || psn >= 1 << 24 || lid > u16::MAX as u64 {
+        let (rkey, pid) = (n(5)?, n(7)?);
+        if qpn >= 1 << 24 || psn >= 1 << 24 || lid > u16::MAX as u64 || rkey > u32::MAX as u64 || pid > u32::MAX as u64 {
             return Err(format!("verbs endpoint out of range: {s:?}"));
         }
-        Ok(Endpoint { qpn: qpn as u32, psn: psn as u32, lid: lid as u16, gid, addr: n(4)?, rkey: n(5)? as u32, len: n(6)? })
+        Ok(Endpoint { qpn: qpn as u32, psn: psn as u32, lid: lid as u16, gid, addr: n(4)?, rkey: rkey as u32, len: n(6)?, pid: pid as u32, host: n(8)? })
     }
 }
 
@@ -379,6 +397,8 @@ impl Qp {
             addr: mr.map_or(0, |m| m.addr),
             rkey: mr.map_or(0, |m| m.rkey()),
             len: mr.map_or(0, |m| m.len as u64),
+            pid: std::process::id(),
+            host: host_hash(),
         }
     }
 
@@ -592,6 +612,11 @@ impl RmaPeer {
         self.remote.len as usize
     }
 
+    /// The peer's process id when it runs on this host.
+    pub fn local_pid(&self) -> Option<u32> {
+        self.remote.local_pid()
+    }
+
     /// Posts `wr` and waits for its completion until `deadline`.
     fn run(&self, wr: Wr<'_>, what: &str, deadline: Instant) -> std::io::Result<()> {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -683,9 +708,13 @@ mod tests {
             addr: 0x7f00_1234_5000,
             rkey: 0x1234,
             len: 4 << 20,
+            pid: 77,
+            host: u64::MAX,
         };
         assert_eq!(Endpoint::decode(&e.encode()), Ok(e));
-        for bad in ["", "1 2 3", "1 2 3 zz 4 5 6", "16777216 0 0 00000000000000000000ffff0a00020f 0 0 0", "1 2 3 00000000000000000000ffff0a00020f x 5 6"] {
+        for bad in
+            ["", "1 2 3", "1 2 3 zz 4 5 6", "16777216 0 0 00000000000000000000ffff0a00020f 0 0 0 1 2", "1 2 3 00000000000000000000ffff0a00020f x 5 6 1 2"]
+        {
             assert!(Endpoint::decode(bad).is_err(), "{bad:?} accepted");
         }
     }
