@@ -5,8 +5,6 @@
 
 mod common;
 use common::*;
-use std::process::Command;
-use std::time::{Duration, Instant};
 
 fn ring(n: usize, launch_args: &[&str], extra: &[&str], env: &[(&str, &str)]) -> String {
     let mut args = vec!["check", "--token-ring", "300"];
@@ -43,41 +41,17 @@ fn across_namespaces() {
     }
 }
 
-/// Rank `victim` SIGKILLs itself holding the token; every survivor must fail within the
-/// 2 s deadline (plus start-up) naming it.
-fn killed(transport: &str, victim: usize, cyclic: bool) {
-    let kill = format!("{victim}:20");
-    let mut args = vec!["check", "--token-ring", "1000", "--kill", &kill];
-    if cyclic {
-        args.push("--cyclic");
-    }
-    let mut cmd = Command::new(bin());
-    cmd.args(["launch", "-n", "4", "--", bin()]).args(&args).env("GRADWIRE_TIMEOUT_MS", "2000").env("GRADWIRE_TRANSPORT", transport);
-    let start = Instant::now();
-    let out = run_with_limit(cmd, Duration::from_secs(60));
-    let t = text(&out);
-    println!("{t}");
-    assert!(!out.status.success(), "{t}");
-    assert!(t.contains(&format!("rank {victim} failed (killed by signal 9)")), "{t}");
-    for r in (0..4).filter(|&r| r != victim) {
-        let line = t.lines().find(|l| l.starts_with(&format!("rank {r}: gradwire check:"))).unwrap_or_else(|| panic!("rank {r} reported nothing:\n{t}"));
-        assert!(line.contains(&format!("rank {victim}")), "rank {r} does not name rank {victim}: {line}");
-    }
-    assert!(!t.contains("panicked"), "{t}");
-    assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
-}
-
 #[test]
 fn killed_token_holder_is_named() {
-    killed("shm", 1, true);
-    killed("tcp", 2, true);
+    killed_in_token_ring("shm", 1, true, &LOCAL);
+    killed_in_token_ring("tcp", 2, true, &LOCAL);
 }
 
 #[test]
 fn killed_server_shard_is_named_by_every_worker() {
     // Shards live on ranks 0 and 3; rank 3 dies.
-    killed("shm", 3, false);
-    killed("tcp", 3, false);
+    killed_in_token_ring("shm", 3, false, &LOCAL);
+    killed_in_token_ring("tcp", 3, false, &LOCAL);
 }
 
 #[test]

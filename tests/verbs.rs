@@ -82,6 +82,15 @@ fn device_killed_rank_is_named() {
 }
 
 #[test]
+fn device_killed_token_holder_and_server_shard_are_named() {
+    if !device_or_skip("device_killed_token_holder_and_server_shard_are_named") {
+        return;
+    }
+    killed_in_token_ring("verbs", 1, true, &VM);
+    killed_in_token_ring("verbs", 3, false, &VM);
+}
+
+#[test]
 fn device_mismatched_calls_fail_on_every_rank() {
     if !device_or_skip("device_mismatched_calls_fail_on_every_rank") {
         return;

@@ -170,3 +170,27 @@ pub fn mismatch(transport: &str, even: &[&str], odd: &[&str], expect: &[&str]) {
     }
     assert!(!all.contains("panicked"), "{all}");
 }
+
+/// Rank `victim` SIGKILLs itself holding the token; every survivor must fail within the
+/// deadline (plus start-up) naming it.
+pub fn killed_in_token_ring(transport: &str, victim: usize, cyclic: bool, t: &FaultTiming) {
+    let kill = format!("{victim}:20");
+    let mut args = vec!["check", "--token-ring", "1000", "--kill", &kill];
+    if cyclic {
+        args.push("--cyclic");
+    }
+    let mut cmd = Command::new(bin());
+    cmd.args(["launch", "-n", "4", "--", bin()]).args(&args).env("GRADWIRE_TIMEOUT_MS", t.deadline_ms.to_string()).env("GRADWIRE_TRANSPORT", transport);
+    let start = Instant::now();
+    let out = run_with_limit(cmd, Duration::from_secs(60));
+    let all = text(&out);
+    println!("{all}");
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains(&format!("rank {victim} failed (killed by signal 9)")), "{all}");
+    for r in (0..4).filter(|&r| r != victim) {
+        let line = all.lines().find(|l| l.starts_with(&format!("rank {r}: gradwire check:"))).unwrap_or_else(|| panic!("rank {r} reported nothing:\n{all}"));
+        assert!(line.contains(&format!("rank {victim}")), "rank {r} does not name rank {victim}: {line}");
+    }
+    assert!(!all.contains("panicked"), "{all}");
+    assert!(start.elapsed() < t.report_within * 3, "{:?}", start.elapsed());
+}

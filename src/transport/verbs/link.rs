@@ -155,7 +155,9 @@ impl VerbsLink {
             self.taken += 1;
             self.read_off = 0;
             self.freed += 1;
-            if self.freed >= (self.slots / 4).max(1) {
+            // A quarter ring at a time, or at once when we have caught up (the sender may be
+            // waiting for exactly these slots).
+            if self.freed >= (self.slots / 4).max(1) || self.arrived.is_empty() {
                 self.return_credits()?;
             }
         }

@@ -636,6 +636,12 @@ impl RmaPeer {
             if Instant::now() >= deadline {
                 return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("RDMA {what}: no completion before the deadline")));
             }
+            // A dead peer on this host is seen through /proc long before transport retries.
+            if naps % 1000 == 999 {
+                if let Some(why) = self.local_pid().and_then(crate::transport::shm::process_gone) {
+                    return Err(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, format!("RDMA {what}: {why}")));
+                }
+            }
             naps += 1;
             if naps > 200 {
                 std::thread::sleep(Duration::from_micros(20));
