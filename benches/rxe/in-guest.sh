@@ -1,5 +1,6 @@
 #!/bin/sh
 # Runs inside the rxe guest (see benches/rxe_compare.sh): ib_write_bw, `gradwire bench write`
+# (allreduce busbw computed from the time column, bytes/us = MB/s, as busbw = algbw at W=2)
 # and a 2-rank `gradwire bench allreduce` over verbs, on the same rxe device and sizes.
 # Prints one markdown row per size (medians of REPEATS runs) with the ratios to ib_write_bw.
 set -u
@@ -34,7 +35,7 @@ for s in $SIZES; do
     IB="$IB $(ibw "$s" "$n" "")"
     BI="$BI $(ibw "$s" "$n" "-b")"
     WR="$WR $(gradwire launch -n 2 -- gradwire bench write --transport verbs -b "$s" -e "$s" -n "$n" 2>/dev/null | awk -v s="$s" '$1 == s { print $4 }')"
-    AR="$AR $(gradwire launch -n 2 -- gradwire bench allreduce --transport verbs -b "$s" -e "$s" -n "$n" -w 3 2>/dev/null | awk -v s="$s" '$1 == s { printf "%.1f", $7 * 1000 }')"
+    AR="$AR $(gradwire launch -n 2 -- gradwire bench allreduce --transport verbs -b "$s" -e "$s" -n "$n" -w 3 2>/dev/null | awk -v s="$s" '$1 == s && $5 > 0 { printf "%.1f", s / $5 }')"
   done
   ib=$(median $IB); bi=$(median $BI); wr=$(median $WR); ar=$(median $AR)
   echo "| $s | ${ib:-n/a} | ${wr:-n/a} | $(ratio "$wr" "$ib") | ${ar:-n/a} | $(ratio "$ar" "$ib") | ${bi:-n/a} |"
