@@ -1,7 +1,7 @@
 #!/bin/sh
 # Runs inside the rxe guest (see benches/rxe_compare.sh): ib_write_bw, `gradwire bench write`
-# (allreduce busbw computed from the time column, bytes/us = MB/s, as busbw = algbw at W=2)
-# and a 2-rank `gradwire bench allreduce` over verbs, on the same rxe device and sizes.
+# and a 2-rank `gradwire bench allreduce` over verbs, on the same rxe device and sizes. The
+# allreduce busbw comes from the time column (bytes/us = MB/s; busbw = algbw at W=2).
 # Prints one markdown row per size (medians of REPEATS runs) with the ratios to ib_write_bw.
 set -u
 SIZES=${SIZES:-"65536 1048576 4194304 16777216"}
