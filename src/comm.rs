@@ -22,9 +22,9 @@ pub struct Communicator {
     pub(crate) config: Config,
     engine: Engine,
     splits: AtomicU64,
-    store: Option<Arc<StoreClient>>,
+    pub(crate) store: Option<Arc<StoreClient>>,
     secret: String,
-    prefix: String,
+    pub(crate) prefix: String,
     /// Transport used to reach each peer ("self", "shm", "tcp", "verbs").
     link_kinds: Vec<&'static str>,
     /// Global rank of each rank of this communicator.

@@ -60,6 +60,10 @@ pub struct RemoteMemory {
     taken: u64,
     stop: Arc<AtomicBool>,
     server: Option<std::thread::JoinHandle<()>>,
+    /// Where a failing rank leaves its reason and a survivor looks it up (the store keys
+    /// the engine uses for collectives), and the global rank of each rank.
+    reasons: Option<(Arc<crate::bootstrap::StoreClient>, String)>,
+    global: Vec<usize>,
 }
 
 fn inbox_bytes(shard_len: usize) -> usize {
@@ -105,7 +109,22 @@ impl RemoteMemory {
             std::thread::spawn(move || serve(&region, len, shard_len, world, rule, lr, &stop))
         });
         comm.barrier()?;
-        Ok(RemoteMemory { win, servers: servers.to_vec(), bounds, shard_len, world, rank, timeout: comm.config().timeout, taken: 0, stop, server })
+        let reasons = comm.store.clone().map(|s| (s, comm.prefix.clone()));
+        let global = comm.global_ranks().to_vec();
+        Ok(RemoteMemory {
+            win,
+            servers: servers.to_vec(),
+            bounds,
+            shard_len,
+            world,
+            rank,
+            timeout: comm.config().timeout,
+            taken: 0,
+            stop,
+            server,
+            reasons,
+            global,
+        })
     }
 
     fn shard_range(&self, i: usize) -> (usize, usize) {
@@ -232,7 +251,12 @@ impl RemoteMemory {
         let start = Instant::now();
         while !self.has_token() {
             if start.elapsed() > self.timeout {
-                return Err(self.diagnose_token(start.elapsed()));
+                let e = self.diagnose_token(start.elapsed());
+                // Leave the reason where later survivors look (we may exit before they do).
+                if let Some((store, prefix)) = &self.reasons {
+                    let _ = store.set(&self.reason_key(prefix, self.rank), e.to_string().as_bytes());
+                }
+                return Err(e);
             }
             std::thread::yield_now();
         }
@@ -251,10 +275,23 @@ impl RemoteMemory {
         let next = (last_max + 1) % self.world;
         let what = "token ring: waiting for the token";
         if counts[next].is_none() {
-            Error::PeerLost { rank: self.rank, peer: next, op: what.into(), cause: "it received the token last and cannot be reached".into() }
+            // It may have exited after failing itself: then its own reason names the culprit.
+            let first = self
+                .reasons
+                .as_ref()
+                .and_then(|(store, prefix)| store.get(&self.reason_key(prefix, next), Instant::now() + Duration::from_millis(300)).ok().flatten());
+            let cause = match first {
+                Some(why) => format!("it received the token last and cannot be reached; it had failed first: {}", String::from_utf8_lossy(&why)),
+                None => "it received the token last and cannot be reached".into(),
+            };
+            Error::PeerLost { rank: self.rank, peer: next, op: what.into(), cause }
         } else {
             self.gone(last_max, &format!("{what}, last received by rank {last_max}"), waited)
         }
+    }
+
+    fn reason_key(&self, prefix: &str, local: usize) -> String {
+        format!("{prefix}/failed/{}", self.global.get(local).copied().unwrap_or(local))
     }
 
     /// Rank 0's count of current token holders (0 or 1 when all is well).
