@@ -223,6 +223,25 @@ impl GradBuffer {
     }
 }
 
+/// `RLIMIT_MEMLOCK` (soft, hard): how much memory this process may pin, which RDMA
+/// registration needs.
+fn memlock() -> Option<(libc::rlim_t, libc::rlim_t)> {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: r is a valid rlimit out-parameter.
+    (unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } == 0).then_some((r.rlim_cur, r.rlim_max))
+}
+
+/// `RLIMIT_MEMLOCK` as "soft X, hard Y".
+pub fn memlock_text() -> String {
+    let f = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { "unlimited".to_string() } else { format!("{} KiB", v / 1024) };
+    memlock().map_or_else(|| "unknown".into(), |(soft, hard)| format!("soft {}, hard {}", f(soft), f(hard)))
+}
+
+/// True when the soft `RLIMIT_MEMLOCK` is below `bytes`.
+pub fn memlock_below(bytes: u64) -> bool {
+    memlock().is_some_and(|(soft, _)| soft != libc::RLIM_INFINITY && soft < bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -238,10 +238,6 @@ impl Window {
     }
 
     fn remote(&self, peer: usize, req: &[u8], payload: &[u8], reply: &mut [u8], what: &str) -> Result<()> {
-        #[cfg(feature = "verbs")]
-        if let Target::Verbs(rma) = &self.targets[peer] {
-            return self.verbs_op(peer, rma, req, payload, reply, what);
-        }
         let Target::Remote(conn) = &self.targets[peer] else {
             return Err(invalid("not a remote peer"));
         };
@@ -281,6 +277,10 @@ impl Window {
     /// Writes `data` at `off` in `peer`'s region; complete (visible there) on return.
     pub fn write(&self, peer: usize, off: usize, data: &[u8]) -> Result<()> {
         self.check(peer, off, data.len(), "one-sided write")?;
+        #[cfg(feature = "verbs")]
+        if let Some(r) = self.on_verbs(peer, "one-sided write", |rma, deadline| rma.write(off, data, deadline)) {
+            return r;
+        }
         match self.base(peer) {
             // SAFETY: bounds checked; the owner exposed the region for peer writes.
             Some(b) => unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), b.add(off), data.len()) },
@@ -293,6 +293,10 @@ impl Window {
     /// Reads `buf.len()` bytes at `off` from `peer`'s region.
     pub fn read(&self, peer: usize, off: usize, buf: &mut [u8]) -> Result<()> {
         self.check(peer, off, buf.len(), "one-sided read")?;
+        #[cfg(feature = "verbs")]
+        if let Some(r) = self.on_verbs(peer, "one-sided read", |rma, deadline| rma.read(off, buf, deadline)) {
+            return r;
+        }
         std::sync::atomic::fence(Ordering::Acquire);
         match self.base(peer) {
             // SAFETY: bounds checked.
@@ -309,6 +313,10 @@ impl Window {
         if off % 8 != 0 {
             return Err(invalid(format!("one-sided fetch-add: offset {off} is not 8-aligned")));
         }
+        #[cfg(feature = "verbs")]
+        if let Some(r) = self.on_verbs(peer, "one-sided fetch-add", |rma, deadline| rma.fetch_add(off, value, deadline)) {
+            return r;
+        }
         match self.base(peer) {
             // SAFETY: aligned word inside the mapping; every access to it is atomic.
             Some(b) => Ok(unsafe { &*(b.add(off) as *const AtomicU64) }.fetch_add(value, Ordering::AcqRel)),
@@ -323,18 +331,11 @@ impl Window {
 
 #[cfg(feature = "verbs")]
 impl Window {
-    /// Runs a request encoded as for the tcp service over RDMA instead.
-    fn verbs_op(&self, peer: usize, rma: &Mutex<super::verbs::RmaPeer>, req: &[u8], payload: &[u8], reply: &mut [u8], what: &str) -> Result<()> {
+    /// Runs `op` on `peer`'s queue pair when `peer` is reached over RDMA (`None` otherwise).
+    fn on_verbs<T>(&self, peer: usize, what: &str, op: impl FnOnce(&super::verbs::RmaPeer, Instant) -> std::io::Result<T>) -> Option<Result<T>> {
+        let Target::Verbs(rma) = &self.targets[peer] else { return None };
         let rma = rma.lock().unwrap_or_else(|p| p.into_inner());
-        let u = |i: usize| u64::from_le_bytes(req[i..i + 8].try_into().unwrap_or_default());
-        let (off, arg) = (u(9) as usize, u(17));
-        let deadline = Instant::now() + self.timeout;
-        let r = match req[0] {
-            OP_WRITE => rma.write(off, payload, deadline),
-            OP_READ => rma.read(off, reply, deadline),
-            _ => rma.fetch_add(off, arg, deadline).map(|old| reply.copy_from_slice(&old.to_le_bytes())),
-        };
-        r.map_err(|e| Error::PeerLost { rank: self.rank, peer, op: what.into(), cause: e.to_string() })
+        Some(op(&rma, Instant::now() + self.timeout).map_err(|e| Error::PeerLost { rank: self.rank, peer, op: what.into(), cause: e.to_string() }))
     }
 }
 

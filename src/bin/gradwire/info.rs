@@ -8,24 +8,12 @@ fn meminfo(key: &str) -> Option<String> {
 }
 
 fn memlock() -> String {
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: r is a valid rlimit out-parameter.
-    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
-        return "unknown".into();
-    }
-    let fmt = |v: libc::rlim_t| {
-        if v == libc::RLIM_INFINITY {
-            "unlimited".to_string()
-        } else {
-            format!("{} KiB", v / 1024)
-        }
-    };
-    let note = if r.rlim_cur != libc::RLIM_INFINITY && r.rlim_cur < (64 << 20) {
+    let note = if gradwire::mem::memlock_below(64 << 20) {
         " (small: RDMA registration of large buffers will fail; raise with `ulimit -l unlimited` or LimitMEMLOCK=infinity)"
     } else {
         ""
     };
-    format!("soft {}, hard {}{note}", fmt(r.rlim_cur), fmt(r.rlim_max))
+    format!("{}{note}", gradwire::mem::memlock_text())
 }
 
 /// The local address that reaches the rendezvous host (what a rank's GID choice keys on).

@@ -212,19 +212,8 @@ impl Link for VerbsLink {
     }
 
     fn try_read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        self.progress()?;
-        let Some(&len) = self.arrived.front() else {
-            if self.peer_closed {
-                return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "peer closed the link"));
-            }
-            return Ok(0);
-        };
-        let n = buf.len().min(len - self.read_off);
-        let src = Self::slot_ptr(&self.rx, self.slot, self.taken, self.slots);
-        // SAFETY: the slot holds `len` landed bytes; read_off + n <= len.
-        unsafe { std::ptr::copy_nonoverlapping(src.add(self.read_off), buf.as_mut_ptr(), n) };
-        self.consume(n, len)?;
-        Ok(n)
+        let max = buf.len();
+        self.try_read_in_place(max, &mut |bytes: &[u8]| buf[..bytes.len()].copy_from_slice(bytes)).unwrap_or(Ok(0))
     }
 
     fn try_read_in_place(&mut self, max: usize, f: &mut dyn FnMut(&[u8])) -> Option<std::io::Result<usize>> {

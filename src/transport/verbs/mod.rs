@@ -204,20 +204,12 @@ impl Domain {
     }
 }
 
-fn memlock_text() -> String {
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: valid out-parameter.
-    unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) };
-    let f = |v: libc::rlim_t| if v == libc::RLIM_INFINITY { "unlimited".to_string() } else { format!("{} KiB", v / 1024) };
-    format!("RLIMIT_MEMLOCK is soft {} / hard {}", f(r.rlim_cur), f(r.rlim_max))
-}
-
 fn register_error(len: usize, e: std::io::Error) -> Error {
     let hint = match e.raw_os_error() {
         Some(libc::ENOMEM) | Some(libc::EPERM) | Some(libc::EAGAIN) => format!(
-            ": pinning {len} bytes needs locked memory and {}; raise it with `ulimit -l unlimited` (shell), LimitMEMLOCK=infinity \
+            ": pinning {len} bytes needs locked memory and RLIMIT_MEMLOCK is {}; raise it with `ulimit -l unlimited` (shell), LimitMEMLOCK=infinity \
              (systemd), `--ulimit memlock=-1` (docker) or memlock in /etc/security/limits.conf",
-            memlock_text()
+            crate::mem::memlock_text()
         ),
         _ => String::new(),
     };
