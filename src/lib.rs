@@ -26,6 +26,7 @@ pub mod ffi;
 pub mod gpu;
 pub mod mem;
 pub mod rma;
+pub mod train;
 pub mod transport;
 
 pub use collective::hierarchical::{HierarchicalAlgo, Hierarchy};

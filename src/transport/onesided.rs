@@ -44,6 +44,22 @@ impl RmaService {
     }
 }
 
+/// Writes `head` then `body` with gathered writes: one segment for a small reply, and no
+/// lone one-byte segment in front of a large one.
+fn write_all_vectored(s: &mut TcpStream, mut head: &[u8], mut body: &[u8]) -> std::io::Result<()> {
+    use std::io::{IoSlice, Write};
+    while !head.is_empty() || !body.is_empty() {
+        let n = s.write_vectored(&[IoSlice::new(head), IoSlice::new(body)])?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        let from_head = n.min(head.len());
+        head = &head[from_head..];
+        body = &body[n - from_head..];
+    }
+    Ok(())
+}
+
 fn serve(s: &mut TcpStream, exposed: &Exposed) -> std::io::Result<()> {
     let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
     let mut req = [0u8; REQ_LEN];
@@ -57,22 +73,20 @@ fn serve(s: &mut TcpStream, exposed: &Exposed) -> std::io::Result<()> {
         // Status byte first: a bad request is refused, the connection stays usable.
         match op {
             OP_WRITE => {
-                let mut data = vec![0u8; len];
-                s.read_exact(&mut data)?;
                 if ok {
                     // SAFETY: bounds checked; the window's owner accepted that peers write
-                    // here (it exposed the region for exactly this).
-                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), region.as_ptr().add(off), len) };
+                    // here (it exposed the region for exactly this). Straight from the
+                    // socket into place: no staging copy, no fresh pages per request.
+                    s.read_exact(unsafe { std::slice::from_raw_parts_mut(region.as_ptr().add(off), len) })?;
+                } else {
+                    std::io::copy(&mut std::io::Read::take(&mut *s, len as u64), &mut std::io::sink())?;
                 }
                 s.write_all(&[ok as u8])?;
             }
             OP_READ => {
-                let mut reply = vec![ok as u8];
-                if ok {
-                    // SAFETY: bounds checked; reads of exposed memory.
-                    reply.extend_from_slice(unsafe { std::slice::from_raw_parts(region.as_ptr().add(off), len) });
-                }
-                s.write_all(&reply)?;
+                // SAFETY: bounds checked; reads of exposed memory.
+                let data: &[u8] = if ok { unsafe { std::slice::from_raw_parts(region.as_ptr().add(off), len) } } else { &[] };
+                write_all_vectored(s, &[ok as u8], data)?;
             }
             OP_FADD => {
                 let mut reply = vec![ok as u8];
@@ -229,6 +243,13 @@ impl Window {
         Ok(())
     }
 
+    /// Where `peer`'s region is mapped into this process (this rank, and peers on shared
+    /// memory), for callers that work on it in place; `None` for peers behind a network.
+    /// All access through it must follow the owner's protocol for that memory.
+    pub fn mapped(&self, peer: usize) -> Option<*mut u8> {
+        self.targets.get(peer).and_then(|_| self.base(peer))
+    }
+
     fn base(&self, peer: usize) -> Option<*mut u8> {
         match &self.targets[peer] {
             Target::Own => Some(self.own.as_ptr()),
@@ -250,9 +271,16 @@ impl Window {
             };
             Error::PeerLost { rank: self.rank, peer, op: what.into(), cause }
         };
-        let mut msg = req.to_vec();
-        msg.extend_from_slice(payload);
-        s.write_all(&msg).map_err(lost)?;
+        // Header and payload as two writes: copying a large payload behind the header
+        // would cost a pass over it; a small one rides in the header's segment.
+        if payload.len() <= 4096 {
+            let mut msg = req.to_vec();
+            msg.extend_from_slice(payload);
+            s.write_all(&msg).map_err(lost)?;
+        } else {
+            s.write_all(req).map_err(lost)?;
+            s.write_all(payload).map_err(lost)?;
+        }
         let mut status = [0u8; 1];
         s.read_exact(&mut status).map_err(lost)?;
         if status[0] != 1 {

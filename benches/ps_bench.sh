@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Parameter-server shards and the token ring (src/rma.rs) against the raw one-sided
+# operations of the same transport: `gradwire bench ps` (push/pull vs write/read, same
+# sizes, blocks of each taking turns within one run) and `gradwire bench token-ring` (round
+# time per ring size), on shm and tcp here and on verbs inside the rxe guest.
+#
+#   benches/ps_bench.sh            # print the section
+#   benches/ps_bench.sh --record   # also write it into BENCHMARKS.md
+#
+# Environment: REPEATS (default 3; each cell is the median), NO_VM=1 skips verbs. About
+# 4 minutes on 2 cores (the guest boot included).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+record=0
+[ "${1:-}" = --record ] && record=1
+repeats=${REPEATS:-3}
+cargo build --release --bin gradwire >&2
+gw=target/release/gradwire
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+
+# median_rows FILE...: per size, the median of each numeric column over the files.
+median_rows() {
+  python3 - "$@" <<'PY'
+import statistics, sys
+runs = [[l.split() for l in open(f) if l.strip() and l.split()[0].isdigit()] for f in sys.argv[1:]]
+runs = [r for r in runs if r]
+for i, row in enumerate(runs[0]):
+    cols = [[float(r[i][c].rstrip('%')) for r in runs if i < len(r)] for c in range(1, 7)]
+    m = [statistics.median(c) for c in cols]
+    print(f"| {int(row[0])} | {m[0]:.2f} | {m[1]:.2f} | {100*m[1]/m[0]:.0f} % | {m[3]:.2f} | {m[4]:.2f} | {100*m[4]/m[3]:.0f} % |")
+PY
+}
+ps_table() { # $1 title, then the command that prints one bench ps run
+  local title=$1; shift
+  for r in $(seq "$repeats"); do "$@" >"$tmp/ps.$r" 2>&1 || { cat "$tmp/ps.$r" >&2; exit 1; }; done
+  echo "### $title"
+  echo
+  echo "| size (B) | write GB/s | push GB/s | push / write | read GB/s | pull GB/s | pull / read |"
+  echo "|---:|---:|---:|---:|---:|---:|---:|"
+  median_rows $(seq -f "$tmp/ps.%g" "$repeats")
+  echo
+}
+ring_rows() { # $1 transport label, then the command prefix that launches N ranks
+  local label=$1; shift
+  for n in 2 4 8; do
+    t=$(for r in $(seq "$repeats"); do "$@" "$n" | awk '/token round time/ { print $4 }'; done | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }')
+    echo "| $label | $n | $t | $(awk -v t="$t" -v n="$n" 'BEGIN { printf "%.1f", t / n }') |"
+  done
+}
+{
+  echo "## Parameter-server shards and token ring"
+  echo
+  echo "Written by \`benches/ps_bench.sh --record\`; medians of $repeats runs. A push is one bulk"
+  echo "write into the shard's inbox slot plus an atomic doorbell, complete once applied (timed up to"
+  echo "the flush); on shm the worker applies in place under the shard lock. A pull is a seqlock read"
+  echo "(version, parameters, version). The raw columns are \`Window::write\`/\`read\` of the same"
+  echo "sizes in the same run, blocks of ten of each kind taking turns."
+  echo
+  ps_table "shm, W=2 (ranks pinned)" $gw launch -n 2 -- $gw bench ps --transport shm -b 64K -e 16M -f 4 -n 100 --check
+  ps_table "tcp loopback, W=2 (ranks pinned: the shard's core also receives)" $gw launch -n 2 -- $gw bench ps --transport tcp -b 64K -e 16M -f 4 -n 100 --check
+  ps_table "tcp loopback, W=2, --bind none" $gw launch --bind none -n 2 -- $gw bench ps --transport tcp -b 64K -e 16M -f 4 -n 100 --check
+  if [ "${NO_VM:-0}" != 1 ]; then
+    strip -o "$tmp/gradwire" $gw 2>/dev/null || cp $gw "$tmp/gradwire"
+    cat >"$tmp/guest.sh" <<'G'
+#!/bin/sh
+for r in $(seq "$REPEATS"); do gradwire launch -n 2 -- gradwire bench ps --transport verbs -b 64K -e 16M -f 4 -n 40 --check > /tmp/ps.$r 2>&1; cat /tmp/ps.$r | sed "s/^/ps$r: /"; done
+for n in 2 4; do for r in $(seq "$REPEATS"); do gradwire launch -n $n -- gradwire bench token-ring --transport verbs -n 4 | sed "s/^/ring$n: /"; done; done
+G
+    chmod +x "$tmp/guest.sh"
+    tests/rxe/run-in-vm.sh -t 900 -e "REPEATS=$repeats" -f "$tmp/gradwire" -- "$tmp/guest.sh" >"$tmp/vm.out" 2>&1 || { cat "$tmp/vm.out" >&2; exit 1; }
+    for r in $(seq "$repeats"); do sed -n "s/^ps$r: //p" "$tmp/vm.out" >"$tmp/vps.$r"; done
+    echo "### verbs on soft-RoCE (rxe, one QEMU guest, 2 emulated cores), W=2"
+    echo
+    echo "| size (B) | write GB/s | push GB/s | push / write | read GB/s | pull GB/s | pull / read |"
+    echo "|---:|---:|---:|---:|---:|---:|---:|"
+    median_rows $(seq -f "$tmp/vps.%g" "$repeats")
+    echo
+  fi
+  echo "### Token round time (one token, fixed ring order, take + pass per hand-off)"
+  echo
+  echo "| transport | ring size | round time (us) | per hand-off (us) |"
+  echo "|---|---:|---:|---:|"
+  ring_rows shm sh -c "$gw launch -n \$0 -- $gw bench token-ring --transport shm -n 20"
+  ring_rows tcp sh -c "$gw launch -n \$0 -- $gw bench token-ring --transport tcp -n 20"
+  if [ "${NO_VM:-0}" != 1 ]; then
+    for n in 2 4; do
+      t=$(sed -n "s/^ring$n: //p" "$tmp/vm.out" | awk '/token round time/ { print $4 }' | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }')
+      echo "| verbs (rxe) | $n | $t | $(awk -v t="$t" -v n="$n" 'BEGIN { printf "%.1f", t / n }') |"
+    done
+  fi
+  echo
+  echo "Ring sizes above the core count (8 ranks on 2 cores) measure the scheduler as much as the ring."
+  echo
+} | tee "$tmp/section.md"
+[ $record = 1 ] || exit 0
+python3 - "$tmp/section.md" <<'PY'
+import sys
+sec = open(sys.argv[1]).read()
+doc = open("BENCHMARKS.md").read()
+head = "## Parameter-server shards and token ring"
+if head in doc:
+    a = doc.index(head)
+    b = doc.find("\n## ", a + len(head))
+    doc = doc[:a] + sec.rstrip() + "\n" + (doc[b:] if b >= 0 else "")
+else:
+    doc = doc.rstrip() + "\n\n" + sec
+open("BENCHMARKS.md", "w").write(doc)
+PY
+echo "ps_bench: BENCHMARKS.md updated" >&2

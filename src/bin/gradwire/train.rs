@@ -1,0 +1,246 @@
+//! `gradwire train`: trains the built-in model with one of the seven strategies (run under
+//! `gradwire launch`). Rank 0 prints a line per epoch and writes the CSV; `--plot` draws it.
+
+use gradwire::rma::ApplyRule;
+use gradwire::train::{self, daso::DasoConfig, data::epoch_batches, Dataset, Mlp, Model, StrategyConfig};
+use gradwire::{Communicator, ReduceOp, Result};
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct TrainArgs {
+    /// ssgd, daso, bsp, ddcgu, cyclic, downpour or eamsgd.
+    #[arg(long, default_value = "ssgd")]
+    pub strategy: String,
+    #[arg(long, default_value_t = 10)]
+    pub epochs: usize,
+    /// digits (UCI handwritten digits, shipped by the smartcore crate) or
+    /// synthetic[:LEN[:FEATURES[:CLASSES]]].
+    #[arg(long, default_value = "digits")]
+    pub data: String,
+    /// Hidden layer widths, comma-separated.
+    #[arg(long, default_value = "64,64")]
+    pub hidden: String,
+    /// Minibatch size per rank.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f32,
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f32,
+    /// bsp: local steps between global reductions (K).
+    #[arg(long, default_value_t = 4)]
+    pub interval: usize,
+    /// bsp: send only this fraction of entries (top-k with error feedback); 0 = dense.
+    #[arg(long, default_value_t = 0.0)]
+    pub topk: f64,
+    /// daso: warm-up and cool-down epochs (each capped at a quarter of the run).
+    #[arg(long, default_value_t = 4)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 4)]
+    pub cooldown: usize,
+    /// daso: average gradients on a bf16 wire in the synchronous phases.
+    #[arg(long)]
+    pub bf16_wire: bool,
+    /// downpour: pull every N steps.
+    #[arg(long, default_value_t = 1)]
+    pub fetch: usize,
+    /// downpour: push every N steps.
+    #[arg(long, default_value_t = 1)]
+    pub push: usize,
+    /// eamsgd: elastic exchange every τ steps.
+    #[arg(long, default_value_t = 4)]
+    pub tau: usize,
+    /// eamsgd: moving rate β (α = β / P).
+    #[arg(long, default_value_t = 0.9)]
+    pub beta: f32,
+    /// ddcgu / cyclic: how the servers apply a push: sum, mean or staleness.
+    #[arg(long, default_value = "mean")]
+    pub rule: String,
+    /// RANK:FACTOR — that rank computes FACTOR times slower (a straggler). Repeatable.
+    #[arg(long)]
+    pub slow: Vec<String>,
+    /// Write loss and accuracy per epoch against wall time and bytes sent (rank 0).
+    #[arg(long)]
+    pub csv: Option<String>,
+    /// Also draw the CSV's curves into this SVG.
+    #[arg(long)]
+    pub plot: Option<String>,
+    /// Label of the run in the CSV and plots (default: the strategy).
+    #[arg(long)]
+    pub label: Option<String>,
+    /// Stop once the test accuracy reaches this fraction (time-to-accuracy runs).
+    #[arg(long)]
+    pub target: Option<f64>,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Exit with status 1 unless the final test accuracy reaches this fraction.
+    #[arg(long)]
+    pub require: Option<f64>,
+}
+
+fn parse_slow(specs: &[String], world: usize) -> Result<Vec<f64>> {
+    let mut factor = vec![1.0; world];
+    for s in specs {
+        let bad = || gradwire::Error::InvalidArgument(format!("--slow {s}: expected RANK:FACTOR with RANK < {world} and FACTOR >= 1"));
+        let (r, f) = s.split_once(':').ok_or_else(bad)?;
+        let (r, f): (usize, f64) = (r.parse().map_err(|_| bad())?, f.parse().map_err(|_| bad())?);
+        if r >= world || !(f >= 1.0) {
+            return Err(bad());
+        }
+        factor[r] = f;
+    }
+    Ok(factor)
+}
+
+fn strategy_config(a: &TrainArgs) -> Result<StrategyConfig> {
+    let rule = match a.rule.as_str() {
+        "sum" => ApplyRule::Sum,
+        "mean" => ApplyRule::Mean,
+        "staleness" => ApplyRule::Staleness,
+        r => return Err(gradwire::Error::InvalidArgument(format!("--rule {r}: sum, mean or staleness"))),
+    };
+    let daso = DasoConfig { warmup_epochs: a.warmup, cooldown_epochs: a.cooldown, epochs: a.epochs, bf16_wire: a.bf16_wire, ..Default::default() };
+    Ok(StrategyConfig {
+        strategy: a.strategy.clone(),
+        lr: a.lr,
+        momentum: a.momentum,
+        interval: a.interval,
+        topk: a.topk,
+        daso,
+        fetch: a.fetch,
+        push: a.push,
+        tau: a.tau,
+        beta: a.beta,
+        rule,
+    })
+}
+
+/// Trains; returns whether `--require` (if given) was met.
+pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
+    let (w, me) = (comm.size(), comm.rank());
+    let slow = parse_slow(&a.slow, w)?;
+    let hidden: Vec<usize> = a
+        .hidden
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.trim().parse().map_err(|_| gradwire::Error::InvalidArgument(format!("--hidden {}: comma-separated widths", a.hidden))))
+        .collect::<Result<_>>()?;
+    let data = Dataset::by_name(&a.data)?;
+    let mut model = Mlp::new(&data, &hidden);
+    let mut params = model.init(a.seed);
+    let mut grads = vec![0f32; params.len()];
+    let cfg = strategy_config(a)?;
+    let mut strategy = train::build(comm, &cfg, &params)?;
+    strategy.start(&mut params)?;
+    let label = a.label.clone().unwrap_or_else(|| a.strategy.clone());
+    let mut csv = match (&a.csv, me) {
+        (Some(path), 0) => {
+            let mut f = std::fs::File::create(path).map_err(|e| gradwire::Error::InvalidArgument(format!("--csv {path}: {e}")))?;
+            writeln!(f, "label,strategy,ranks,epoch,wall_s,train_loss,test_loss,test_acc,mb_sent_per_rank_mean,mb_sent_per_rank_max").ok();
+            Some(f)
+        }
+        _ => None,
+    };
+    if me == 0 {
+        println!(
+            "# gradwire train: {} on {} ranks ({}), MLP {}-{}-{} ({} parameters), {} training examples, batch {} per rank",
+            a.strategy,
+            w,
+            comm.link_kinds().iter().filter(|k| **k != "self").copied().collect::<Vec<_>>().join("/"),
+            data.features,
+            a.hidden.replace(',', "-"),
+            data.classes,
+            params.len(),
+            model.train_len(),
+            a.batch
+        );
+    }
+    let per_epoch = model.train_len().div_ceil(a.batch * w);
+    let mut wall = Duration::ZERO;
+    let mut rng_epoch = 0u64;
+    let mut acc = 0.0;
+    for epoch in 0..a.epochs {
+        let t0 = Instant::now();
+        let (mut loss_sum, mut batches) = (0f64, 0usize);
+        let mut step = |model: &mut Mlp, strategy: &mut Box<dyn train::Strategy + '_>, batch: &[usize], last: bool| -> Result<()> {
+            let c0 = Instant::now();
+            loss_sum += model.loss_and_grad(&params, batch, &mut grads) as f64;
+            batches += 1;
+            if slow[me] > 1.0 {
+                std::thread::sleep(c0.elapsed().mul_f64(slow[me] - 1.0));
+            }
+            strategy.step(&mut params, &grads, last)
+        };
+        if strategy.shared_pool() {
+            // A pool shared by all ranks: this rank draws from its own shuffled stream of
+            // the whole training set until the epoch's minibatches are all taken.
+            let mut stream = epoch_batches(model.train_len(), a.batch, 0, 1, a.seed ^ (me as u64 + 1) << 32, epoch).into_iter();
+            while strategy.claim_batch(per_epoch * w)? {
+                let b = match stream.next() {
+                    Some(b) => b,
+                    None => {
+                        rng_epoch += 1;
+                        stream = epoch_batches(model.train_len(), a.batch, 0, 1, a.seed ^ (me as u64 + 1) << 32 ^ rng_epoch, epoch).into_iter();
+                        stream.next().unwrap_or_default()
+                    }
+                };
+                step(&mut model, &mut strategy, &b, false)?;
+            }
+        } else {
+            let mine = epoch_batches(model.train_len(), a.batch, me, w, a.seed, epoch);
+            // Every rank takes the same number of steps (synchronous schemes need that).
+            let n = per_epoch.min(mine.len());
+            for (i, b) in mine.iter().take(n).enumerate() {
+                step(&mut model, &mut strategy, b, i + 1 == n)?;
+            }
+        }
+        let train_loss = strategy.end_epoch(&mut params, loss_sum / batches.max(1) as f64)?;
+        wall += t0.elapsed();
+        // Evaluation is not timed: it is the same for every strategy.
+        let current = strategy.current_model(&params)?;
+        let (test_loss, test_acc) = model.evaluate(&current);
+        acc = test_acc;
+        let mut sent = [strategy.bytes_sent() as f64 / 1e6, strategy.bytes_sent() as f64 / 1e6];
+        let mut max = [sent[1]];
+        comm.allreduce(&mut sent[..1], ReduceOp::Avg)?;
+        comm.allreduce(&mut max, ReduceOp::Max)?;
+        let mut agreed = [test_acc];
+        comm.broadcast(&mut agreed, 0)?;
+        if me == 0 {
+            println!(
+                "epoch {:>3}/{}  train loss {train_loss:.4}  test loss {test_loss:.4}  test acc {:5.1} %  wall {:7.2} s  sent {:8.2} MB/rank{}",
+                epoch + 1,
+                a.epochs,
+                100.0 * test_acc,
+                wall.as_secs_f64(),
+                sent[0],
+                strategy.describe()
+            );
+            if let Some(f) = &mut csv {
+                writeln!(
+                    f,
+                    "{label},{},{w},{},{:.4},{train_loss:.6},{test_loss:.6},{test_acc:.6},{:.3},{:.3}",
+                    a.strategy,
+                    epoch + 1,
+                    wall.as_secs_f64(),
+                    sent[0],
+                    max[0]
+                )
+                .ok();
+            }
+        }
+        if a.target.is_some_and(|t| agreed[0] >= t) {
+            if me == 0 {
+                println!("target accuracy {:.1} % reached after {:.2} s", 100.0 * a.target.unwrap_or(0.0), wall.as_secs_f64());
+            }
+            break;
+        }
+    }
+    strategy.finish(&mut params)?;
+    drop(csv);
+    if let (Some(svg), Some(path), 0) = (&a.plot, &a.csv, me) {
+        crate::plot::draw(&[path.clone()], svg, "time")?;
+    }
+    Ok(a.require.is_none_or(|r| acc >= r))
+}

@@ -1,0 +1,184 @@
+//! Training drivers: the seven schemes of ALGORITHMS.md behind one [`Strategy`] interface
+//! that a framework drives step by step, a [`Model`] interface with a built-in multi-layer
+//! perceptron, and the data it trains on.
+//!
+//! A framework's loop, for every strategy alike:
+//!
+//! ```text
+//! strategy.start(&mut params)?;                 // agree on the initial parameters
+//! for epoch { for batch {
+//!     let loss = model.loss_and_grad(&params, batch, &mut grads);   // forward + backward
+//!     strategy.step(&mut params, &grads, last_batch_of_epoch)?;     // communicate + update
+//! }   strategy.end_epoch(&mut params, mean_loss)?; }
+//! strategy.finish(&mut params)?;                // the final model on every rank
+//! ```
+//!
+//! Every strategy owns its optimizer, so `step` leaves `params` ready for the next batch.
+
+pub mod bsp;
+pub mod daso;
+pub mod data;
+pub mod model;
+pub mod ps;
+pub mod ssgd;
+
+use crate::comm::Communicator;
+use crate::error::{invalid, Result};
+
+pub use data::Dataset;
+pub use model::{Mlp, Model};
+
+/// One training scheme: communication plus the parameter update, after backward.
+pub trait Strategy {
+    /// Short name, as on the command line.
+    fn name(&self) -> &'static str;
+    /// Before the first step: makes `params` the same on every rank (or fetches them from
+    /// the servers). Collective.
+    fn start(&mut self, params: &mut [f32]) -> Result<()>;
+    /// After backward: `grads` were computed at `params` on this rank's minibatch. Leaves
+    /// `params` updated for the next minibatch. `last_of_epoch` lets a strategy synchronise
+    /// at the epoch's end (DASO does).
+    fn step(&mut self, params: &mut [f32], grads: &[f32], last_of_epoch: bool) -> Result<()>;
+    /// Whether minibatches come from one pool per epoch shared by all ranks (asynchronous
+    /// schemes: a fast worker does more of the epoch instead of waiting) rather than each
+    /// rank's fixed 1/W share (the default; synchronous schemes need equal step counts).
+    fn shared_pool(&self) -> bool {
+        false
+    }
+    /// With a shared pool: whether this rank may take one more of the epoch's `total`
+    /// minibatches.
+    fn claim_batch(&mut self, total: usize) -> Result<bool> {
+        let _ = total;
+        Ok(true)
+    }
+    /// The model to evaluate (the agreed anchor, the servers' θ, the centre variable; by
+    /// default this rank's parameters).
+    fn current_model(&mut self, params: &[f32]) -> Result<Vec<f32>> {
+        Ok(params.to_vec())
+    }
+    /// The strategy's state worth printing with the epoch's progress line.
+    fn describe(&self) -> String {
+        String::new()
+    }
+    /// At the end of an epoch, with this rank's mean training loss; returns the loss
+    /// averaged over all ranks (DASO's plateau controller runs on it). Collective.
+    fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64>;
+    /// After the last epoch: leaves the final model in `params` on every rank. Collective.
+    fn finish(&mut self, params: &mut [f32]) -> Result<()>;
+    /// Bytes this rank has handed to the network for the scheme so far (payloads only).
+    fn bytes_sent(&self) -> u64;
+}
+
+/// Stochastic gradient descent with optional (Nesterov) momentum, PyTorch's formulation:
+/// v ← μ·v + g; p ← p − lr·v (or, with Nesterov, p ← p − lr·(g + μ·v)).
+#[derive(Clone, Debug)]
+pub struct Sgd {
+    pub lr: f32,
+    pub momentum: f32,
+    pub nesterov: bool,
+    velocity: Vec<f32>,
+}
+
+impl Sgd {
+    pub fn new(lr: f32, momentum: f32, nesterov: bool) -> Self {
+        Sgd { lr, momentum, nesterov, velocity: Vec::new() }
+    }
+
+    pub fn step(&mut self, params: &mut [f32], grads: &[f32]) {
+        if self.momentum == 0.0 {
+            params.iter_mut().zip(grads).for_each(|(p, g)| *p -= self.lr * g);
+            return;
+        }
+        if self.velocity.len() != params.len() {
+            self.velocity = vec![0.0; params.len()];
+        }
+        let (lr, mu) = (self.lr, self.momentum);
+        for ((p, g), v) in params.iter_mut().zip(grads).zip(&mut self.velocity) {
+            *v = mu * *v + g;
+            *p -= lr * if self.nesterov { g + mu * *v } else { *v };
+        }
+    }
+}
+
+/// Everything that selects and tunes a strategy (the command line's `gradwire train` flags).
+#[derive(Clone, Debug)]
+pub struct StrategyConfig {
+    pub strategy: String,
+    pub lr: f32,
+    pub momentum: f32,
+    /// BSP: local steps between global reductions (K).
+    pub interval: usize,
+    /// BSP: fraction of entries sent with top-k sparsification (with error feedback); 0 = dense.
+    pub topk: f64,
+    /// DASO knobs (ALGORITHMS.md §1).
+    pub daso: daso::DasoConfig,
+    /// Downpour: pull every `fetch` steps, push every `push` steps.
+    pub fetch: usize,
+    pub push: usize,
+    /// EAMSGD: exchange period τ and moving rate β (α = β / P).
+    pub tau: usize,
+    pub beta: f32,
+    /// Parameter-server apply rule for ddcgu and cyclic.
+    pub rule: crate::rma::ApplyRule,
+}
+
+impl Default for StrategyConfig {
+    fn default() -> Self {
+        StrategyConfig {
+            strategy: "ssgd".into(),
+            lr: 0.05,
+            momentum: 0.9,
+            interval: 4,
+            topk: 0.0,
+            daso: daso::DasoConfig::default(),
+            fetch: 1,
+            push: 1,
+            tau: 4,
+            beta: 0.9,
+            rule: crate::rma::ApplyRule::Mean,
+        }
+    }
+}
+
+/// The strategies by name, in the order of the papers' claims.
+pub const STRATEGIES: [&str; 7] = ["ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour", "eamsgd"];
+
+/// Builds the strategy `cfg.strategy` on `comm`, for a model of `n` parameters with initial
+/// values `init` (the same on every rank: the parameter servers start from them).
+pub fn build<'c>(comm: &'c Communicator, cfg: &StrategyConfig, init: &[f32]) -> Result<Box<dyn Strategy + 'c>> {
+    let sgd = Sgd::new(cfg.lr, cfg.momentum, false);
+    Ok(match cfg.strategy.as_str() {
+        "ssgd" => Box::new(ssgd::Ssgd::new(comm, sgd)),
+        "bsp" => Box::new(bsp::Bsp::new(comm, sgd, cfg.interval, cfg.topk)?),
+        "daso" => Box::new(daso::Daso::new(comm, sgd, cfg.daso.clone())?),
+        "ddcgu" => Box::new(ps::TokenRing::new(comm, init, cfg.lr, cfg.rule, ps::Turn::DynamicDelay)?),
+        "cyclic" => Box::new(ps::TokenRing::new(comm, init, cfg.lr, cfg.rule, ps::Turn::FixedCyclic)?),
+        "downpour" => Box::new(ps::Downpour::new(comm, init, cfg.lr, cfg.fetch, cfg.push)?),
+        "eamsgd" => Box::new(ps::Eamsgd::new(comm, init, Sgd::new(cfg.lr, 0.99, true), cfg.tau, cfg.beta)?),
+        other => return Err(invalid(format!("unknown strategy '{other}' (known: {})", STRATEGIES.join(", ")))),
+    })
+}
+
+/// Payload bytes of `n` f32 values.
+pub(crate) fn f32_bytes(n: usize) -> u64 {
+    4 * n as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sgd_momentum_matches_hand_computed_steps() {
+        let mut o = Sgd::new(0.1, 0.5, false);
+        let mut p = vec![1.0f32];
+        o.step(&mut p, &[2.0]); // v = 2, p = 1 - 0.2
+        assert_eq!(p[0], 0.8);
+        o.step(&mut p, &[2.0]); // v = 3, p = 0.8 - 0.3
+        assert!((p[0] - 0.5).abs() < 1e-7);
+        let mut n = Sgd::new(0.1, 0.5, true);
+        let mut q = vec![1.0f32];
+        n.step(&mut q, &[2.0]); // v = 2, p = 1 - 0.1 (2 + 1)
+        assert!((q[0] - 0.7).abs() < 1e-7);
+    }
+}

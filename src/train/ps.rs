@@ -1,0 +1,361 @@
+//! The parameter-server strategies, on the remote-memory layer ([`crate::rma`]): every rank
+//! is a worker and serves one shard of the parameters.
+//!
+//! - `ddcgu` (ALGORITHMS.md §3): workers never wait; whoever holds the token pushes all it
+//!   accumulated since its last push (the dynamic delay), pulls θ and passes the token on.
+//! - `cyclic`: the fixed cyclic delayed baseline; each worker contributes exactly one
+//!   gradient per round, waiting for its turn.
+//! - `downpour` (Dean et al. 2012): pull every `fetch` steps, push the accumulated gradient
+//!   every `push` steps, no coordination at all.
+//! - `eamsgd` (Zhang et al. 2015): local Nesterov-momentum SGD; every τ steps an elastic
+//!   exchange with the centre variable held by the servers.
+//!
+//! Asynchronous workers take minibatches from one pool per epoch ([`Strategy::claim_batch`])
+//! so a fast worker processes more of them instead of waiting for a slow one.
+
+use super::ssgd::mean_loss;
+use super::{f32_bytes, Sgd, Strategy};
+use crate::comm::Communicator;
+use crate::error::Result;
+use crate::mem::Region;
+use crate::rma::{ApplyRule, RemoteMemory};
+use crate::transport::onesided::Window;
+use std::sync::Arc;
+
+/// One counter per epoch (rank 0's window), claimed with one-sided fetch-and-add.
+struct BatchPool {
+    win: Window,
+    epoch: usize,
+}
+
+const POOL_EPOCHS: usize = 4096;
+
+impl BatchPool {
+    fn new(comm: &Communicator) -> Result<Self> {
+        let win = comm.expose(Arc::new(Region::shared("gradwire-batch-pool", 8 * POOL_EPOCHS)?))?;
+        Ok(BatchPool { win, epoch: 0 })
+    }
+
+    /// Whether one more of this epoch's `total` minibatches is ours to take.
+    fn claim(&self, total: usize) -> Result<bool> {
+        Ok(self.win.fetch_add(0, 8 * (self.epoch % POOL_EPOCHS), 1)? < total as u64)
+    }
+}
+
+/// Every shard served by one rank: shards spread the servers' work and memory evenly.
+fn all_ranks(comm: &Communicator) -> Vec<usize> {
+    (0..comm.size()).collect()
+}
+
+/// Waits (without blocking the token) until every rank has arrived, then agrees on the
+/// mean loss. `serve` runs whenever there is nothing else to do.
+fn gather_loss(comm: &Communicator, loss: f64, mut serve: impl FnMut() -> Result<()>) -> Result<f64> {
+    let all_here = comm.ibarrier()?;
+    while !all_here.test() {
+        serve()?;
+        std::thread::yield_now();
+    }
+    all_here.wait()?;
+    mean_loss(comm, loss)
+}
+
+/// How a worker's turn with the token is scheduled.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Turn {
+    /// Push whatever has accumulated whenever the token is here; never wait for it.
+    DynamicDelay,
+    /// Wait for the token after every minibatch; push exactly that gradient.
+    FixedCyclic,
+}
+
+pub struct TokenRing<'c> {
+    comm: &'c Communicator,
+    rm: RemoteMemory,
+    turn: Turn,
+    acc: Vec<f32>,
+    count: u64,
+    pool: Option<BatchPool>,
+    sent: u64,
+    /// Minibatches per push, summed (for the report).
+    pub pushes: u64,
+}
+
+impl<'c> TokenRing<'c> {
+    pub fn new(comm: &'c Communicator, init: &[f32], lr: f32, rule: ApplyRule, turn: Turn) -> Result<Self> {
+        let rm = RemoteMemory::new(comm, &all_ranks(comm), init, rule, lr)?;
+        let pool = if turn == Turn::DynamicDelay { Some(BatchPool::new(comm)?) } else { None };
+        Ok(TokenRing { comm, rm, turn, acc: vec![0.0; init.len()], count: 0, pool, sent: 0, pushes: 0 })
+    }
+
+    /// The token is here: push what accumulated (if anything), pull θ, pass the token.
+    fn take_turn(&mut self, params: &mut [f32]) -> Result<()> {
+        self.rm.take_token()?;
+        if self.count > 0 {
+            self.rm.push(&self.acc, self.count)?;
+            self.sent += f32_bytes(self.acc.len());
+            self.pushes += 1;
+            self.acc.fill(0.0);
+            self.count = 0;
+        }
+        self.rm.pull(params)?;
+        self.rm.pass_token()
+    }
+
+    /// Keeps the token moving (pushing what is left) while waiting for the other ranks.
+    fn settle(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
+        let comm = self.comm;
+        gather_loss(comm, loss, || if self.rm.has_token() { self.take_turn(params) } else { Ok(()) })
+    }
+}
+
+impl Strategy for TokenRing<'_> {
+    fn name(&self) -> &'static str {
+        match self.turn {
+            Turn::DynamicDelay => "ddcgu",
+            Turn::FixedCyclic => "cyclic",
+        }
+    }
+
+    fn start(&mut self, params: &mut [f32]) -> Result<()> {
+        self.rm.pull(params)
+    }
+
+    fn step(&mut self, params: &mut [f32], grads: &[f32], _last_of_epoch: bool) -> Result<()> {
+        self.acc.iter_mut().zip(grads).for_each(|(a, g)| *a += g);
+        self.count += 1;
+        match self.turn {
+            Turn::DynamicDelay if self.rm.has_token() => self.take_turn(params),
+            Turn::DynamicDelay => Ok(()),
+            Turn::FixedCyclic => {
+                self.rm.wait_token()?;
+                self.take_turn(params)
+            }
+        }
+    }
+
+    fn shared_pool(&self) -> bool {
+        self.pool.is_some()
+    }
+
+    fn claim_batch(&mut self, total: usize) -> Result<bool> {
+        self.pool.as_ref().map_or(Ok(true), |p| p.claim(total))
+    }
+
+    fn current_model(&mut self, _params: &[f32]) -> Result<Vec<f32>> {
+        let mut theta = vec![0f32; self.acc.len()];
+        self.rm.pull(&mut theta)?;
+        Ok(theta)
+    }
+
+    fn describe(&self) -> String {
+        format!("  [{} pushes]", self.pushes)
+    }
+
+    fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
+        let loss = self.settle(params, loss)?;
+        if let Some(p) = &mut self.pool {
+            p.epoch += 1;
+        }
+        Ok(loss)
+    }
+
+    fn finish(&mut self, params: &mut [f32]) -> Result<()> {
+        // Push the remainder on the token's next visits, then everyone reads the final θ.
+        while self.count > 0 {
+            self.rm.wait_token()?;
+            self.take_turn(params)?;
+        }
+        self.settle(params, 0.0)?;
+        self.rm.flush()?;
+        self.comm.barrier()?;
+        self.rm.pull(params)?;
+        self.comm.barrier()
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+}
+
+pub struct Downpour<'c> {
+    comm: &'c Communicator,
+    rm: RemoteMemory,
+    fetch: usize,
+    push: usize,
+    acc: Vec<f32>,
+    steps: usize,
+    pool: BatchPool,
+    sent: u64,
+}
+
+impl<'c> Downpour<'c> {
+    pub fn new(comm: &'c Communicator, init: &[f32], lr: f32, fetch: usize, push: usize) -> Result<Self> {
+        let rm = RemoteMemory::new(comm, &all_ranks(comm), init, ApplyRule::Sum, lr)?;
+        let pool = BatchPool::new(comm)?;
+        Ok(Downpour { comm, rm, fetch: fetch.max(1), push: push.max(1), acc: vec![0.0; init.len()], steps: 0, pool, sent: 0 })
+    }
+}
+
+impl Strategy for Downpour<'_> {
+    fn name(&self) -> &'static str {
+        "downpour"
+    }
+
+    fn start(&mut self, params: &mut [f32]) -> Result<()> {
+        self.rm.pull(params)
+    }
+
+    fn step(&mut self, params: &mut [f32], grads: &[f32], _last_of_epoch: bool) -> Result<()> {
+        self.acc.iter_mut().zip(grads).for_each(|(a, g)| *a += g);
+        self.steps += 1;
+        if self.steps % self.push == 0 {
+            self.rm.push(&self.acc, self.push as u64)?;
+            self.sent += f32_bytes(self.acc.len());
+            self.acc.fill(0.0);
+        }
+        if self.steps % self.fetch == 0 {
+            self.rm.pull(params)?;
+        }
+        Ok(())
+    }
+
+    fn shared_pool(&self) -> bool {
+        true
+    }
+
+    fn claim_batch(&mut self, total: usize) -> Result<bool> {
+        self.pool.claim(total)
+    }
+
+    fn current_model(&mut self, _params: &[f32]) -> Result<Vec<f32>> {
+        let mut theta = vec![0f32; self.acc.len()];
+        self.rm.pull(&mut theta)?;
+        Ok(theta)
+    }
+
+    fn end_epoch(&mut self, _params: &mut [f32], loss: f64) -> Result<f64> {
+        self.pool.epoch += 1;
+        gather_loss(self.comm, loss, || Ok(()))
+    }
+
+    fn finish(&mut self, params: &mut [f32]) -> Result<()> {
+        if self.steps % self.push != 0 {
+            self.rm.push(&self.acc, (self.steps % self.push) as u64)?;
+            self.acc.fill(0.0);
+        }
+        self.rm.flush()?;
+        self.comm.barrier()?;
+        self.rm.pull(params)?;
+        self.comm.barrier()
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+}
+
+/// The elastic exchange of EASGD: with d = x − x̃, the worker moves to x − α·d and the
+/// centre to x̃ + α·d. Returns what to push to the servers, which apply θ −= push.
+pub fn elastic(x: &mut [f32], centre: &[f32], alpha: f32) -> Vec<f32> {
+    x.iter_mut()
+        .zip(centre)
+        .map(|(x, c)| {
+            let d = alpha * (*x - c);
+            *x -= d;
+            -d
+        })
+        .collect()
+}
+
+pub struct Eamsgd<'c> {
+    comm: &'c Communicator,
+    rm: RemoteMemory,
+    opt: Sgd,
+    tau: usize,
+    alpha: f32,
+    centre: Vec<f32>,
+    steps: usize,
+    pool: BatchPool,
+    sent: u64,
+}
+
+impl<'c> Eamsgd<'c> {
+    /// `opt` is the local optimizer (Nesterov momentum 0.99 in the paper); α = β / P.
+    pub fn new(comm: &'c Communicator, init: &[f32], opt: Sgd, tau: usize, beta: f32) -> Result<Self> {
+        let rm = RemoteMemory::new(comm, &all_ranks(comm), init, ApplyRule::Sum, 1.0)?;
+        let pool = BatchPool::new(comm)?;
+        let alpha = beta / comm.size() as f32;
+        Ok(Eamsgd { comm, rm, opt, tau: tau.max(1), alpha, centre: vec![0.0; init.len()], steps: 0, pool, sent: 0 })
+    }
+}
+
+impl Strategy for Eamsgd<'_> {
+    fn name(&self) -> &'static str {
+        "eamsgd"
+    }
+
+    fn start(&mut self, params: &mut [f32]) -> Result<()> {
+        self.rm.pull(params)
+    }
+
+    fn step(&mut self, params: &mut [f32], grads: &[f32], _last_of_epoch: bool) -> Result<()> {
+        self.opt.step(params, grads);
+        self.steps += 1;
+        if self.steps % self.tau == 0 {
+            self.rm.pull(&mut self.centre)?;
+            let push = elastic(params, &self.centre, self.alpha);
+            self.rm.push(&push, 1)?;
+            self.sent += f32_bytes(push.len());
+        }
+        Ok(())
+    }
+
+    fn shared_pool(&self) -> bool {
+        true
+    }
+
+    fn claim_batch(&mut self, total: usize) -> Result<bool> {
+        self.pool.claim(total)
+    }
+
+    fn current_model(&mut self, _params: &[f32]) -> Result<Vec<f32>> {
+        let mut centre = vec![0f32; self.centre.len()];
+        self.rm.pull(&mut centre)?;
+        Ok(centre)
+    }
+
+    fn end_epoch(&mut self, _params: &mut [f32], loss: f64) -> Result<f64> {
+        self.pool.epoch += 1;
+        gather_loss(self.comm, loss, || Ok(()))
+    }
+
+    fn finish(&mut self, params: &mut [f32]) -> Result<()> {
+        // The model is the centre variable.
+        self.rm.flush()?;
+        self.comm.barrier()?;
+        self.rm.pull(params)?;
+        self.comm.barrier()
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn elastic_update_moves_both_by_alpha_d() {
+        let mut x = vec![1.0f32, -2.0, 0.5];
+        let centre = [0.0f32, 2.0, 0.5];
+        let push = elastic(&mut x, &centre, 0.25);
+        // d = (1, -4, 0): x -= 0.25 d; the centre (θ −= push) moves by +0.25 d.
+        assert_eq!(x, vec![0.75, -1.0, 0.5]);
+        let new_centre: Vec<f32> = centre.iter().zip(&push).map(|(c, p)| c - p).collect();
+        assert_eq!(new_centre, vec![0.25, 1.0, 0.5]);
+        // The pair's sum is conserved: the exchange only moves them towards each other.
+        assert_eq!(x.iter().zip(&new_centre).map(|(a, b)| a + b).collect::<Vec<_>>(), vec![1.0, 0.0, 1.0]);
+    }
+}

@@ -1,0 +1,82 @@
+//! `ssgd`: synchronous data parallel SGD, one allreduce of the gradients every step (the
+//! baseline everyone uses).
+
+use super::{f32_bytes, Sgd, Strategy};
+use crate::comm::Communicator;
+use crate::dtype::ReduceOp;
+use crate::error::Result;
+
+pub struct Ssgd<'c> {
+    comm: &'c Communicator,
+    opt: Sgd,
+    avg: Vec<f32>,
+    sent: u64,
+}
+
+impl<'c> Ssgd<'c> {
+    pub fn new(comm: &'c Communicator, opt: Sgd) -> Self {
+        Ssgd { comm, opt, avg: vec![], sent: 0 }
+    }
+}
+
+/// Bytes one rank sends in a ring allreduce of `n` f32 values over `w` ranks.
+pub(crate) fn allreduce_bytes(n: usize, w: usize) -> u64 {
+    if w < 2 {
+        0
+    } else {
+        2 * (w as u64 - 1) * f32_bytes(n) / w as u64
+    }
+}
+
+/// Averages `buf` over all ranks of `comm` in place, counting the bytes sent.
+pub(crate) fn average(comm: &Communicator, buf: &mut [f32], sent: &mut u64) -> Result<()> {
+    comm.allreduce(buf, ReduceOp::Avg)?;
+    *sent += allreduce_bytes(buf.len(), comm.size());
+    Ok(())
+}
+
+/// Makes `params` rank 0's on every rank.
+pub(crate) fn from_rank0(comm: &Communicator, params: &mut [f32], sent: &mut u64) -> Result<()> {
+    comm.broadcast(params, 0)?;
+    if comm.rank() == 0 {
+        *sent += f32_bytes(params.len());
+    }
+    Ok(())
+}
+
+/// The globally averaged loss.
+pub(crate) fn mean_loss(comm: &Communicator, loss: f64) -> Result<f64> {
+    let mut l = [loss];
+    comm.allreduce(&mut l, ReduceOp::Avg)?;
+    Ok(l[0])
+}
+
+impl Strategy for Ssgd<'_> {
+    fn name(&self) -> &'static str {
+        "ssgd"
+    }
+
+    fn start(&mut self, params: &mut [f32]) -> Result<()> {
+        from_rank0(self.comm, params, &mut self.sent)
+    }
+
+    fn step(&mut self, params: &mut [f32], grads: &[f32], _last_of_epoch: bool) -> Result<()> {
+        self.avg.clear();
+        self.avg.extend_from_slice(grads);
+        average(self.comm, &mut self.avg, &mut self.sent)?;
+        self.opt.step(params, &self.avg);
+        Ok(())
+    }
+
+    fn end_epoch(&mut self, _params: &mut [f32], loss: f64) -> Result<f64> {
+        mean_loss(self.comm, loss)
+    }
+
+    fn finish(&mut self, _params: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+}
