@@ -91,15 +91,17 @@ G
   echo
   echo "Ring sizes above the core count (8 ranks on 2 cores) measure the scheduler as much as the ring."
   echo
-  echo "Verdict against the target (push and pull at least 85 % of raw one-sided bandwidth from"
-  echo "1 MiB): met on shm and on verbs (rxe); not met for tcp pushes, 67-79 % pinned and 77-92 %"
-  echo "unpinned. On tcp the shard"s rank receives the push (the one-sided service thread) and"
-  echo "applies it (the server thread) on the one core it is pinned to, where a raw write only"
-  echo "receives; fusing the apply into the receive (an accumulate operation) is the lever left."
-  echo "Back-to-back raw tcp reads run slower than reads separated by small requests (the pull"s"
-  echo "version reads), which is why pull shows more than 100 % of read there; we have not found"
-  echo "the cause in the kernel"s TCP path. The verbs table stops at 4 MiB: the 16 MiB runs did not"
-  echo "finish inside the guest"s time limit under TCG."
+  cat <<'NOTE'
+Verdict against the target (push and pull at least 85 % of raw one-sided bandwidth from
+1 MiB): met on shm and on verbs (rxe); not met for tcp pushes, 67-79 % pinned and 77-92 %
+unpinned. On tcp the shard's rank receives the push (the one-sided service thread) and
+applies it (the server thread) on the one core it is pinned to, where a raw write only
+receives; fusing the apply into the receive (an accumulate operation) is the lever left.
+Back-to-back raw tcp reads run slower than reads separated by small requests (the pull's
+version reads), which is why pull shows more than 100 % of read there; we have not found
+the cause in the kernel's TCP path. The verbs table stops at 4 MiB: the 16 MiB runs did not
+finish inside the guest's time limit under TCG.
+NOTE
   echo
 } | tee "$tmp/section.md"
 [ $record = 1 ] || exit 0
