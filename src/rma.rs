@@ -58,8 +58,8 @@ pub enum ApplyRule {
     Sum,
     /// θ −= η·a/c
     Mean,
-    /// θ −= η·a/τ, τ = updates the shard applied since the worker's last pull (at least 1):
-    /// the staleness-aware rule.
+    /// θ −= η·a/(c·τ), τ = updates the shard applied since the worker's last pull (at least
+    /// 1): the staleness-aware rule, the mean gradient scaled down by its staleness.
     Staleness,
 }
 
@@ -399,7 +399,7 @@ unsafe fn apply(base: *mut u8, grads: &[f32], rule: ApplyRule, lr: f32, count: u
     let scale = match rule {
         ApplyRule::Sum => lr,
         ApplyRule::Mean => lr / count.max(1) as f32,
-        ApplyRule::Staleness => lr / (done.wrapping_sub(pulled_at) & 0xFF_FFFF).max(1) as f32,
+        ApplyRule::Staleness => lr / (count.max(1) * (done.wrapping_sub(pulled_at) & 0xFF_FFFF).max(1)) as f32,
     };
     version.fetch_add(1, Ordering::AcqRel);
     let params = std::slice::from_raw_parts_mut(base.add(PARAMS_AT) as *mut f32, grads.len());

@@ -74,6 +74,9 @@ pub struct TrainArgs {
     pub target: Option<f64>,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Write the final parameters (raw little-endian f32) here (rank 0).
+    #[arg(long)]
+    pub save_params: Option<String>,
     /// Exit with status 1 unless the final test accuracy reaches this fraction.
     #[arg(long)]
     pub require: Option<f64>,
@@ -239,6 +242,10 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
     }
     strategy.finish(&mut params)?;
     drop(csv);
+    if let (Some(path), 0) = (&a.save_params, me) {
+        let bytes: Vec<u8> = params.iter().flat_map(|p| p.to_le_bytes()).collect();
+        std::fs::write(path, bytes).map_err(|e| gradwire::Error::InvalidArgument(format!("--save-params {path}: {e}")))?;
+    }
     if let (Some(svg), Some(path), 0) = (&a.plot, &a.csv, me) {
         crate::plot::draw(&[path.clone()], svg, "time")?;
     }
