@@ -16,7 +16,7 @@
 //!
 //! A worker pushes by writing its gradients into the next slot of its inbox, then ringing
 //! the slot's doorbell with one atomic add: push number, minibatch count and the shard
-//! version its parameters came from, packed in one word (see [`doorbell`]), so that a push
+//! version its parameters came from, packed in one word (see `doorbell`), so that a push
 //! costs one bulk write and one atomic. The shard's server thread applies slot after slot,
 //! bumps the version around each update and acknowledges. Two slots let the worker write
 //! push k+1 while the shard applies push k. A pull reads version, parameters, version, and
@@ -146,9 +146,11 @@ impl RemoteMemory {
         }
         let win = Arc::new(comm.expose(region.clone())?);
         let stop = Arc::new(AtomicBool::new(false));
-        let server = my_shard.map(|i| {
+        // Workers that map the shard apply their pushes in place; a server thread is needed
+        // only for workers behind a network.
+        let server = my_shard.filter(|_| !win.all_mapped()).map(|i| {
             let (region, stop, len) = (region.clone(), stop.clone(), bounds[i + 1] - bounds[i]);
-            std::thread::spawn(move || serve(&region, rank, len, shard_len, world, rule, lr, &stop))
+            std::thread::spawn(move || serve(&region, rank, len, shard_len, world, (rule, lr), &stop))
         });
         comm.barrier()?;
         let reasons = comm.store.clone().map(|s| (s, comm.prefix.clone()));
@@ -411,7 +413,7 @@ unsafe fn apply(base: *mut u8, grads: &[f32], rule: ApplyRule, lr: f32, count: u
 /// A shard's server thread: applies each remote worker's pushes in order (under the shard
 /// lock, which in-place pushes from this host also take), then empties the slot and
 /// acknowledges.
-fn serve(region: &Region, me: usize, len: usize, shard_len: usize, workers: usize, rule: ApplyRule, lr: f32, stop: &AtomicBool) {
+fn serve(region: &Region, me: usize, len: usize, shard_len: usize, workers: usize, (rule, lr): (ApplyRule, f32), stop: &AtomicBool) {
     let lock = word(region, LOCK_AT);
     // The thread shares its rank's core with that rank's communication (the tcp one-sided
     // service receiving the very pushes we wait for): poll in short naps, never by yielding

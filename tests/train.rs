@@ -72,7 +72,8 @@ fn bsp_with_interval_one_is_ssgd_bit_for_bit() {
     std::fs::create_dir_all(&dir).unwrap();
     let (a, b) = (dir.join("ssgd.f32"), dir.join("bsp.f32"));
     for (strategy, path) in [("ssgd", &a), ("bsp", &b)] {
-        let out = launch(3, &[], &["train", "--strategy", strategy, "--interval", "1", "--epochs", "3", "--seed", "7", "--save-params", path.to_str().unwrap()], SHM);
+        let out =
+            launch(3, &[], &["train", "--strategy", strategy, "--interval", "1", "--epochs", "3", "--seed", "7", "--save-params", path.to_str().unwrap()], SHM);
         assert!(out.status.success(), "{}", text(&out));
     }
     let (pa, pb) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());

@@ -250,6 +250,11 @@ impl Window {
         self.targets.get(peer).and_then(|_| self.base(peer))
     }
 
+    /// Whether every rank's region is mapped into this process (then so is ours into theirs).
+    pub fn all_mapped(&self) -> bool {
+        (0..self.targets.len()).all(|p| self.base(p).is_some())
+    }
+
     fn base(&self, peer: usize) -> Option<*mut u8> {
         match &self.targets[peer] {
             Target::Own => Some(self.own.as_ptr()),

@@ -88,7 +88,7 @@ fn parse_slow(specs: &[String], world: usize) -> Result<Vec<f64>> {
         let bad = || gradwire::Error::InvalidArgument(format!("--slow {s}: expected RANK:FACTOR with RANK < {world} and FACTOR >= 1"));
         let (r, f) = s.split_once(':').ok_or_else(bad)?;
         let (r, f): (usize, f64) = (r.parse().map_err(|_| bad())?, f.parse().map_err(|_| bad())?);
-        if r >= world || !(f >= 1.0) {
+        if r >= world || f.is_nan() || f < 1.0 {
             return Err(bad());
         }
         factor[r] = f;
@@ -164,6 +164,8 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
     let mut rng_epoch = 0u64;
     let mut acc = 0.0;
     for epoch in 0..a.epochs {
+        // The schedule this epoch runs with (DASO changes it at the epoch's end).
+        let ran = strategy.describe();
         let t0 = Instant::now();
         let (mut loss_sum, mut batches) = (0f64, 0usize);
         let mut step = |model: &mut Mlp, strategy: &mut Box<dyn train::Strategy + '_>, batch: &[usize], last: bool| -> Result<()> {
@@ -218,7 +220,7 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
                 100.0 * test_acc,
                 wall.as_secs_f64(),
                 sent[0],
-                strategy.describe()
+                ran
             );
             if let Some(f) = &mut csv {
                 writeln!(
@@ -247,7 +249,7 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
         std::fs::write(path, bytes).map_err(|e| gradwire::Error::InvalidArgument(format!("--save-params {path}: {e}")))?;
     }
     if let (Some(svg), Some(path), 0) = (&a.plot, &a.csv, me) {
-        crate::plot::draw(&[path.clone()], svg, "time")?;
+        crate::plot::draw(std::slice::from_ref(path), svg, "time")?;
     }
     Ok(a.require.is_none_or(|r| acc >= r))
 }
