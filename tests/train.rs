@@ -7,13 +7,16 @@ use common::*;
 
 /// Trains with `args` under `launch` and returns the output; the run must reach `require`.
 fn train(n: usize, launch_args: &[&str], args: &[&str], env: &[(&str, &str)]) -> String {
-    let mut all = vec!["train", "--epochs", "12", "--require", "0.88"];
+    let mut all = vec!["train", "--require", "0.88"];
+    if !args.contains(&"--epochs") {
+        all.extend_from_slice(&["--epochs", "12"]);
+    }
     all.extend_from_slice(args);
     let out = launch(n, launch_args, &all, env);
     let t = text(&out);
     println!("{t}");
     assert!(out.status.success(), "{t}");
-    assert!(t.contains("epoch  12/12") || t.contains("target accuracy"), "{t}");
+    assert!(t.contains("/12  train loss") || t.contains("/25  train loss"), "{t}");
     t
 }
 
@@ -46,8 +49,12 @@ fn bsp_and_top_k_reach_accuracy() {
 fn ddcgu_reaches_accuracy_with_a_straggler() {
     // Two workers for two cores: with more ranks than cores the token waits for the
     // scheduler to run its holder, and these epochs last a few milliseconds.
-    train(2, &[], &["--strategy", "ddcgu", "--lr", "0.2", "--slow", "1:3"], SHM);
-    train(2, &[], &["--strategy", "ddcgu", "--lr", "0.2", "--rule", "staleness"], TCP);
+    // How often the token comes round depends on the scheduler, and these epochs last
+    // milliseconds: a wider model (longer steps) and more epochs keep the number of pushes,
+    // hence the accuracy reached, well clear of the bar on a loaded machine.
+    let longer = ["--hidden", "256,256", "--epochs", "25"];
+    train(2, &[], &[&["--strategy", "ddcgu", "--lr", "0.2", "--slow", "1:3"][..], &longer].concat(), SHM);
+    train(2, &[], &[&["--strategy", "ddcgu", "--lr", "0.2", "--rule", "staleness"][..], &longer].concat(), TCP);
 }
 
 #[test]
