@@ -14,7 +14,7 @@
 //! the receive to the next send; we receive exactly W batches after each send (fixed).
 //! Warm-up plus cool-down are capped at half the run, so short runs still cycle.
 
-use super::ssgd::{allreduce_bytes, mean_loss};
+use super::ssgd::{allreduce_bytes, from_rank0, mean_loss};
 use super::{f32_bytes, Sgd, Strategy};
 use crate::collective::hierarchical::Hierarchy;
 use crate::collective::Pending;
@@ -193,9 +193,7 @@ impl Strategy for Daso<'_> {
     }
 
     fn start(&mut self, params: &mut [f32]) -> Result<()> {
-        self.comm.broadcast(params, 0)?;
-        self.sent += if self.comm.rank() == 0 { f32_bytes(params.len()) } else { 0 };
-        Ok(())
+        from_rank0(self.comm, params, &mut self.sent)
     }
 
     fn step(&mut self, params: &mut [f32], grads: &[f32], last_of_epoch: bool) -> Result<()> {

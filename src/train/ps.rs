@@ -42,11 +42,6 @@ impl BatchPool {
     }
 }
 
-/// Every shard served by one rank: shards spread the servers' work and memory evenly.
-fn all_ranks(comm: &Communicator) -> Vec<usize> {
-    (0..comm.size()).collect()
-}
-
 /// Waits (without blocking the token) until every rank has arrived, then agrees on the
 /// mean loss. `serve` runs whenever there is nothing else to do.
 fn gather_loss(comm: &Communicator, loss: f64, mut serve: impl FnMut() -> Result<()>) -> Result<f64> {
@@ -59,6 +54,49 @@ fn gather_loss(comm: &Communicator, loss: f64, mut serve: impl FnMut() -> Result
     mean_loss(comm, loss)
 }
 
+/// What the parameter-server strategies share: the shards (every rank serves one, which
+/// spreads the servers' work and memory evenly), the minibatch pool of the asynchronous
+/// ones, and how a run ends.
+struct Servers<'c> {
+    comm: &'c Communicator,
+    rm: RemoteMemory,
+    pool: Option<BatchPool>,
+    len: usize,
+}
+
+impl<'c> Servers<'c> {
+    fn new(comm: &'c Communicator, init: &[f32], rule: ApplyRule, lr: f32, pooled: bool) -> Result<Self> {
+        let rm = RemoteMemory::new(comm, &(0..comm.size()).collect::<Vec<_>>(), init, rule, lr)?;
+        let pool = if pooled { Some(BatchPool::new(comm)?) } else { None };
+        Ok(Servers { comm, rm, pool, len: init.len() })
+    }
+
+    fn claim(&self, total: usize) -> Result<bool> {
+        self.pool.as_ref().map_or(Ok(true), |p| p.claim(total))
+    }
+
+    /// The servers' parameters, read fresh.
+    fn theta(&mut self) -> Result<Vec<f32>> {
+        let mut theta = vec![0f32; self.len];
+        self.rm.pull(&mut theta)?;
+        Ok(theta)
+    }
+
+    fn next_epoch(&mut self) {
+        if let Some(p) = &mut self.pool {
+            p.epoch += 1;
+        }
+    }
+
+    /// Once every push is applied, every rank reads the final θ. Collective.
+    fn final_model(&mut self, params: &mut [f32]) -> Result<()> {
+        self.rm.flush()?;
+        self.comm.barrier()?;
+        self.rm.pull(params)?;
+        self.comm.barrier()
+    }
+}
+
 /// How a worker's turn with the token is scheduled.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Turn {
@@ -69,42 +107,40 @@ pub enum Turn {
 }
 
 pub struct TokenRing<'c> {
-    comm: &'c Communicator,
-    rm: RemoteMemory,
+    ps: Servers<'c>,
     turn: Turn,
     acc: Vec<f32>,
     count: u64,
-    pool: Option<BatchPool>,
     sent: u64,
-    /// Minibatches per push, summed (for the report).
+    /// Pushes made so far (for the report).
     pub pushes: u64,
 }
 
 impl<'c> TokenRing<'c> {
     pub fn new(comm: &'c Communicator, init: &[f32], lr: f32, rule: ApplyRule, turn: Turn) -> Result<Self> {
-        let rm = RemoteMemory::new(comm, &all_ranks(comm), init, rule, lr)?;
-        let pool = if turn == Turn::DynamicDelay { Some(BatchPool::new(comm)?) } else { None };
-        Ok(TokenRing { comm, rm, turn, acc: vec![0.0; init.len()], count: 0, pool, sent: 0, pushes: 0 })
+        let ps = Servers::new(comm, init, rule, lr, turn == Turn::DynamicDelay)?;
+        Ok(TokenRing { ps, turn, acc: vec![0.0; init.len()], count: 0, sent: 0, pushes: 0 })
     }
 
     /// The token is here: push what accumulated (if anything), pull θ, pass the token.
     fn take_turn(&mut self, params: &mut [f32]) -> Result<()> {
-        self.rm.take_token()?;
+        let rm = &mut self.ps.rm;
+        rm.take_token()?;
         if self.count > 0 {
-            self.rm.push(&self.acc, self.count)?;
+            rm.push(&self.acc, self.count)?;
             self.sent += f32_bytes(self.acc.len());
             self.pushes += 1;
             self.acc.fill(0.0);
             self.count = 0;
         }
-        self.rm.pull(params)?;
-        self.rm.pass_token()
+        rm.pull(params)?;
+        rm.pass_token()
     }
 
     /// Keeps the token moving (pushing what is left) while waiting for the other ranks.
     fn settle(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
-        let comm = self.comm;
-        gather_loss(comm, loss, || if self.rm.has_token() { self.take_turn(params) } else { Ok(()) })
+        let comm = self.ps.comm;
+        gather_loss(comm, loss, || if self.ps.rm.has_token() { self.take_turn(params) } else { Ok(()) })
     }
 }
 
@@ -117,34 +153,32 @@ impl Strategy for TokenRing<'_> {
     }
 
     fn start(&mut self, params: &mut [f32]) -> Result<()> {
-        self.rm.pull(params)
+        self.ps.rm.pull(params)
     }
 
     fn step(&mut self, params: &mut [f32], grads: &[f32], _last_of_epoch: bool) -> Result<()> {
         self.acc.iter_mut().zip(grads).for_each(|(a, g)| *a += g);
         self.count += 1;
         match self.turn {
-            Turn::DynamicDelay if self.rm.has_token() => self.take_turn(params),
+            Turn::DynamicDelay if self.ps.rm.has_token() => self.take_turn(params),
             Turn::DynamicDelay => Ok(()),
             Turn::FixedCyclic => {
-                self.rm.wait_token()?;
+                self.ps.rm.wait_token()?;
                 self.take_turn(params)
             }
         }
     }
 
     fn shared_pool(&self) -> bool {
-        self.pool.is_some()
+        self.ps.pool.is_some()
     }
 
     fn claim_batch(&mut self, total: usize) -> Result<bool> {
-        self.pool.as_ref().map_or(Ok(true), |p| p.claim(total))
+        self.ps.claim(total)
     }
 
     fn current_model(&mut self, _params: &[f32]) -> Result<Vec<f32>> {
-        let mut theta = vec![0f32; self.acc.len()];
-        self.rm.pull(&mut theta)?;
-        Ok(theta)
+        self.ps.theta()
     }
 
     fn describe(&self) -> String {
@@ -153,23 +187,18 @@ impl Strategy for TokenRing<'_> {
 
     fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
         let loss = self.settle(params, loss)?;
-        if let Some(p) = &mut self.pool {
-            p.epoch += 1;
-        }
+        self.ps.next_epoch();
         Ok(loss)
     }
 
     fn finish(&mut self, params: &mut [f32]) -> Result<()> {
         // Push the remainder on the token's next visits, then everyone reads the final θ.
         while self.count > 0 {
-            self.rm.wait_token()?;
+            self.ps.rm.wait_token()?;
             self.take_turn(params)?;
         }
         self.settle(params, 0.0)?;
-        self.rm.flush()?;
-        self.comm.barrier()?;
-        self.rm.pull(params)?;
-        self.comm.barrier()
+        self.ps.final_model(params)
     }
 
     fn bytes_sent(&self) -> u64 {
@@ -178,21 +207,18 @@ impl Strategy for TokenRing<'_> {
 }
 
 pub struct Downpour<'c> {
-    comm: &'c Communicator,
-    rm: RemoteMemory,
+    ps: Servers<'c>,
     fetch: usize,
     push: usize,
     acc: Vec<f32>,
     steps: usize,
-    pool: BatchPool,
     sent: u64,
 }
 
 impl<'c> Downpour<'c> {
     pub fn new(comm: &'c Communicator, init: &[f32], lr: f32, fetch: usize, push: usize) -> Result<Self> {
-        let rm = RemoteMemory::new(comm, &all_ranks(comm), init, ApplyRule::Sum, lr)?;
-        let pool = BatchPool::new(comm)?;
-        Ok(Downpour { comm, rm, fetch: fetch.max(1), push: push.max(1), acc: vec![0.0; init.len()], steps: 0, pool, sent: 0 })
+        let ps = Servers::new(comm, init, ApplyRule::Sum, lr, true)?;
+        Ok(Downpour { ps, fetch: fetch.max(1), push: push.max(1), acc: vec![0.0; init.len()], steps: 0, sent: 0 })
     }
 }
 
@@ -202,19 +228,19 @@ impl Strategy for Downpour<'_> {
     }
 
     fn start(&mut self, params: &mut [f32]) -> Result<()> {
-        self.rm.pull(params)
+        self.ps.rm.pull(params)
     }
 
     fn step(&mut self, params: &mut [f32], grads: &[f32], _last_of_epoch: bool) -> Result<()> {
         self.acc.iter_mut().zip(grads).for_each(|(a, g)| *a += g);
         self.steps += 1;
         if self.steps % self.push == 0 {
-            self.rm.push(&self.acc, self.push as u64)?;
+            self.ps.rm.push(&self.acc, self.push as u64)?;
             self.sent += f32_bytes(self.acc.len());
             self.acc.fill(0.0);
         }
         if self.steps % self.fetch == 0 {
-            self.rm.pull(params)?;
+            self.ps.rm.pull(params)?;
         }
         Ok(())
     }
@@ -224,29 +250,24 @@ impl Strategy for Downpour<'_> {
     }
 
     fn claim_batch(&mut self, total: usize) -> Result<bool> {
-        self.pool.claim(total)
+        self.ps.claim(total)
     }
 
     fn current_model(&mut self, _params: &[f32]) -> Result<Vec<f32>> {
-        let mut theta = vec![0f32; self.acc.len()];
-        self.rm.pull(&mut theta)?;
-        Ok(theta)
+        self.ps.theta()
     }
 
     fn end_epoch(&mut self, _params: &mut [f32], loss: f64) -> Result<f64> {
-        self.pool.epoch += 1;
-        gather_loss(self.comm, loss, || Ok(()))
+        self.ps.next_epoch();
+        gather_loss(self.ps.comm, loss, || Ok(()))
     }
 
     fn finish(&mut self, params: &mut [f32]) -> Result<()> {
         if self.steps % self.push != 0 {
-            self.rm.push(&self.acc, (self.steps % self.push) as u64)?;
+            self.ps.rm.push(&self.acc, (self.steps % self.push) as u64)?;
             self.acc.fill(0.0);
         }
-        self.rm.flush()?;
-        self.comm.barrier()?;
-        self.rm.pull(params)?;
-        self.comm.barrier()
+        self.ps.final_model(params)
     }
 
     fn bytes_sent(&self) -> u64 {
@@ -268,24 +289,21 @@ pub fn elastic(x: &mut [f32], centre: &[f32], alpha: f32) -> Vec<f32> {
 }
 
 pub struct Eamsgd<'c> {
-    comm: &'c Communicator,
-    rm: RemoteMemory,
+    ps: Servers<'c>,
     opt: Sgd,
     tau: usize,
     alpha: f32,
     centre: Vec<f32>,
     steps: usize,
-    pool: BatchPool,
     sent: u64,
 }
 
 impl<'c> Eamsgd<'c> {
     /// `opt` is the local optimizer (Nesterov momentum 0.99 in the paper); α = β / P.
     pub fn new(comm: &'c Communicator, init: &[f32], opt: Sgd, tau: usize, beta: f32) -> Result<Self> {
-        let rm = RemoteMemory::new(comm, &all_ranks(comm), init, ApplyRule::Sum, 1.0)?;
-        let pool = BatchPool::new(comm)?;
+        let ps = Servers::new(comm, init, ApplyRule::Sum, 1.0, true)?;
         let alpha = beta / comm.size() as f32;
-        Ok(Eamsgd { comm, rm, opt, tau: tau.max(1), alpha, centre: vec![0.0; init.len()], steps: 0, pool, sent: 0 })
+        Ok(Eamsgd { ps, opt, tau: tau.max(1), alpha, centre: vec![0.0; init.len()], steps: 0, sent: 0 })
     }
 }
 
@@ -295,16 +313,16 @@ impl Strategy for Eamsgd<'_> {
     }
 
     fn start(&mut self, params: &mut [f32]) -> Result<()> {
-        self.rm.pull(params)
+        self.ps.rm.pull(params)
     }
 
     fn step(&mut self, params: &mut [f32], grads: &[f32], _last_of_epoch: bool) -> Result<()> {
         self.opt.step(params, grads);
         self.steps += 1;
         if self.steps % self.tau == 0 {
-            self.rm.pull(&mut self.centre)?;
+            self.ps.rm.pull(&mut self.centre)?;
             let push = elastic(params, &self.centre, self.alpha);
-            self.rm.push(&push, 1)?;
+            self.ps.rm.push(&push, 1)?;
             self.sent += f32_bytes(push.len());
         }
         Ok(())
@@ -315,26 +333,21 @@ impl Strategy for Eamsgd<'_> {
     }
 
     fn claim_batch(&mut self, total: usize) -> Result<bool> {
-        self.pool.claim(total)
+        self.ps.claim(total)
     }
 
+    /// The model is the centre variable.
     fn current_model(&mut self, _params: &[f32]) -> Result<Vec<f32>> {
-        let mut centre = vec![0f32; self.centre.len()];
-        self.rm.pull(&mut centre)?;
-        Ok(centre)
+        self.ps.theta()
     }
 
     fn end_epoch(&mut self, _params: &mut [f32], loss: f64) -> Result<f64> {
-        self.pool.epoch += 1;
-        gather_loss(self.comm, loss, || Ok(()))
+        self.ps.next_epoch();
+        gather_loss(self.ps.comm, loss, || Ok(()))
     }
 
     fn finish(&mut self, params: &mut [f32]) -> Result<()> {
-        // The model is the centre variable.
-        self.rm.flush()?;
-        self.comm.barrier()?;
-        self.rm.pull(params)?;
-        self.comm.barrier()
+        self.ps.final_model(params)
     }
 
     fn bytes_sent(&self) -> u64 {

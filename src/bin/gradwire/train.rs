@@ -161,7 +161,8 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
     }
     let per_epoch = model.train_len().div_ceil(a.batch * w);
     let mut wall = Duration::ZERO;
-    let mut rng_epoch = 0u64;
+    // Passes over the training set this rank has drawn (shared-pool schemes).
+    let mut passes = 0u64;
     let mut acc = 0.0;
     for epoch in 0..a.epochs {
         // The schedule this epoch runs with (DASO changes it at the epoch's end).
@@ -180,13 +181,17 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
         if strategy.shared_pool() {
             // A pool shared by all ranks: this rank draws from its own shuffled stream of
             // the whole training set until the epoch's minibatches are all taken.
-            let mut stream = epoch_batches(model.train_len(), a.batch, 0, 1, a.seed ^ (me as u64 + 1) << 32, epoch).into_iter();
+            let len = model.train_len();
+            let mut pass = || {
+                passes += 1;
+                epoch_batches(len, a.batch, 0, 1, a.seed ^ (me as u64 + 1) << 32 ^ passes, epoch).into_iter()
+            };
+            let mut stream = pass();
             while strategy.claim_batch(per_epoch * w)? {
                 let b = match stream.next() {
                     Some(b) => b,
                     None => {
-                        rng_epoch += 1;
-                        stream = epoch_batches(model.train_len(), a.batch, 0, 1, a.seed ^ (me as u64 + 1) << 32 ^ rng_epoch, epoch).into_iter();
+                        stream = pass();
                         stream.next().unwrap_or_default()
                     }
                 };
@@ -206,9 +211,9 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
         let current = strategy.current_model(&params)?;
         let (test_loss, test_acc) = model.evaluate(&current);
         acc = test_acc;
-        let mut sent = [strategy.bytes_sent() as f64 / 1e6, strategy.bytes_sent() as f64 / 1e6];
-        let mut max = [sent[1]];
-        comm.allreduce(&mut sent[..1], ReduceOp::Avg)?;
+        let mine = [strategy.bytes_sent() as f64 / 1e6];
+        let (mut sent, mut max) = (mine, mine);
+        comm.allreduce(&mut sent, ReduceOp::Avg)?;
         comm.allreduce(&mut max, ReduceOp::Max)?;
         let mut agreed = [test_acc];
         comm.broadcast(&mut agreed, 0)?;
