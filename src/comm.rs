@@ -208,6 +208,12 @@ impl Communicator {
     /// Ranks on this host map the region directly, so it must be `Region::shared` when the
     /// communicator has local peers.
     pub fn expose(&self, region: Arc<Region>) -> Result<Window> {
+        self.expose_with(region, None)
+    }
+
+    /// [`Communicator::expose`], with `accumulate` applying what tcp peers send through
+    /// [`Window::accumulate`] to `region`.
+    pub fn expose_with(&self, region: Arc<Region>, accumulate: Option<Arc<dyn crate::transport::onesided::Accumulate>>) -> Result<Window> {
         let id = self.windows.fetch_add(1, Ordering::Relaxed);
         let shm_peer: Vec<bool> = self.link_kinds.iter().map(|k| *k == "shm").collect();
         let service = if self.link_kinds.contains(&"tcp") {
@@ -234,6 +240,7 @@ impl Communicator {
             service,
             secret: &self.secret,
             timeout: self.config.timeout,
+            accumulate,
         };
         Window::create(w, region)
     }

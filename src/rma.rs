@@ -24,7 +24,11 @@
 //!
 //! On shared memory a worker reaches the shard's memory as directly as the server thread
 //! does, so it applies its push itself, under the shard lock: one pass over memory instead
-//! of a copy into the inbox and a second pass to apply it.
+//! of a copy into the inbox and a second pass to apply it. Over tcp a push is one
+//! accumulate request: the shard's one-sided service applies the gradients, under the same
+//! lock, chunk by chunk as they arrive, while they are in cache (the inbox and server
+//! thread would take a second pass over memory on the same core). The inbox serves verbs,
+//! where the NIC writes and the shard's thread applies.
 //!
 //! The completion flag is an atomic rather than verbs' write-with-immediate on purpose: the
 //! server polls memory on every transport alike and needs no receive queue or completion
@@ -33,7 +37,7 @@
 use crate::comm::Communicator;
 use crate::error::{invalid, Error, Result};
 use crate::mem::Region;
-use crate::transport::onesided::Window;
+use crate::transport::onesided::{Accumulate, AccumulateError, Window};
 use crate::transport::Backoff;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -44,7 +48,10 @@ const HOLDERS_AT: usize = 64;
 const VERSION_AT: usize = 128;
 const APPLIED_AT: usize = 192;
 const LOCK_AT: usize = 256;
-const PARAMS_AT: usize = 320;
+/// Where a shard's parameters start in its window (public so that benchmarks can time raw
+/// one-sided operations on the same offsets: a page-aligned source runs the kernel's tcp
+/// copy at half speed here, see BENCHMARKS.md).
+pub const PARAMS_AT: usize = 320;
 /// Per inbox: pushes applied so far (written by the shard), then the two slots.
 const INBOX_ACK: usize = 0;
 const INBOX_SLOTS: usize = 64;
@@ -144,11 +151,16 @@ impl RemoteMemory {
             // SAFETY: nobody can reach the region before `expose` returns.
             unsafe { std::ptr::copy_nonoverlapping(shard.as_ptr(), region.as_ptr().add(PARAMS_AT) as *mut f32, shard.len()) };
         }
-        let win = Arc::new(comm.expose(region.clone())?);
+        let accumulator = my_shard.map(|i| {
+            let len = bounds[i + 1] - bounds[i];
+            Arc::new(ShardAccumulator { region: region.clone(), len, rule, lr, timeout: comm.config().timeout }) as Arc<dyn Accumulate>
+        });
+        let win = Arc::new(comm.expose_with(region.clone(), accumulator)?);
         let stop = Arc::new(AtomicBool::new(false));
-        // Workers that map the shard apply their pushes in place; a server thread is needed
-        // only for workers behind a network.
-        let server = my_shard.filter(|_| !win.all_mapped()).map(|i| {
+        // Workers that map the shard apply their pushes in place, and tcp workers' pushes
+        // are applied as they arrive; a server thread is needed only for verbs workers.
+        let polled = (0..world).any(|p| win.mapped(p).is_none() && !win.accumulates(p));
+        let server = my_shard.filter(|_| polled).map(|i| {
             let (region, stop, len) = (region.clone(), stop.clone(), bounds[i + 1] - bounds[i]);
             std::thread::spawn(move || serve(&region, rank, len, shard_len, world, (rule, lr), &stop))
         });
@@ -197,6 +209,11 @@ impl RemoteMemory {
     /// one bulk write into the next inbox slot and one atomic doorbell per shard. Waits
     /// (under the deadline) only while both slots are still being applied.
     pub fn push(&mut self, acc: &[f32], count: u64) -> Result<()> {
+        let r = self.push_all(acc, count);
+        self.noted(r)
+    }
+
+    fn push_all(&mut self, acc: &[f32], count: u64) -> Result<()> {
         if acc.len() != *self.bounds.last().unwrap_or(&0) {
             return Err(invalid(format!("push: {} values, the parameters have {}", acc.len(), self.bounds.last().unwrap_or(&0))));
         }
@@ -205,12 +222,18 @@ impl RemoteMemory {
                 self.apply_in_place(i, base, acc, count)?;
                 continue;
             }
-            let push = self.sent[i] + 1;
-            // The slot is free once the shard has applied its previous occupant, push − 2.
-            self.wait_acked(i, push.saturating_sub(2), &format!("push to parameter shard {i} on rank {}", self.servers[i]))?;
             let (lo, hi) = self.shard_range(i);
             // SAFETY: f32 slice viewed as bytes.
             let bytes = unsafe { std::slice::from_raw_parts(acc[lo..hi].as_ptr() as *const u8, (hi - lo) * 4) };
+            if self.win.accumulates(self.servers[i]) {
+                // The push-number field names the pushing rank instead: the shard's lock
+                // records who applies.
+                self.win.accumulate(self.servers[i], PARAMS_AT, bytes, doorbell(self.rank as u64, count, self.pulled_at[i]))?;
+                continue;
+            }
+            let push = self.sent[i] + 1;
+            // The slot is free once the shard has applied its previous occupant, push − 2.
+            self.wait_acked(i, push.saturating_sub(2), &format!("push to parameter shard {i} on rank {}", self.servers[i]))?;
             let slot = slot_at(self.shard_len, self.rank, push);
             self.win.write(self.servers[i], slot + SLOT_GRADS, bytes)?;
             self.win.fetch_add(self.servers[i], slot, doorbell(push, count, self.pulled_at[i]))?;
@@ -222,22 +245,15 @@ impl RemoteMemory {
     /// A push to a shard whose memory is mapped here: apply it directly, under the lock.
     fn apply_in_place(&mut self, i: usize, base: *mut u8, acc: &[f32], count: u64) -> Result<()> {
         let server = self.servers[i];
-        // SAFETY: `base` maps the shard's whole window, laid out as in the module docs; the
-        // lock word is only ever touched atomically.
+        // SAFETY: `base` maps the shard's whole window, laid out as in the module docs.
         let lock = unsafe { &*(base.add(LOCK_AT) as *const AtomicU64) };
-        let start = Instant::now();
-        let backoff = Backoff::new(Duration::ZERO);
-        while lock.compare_exchange(0, self.rank as u64 + 1, Ordering::Acquire, Ordering::Relaxed).is_err() {
-            if start.elapsed() > self.timeout {
-                let holder = lock.load(Ordering::Relaxed).saturating_sub(1) as usize;
-                let what = format!("push to parameter shard {i} on rank {server}: the shard stayed locked by rank {holder}");
-                return Err(self.gone(holder, &what, start.elapsed()));
-            }
-            backoff.pause();
+        if let Err((holder, waited)) = lock_shard(lock, self.rank, self.timeout) {
+            let what = format!("push to parameter shard {i} on rank {server}: the shard stayed locked by rank {holder}");
+            return Err(self.gone(holder, &what, waited));
         }
         let (lo, hi) = self.shard_range(i);
         // SAFETY: the shard's words and parameters lie inside the mapping; we hold the lock.
-        unsafe { apply(base, &acc[lo..hi], self.rule, self.lr, count, self.pulled_at[i]) };
+        unsafe { Update::begin(base, self.rule, self.lr, count, self.pulled_at[i]).add(0, &acc[lo..hi]).finish(true) };
         lock.store(0, Ordering::Release);
         Ok(())
     }
@@ -261,24 +277,28 @@ impl RemoteMemory {
 
     /// Waits until every shard has applied all of this worker's pushes.
     pub fn flush(&mut self) -> Result<()> {
-        for i in 0..self.servers.len() {
-            self.wait_acked(i, self.sent[i], &format!("flush to parameter shard {i} on rank {}", self.servers[i]))?;
-        }
-        Ok(())
+        let r =
+            (0..self.servers.len()).try_for_each(|i| self.wait_acked(i, self.sent[i], &format!("flush to parameter shard {i} on rank {}", self.servers[i])));
+        self.noted(r)
     }
 
     /// Reads the full parameter vector; never a half-applied update (seqlock).
     /// Also records each shard's update count, for the staleness-aware rule.
     pub fn pull(&mut self, out: &mut [f32]) -> Result<()> {
+        let r = self.pull_all(out);
+        self.noted(r)
+    }
+
+    fn pull_all(&mut self, out: &mut [f32]) -> Result<()> {
         for (i, &server) in self.servers.iter().enumerate() {
             let (lo, hi) = self.shard_range(i);
             let start = Instant::now();
             loop {
-                let v1 = self.read_word(server, VERSION_AT)?;
+                let (mut v1, mut v2) = ([0u8; 8], [0u8; 8]);
                 // SAFETY: f32 slice viewed as bytes.
                 let bytes = unsafe { std::slice::from_raw_parts_mut(out[lo..hi].as_mut_ptr() as *mut u8, (hi - lo) * 4) };
-                self.win.read(server, PARAMS_AT, bytes)?;
-                let v2 = self.read_word(server, VERSION_AT)?;
+                self.win.read_sequence(server, &mut [(VERSION_AT, &mut v1), (PARAMS_AT, bytes), (VERSION_AT, &mut v2)])?;
+                let (v1, v2) = (u64::from_ne_bytes(v1), u64::from_ne_bytes(v2));
                 if v1 == v2 && v1 % 2 == 0 {
                     self.pulled_at[i] = v1 / 2;
                     break;
@@ -330,12 +350,7 @@ impl RemoteMemory {
         let start = Instant::now();
         while !self.has_token() {
             if start.elapsed() > self.timeout {
-                let e = self.diagnose_token(start.elapsed());
-                // Leave the reason where later survivors look (we may exit before they do).
-                if let Some((store, prefix)) = &self.reasons {
-                    let _ = store.set(&self.reason_key(prefix, self.rank), e.to_string().as_bytes());
-                }
-                return Err(e);
+                return self.noted(Err(self.diagnose_token(start.elapsed())));
             }
             std::thread::yield_now();
         }
@@ -354,19 +369,27 @@ impl RemoteMemory {
         let next = (last_max + 1) % self.world;
         let what = "token ring: waiting for the token";
         if counts[next].is_none() {
-            // It may have exited after failing itself: then its own reason names the culprit.
-            let first = self
-                .reasons
-                .as_ref()
-                .and_then(|(store, prefix)| store.get(&self.reason_key(prefix, next), Instant::now() + Duration::from_millis(300)).ok().flatten());
-            let cause = match first {
-                Some(why) => format!("it received the token last and cannot be reached; it had failed first: {}", String::from_utf8_lossy(&why)),
-                None => "it received the token last and cannot be reached".into(),
-            };
-            Error::PeerLost { rank: self.rank, peer: next, op: what.into(), cause }
+            // It may have exited after failing itself: then `noted` adds its reason.
+            Error::PeerLost { rank: self.rank, peer: next, op: what.into(), cause: "it received the token last and cannot be reached".into() }
         } else {
             self.gone(last_max, &format!("{what}, last received by rank {last_max}"), waited)
         }
+    }
+
+    /// Passes `r` through; an error is first left where later survivors look (we may exit
+    /// before they do) and, when it names a peer that failed before us and said why, it
+    /// carries that reason: the survivors of one death name the rank that died, not the
+    /// ranks that exited because of it.
+    fn noted<T>(&self, r: Result<T>) -> Result<T> {
+        let Err(mut e) = r else { return r };
+        let Some((store, prefix)) = &self.reasons else { return Err(e) };
+        if let Error::PeerLost { peer, cause, .. } | Error::Timeout { peer, op: cause, .. } = &mut e {
+            if let Ok(Some(why)) = store.get(&self.reason_key(prefix, *peer), Instant::now() + Duration::from_millis(300)) {
+                *cause = format!("{cause}; it had failed first: {}", String::from_utf8_lossy(&why));
+            }
+        }
+        let _ = store.set(&self.reason_key(prefix, self.rank), e.to_string().as_bytes());
+        Err(e)
     }
 
     fn reason_key(&self, prefix: &str, local: usize) -> String {
@@ -388,26 +411,114 @@ impl Drop for RemoteMemory {
     }
 }
 
-/// Applies one push to the shard whose window starts at `base`, bracketed by version bumps
-/// (odd while the update is in progress, so pulls retry across it).
-///
-/// # Safety
-/// `base` maps a whole shard window of at least `grads.len()` parameters, and the caller
-/// holds the shard lock.
-unsafe fn apply(base: *mut u8, grads: &[f32], rule: ApplyRule, lr: f32, count: u64, pulled_at: u64) {
-    let version = &*(base.add(VERSION_AT) as *const AtomicU64);
-    let applied = &*(base.add(APPLIED_AT) as *const AtomicU64);
-    let done = applied.load(Ordering::Relaxed);
-    let scale = match rule {
-        ApplyRule::Sum => lr,
-        ApplyRule::Mean => lr / count.max(1) as f32,
-        ApplyRule::Staleness => lr / (count.max(1) * (done.wrapping_sub(pulled_at) & 0xFF_FFFF).max(1)) as f32,
-    };
-    version.fetch_add(1, Ordering::AcqRel);
-    let params = std::slice::from_raw_parts_mut(base.add(PARAMS_AT) as *mut f32, grads.len());
-    params.iter_mut().zip(grads).for_each(|(p, g)| *p -= scale * g);
-    version.fetch_add(1, Ordering::AcqRel);
-    applied.store(done + 1, Ordering::Release);
+/// Takes a shard's lock for `rank` (0 free, else 1 + the rank applying an update). On the
+/// deadline, returns the holder and how long we waited.
+fn lock_shard(lock: &AtomicU64, rank: usize, timeout: Duration) -> std::result::Result<(), (usize, Duration)> {
+    let backoff = Backoff::new(Duration::ZERO);
+    while lock.compare_exchange(0, rank as u64 + 1, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        if backoff.idle() > timeout {
+            return Err((lock.load(Ordering::Relaxed).saturating_sub(1) as usize, backoff.idle()));
+        }
+        backoff.pause();
+    }
+    Ok(())
+}
+
+/// One push being applied to a shard: bracketed by version bumps (odd while in progress,
+/// so pulls retry across it).
+struct Update<'a> {
+    version: &'a AtomicU64,
+    applied: &'a AtomicU64,
+    done: u64,
+    params: *mut f32,
+    scale: f32,
+}
+
+impl Update<'_> {
+    /// Starts applying a push of `count` minibatches based on the shard's update number
+    /// `pulled_at`.
+    ///
+    /// # Safety
+    /// `base` maps a whole shard window and the caller holds the shard lock until `finish`.
+    unsafe fn begin(base: *mut u8, rule: ApplyRule, lr: f32, count: u64, pulled_at: u64) -> Self {
+        let version = &*(base.add(VERSION_AT) as *const AtomicU64);
+        let applied = &*(base.add(APPLIED_AT) as *const AtomicU64);
+        let done = applied.load(Ordering::Relaxed);
+        let scale = match rule {
+            ApplyRule::Sum => lr,
+            ApplyRule::Mean => lr / count.max(1) as f32,
+            ApplyRule::Staleness => lr / (count.max(1) * (done.wrapping_sub(pulled_at) & 0xFF_FFFF).max(1)) as f32,
+        };
+        version.fetch_add(1, Ordering::AcqRel);
+        Update { version, applied, done, params: base.add(PARAMS_AT) as *mut f32, scale }
+    }
+
+    /// θ[at..] −= scale · grads.
+    ///
+    /// # Safety
+    /// `at + grads.len()` is within the shard.
+    unsafe fn add(self, at: usize, grads: &[f32]) -> Self {
+        let params = std::slice::from_raw_parts_mut(self.params.add(at), grads.len());
+        params.iter_mut().zip(grads).for_each(|(p, g)| *p -= self.scale * g);
+        self
+    }
+
+    /// Ends the update: pulls may read again; counted as applied if `complete` (a push whose
+    /// sender vanished half-way is not).
+    fn finish(self, complete: bool) {
+        self.version.fetch_add(1, Ordering::AcqRel);
+        if complete {
+            self.applied.store(self.done + 1, Ordering::Release);
+        }
+    }
+}
+
+/// The shard's side of pushes over tcp (see the module docs): run by the one-sided service
+/// thread that receives them.
+struct ShardAccumulator {
+    region: Arc<Region>,
+    len: usize,
+    rule: ApplyRule,
+    lr: f32,
+    timeout: Duration,
+}
+
+/// Gradients received per chunk of an accumulated push: small enough to stay in cache
+/// between the receive and the update, large enough to keep system calls rare.
+const ACCUMULATE_CHUNK: usize = 64 * 1024;
+
+impl Accumulate for ShardAccumulator {
+    fn accumulate(&self, tag: u64, off: usize, len: usize, recv: &mut dyn FnMut(&mut [u8]) -> std::io::Result<()>) -> std::result::Result<(), AccumulateError> {
+        if off != PARAMS_AT || len != 4 * self.len {
+            return Err(AccumulateError::Refused(format!("a push must cover the shard's {} parameters at {PARAMS_AT}, not {len} bytes at {off}", self.len)));
+        }
+        let (worker, count, pulled_at) = doorbell_fields(tag);
+        if let Err((holder, waited)) = lock_shard(word(&self.region, LOCK_AT), worker as usize, self.timeout) {
+            return Err(AccumulateError::Refused(format!("the shard stayed locked by rank {holder} for {} ms", waited.as_millis())));
+        }
+        let base = self.region.as_ptr();
+        // SAFETY: the region is a whole shard window; we hold the lock.
+        let mut update = unsafe { Update::begin(base, self.rule, self.lr, count, pulled_at) };
+        let mut chunk = vec![0f32; ACCUMULATE_CHUNK / 4];
+        let mut at = 0;
+        let outcome = loop {
+            if at == self.len {
+                break Ok(());
+            }
+            let n = (self.len - at).min(chunk.len());
+            // SAFETY: f32 buffer viewed as bytes.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(chunk.as_mut_ptr() as *mut u8, n * 4) };
+            if let Err(e) = recv(bytes) {
+                break Err(e);
+            }
+            // SAFETY: at + n ≤ the shard's length.
+            update = unsafe { update.add(at, &chunk[..n]) };
+            at += n;
+        };
+        update.finish(outcome.is_ok());
+        word(&self.region, LOCK_AT).store(0, Ordering::Release);
+        Ok(outcome?)
+    }
 }
 
 /// A shard's server thread: applies each remote worker's pushes in order (under the shard
@@ -445,7 +556,7 @@ fn serve(region: &Region, me: usize, len: usize, shard_len: usize, workers: usiz
             // not touch the slot again until we acknowledge.
             unsafe {
                 let grads = std::slice::from_raw_parts(region.as_ptr().add(slot + SLOT_GRADS) as *const f32, len);
-                apply(region.as_ptr(), grads, rule, lr, count, pulled_at);
+                Update::begin(region.as_ptr(), rule, lr, count, pulled_at).add(0, grads).finish(true);
             }
             lock.store(0, Ordering::Release);
             word(region, slot).store(0, Ordering::Release);

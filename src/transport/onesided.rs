@@ -18,10 +18,48 @@ use std::time::{Duration, Instant};
 const OP_WRITE: u8 = 1;
 const OP_READ: u8 = 2;
 const OP_FADD: u8 = 3;
-const REQ_LEN: usize = 1 + 8 + 8 + 8;
+const OP_ACCUMULATE: u8 = 4;
+/// op, window id, offset, argument (length or addend), tag (accumulate only).
+const REQ_LEN: usize = 1 + 8 + 8 + 8 + 8;
+/// Longest refusal reason sent back to a peer.
+const REASON_MAX: usize = 1024;
+
+/// The owner's side of [`Window::accumulate`] on tcp: applies a peer's payload to the
+/// owner's memory while it arrives, so the bytes are touched once, in cache, by the thread
+/// that receives them (a write into place followed by a separate pass would touch them
+/// twice, and on another thread).
+pub trait Accumulate: Send + Sync {
+    /// Applies the `len`-byte payload of a request tagged `tag` at `off`. `recv` fills a
+    /// buffer with the payload's next bytes (under the window's deadline). Refusing skips
+    /// whatever of the payload was not received yet.
+    fn accumulate(&self, tag: u64, off: usize, len: usize, recv: &mut dyn FnMut(&mut [u8]) -> std::io::Result<()>) -> std::result::Result<(), AccumulateError>;
+}
+
+/// Why an accumulate failed on the owner's side.
+#[derive(Debug)]
+pub enum AccumulateError {
+    /// The owner refused it (told to the peer).
+    Refused(String),
+    /// The connection failed while receiving the payload.
+    Io(std::io::Error),
+}
+
+impl From<std::io::Error> for AccumulateError {
+    fn from(e: std::io::Error) -> Self {
+        AccumulateError::Io(e)
+    }
+}
+
+/// A region this rank exposes to tcp peers, and how it accepts accumulates.
+#[derive(Clone)]
+struct ExposedRegion {
+    region: Arc<Region>,
+    accumulate: Option<Arc<dyn Accumulate>>,
+    timeout: Duration,
+}
 
 /// Regions this rank exposes to tcp peers, by window id.
-type Exposed = Arc<RwLock<HashMap<u64, Arc<Region>>>>;
+type Exposed = Arc<RwLock<HashMap<u64, ExposedRegion>>>;
 
 /// The tcp side's service: one thread accepting authenticated peers, one per connection.
 pub struct RmaService {
@@ -39,8 +77,10 @@ impl RmaService {
         Ok(RmaService { addr, exposed })
     }
 
-    pub fn expose(&self, id: u64, region: Arc<Region>) {
-        self.exposed.write().unwrap_or_else(|p| p.into_inner()).insert(id, region);
+    /// Serves window `id` from `region`; `accumulate` applies peers' accumulates (without
+    /// one they are refused); `timeout` bounds the wait for an accumulate's payload.
+    fn expose(&self, id: u64, region: Arc<Region>, accumulate: Option<Arc<dyn Accumulate>>, timeout: Duration) {
+        self.exposed.write().unwrap_or_else(|p| p.into_inner()).insert(id, ExposedRegion { region, accumulate, timeout });
     }
 }
 
@@ -60,43 +100,83 @@ fn write_all_vectored(s: &mut TcpStream, mut head: &[u8], mut body: &[u8]) -> st
     Ok(())
 }
 
+/// Refuses a request: status 0, then the reason (u16 length, UTF-8), so the peer's error
+/// says why.
+fn refuse(s: &mut TcpStream, why: &str) -> std::io::Result<()> {
+    let mut why = why.as_bytes();
+    why = &why[..why.len().min(REASON_MAX)];
+    write_all_vectored(s, &[&[0u8][..], &(why.len() as u16).to_le_bytes()].concat(), why)
+}
+
+/// Skips `len` bytes of a refused request's payload.
+fn skip(s: &mut TcpStream, len: u64) -> std::io::Result<()> {
+    std::io::copy(&mut std::io::Read::take(&mut *s, len), &mut std::io::sink()).map(drop)
+}
+
 fn serve(s: &mut TcpStream, exposed: &Exposed) -> std::io::Result<()> {
     let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
     let mut req = [0u8; REQ_LEN];
     loop {
         s.read_exact(&mut req)?;
         let u = |i: usize| u64::from_le_bytes(req[i..i + 8].try_into().unwrap_or_default());
-        let (op, win, off, arg) = (req[0], u(1), u(9) as usize, u(17));
-        let region = exposed.read().unwrap_or_else(|p| p.into_inner()).get(&win).cloned().ok_or_else(|| bad(format!("unknown window {win}")))?;
+        let (op, win, off, arg, tag) = (req[0], u(1), u(9) as usize, u(17), u(25));
+        let ex = exposed.read().unwrap_or_else(|p| p.into_inner()).get(&win).cloned().ok_or_else(|| bad(format!("unknown window {win}")))?;
+        let region = &ex.region;
         let len = if op == OP_FADD { 8 } else { arg as usize };
-        let ok = off.checked_add(len).is_some_and(|end| end <= region.len()) && (op != OP_FADD || off % 8 == 0);
-        // Status byte first: a bad request is refused, the connection stays usable.
+        let payload = if matches!(op, OP_WRITE | OP_ACCUMULATE) { arg } else { 0 };
+        // A refused request keeps the connection usable: its payload is skipped.
+        if off.checked_add(len).is_none_or(|end| end > region.len()) || (op == OP_FADD && off % 8 != 0) {
+            skip(s, payload)?;
+            refuse(s, &format!("[{off}, {off}+{len}) is outside the {}-byte window or misaligned", region.len()))?;
+            continue;
+        }
         match op {
             OP_WRITE => {
-                if ok {
-                    // SAFETY: bounds checked; the window's owner accepted that peers write
-                    // here (it exposed the region for exactly this). Straight from the
-                    // socket into place: no staging copy, no fresh pages per request.
-                    s.read_exact(unsafe { std::slice::from_raw_parts_mut(region.as_ptr().add(off), len) })?;
-                } else {
-                    std::io::copy(&mut std::io::Read::take(&mut *s, len as u64), &mut std::io::sink())?;
-                }
-                s.write_all(&[ok as u8])?;
+                // SAFETY: bounds checked; the window's owner accepted that peers write
+                // here (it exposed the region for exactly this). Straight from the
+                // socket into place: no staging copy, no fresh pages per request.
+                s.read_exact(unsafe { std::slice::from_raw_parts_mut(region.as_ptr().add(off), len) })?;
+                s.write_all(&[1])?;
             }
             OP_READ => {
                 // SAFETY: bounds checked; reads of exposed memory.
-                let data: &[u8] = if ok { unsafe { std::slice::from_raw_parts(region.as_ptr().add(off), len) } } else { &[] };
-                write_all_vectored(s, &[ok as u8], data)?;
+                let data: &[u8] = unsafe { std::slice::from_raw_parts(region.as_ptr().add(off), len) };
+                write_all_vectored(s, &[1], data)?;
             }
             OP_FADD => {
-                let mut reply = vec![ok as u8];
-                if ok {
-                    // SAFETY: 8-aligned (checked) word inside the region; all accesses to it
-                    // are atomic by protocol.
-                    let old = unsafe { &*(region.as_ptr().add(off) as *const AtomicU64) }.fetch_add(arg, Ordering::AcqRel);
-                    reply.extend_from_slice(&old.to_le_bytes());
+                // SAFETY: 8-aligned (checked) word inside the region; all accesses to it
+                // are atomic by protocol.
+                let old = unsafe { &*(region.as_ptr().add(off) as *const AtomicU64) }.fetch_add(arg, Ordering::AcqRel);
+                write_all_vectored(s, &[1], &old.to_le_bytes())?;
+            }
+            OP_ACCUMULATE => {
+                let Some(acc) = &ex.accumulate else {
+                    skip(s, payload)?;
+                    refuse(s, "this window takes no accumulates")?;
+                    continue;
+                };
+                // A peer that stops half-way must not hold the owner's update forever.
+                s.set_read_timeout(Some(ex.timeout))?;
+                let mut received = 0u64;
+                let mut recv = |buf: &mut [u8]| {
+                    if received + buf.len() as u64 > payload {
+                        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "accumulate read past its payload"));
+                    }
+                    s.read_exact(buf)?;
+                    received += buf.len() as u64;
+                    Ok(())
+                };
+                let outcome = acc.accumulate(tag, off, len, &mut recv);
+                s.set_read_timeout(None)?;
+                match outcome {
+                    Ok(()) if received == payload => s.write_all(&[1])?,
+                    Ok(()) => return Err(bad(format!("accumulate took {received} of its {payload} payload bytes"))),
+                    Err(AccumulateError::Refused(why)) => {
+                        skip(s, payload - received)?;
+                        refuse(s, &why)?;
+                    }
+                    Err(AccumulateError::Io(e)) => return Err(e),
                 }
-                s.write_all(&reply)?;
             }
             _ => return Err(bad(format!("unknown one-sided op {op}"))),
         }
@@ -140,6 +220,8 @@ pub struct WindowSetup<'a> {
     pub service: Option<&'a RmaService>,
     pub secret: &'a str,
     pub timeout: Duration,
+    /// How tcp peers' accumulates are applied to this rank's region (refused without).
+    pub accumulate: Option<Arc<dyn Accumulate>>,
 }
 
 impl Window {
@@ -151,7 +233,7 @@ impl Window {
             return Err(invalid("a window shared with ranks on this host needs a shared region (Region::shared / RegionKind::Shared)"));
         }
         if let Some(svc) = w.service {
-            svc.expose(w.id, region.clone());
+            svc.expose(w.id, region.clone(), w.accumulate.clone(), w.timeout);
         }
         let key = |r: usize| format!("{}/win{}/{r}", w.prefix, w.id);
         let svc_addr = w.service.map(|s| s.addr.clone()).unwrap_or_default();
@@ -263,19 +345,21 @@ impl Window {
         }
     }
 
+    fn lost(&self, peer: usize, what: &str, e: std::io::Error) -> Error {
+        let cause = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            format!("no answer within {} ms", self.timeout.as_millis())
+        } else {
+            format!("{e} (process exited or was killed?)")
+        };
+        Error::PeerLost { rank: self.rank, peer, op: what.into(), cause }
+    }
+
     fn remote(&self, peer: usize, req: &[u8], payload: &[u8], reply: &mut [u8], what: &str) -> Result<()> {
         let Target::Remote(conn) = &self.targets[peer] else {
             return Err(invalid("not a remote peer"));
         };
         let mut s = conn.lock().unwrap_or_else(|p| p.into_inner());
-        let lost = |e: std::io::Error| {
-            let cause = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
-                format!("no answer within {} ms", self.timeout.as_millis())
-            } else {
-                format!("{e} (process exited or was killed?)")
-            };
-            Error::PeerLost { rank: self.rank, peer, op: what.into(), cause }
-        };
+        let lost = |e| self.lost(peer, what, e);
         // Header and payload as two writes: copying a large payload behind the header
         // would cost a pass over it; a small one rides in the header's segment.
         if payload.len() <= 4096 {
@@ -286,12 +370,22 @@ impl Window {
             s.write_all(req).map_err(lost)?;
             s.write_all(payload).map_err(lost)?;
         }
+        self.reply(&mut s, peer, reply, what).map_err(|e| e.unwrap_or_else(lost))
+    }
+
+    /// Reads one reply: the status byte, then `reply`'s bytes or the refusal's reason. Outer
+    /// error: the connection failed; inner: the peer refused (the connection stays usable).
+    fn reply(&self, s: &mut TcpStream, peer: usize, reply: &mut [u8], what: &str) -> std::result::Result<(), std::result::Result<Error, std::io::Error>> {
         let mut status = [0u8; 1];
-        s.read_exact(&mut status).map_err(lost)?;
+        s.read_exact(&mut status).map_err(Err)?;
         if status[0] != 1 {
-            return Err(Error::Protocol(format!("rank {}: rank {peer} refused {what}", self.rank)));
+            let mut n = [0u8; 2];
+            s.read_exact(&mut n).map_err(Err)?;
+            let mut why = vec![0u8; usize::from(u16::from_le_bytes(n)).min(REASON_MAX)];
+            s.read_exact(&mut why).map_err(Err)?;
+            return Err(Ok(Error::Protocol(format!("rank {}: rank {peer} refused {what}: {}", self.rank, String::from_utf8_lossy(&why)))));
         }
-        s.read_exact(reply).map_err(lost)
+        s.read_exact(reply).map_err(Err)
     }
 
     fn request(op: u8, off: usize, arg: u64) -> [u8; REQ_LEN] {
@@ -300,6 +394,26 @@ impl Window {
         r[9..17].copy_from_slice(&(off as u64).to_le_bytes());
         r[17..25].copy_from_slice(&arg.to_le_bytes());
         r
+    }
+
+    /// Whether [`Window::accumulate`] reaches `peer`: peers behind tcp, whose one-sided
+    /// service applies it. Mapped peers are worked on in place, and verbs peers have only
+    /// the NIC's operations.
+    pub fn accumulates(&self, peer: usize) -> bool {
+        matches!(self.targets.get(peer), Some(Target::Remote(_)))
+    }
+
+    /// Sends `data` to be applied at `off` in `peer`'s region by the [`Accumulate`] its
+    /// owner exposed the window with, which also gets `tag`; complete (applied) on return.
+    /// Only for peers where [`Window::accumulates`] holds.
+    pub fn accumulate(&self, peer: usize, off: usize, data: &[u8], tag: u64) -> Result<()> {
+        self.check(peer, off, data.len(), "one-sided accumulate")?;
+        if !self.accumulates(peer) {
+            return Err(invalid(format!("one-sided accumulate: rank {peer} is not reached through a one-sided service")));
+        }
+        let mut req = self.with_id(Self::request(OP_ACCUMULATE, off, data.len() as u64));
+        req[25..33].copy_from_slice(&tag.to_le_bytes());
+        self.remote(peer, &req, data, &mut [], "one-sided accumulate")
     }
 
     fn with_id(&self, mut r: [u8; REQ_LEN]) -> [u8; REQ_LEN] {
@@ -337,6 +451,33 @@ impl Window {
             None => self.remote(peer, &self.with_id(Self::request(OP_READ, off, buf.len() as u64)), &[], buf, "one-sided read")?,
         }
         Ok(())
+    }
+
+    /// Reads several ranges of `peer`'s region in order, each finished on the peer before
+    /// the next begins (so a seqlock's version, data, version can be read this way), in one
+    /// round trip on tcp: the requests go out together and the service answers them in turn.
+    pub fn read_sequence(&self, peer: usize, reads: &mut [(usize, &mut [u8])]) -> Result<()> {
+        for (off, buf) in reads.iter() {
+            self.check(peer, *off, buf.len(), "one-sided read")?;
+        }
+        let Target::Remote(conn) = &self.targets[peer] else {
+            return reads.iter_mut().try_for_each(|(off, buf)| self.read(peer, *off, buf));
+        };
+        let what = "one-sided read";
+        let requests: Vec<u8> = reads.iter().flat_map(|(off, buf)| self.with_id(Self::request(OP_READ, *off, buf.len() as u64))).collect();
+        let mut s = conn.lock().unwrap_or_else(|p| p.into_inner());
+        s.write_all(&requests).map_err(|e| self.lost(peer, what, e))?;
+        // Every reply is taken off the connection, even after a refusal, so that it stays
+        // in step; the first refusal is the error.
+        let mut refused = None;
+        for (_, buf) in reads.iter_mut() {
+            match self.reply(&mut s, peer, buf, what) {
+                Ok(()) => {}
+                Err(Ok(e)) => refused = refused.or(Some(e)),
+                Err(Err(e)) => return Err(self.lost(peer, what, e)),
+            }
+        }
+        refused.map_or(Ok(()), Err)
     }
 
     /// Atomically adds `value` to the u64 at `off` (8-aligned) in `peer`'s region and

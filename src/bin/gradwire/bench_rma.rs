@@ -1,6 +1,6 @@
 //! `gradwire bench ps`, `bench write` and `bench token-ring` (run under `gradwire launch`).
 
-use gradwire::rma::{ApplyRule, RemoteMemory};
+use gradwire::rma::{ApplyRule, RemoteMemory, PARAMS_AT};
 use gradwire::{Communicator, ReduceOp, Region, Result};
 use std::sync::Arc;
 use std::time::Instant;
@@ -33,7 +33,8 @@ pub fn write(comm: &Communicator, sizes: &[usize], iters: usize) -> Result<()> {
 }
 
 /// Push/pull bandwidth of rank 1 (a worker) against the shard on rank 0, beside the raw
-/// one-sided write/read bandwidth of the same transport and sizes. Pushes count as done
+/// one-sided write/read bandwidth of the same transport, sizes and offset (the shard's
+/// parameters' offset: memory alignment moves the kernel's copy speed). Pushes count as done
 /// once flushed (applied by the shard). With `check`, the gradients are random integers
 /// and the shard's final parameters must equal minus the sum of everything pushed, exactly.
 /// Returns whether every check passed.
@@ -49,7 +50,7 @@ pub fn ps(comm: &Communicator, sizes: &[usize], iters: usize, check: bool) -> Re
         println!("{:>12} {:>12} {:>12} {:>8} {:>12} {:>12} {:>8}", "size(B)", "write GB/s", "push GB/s", "push %", "read GB/s", "pull GB/s", "pull %");
     }
     let max = sizes.iter().copied().max().unwrap_or(0);
-    let win = comm.expose(Arc::new(Region::shared("bench-ps-raw", max.max(8))?))?;
+    let win = comm.expose(Arc::new(Region::shared("bench-ps-raw", PARAMS_AT + max.max(8))?))?;
     for (round, &size) in (1u64..).zip(sizes) {
         let n = size / 4;
 
@@ -74,15 +75,15 @@ pub fn ps(comm: &Communicator, sizes: &[usize], iters: usize, check: bool) -> Re
                 Ok(t.elapsed().as_secs_f64())
             };
             for _ in 0..iters.div_ceil(block) {
-                secs[0] += timed(&mut || win.write(0, 0, &data))?;
+                secs[0] += timed(&mut || win.write(0, PARAMS_AT, &data))?;
                 secs[1] += timed(&mut || rm.push(&grads, 1))?;
                 pushes += block as u64;
                 // The last pushes of a block are complete only once flushed.
                 let t = Instant::now();
                 rm.flush()?;
                 secs[1] += t.elapsed().as_secs_f64();
+                secs[2] += timed(&mut || win.read(0, PARAMS_AT, &mut back))?;
                 secs[3] += timed(&mut || rm.pull(&mut params))?;
-                secs[2] += timed(&mut || win.read(0, 0, &mut back))?;
             }
             let bytes = (size * block * iters.div_ceil(block)) as f64;
             row[..4].copy_from_slice(&secs.map(|s| bytes / s / 1e9));

@@ -3,8 +3,10 @@
 //! data, plus a check that all ranks hold bit-identical allreduce results.
 
 use crate::verify::{count_wrong, decode, encode, fingerprint, reference, round_to, within};
+use gradwire::transport::onesided::{Accumulate, AccumulateError};
 use gradwire::{Algo, Communicator, DType, HierarchicalAlgo, Hierarchy, OpKind, ReduceOp, Request, Result};
 use rand::{Rng, SeedableRng};
+use std::sync::Arc;
 use std::time::Duration;
 
 pub struct CheckArgs {
@@ -309,17 +311,26 @@ fn p2p_and_onesided(comm: &Communicator, seed: u64) -> Result<Vec<String>> {
     const BLOCK_BYTES: usize = 512;
     let counter_at = 0;
     let slots_at = 64;
-    let region = Arc::new(gradwire::Region::shared("check-window", slots_at + w * BLOCK_BYTES + BLOCK_BYTES)?);
     let own_at = slots_at + w * BLOCK_BYTES;
+    let sum_at = own_at + BLOCK_BYTES;
+    let region = Arc::new(gradwire::Region::shared("check-window", sum_at + BLOCK_BYTES)?);
     let block = |r: usize| -> Vec<u8> {
         let v = Gen::new(seed, r, 900_002, DType::F64).take(BLOCK_BYTES / 8);
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
     };
     // SAFETY: nobody else can reach the region before `expose` returns.
     unsafe { std::ptr::copy_nonoverlapping(block(me).as_ptr(), region.as_ptr().add(own_at), BLOCK_BYTES) };
-    let win = comm.expose(region.clone())?;
+    let win = comm.expose_with(region.clone(), Some(Arc::new(AddF64 { region: region.clone(), at: sum_at, lock: Default::default() })))?;
     for p in 0..w {
         win.write(p, slots_at + me * BLOCK_BYTES, &block(me))?;
+        if win.accumulates(p) {
+            win.accumulate(p, sum_at, &block(me), ACCUMULATE_TAG)?;
+            // A refused accumulate says why and leaves the connection usable.
+            match win.accumulate(p, sum_at, &block(me), ACCUMULATE_TAG + 1) {
+                Err(e) if e.to_string().contains("wrong tag") => {}
+                other => bad.push(format!("rank {me}: accumulate with a wrong tag at rank {p}: expected a refusal naming it, got {other:?}")),
+            }
+        }
     }
     let mut olds = vec![];
     for _ in 0..10 {
@@ -332,11 +343,24 @@ fn p2p_and_onesided(comm: &Communicator, seed: u64) -> Result<Vec<String>> {
         if theirs != block(p) {
             bad.push(format!("rank {me}: one-sided read of rank {p}'s block: data differs"));
         }
+        let (mut last, mut head, mut tail) = (vec![0u8; 24], vec![0u8; 24], vec![0u8; BLOCK_BYTES - 24]);
+        win.read_sequence(p, &mut [(own_at + BLOCK_BYTES - 24, &mut last), (own_at, &mut head), (own_at + 24, &mut tail)])?;
+        if [head, tail].concat() != block(p) || last != block(p)[BLOCK_BYTES - 24..] {
+            bad.push(format!("rank {me}: one-sided read sequence of rank {p}'s block: data differs"));
+        }
         // SAFETY: all writes to our region finished before the barrier.
         let landed = unsafe { std::slice::from_raw_parts(region.as_ptr().add(slots_at + p * BLOCK_BYTES), BLOCK_BYTES) };
         if landed != block(p).as_slice() {
             bad.push(format!("rank {me}: one-sided write from rank {p}: data differs"));
         }
+    }
+    // Accumulates from the ranks behind tcp: sums computed here from regenerated blocks.
+    let senders: Vec<usize> = (0..w).filter(|&p| win.accumulates(p)).collect();
+    // SAFETY: all accumulates into our region finished before the barrier.
+    let summed = unsafe { std::slice::from_raw_parts(region.as_ptr().add(sum_at) as *const f64, BLOCK_BYTES / 8) };
+    let want: Vec<f64> = (0..BLOCK_BYTES / 8).map(|i| senders.iter().map(|&p| Gen::new(seed, p, 900_002, DType::F64).take(BLOCK_BYTES / 8)[i]).sum()).collect();
+    if summed.iter().zip(&want).any(|(s, w)| (s - w).abs() > 1e-9 * (1.0 + w.abs())) {
+        bad.push(format!("rank {me}: one-sided accumulates from ranks {senders:?}: sum differs"));
     }
     let mut all_olds = vec![0f64; 10 * w];
     comm.allgather(&olds, &mut all_olds)?;
@@ -353,6 +377,31 @@ fn p2p_and_onesided(comm: &Communicator, seed: u64) -> Result<Vec<String>> {
     }
     comm.barrier()?;
     Ok(bad)
+}
+
+const ACCUMULATE_TAG: u64 = 7;
+
+/// The check's accumulate: adds f64 payloads into the words at `at`, one request at a time.
+struct AddF64 {
+    region: Arc<gradwire::Region>,
+    at: usize,
+    lock: std::sync::Mutex<()>,
+}
+
+impl Accumulate for AddF64 {
+    fn accumulate(&self, tag: u64, off: usize, len: usize, recv: &mut dyn FnMut(&mut [u8]) -> std::io::Result<()>) -> std::result::Result<(), AccumulateError> {
+        if tag != ACCUMULATE_TAG || off != self.at || len % 8 != 0 {
+            return Err(AccumulateError::Refused(format!("wrong tag {tag}, offset {off} or length {len}")));
+        }
+        let _held = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut word = [0u8; 8];
+        for i in 0..len / 8 {
+            recv(&mut word)?;
+            // SAFETY: off + len is inside the region (checked by the service); we hold the lock.
+            unsafe { *(self.region.as_ptr().add(off + 8 * i) as *mut f64) += f64::from_le_bytes(word) };
+        }
+        Ok(())
+    }
 }
 
 /// The non-blocking cross-node allreduce overlapping node-local collectives, `iters` times:
@@ -397,7 +446,8 @@ pub fn overlap(comm: &Communicator, iters: usize) -> Result<bool> {
 /// integer-valued gradients at its own randomised speed (unbalanced: rank r sleeps up to
 /// (1 + r mod 3) × 300 µs per step) and pushes by the dynamic-delay policy (whenever the
 /// token passes, everything accumulated) or the fixed cyclic one (one gradient per turn,
-/// waiting for it). Checked: one token holder at every take; every pull sees each shard
+/// waiting for it); a quarter of the steps also pull outside the rank's turn, racing the
+/// holder's pushes. Checked: one token holder at every take; every pull sees each shard
 /// consistent (a push is a constant vector, so a torn update would show mixed values);
 /// and conservation, exactly: applied + still accumulated = computed. `kill = (rank, step)`
 /// SIGKILLs that rank when it first takes the token at or after that step (fault tests).
@@ -405,7 +455,9 @@ pub fn token_ring(comm: &Communicator, steps: usize, cyclic: bool, kill: Option<
     use gradwire::rma::{ApplyRule, RemoteMemory};
     let (w, me) = (comm.size(), comm.rank());
     let seed = job_seed(comm)?;
-    let n = 1000;
+    // Large enough that a push takes a while to apply (over tcp: to arrive), so that pulls
+    // outside the turn do meet pushes half-way.
+    let n = 1 << 16;
     let servers: Vec<usize> = if w > 1 { vec![0, w - 1] } else { vec![0] };
     let mut rm = RemoteMemory::new(comm, &servers, &vec![0f32; n], ApplyRule::Sum, 1.0)?;
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ (me as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
@@ -414,6 +466,9 @@ pub fn token_ring(comm: &Communicator, steps: usize, cyclic: bool, kill: Option<
     let mut params = vec![0f32; n];
     let (mut pushes, mut torn) = (0u64, 0usize);
     let bounds: Vec<usize> = (0..=servers.len()).map(|i| n * i / servers.len()).collect();
+    // A push is a constant vector per shard: mixed values in a shard mean a torn pull.
+    let torn_shards = |p: &[f32]| (0..servers.len()).filter(|&i| p[bounds[i]..bounds[i + 1]].windows(2).any(|w| w[0] != w[1])).count();
+    let (mut side, mut side_torn) = (vec![0f32; n], 0usize);
     let mut turn = |rm: &mut RemoteMemory, acc: &mut Vec<f32>, count: &mut u64, step: usize| -> Result<()> {
         rm.take_token()?;
         if kill.is_some_and(|(r, s)| r == me && step >= s) {
@@ -427,7 +482,7 @@ pub fn token_ring(comm: &Communicator, steps: usize, cyclic: bool, kill: Option<
             pushes += 1;
         }
         rm.pull(&mut params)?;
-        torn += (0..servers.len()).filter(|&i| params[bounds[i]..bounds[i + 1]].windows(2).any(|p| p[0] != p[1])).count();
+        torn += torn_shards(&params);
         rm.pass_token()
     };
     for step in 0..steps {
@@ -436,6 +491,14 @@ pub fn token_ring(comm: &Communicator, steps: usize, cyclic: bool, kill: Option<
         computed.iter_mut().for_each(|c| *c += g as f64);
         count += 1;
         std::thread::sleep(Duration::from_micros(rng.random_range(0..300) * (1 + me as u64 % 3)));
+        // Pulls outside our turn race with the holder's pushes: the seqlock must hold. Not
+        // in fault runs: there they would reach survivors that already exited because of
+        // the death (and, with rank 0, the store that holds their reasons), and the report
+        // under test is of the death itself.
+        if kill.is_none() && rng.random_ratio(1, 4) {
+            rm.pull(&mut side)?;
+            side_torn += torn_shards(&side);
+        }
         if cyclic {
             rm.wait_token()?;
             turn(&mut rm, &mut acc, &mut count, step)?;
@@ -463,7 +526,7 @@ pub fn token_ring(comm: &Communicator, steps: usize, cyclic: bool, kill: Option<
     // Every remote read happens before the last collectives: after them a server rank may
     // already be gone.
     let applied_pushes: u64 = (0..servers.len()).map(|i| rm.applied(i)).sum::<Result<u64>>()?;
-    let mut stats = [pushes as f64, torn as f64, lost as f64];
+    let mut stats = [pushes as f64, (torn + side_torn) as f64, lost as f64];
     comm.allreduce(&mut stats, ReduceOp::Sum)?;
     comm.barrier()?;
     let ok = stats[1] == 0.0 && stats[2] == 0.0 && applied_pushes == stats[0] as u64 * servers.len() as u64;
