@@ -7,7 +7,8 @@
 #   benches/rxe_compare.sh --record   # also write it into BENCHMARKS.md (its verbs section)
 #
 # Environment: SIZES (default "65536 1048576 4194304 16777216"), BYTES moved per size, tool
-# and repeat (default 64 MiB), REPEATS (default 3). About 5 minutes on 2 cores.
+# and repeat (default 64 MiB), REPEATS (default 3); GRADWIRE_* variables are passed to the
+# ranks in the guest. About 5 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 record=0
@@ -16,7 +17,10 @@ sizes=${SIZES:-65536 1048576 4194304 16777216}
 cargo build --release --bin gradwire >&2
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 strip -o "$tmp/gradwire" target/release/gradwire 2>/dev/null || cp target/release/gradwire "$tmp/gradwire"
-tests/rxe/run-in-vm.sh -t 1500 -e "SIZES=$sizes" -e "BYTES=${BYTES:-67108864}" -e "REPEATS=${REPEATS:-3}" \
+# GRADWIRE_* settings of this shell reach the ranks in the guest (to try ring sizes etc.).
+passthrough=()
+while IFS= read -r kv; do passthrough+=(-e "$kv"); done < <(env | grep '^GRADWIRE_' || true)
+tests/rxe/run-in-vm.sh -t 1500 -e "SIZES=$sizes" -e "BYTES=${BYTES:-67108864}" -e "REPEATS=${REPEATS:-3}" "${passthrough[@]}" \
   -f "$tmp/gradwire" -- benches/rxe/in-guest.sh | tee "$tmp/out"
 grep -q '^| [0-9]' "$tmp/out" || { echo "rxe_compare: no result rows" >&2; exit 1; }
 [ $record = 1 ] || exit 0

@@ -4,6 +4,12 @@
 //! pair of the window's own; on tcp a service thread on the target applies requests, so the
 //! target's application never takes part, as with RDMA. The remote-memory layer (token ring,
 //! parameter-server shards) is built on this.
+//!
+//! Two operations exist for tcp's sake: [`Window::read_sequence`] sends several reads in one
+//! round trip (the service answers them in order), and [`Window::accumulate`] hands a
+//! payload to an [`Accumulate`] the region's owner registered, which applies it while it
+//! arrives (what a smart NIC would do; on shm the caller works in place instead, and verbs
+//! has only the NIC's own operations).
 
 use crate::bootstrap::{auth, StoreClient};
 use crate::error::{invalid, Error, Result};

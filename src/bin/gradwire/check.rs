@@ -456,8 +456,9 @@ pub fn token_ring(comm: &Communicator, steps: usize, cyclic: bool, kill: Option<
     let (w, me) = (comm.size(), comm.rank());
     let seed = job_seed(comm)?;
     // Large enough that a push takes a while to apply (over tcp: to arrive), so that pulls
-    // outside the turn do meet pushes half-way.
-    let n = 1 << 16;
+    // outside the turn do meet pushes half-way; small in fault runs, so that the victim
+    // reaches its fatal step while the others still pass the token.
+    let n = if kill.is_some() { 1000 } else { 1 << 16 };
     let servers: Vec<usize> = if w > 1 { vec![0, w - 1] } else { vec![0] };
     let mut rm = RemoteMemory::new(comm, &servers, &vec![0f32; n], ApplyRule::Sum, 1.0)?;
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ (me as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
