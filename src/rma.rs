@@ -28,7 +28,9 @@
 //! accumulate request: the shard's one-sided service applies the gradients, under the same
 //! lock, chunk by chunk as they arrive, while they are in cache (the inbox and server
 //! thread would take a second pass over memory on the same core). The inbox serves verbs,
-//! where the NIC writes and the shard's thread applies.
+//! where the NIC writes and the shard's thread applies. A tcp push whose sender dies or
+//! stalls past the deadline half-way leaves what arrived applied and uncounted (the rest of
+//! that worker's gradient is lost with it), and frees the shard for the others.
 //!
 //! The completion flag is an atomic rather than verbs' write-with-immediate on purpose: the
 //! server polls memory on every transport alike and needs no receive queue or completion
