@@ -255,7 +255,10 @@ impl RemoteMemory {
         }
         let (lo, hi) = self.shard_range(i);
         // SAFETY: the shard's words and parameters lie inside the mapping; we hold the lock.
-        unsafe { Update::begin(base, self.rule, self.lr, count, self.pulled_at[i]).add(0, &acc[lo..hi]).finish(true) };
+        let update = unsafe { Update::begin(base, self.rule, self.lr, count, self.pulled_at[i]) };
+        // SAFETY: the slice is the shard's length.
+        unsafe { update.add(0, &acc[lo..hi]) };
+        update.finish(true);
         lock.store(0, Ordering::Release);
         Ok(())
     }
@@ -459,10 +462,9 @@ impl Update<'_> {
     ///
     /// # Safety
     /// `at + grads.len()` is within the shard.
-    unsafe fn add(self, at: usize, grads: &[f32]) -> Self {
+    unsafe fn add(&self, at: usize, grads: &[f32]) {
         let params = std::slice::from_raw_parts_mut(self.params.add(at), grads.len());
         params.iter_mut().zip(grads).for_each(|(p, g)| *p -= self.scale * g);
-        self
     }
 
     /// Ends the update: pulls may read again; counted as applied if `complete` (a push whose
@@ -500,23 +502,19 @@ impl Accumulate for ShardAccumulator {
         }
         let base = self.region.as_ptr();
         // SAFETY: the region is a whole shard window; we hold the lock.
-        let mut update = unsafe { Update::begin(base, self.rule, self.lr, count, pulled_at) };
+        let update = unsafe { Update::begin(base, self.rule, self.lr, count, pulled_at) };
         let mut chunk = vec![0f32; ACCUMULATE_CHUNK / 4];
-        let mut at = 0;
-        let outcome = loop {
-            if at == self.len {
-                break Ok(());
+        let mut receive_and_add = || -> std::io::Result<()> {
+            for at in (0..self.len).step_by(chunk.len()) {
+                let n = (self.len - at).min(chunk.len());
+                // SAFETY: f32 buffer viewed as bytes.
+                recv(unsafe { std::slice::from_raw_parts_mut(chunk.as_mut_ptr() as *mut u8, n * 4) })?;
+                // SAFETY: at + n ≤ the shard's length.
+                unsafe { update.add(at, &chunk[..n]) };
             }
-            let n = (self.len - at).min(chunk.len());
-            // SAFETY: f32 buffer viewed as bytes.
-            let bytes = unsafe { std::slice::from_raw_parts_mut(chunk.as_mut_ptr() as *mut u8, n * 4) };
-            if let Err(e) = recv(bytes) {
-                break Err(e);
-            }
-            // SAFETY: at + n ≤ the shard's length.
-            update = unsafe { update.add(at, &chunk[..n]) };
-            at += n;
+            Ok(())
         };
+        let outcome = receive_and_add();
         update.finish(outcome.is_ok());
         word(&self.region, LOCK_AT).store(0, Ordering::Release);
         Ok(outcome?)
@@ -558,7 +556,9 @@ fn serve(region: &Region, me: usize, len: usize, shard_len: usize, workers: usiz
             // not touch the slot again until we acknowledge.
             unsafe {
                 let grads = std::slice::from_raw_parts(region.as_ptr().add(slot + SLOT_GRADS) as *const f32, len);
-                Update::begin(region.as_ptr(), rule, lr, count, pulled_at).add(0, grads).finish(true);
+                let update = Update::begin(region.as_ptr(), rule, lr, count, pulled_at);
+                update.add(0, grads);
+                update.finish(true);
             }
             lock.store(0, Ordering::Release);
             word(region, slot).store(0, Ordering::Release);
