@@ -9,6 +9,14 @@
 //! a time, so a sender never overruns the ring and a receiver never runs out of posted
 //! receives. Small slots go inline where the device allows.
 //!
+//! Each direction has its own queue pair, as NCCL's send and receive connections do: data
+//! to the peer leaves on `data_qp`, whose receive queue takes the peer's credits; the
+//! peer's data lands through `credit_qp`, which sends our credits back. A queue pair sends
+//! in order, so a credit posted behind megabytes of our own outgoing data would wait for
+//! all of it (on rxe at 35 MB/s, a 4 MiB backlog is 120 ms) while the peer's sender starves:
+//! in an allreduce, where both directions are busy, that halved throughput once messages
+//! outgrew the ring.
+//!
 //! Liveness: a dead peer's queue pair is destroyed with its process, so any request to it
 //! ends in a retry-exceeded completion. While waiting, the link posts a zero-length RDMA
 //! WRITE probe now and then to learn this even when it has nothing to send.
@@ -27,8 +35,10 @@ use std::time::{Duration, Instant};
 const WR_DATA: u64 = 1;
 const WR_CREDIT: u64 = 2;
 const WR_PROBE: u64 = 3;
-const WR_RECV: u64 = 4;
+/// Receives posted on `credit_qp` (landed slots, hello, close) and on `data_qp` (credits).
+const WR_RECV_DATA: u64 = 4;
 const WR_CTRL: u64 = 5;
+const WR_RECV_CREDIT: u64 = 6;
 
 /// Control immediates (credits are small counts, far below these).
 const IMM_HELLO: u32 = 0xFFFF_FFF0;
@@ -42,8 +52,13 @@ const PROBE_EVERY: Duration = Duration::from_millis(200);
 /// A link to one peer over RDMA verbs.
 pub struct VerbsLink {
     peer: usize,
-    qp: Qp,
+    /// Our slots go out here; the peer's credits come in here.
+    data_qp: Qp,
+    /// The peer's slots land through here; our credits go out here.
+    credit_qp: Qp,
+    /// One completion queue for both queue pairs (work request ids tell them apart).
     cq: Arc<Cq>,
+    /// The peer's `credit_qp` endpoint, with its receive ring.
     remote: Endpoint,
     // Registrations drop before the memory they cover.
     tx_mr: Mr,
@@ -53,10 +68,12 @@ pub struct VerbsLink {
     rx: Region,
     slots: usize,
     slot: usize,
-    /// Slots sent so far; slots the peer still has free for us; requests in the send queue.
+    /// Slots sent so far; slots the peer still has free for us; requests in each send queue
+    /// (both hold `sq_cap`).
     sent: u64,
     credits: usize,
     sq_busy: usize,
+    credit_busy: usize,
     sq_cap: usize,
     /// Byte counts of slots that landed and are not yet read, oldest first.
     arrived: VecDeque<usize>,
@@ -97,12 +114,13 @@ impl VerbsLink {
                         WR_CTRL => "control send",
                         _ => "receive",
                     };
-                    let e = completion_error(wc, op, self.qp.domain());
+                    let e = completion_error(wc, op, self.data_qp.domain());
                     return Err(self.fail(e));
                 }
                 match kind {
-                    WR_RECV => {
-                        let r = self.qp.post_recv(WR_RECV);
+                    WR_RECV_DATA | WR_RECV_CREDIT => {
+                        let qp = if kind == WR_RECV_DATA { &self.credit_qp } else { &self.data_qp };
+                        let r = qp.post_recv(kind);
                         if let Err(e) = r {
                             return Err(self.fail(e));
                         }
@@ -128,6 +146,7 @@ impl VerbsLink {
                         self.probe_out = false;
                         self.sq_busy -= 1;
                     }
+                    WR_CREDIT => self.credit_busy -= 1,
                     _ => self.sq_busy -= 1,
                 }
             }
@@ -138,11 +157,11 @@ impl VerbsLink {
     }
 
     fn return_credits(&mut self) -> std::io::Result<()> {
-        if self.freed == 0 || self.sq_busy >= self.sq_cap {
+        if self.freed == 0 || self.credit_busy >= self.sq_cap {
             return Ok(());
         }
-        self.qp.post(WR_CREDIT, Wr::SendImm(self.freed as u32))?;
-        self.sq_busy += 1;
+        self.credit_qp.post(WR_CREDIT, Wr::SendImm(self.freed as u32))?;
+        self.credit_busy += 1;
         self.freed = 0;
         Ok(())
     }
@@ -202,7 +221,7 @@ impl Link for VerbsLink {
         let data = unsafe { std::slice::from_raw_parts(dst, n) };
         let at = (self.sent % self.slots as u64) as usize * self.slot;
         let wr = Wr::Write { local: Some((data, self.tx_mr.lkey())), remote_addr: self.remote.addr + at as u64, rkey: self.remote.rkey, imm: Some(n as u32) };
-        if let Err(e) = self.qp.post(WR_DATA, wr) {
+        if let Err(e) = self.data_qp.post(WR_DATA, wr) {
             return Err(self.fail(e));
         }
         self.sent += 1;
@@ -251,7 +270,7 @@ impl Link for VerbsLink {
         }
         if !self.probe_out && self.last_probe.elapsed() >= PROBE_EVERY && self.sq_busy < self.sq_cap {
             let wr = Wr::Write { local: None, remote_addr: self.remote.addr, rkey: self.remote.rkey, imm: None };
-            if let Err(e) = self.qp.post(WR_PROBE, wr) {
+            if let Err(e) = self.data_qp.post(WR_PROBE, wr) {
                 return Some(self.fail(e).to_string());
             }
             self.probe_out = true;
@@ -262,7 +281,7 @@ impl Link for VerbsLink {
     }
 
     fn shutdown(&mut self) {
-        if self.failed.is_some() || self.sq_busy >= self.sq_cap || self.qp.post(WR_CTRL, Wr::SendImm(IMM_CLOSE)).is_err() {
+        if self.failed.is_some() || self.sq_busy >= self.sq_cap || self.data_qp.post(WR_CTRL, Wr::SendImm(IMM_CLOSE)).is_err() {
             return;
         }
         self.sq_busy += 1;
@@ -280,7 +299,7 @@ fn lost(rank: usize, peer: usize, cause: String) -> Error {
 }
 
 /// Connects this rank to every peer in `peers` over verbs: one RC queue pair and one ring
-/// per direction per peer; endpoints (QP number, GID, ring address and key) go through the
+/// per direction per peer; endpoints (QP numbers, GID, ring address and key) go through the
 /// rendezvous store. Before returning, every pair exchanges a hello over the new queue
 /// pairs, so an unreachable peer (wrong GID, wrong port) fails here, named, and not in the
 /// first collective.
@@ -299,51 +318,63 @@ pub fn connect_all(
     }
     let slot = MAX_SLOT.min(ring_bytes / 4);
     let slots = ring_bytes / slot;
+    // Each queue holds a whole ring of slots (or of credits) plus control words.
+    let depth = slots + 16;
     struct Pending {
         peer: usize,
-        qp: Qp,
+        data_qp: Qp,
+        credit_qp: Qp,
         cq: Arc<Cq>,
         tx: Region,
         rx: Region,
         tx_mr: Mr,
         rx_mr: Mr,
-        psn: u32,
+        psn: (u32, u32),
     }
     let mut pending = Vec::new();
     let mut made = Vec::new();
     for &p in peers {
-        let cq = dom.create_cq(2 * slots + 64)?;
-        let qp = dom.create_qp(&cq, (slots + 16) as u32, (slots + 16) as u32)?;
+        let cq = dom.create_cq(4 * depth)?;
+        let data_qp = dom.create_qp(&cq, depth as u32, depth as u32)?;
+        let credit_qp = dom.create_qp(&cq, depth as u32, depth as u32)?;
         let tx = Region::anonymous(ring_bytes)?;
         let rx = Region::anonymous(ring_bytes)?;
         // SAFETY: both regions live in the link next to (and longer than) their registrations.
         let (tx_mr, rx_mr) = unsafe { (dom.register_raw(tx.as_ptr(), tx.len())?, dom.register_raw(rx.as_ptr(), rx.len())?) };
-        let psn = rand::random::<u32>() & 0xFF_FFFF;
-        store.set(&format!("{prefix}/ib/{rank}>{p}"), qp.endpoint(psn, Some(&rx_mr)).encode().as_bytes())?;
-        pending.push(Pending { peer: p, qp, cq, tx, rx, tx_mr, rx_mr, psn });
+        let psn = (rand::random::<u32>() & 0xFF_FFFF, rand::random::<u32>() & 0xFF_FFFF);
+        store.set(&format!("{prefix}/ib/{rank}>{p}/data"), data_qp.endpoint(psn.0, None).encode().as_bytes())?;
+        store.set(&format!("{prefix}/ib/{rank}>{p}/credit"), credit_qp.endpoint(psn.1, Some(&rx_mr)).encode().as_bytes())?;
+        pending.push(Pending { peer: p, data_qp, credit_qp, cq, tx, rx, tx_mr, rx_mr, psn });
     }
     for pd in pending {
         let p = pd.peer;
-        let v = store.get(&format!("{prefix}/ib/{p}>{rank}"), deadline)?.ok_or_else(|| Error::Timeout {
-            rank,
-            peer: p,
-            op: "verbs connect (peer never published its queue pair)".into(),
-            waited_ms: started.elapsed().as_millis() as u64,
-        })?;
-        let remote = Endpoint::decode(&String::from_utf8_lossy(&v)).map_err(|e| Error::Protocol(format!("rank {p}: {e}")))?;
+        let fetch = |which: &str| -> Result<Endpoint> {
+            let v = store.get(&format!("{prefix}/ib/{p}>{rank}/{which}"), deadline)?.ok_or_else(|| Error::Timeout {
+                rank,
+                peer: p,
+                op: format!("verbs connect (peer never published its {which} queue pair)"),
+                waited_ms: started.elapsed().as_millis() as u64,
+            })?;
+            Endpoint::decode(&String::from_utf8_lossy(&v)).map_err(|e| Error::Protocol(format!("rank {p}: {e}")))
+        };
+        let (remote_data, remote) = (fetch("data")?, fetch("credit")?);
         if remote.len < ring_bytes as u64 {
             return Err(Error::Config(format!(
                 "rank {p} has a {}-byte verbs ring, rank {rank} {ring_bytes}: set GRADWIRE_IB_RING_BYTES alike on every rank",
                 remote.len
             )));
         }
-        pd.qp.connect(pd.psn, &remote).map_err(|e| lost(rank, p, e.to_string()))?;
-        for _ in 0..slots + 16 {
-            pd.qp.post_recv(WR_RECV).map_err(|e| Error::io(format!("post receive for rank {p}"), e))?;
+        // Our data queue pair talks to the peer's credit queue pair, and the other way round.
+        pd.data_qp.connect(pd.psn.0, &remote).map_err(|e| lost(rank, p, e.to_string()))?;
+        pd.credit_qp.connect(pd.psn.1, &remote_data).map_err(|e| lost(rank, p, e.to_string()))?;
+        for _ in 0..depth {
+            pd.credit_qp.post_recv(WR_RECV_DATA).map_err(|e| Error::io(format!("post receive for rank {p}"), e))?;
+            pd.data_qp.post_recv(WR_RECV_CREDIT).map_err(|e| Error::io(format!("post receive for rank {p}"), e))?;
         }
         made.push(VerbsLink {
             peer: p,
-            qp: pd.qp,
+            data_qp: pd.data_qp,
+            credit_qp: pd.credit_qp,
             cq: pd.cq,
             remote,
             tx_mr: pd.tx_mr,
@@ -355,7 +386,8 @@ pub fn connect_all(
             sent: 0,
             credits: slots,
             sq_busy: 0,
-            sq_cap: slots + 16,
+            credit_busy: 0,
+            sq_cap: depth,
             arrived: VecDeque::new(),
             taken: 0,
             read_off: 0,
@@ -385,7 +417,7 @@ pub fn connect_all(
 /// Sends a hello to every peer and waits for theirs.
 fn hello(rank: usize, links: &mut [VerbsLink], deadline: Instant, started: Instant) -> Result<()> {
     for l in links.iter_mut() {
-        l.qp.post(WR_CTRL, Wr::SendImm(IMM_HELLO)).map_err(|e| lost(rank, l.peer, format!("hello: {e}")))?;
+        l.data_qp.post(WR_CTRL, Wr::SendImm(IMM_HELLO)).map_err(|e| lost(rank, l.peer, format!("hello: {e}")))?;
         l.sq_busy += 1;
     }
     loop {
