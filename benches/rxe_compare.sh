@@ -67,7 +67,13 @@ head = "## RDMA verbs on soft-RoCE (rxe), one QEMU guest"
 if KEEP not in text:
     text = text.rstrip("\n") + "\n\n" + KEEP + "\n"
 if head in text:
-    text = text[: text.index(head)]
-open(path, "w").write(text.rstrip("\n") + "\n\n" + section)
+    # Replace this section only: sections after it (written by other scripts) stay.
+    start = text.index(head)
+    end = text.find("\n## ", start + len(head))
+    rest = text[end + 1 :] if end >= 0 else ""
+    text = text[:start].rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
+else:
+    text = text.rstrip("\n") + "\n\n" + section
+open(path, "w").write(text)
 print("recorded in BENCHMARKS.md", file=sys.stderr)
 PY
