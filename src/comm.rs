@@ -113,7 +113,7 @@ impl Communicator {
         let link_kinds = (0..size).map(|p| if p == rank { "self" } else { links[p].as_ref().map(|l| l.kind()).unwrap_or("none") }).collect();
         let shm_all = shm.is_some() && shm_peers.len() + 1 == size;
         // Spinning only pays when every local rank has a core of its own.
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let cores = host_cpus();
         let spin = if local.len() > cores { std::time::Duration::ZERO } else { cfg.spin };
         let links = Links::new(rank, links, abort.clone(), spin);
         let state = EngineState::new(rank, size, links, shm, shm_all, spin, abort, global_ranks.clone()).with_store(store.clone(), &prefix);
@@ -302,3 +302,17 @@ fn verbs_peers(_: &str, _: usize, cfg: &Config, _: &[usize], _: Option<&StoreCli
 type VerbsDomain = Option<Arc<crate::transport::verbs::Domain>>;
 #[cfg(not(feature = "verbs"))]
 type VerbsDomain = Option<()>;
+
+/// CPUs online on this host. Not `available_parallelism`, which counts only this process's
+/// affinity: a launcher that pins each rank to its own core would make every rank see one
+/// CPU and give up spinning exactly where spinning pays (2 pinned ranks on 2 cores: the
+/// 4 KiB shm allreduce spent half its time in sched_yield).
+pub fn host_cpus() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    if n > 0 {
+        n as usize
+    } else {
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    }
+}

@@ -20,6 +20,9 @@ use std::time::{Duration, Instant};
 /// is still in L1/L2.
 const BLOCK: usize = 32 << 10;
 
+/// Waits shorter than this do not look for a dead peer in /proc (see `check_peer`).
+const PROC_CHECK_AFTER: Duration = Duration::from_micros(100);
+
 pub struct ShmCtx<'a> {
     pub dom: &'a ShmDomain,
     pub rank: usize,
@@ -71,7 +74,11 @@ impl ShmCtx<'_> {
         if self.abort.load(Ordering::Acquire) {
             return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted locally".into() });
         }
-        if let Some(why) = self.dom.peer_gone(p) {
+        // The abort flag is a shared-memory read; asking /proc whether the process lives
+        // costs microseconds, which a short wait cannot afford (the peer would arrive while
+        // we sit in the syscall), so that waits until the wait is no longer short.
+        let gone = if waited >= PROC_CHECK_AFTER { self.dom.peer_gone(p) } else { self.dom.aborted_reason(p) };
+        if let Some(why) = gone {
             return Err(Error::PeerLost { rank: self.rank, peer: p, op: self.call.to_string(), cause: why });
         }
         // A peer that started a different call with the same sequence number will never
@@ -177,8 +184,10 @@ pub fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Re
     cx.wait_all(base + 1)?;
     cx.check_calls()?;
     // SAFETY: every rank's half is complete (barrier above) and is not rewritten before
-    // everyone has arrived at the next call.
-    unsafe { std::ptr::copy_nonoverlapping(slot(0), buf.as_mut_ptr(), buf.len()) };
+    // everyone has arrived at the next call. Rank 0's buffer already holds its input.
+    if me != 0 {
+        unsafe { std::ptr::copy_nonoverlapping(slot(0), buf.as_mut_ptr(), buf.len()) };
+    }
     for p in 1..w {
         // SAFETY: as above.
         let theirs = unsafe { std::slice::from_raw_parts(slot(p), buf.len()) };

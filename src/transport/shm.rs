@@ -225,7 +225,8 @@ impl ShmDomain {
         self.aborted_reason(r).or_else(|| process_gone(self.pids[r]).map(|gone| self.aborted_reason(r).unwrap_or(gone)))
     }
 
-    fn aborted_reason(&self, r: usize) -> Option<String> {
+    /// The reason rank `r` left in its page when it aborted (a shared-memory read only).
+    pub fn aborted_reason(&self, r: usize) -> Option<String> {
         let base = self.base(r);
         if atomic_u32(base, ABORT_AT).load(Ordering::Acquire) != 0 {
             let len = (atomic_u32(base, REASON_LEN_AT).load(Ordering::Relaxed) as usize).min(REASON_MAX);
