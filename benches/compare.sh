@@ -360,7 +360,7 @@ fi
 meta bound_status "$BOUND_STATUS"
 
 # ---- 3. machine copy bandwidth, loopback wake-up latency ------------------------
-if gcc -O3 -o "$BUILD/copybw" "$PEERS/copybw.c" >"$RESULTS/logs/copybw_build.log" 2>&1; then
+if gcc -O3 -pthread -o "$BUILD/copybw" "$PEERS/copybw.c" >"$RESULTS/logs/copybw_build.log" 2>&1; then
     log "measuring copy bandwidth (256 MiB, best of 7)"
     meta copybw "$("$BUILD/copybw" -H | tr '\n' ';')"
 else

@@ -75,6 +75,46 @@ def bound_busbw(copy_bw: float, w: int) -> float:
     return copy_bw / bound_k(w) * 2.0 * (w - 1) / w
 
 
+def cores_bound_busbw(copy_all: float, w: int) -> float:
+    """busbw bound when W ranks share fewer cores: all W*k*S bytes pass through the cores
+    copying at once (copy_all GB/s in total), so time >= W*k*S/copy_all."""
+    return copy_all / (w * bound_k(w)) * 2.0 * (w - 1) / w
+
+
+def memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores):
+    """Context cells of targets 1a and 1b: which memory bound applies at W ranks and what
+    each target asks of it. cores = (online CPUs, memcpy GB/s of all of them at once)."""
+    if not copy_bw:
+        return {}
+    ncores, copy_all = cores
+    if ncores and copy_all and w > ncores:
+        b = cores_bound_busbw(copy_all, w)
+        what = (f"{w} ranks on {ncores} cores: their {w}·{bound_k(w):g}·S bytes pass through "
+                f"{ncores} cores copying at once ({copy_all:g} GB/s, measured): bound "
+                f"{num(b)} GB/s")
+    else:
+        b = bound_busbw(copy_bw, w)
+        what = f"memory bound {num(b)} GB/s (a core per rank)"
+    c1a, c1b = [what], [what]
+    for sz in sizes:
+        g, m = gw.get(sz), mp.get(sz)
+        need = T1_RATIO * m if m else None
+        if need:
+            c1a.append(f"{human(sz)}: target needs {num(need)} GB/s = {need / b:.0%} of it"
+                       + (" (**out of reach**)" if need > b else "")
+                       + (f"; gradwire at {g / b:.0%}" if g is not None else ""))
+    need_b = T1_BOUND_FRAC * bound_busbw(copy_bw, w)
+    if b < bound_busbw(copy_bw, w):
+        c1b.append(f"the target ({T1_BOUND_FRAC:.0%} of the per-rank bound) needs {num(need_b)} "
+                   f"GB/s = {need_b / b:.0%} of it" + (" (**out of reach**)" if need_b > b else ""))
+        for sz in sizes:
+            if gw.get(sz) is not None:
+                c1b.append(f"{human(sz)}: gradwire at {gw[sz] / b:.0%} of it")
+    else:
+        c1b = ["—"]
+    return {"1a": "<br>".join(c1a), "1b": "<br>".join(c1b)}
+
+
 def human(n: int) -> str:
     for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= div and n % div == 0:
@@ -479,7 +519,7 @@ def join(xs):
     return " · ".join(xs) if xs else "—"
 
 
-def targets(res, meta, copy_bw, ranks_local, transports):
+def targets(res, meta, copy_bw, ranks_local, transports, cores=(0, None)):
     """-> (lines, tally) of the Targets table."""
     rows = []  # (target, W, sizes, gradwire, reference, ratio, threshold, result)
     ceil = {}  # (target id, W) -> the "TCP ceiling" cell (targets 3a, 3b, 4)
@@ -504,6 +544,8 @@ def targets(res, meta, copy_bw, ranks_local, transports):
         gw = {s: res.med(kg, s) for s in sizes}
         mp = {s: res.med(km, s) for s in sizes}
         rat = [(s, gw[s] / mp[s] if gw[s] is not None and mp[s] else None) for s in sizes]
+        for tid, cell in memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores).items():
+            ceil[(tid, where)] = cell
         rows.append(("1a shm busbw ≥ 2.5× Open MPI (vader)", where,
                      join([human(s) for s in sizes]),
                      join([num(gw[s]) if gw[s] is not None else "—" for s in sizes]),
@@ -634,7 +676,7 @@ def targets(res, meta, copy_bw, ranks_local, transports):
                      f"≥ {T4_RATIO:.2f}×", verdict(rat, thr=T4_RATIO)))
 
     head = ["#", "target", "W", "sizes", "gradwire", "reference", "gradwire / reference",
-            "threshold", "result", "TCP ceiling (bound part; context, not judged)"]
+            "threshold", "result", "ceiling: memory (1) or TCP (3, 4; bound part); context, not judged"]
     lines = ["| " + " | ".join(head) + " |",
              "|---|---|---:|---|---:|---:|---:|---:|---|---|"]
     tally = defaultdict(int)
@@ -680,16 +722,23 @@ def main() -> int:
 
     copybw = meta.get("copybw", "n/a")
     copy_bw = None
+    cores = (0, None)
     cb = parse_csvish(copybw, None)
     if cb:
         try:
             copy_bw = float(cb.get("memcpy_gbs", ""))
         except ValueError:
             copy_bw = None
+        try:
+            cores = (int(cb.get("cores", "")), float(cb.get("memcpy_all_cores_gbs", "")))
+        except ValueError:
+            cores = (0, None)
         copybw = (f"memcpy {cb.get('memcpy_gbs')} GB/s, reduce-add (`d[i] += s[i]`) "
                   f"{cb.get('add_gbs')} GB/s, triad {cb.get('triad_gbs')} GB/s "
                   f"(single thread, {cb.get('buffer_mib')} MiB buffers, best of 7; "
-                  f"bytes of destination per second)")
+                  f"bytes of destination per second)"
+                  + (f"; memcpy on all {cores[0]} cores at once {cores[1]:g} GB/s in total"
+                     if cores[1] else ""))
 
     pingpong = meta.get("pingpong", "n/a")
     pp = parse_csvish(pingpong, None)
@@ -709,7 +758,7 @@ def main() -> int:
         w("")
 
     # ---- targets
-    tlines, tally = targets(res, meta, copy_bw, ranks, transports)
+    tlines, tally = targets(res, meta, copy_bw, ranks, transports, cores)
     w("## Targets")
     w("")
     w("The performance targets of the issue \"Make the CPU paths beat Open MPI and Gloo\" "
@@ -737,6 +786,14 @@ def main() -> int:
       "1448/1514 = 95.6% of its rate as TCP payload in steady state (a short transfer can "
       "do slightly better while the tbf bucket's initial burst lasts).")
     w("- 4: loopback TCP (`--transport tcp`, Open MPI `btl self,tcp` on `lo`, Gloo on `lo`).")
+    if copy_bw:
+        w("- Memory ceiling (rows 1a, 1b): the bound that applies at W ranks. With a core per "
+          "rank it is the per-rank bound of 1b. When ranks outnumber cores, a rank copies "
+          "only while it holds a core, so all W·k·S bytes pass through the cores copying at "
+          "once: bound busbw = (memcpy of all cores at once, measured by copybw in this run) "
+          "/ (W·k) · 2(W−1)/W. Then what each target asks as a percentage of that bound "
+          "(above 100%: out of reach on this machine, whatever the implementation). "
+          "Context only: the result column does not depend on it.")
     if "bound" in parts:
         w("- TCP ceiling (rows 3a, 3b, 4; from the bound part, see \"Transport ceilings\"): "
           "per size, the median busbw of gradwire's **allgather** over the same TCP path "
