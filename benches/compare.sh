@@ -44,7 +44,8 @@
 #   2. builds gradwire (cargo build --release) and the peers
 #      (benches/peers/*.c) into target/peers/;
 #   3. measures the machine's single-thread copy bandwidth (copybw; its
-#      memcpy figure is the copy_bw of the memory-bandwidth bound) and the
+#      memcpy figure is the copy_bw of the memory-bandwidth bound; its
+#      all-cores memcpy bounds ranks that outnumber cores) and the
 #      loopback TCP round trip (pingpong);
 #   4. for each repeat, runs every selected part (tools interleaved), all
 #      with the same sizes and iterations for every tool; every run is
