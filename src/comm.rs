@@ -176,7 +176,7 @@ impl Communicator {
         self.engine.submit(what, job)
     }
 
-    pub(crate) fn run_blocking(&self, what: String, job: Job) -> Result<()> {
+    pub(crate) fn run_blocking(&self, what: impl FnOnce() -> String, job: Job) -> Result<()> {
         self.engine.run_blocking(what, job)
     }
 

@@ -70,8 +70,8 @@ impl Communicator {
     /// be read or written by anyone else, until the returned `Work` has completed. `send`
     /// may equal `recv` (in place) for allreduce, broadcast and reduce.
     pub unsafe fn start(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<Work> {
-        let (what, job) = self.job(req, send, recv)?;
-        Ok(self.submit(what, job))
+        let job = self.job(req, send, recv)?;
+        Ok(self.submit(describe(&req), job))
     }
 
     /// Runs a collective on raw buffers to completion (on this thread when nothing is
@@ -80,12 +80,12 @@ impl Communicator {
     /// # Safety
     /// As for [`Communicator::start`], until this call returns.
     pub unsafe fn run(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<()> {
-        let (what, job) = self.job(req, send, recv)?;
-        self.run_blocking(what, job)
+        let job = self.job(req, send, recv)?;
+        self.run_blocking(|| describe(&req), job)
     }
 
     /// Validates a request and packages it for the engine.
-    fn job(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<(String, crate::engine::Job)> {
+    fn job(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<crate::engine::Job> {
         if matches!(req.op, OpKind::Broadcast | OpKind::Reduce) && req.root >= self.size() {
             return Err(invalid(format!("root {} is not a rank of this communicator (size {})", req.root, self.size())));
         }
@@ -96,7 +96,6 @@ impl Communicator {
         if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
             return Err(invalid("null buffer"));
         }
-        let what = format!("{}(count {}, {})", req.op.name(), req.count, req.dtype.name());
         let (small, default_algo) = (self.config.small_bytes, self.config.algo);
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
         let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
@@ -108,7 +107,7 @@ impl Communicator {
             let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
             run(st, deadline, call, req, req.algo.unwrap_or(default_algo), small, sbuf, rbuf)
         });
-        Ok((what, job))
+        Ok(job)
     }
 
     /// Allreduce in place.
@@ -201,7 +200,7 @@ impl Communicator {
             let bytes = unsafe { std::slice::from_raw_parts(p.0, len) };
             st.links.exchange(&call, &mut [SendOp { peer, step: 0, data: bytes }], &mut [], deadline)
         });
-        self.run_blocking(call.to_string(), job)
+        self.run_blocking(|| call.to_string(), job)
     }
 
     /// Receives the next message from `peer` into `buf` (see [`Communicator::send`]).
@@ -215,7 +214,7 @@ impl Communicator {
             let bytes = unsafe { std::slice::from_raw_parts_mut(p.0, len) };
             st.links.exchange(&call, &mut [], &mut [RecvOp { peer, step: 0, sink: Sink::Copy(bytes) }], deadline)
         });
-        self.run_blocking(call.to_string(), job)
+        self.run_blocking(|| call.to_string(), job)
     }
 
     fn p2p_call<T: Element>(&self, peer: usize, tag: u32, count: usize, sending: bool) -> Result<CallHeader> {
@@ -329,4 +328,9 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         OpKind::Barrier => algos::dissemination_barrier(&mut cx),
         OpKind::Send => Err(invalid("send/recv is not a collective")),
     }
+}
+
+/// How a queued collective is named in messages, e.g. `allreduce(count 1024, float32)`.
+fn describe(req: &Request) -> String {
+    format!("{}(count {}, {})", req.op.name(), req.count, req.dtype.name())
 }
