@@ -88,6 +88,12 @@ impl<'c> Servers<'c> {
         }
     }
 
+    /// The epoch's end for the strategies with nothing else to settle: the mean loss.
+    fn end_epoch(&mut self, loss: f64) -> Result<f64> {
+        self.next_epoch();
+        gather_loss(self.comm, loss, || Ok(()))
+    }
+
     /// Once every push is applied, every rank reads the final θ. Collective.
     fn final_model(&mut self, params: &mut [f32]) -> Result<()> {
         self.rm.flush()?;
@@ -95,6 +101,24 @@ impl<'c> Servers<'c> {
         self.rm.pull(params)?;
         self.comm.barrier()
     }
+}
+
+/// The `Strategy` methods every shard-served strategy answers alike, from its `ps`: the
+/// minibatch pool decides who trains on what, and the model is the servers' θ.
+macro_rules! served_by_shards {
+    () => {
+        fn shared_pool(&self) -> bool {
+            self.ps.pool.is_some()
+        }
+
+        fn claim_batch(&mut self, total: usize) -> Result<bool> {
+            self.ps.claim(total)
+        }
+
+        fn current_model(&mut self, _params: &[f32]) -> Result<Vec<f32>> {
+            self.ps.theta()
+        }
+    };
 }
 
 /// How a worker's turn with the token is scheduled.
@@ -169,17 +193,7 @@ impl Strategy for TokenRing<'_> {
         }
     }
 
-    fn shared_pool(&self) -> bool {
-        self.ps.pool.is_some()
-    }
-
-    fn claim_batch(&mut self, total: usize) -> Result<bool> {
-        self.ps.claim(total)
-    }
-
-    fn current_model(&mut self, _params: &[f32]) -> Result<Vec<f32>> {
-        self.ps.theta()
-    }
+    served_by_shards!();
 
     fn describe(&self) -> String {
         format!("  [{} pushes]", self.pushes)
@@ -245,21 +259,10 @@ impl Strategy for Downpour<'_> {
         Ok(())
     }
 
-    fn shared_pool(&self) -> bool {
-        true
-    }
-
-    fn claim_batch(&mut self, total: usize) -> Result<bool> {
-        self.ps.claim(total)
-    }
-
-    fn current_model(&mut self, _params: &[f32]) -> Result<Vec<f32>> {
-        self.ps.theta()
-    }
+    served_by_shards!();
 
     fn end_epoch(&mut self, _params: &mut [f32], loss: f64) -> Result<f64> {
-        self.ps.next_epoch();
-        gather_loss(self.ps.comm, loss, || Ok(()))
+        self.ps.end_epoch(loss)
     }
 
     fn finish(&mut self, params: &mut [f32]) -> Result<()> {
@@ -328,22 +331,11 @@ impl Strategy for Eamsgd<'_> {
         Ok(())
     }
 
-    fn shared_pool(&self) -> bool {
-        true
-    }
-
-    fn claim_batch(&mut self, total: usize) -> Result<bool> {
-        self.ps.claim(total)
-    }
-
-    /// The model is the centre variable.
-    fn current_model(&mut self, _params: &[f32]) -> Result<Vec<f32>> {
-        self.ps.theta()
-    }
+    // The model is the centre variable, which the shards hold.
+    served_by_shards!();
 
     fn end_epoch(&mut self, _params: &mut [f32], loss: f64) -> Result<f64> {
-        self.ps.next_epoch();
-        gather_loss(self.ps.comm, loss, || Ok(()))
+        self.ps.end_epoch(loss)
     }
 
     fn finish(&mut self, params: &mut [f32]) -> Result<()> {
