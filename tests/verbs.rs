@@ -100,6 +100,27 @@ fn device_mismatched_calls_fail_on_every_rank() {
     mismatch("verbs", &base, &["bench", "broadcast", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1"], &["allreduce#0", "broadcast#0"]);
 }
 
+/// A 64 KiB ring sends every payload of 32 KiB or more by rendezvous, and grants anything
+/// over 1 MiB piece by piece: the whole matrix, larger counts and an 8 MiB run go that way.
+#[test]
+fn device_rendezvous_with_a_small_ring() {
+    if !device_or_skip("device_rendezvous_with_a_small_ring") {
+        return;
+    }
+    let small_ring = [("GRADWIRE_IB_RING_BYTES", "65536")];
+    for n in [2, 4] {
+        let large: &[&str] = if n == 2 { &["--large", "8M"] } else { &[] };
+        let args: Vec<&str> = ["check", "--transport", "verbs", "--counts", "0,1,7919,100003"].iter().chain(large).copied().collect();
+        let t = ok(&launch(n, &[], &args, &small_ring), &format!("{n}-rank verbs matrix with a 64 KiB ring"));
+        println!("{t}");
+        assert!(t.contains(r#"links ["verbs"]"#) && t.contains(" 0 failed"), "{t}");
+    }
+    // Mismatched sizes where both payloads go by rendezvous, and where only one side's does.
+    let bench = |bytes: &'static str| ["bench", "allreduce", "-b", bytes, "-e", bytes, "-n", "3", "-w", "1"];
+    mismatch_with_env("verbs", &small_ring, &bench("1M"), &bench("2M"), &["count 262144", "count 524288"]);
+    mismatch_with_env("verbs", &small_ring, &bench("96K"), &bench("48K"), &["count 24576", "count 12288"]);
+}
+
 #[test]
 fn device_info_explains_the_gid_choice_and_a_wrong_gid_is_refused() {
     if !device_or_skip("device_info_explains_the_gid_choice_and_a_wrong_gid_is_refused") {

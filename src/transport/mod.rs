@@ -36,6 +36,19 @@ pub trait Link: Send {
     fn try_read_in_place(&mut self, _max: usize, _f: &mut dyn FnMut(&[u8])) -> Option<std::io::Result<usize>> {
         None
     }
+    /// Payloads of at least this many bytes go by rendezvous on this link: the receiver
+    /// grants room for the whole payload as soon as it waits for it, and the sender writes
+    /// straight into that room, so a receiver late to read does not stall the sender. Both
+    /// ends of a link answer alike. `None`: every byte goes through the stream.
+    fn rendezvous_from(&self) -> Option<usize> {
+        None
+    }
+    /// Receiver, rendezvous: the next payload read from this link is `len` bytes.
+    fn expect_payload(&mut self, _len: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    /// Sender, rendezvous: the next `len` bytes written are one payload.
+    fn begin_payload(&mut self, _len: usize) {}
     /// A descriptor to `poll` for readiness, if the transport has one.
     fn poll_fd(&self) -> Option<RawFd>;
     /// Liveness check for transports without a connection to notice the peer dying.
@@ -89,6 +102,10 @@ pub struct RecvOp<'a> {
 struct SendState {
     header: [u8; HEADER_LEN],
     done: usize,
+    /// The payload goes by rendezvous: the header is written alone, then the payload is
+    /// announced (`begun`) and written.
+    rendezvous: bool,
+    begun: bool,
 }
 
 struct RecvState {
@@ -97,6 +114,9 @@ struct RecvState {
     payload_done: usize,
     /// Bytes of a partial element carried between reads (reduce sinks).
     carry: usize,
+    /// The payload comes by rendezvous; `expected` once the link was told.
+    rendezvous: bool,
+    expected: bool,
 }
 
 /// How a rank waits for a peer on shared memory: spin briefly (only when every rank has a
@@ -168,11 +188,30 @@ impl Links {
     /// complete, the deadline passes, a peer fails, or the communicator is aborted.
     /// Messages to or from the same peer complete in list order.
     pub fn exchange(&mut self, call: &CallHeader, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>], deadline: Instant) -> Result<()> {
+        let rendezvous = |peer: usize, len: usize| {
+            let from = self.links.get(peer).and_then(|l| l.as_ref()).and_then(|l| l.rendezvous_from());
+            from.is_some_and(|from| len > 0 && len >= from)
+        };
         let mut sstate: Vec<SendState> = sends
             .iter()
-            .map(|s| SendState { header: FrameHeader { kind: FrameKind::Data, call: *call, step: s.step, len: s.data.len() as u64 }.encode(), done: 0 })
+            .map(|s| SendState {
+                header: FrameHeader { kind: FrameKind::Data, call: *call, step: s.step, len: s.data.len() as u64 }.encode(),
+                done: 0,
+                rendezvous: rendezvous(s.peer, s.data.len()),
+                begun: false,
+            })
             .collect();
-        let mut rstate: Vec<RecvState> = recvs.iter().map(|_| RecvState { header: [0; HEADER_LEN], header_done: 0, payload_done: 0, carry: 0 }).collect();
+        let mut rstate: Vec<RecvState> = recvs
+            .iter()
+            .map(|r| RecvState {
+                header: [0; HEADER_LEN],
+                header_done: 0,
+                payload_done: 0,
+                carry: 0,
+                rendezvous: rendezvous(r.peer, r.sink.len()),
+                expected: false,
+            })
+            .collect();
         let start = Instant::now();
         let mut idle_since: Option<Instant> = None;
         let mut last_liveness = start;
@@ -180,6 +219,7 @@ impl Links {
             let mut progressed = false;
             let mut pending_send = vec![false; self.world()];
             let mut pending_recv = vec![false; self.world()];
+            self.grant_rendezvous(recvs, &mut rstate, call)?;
             for (op, st) in sends.iter().zip(sstate.iter_mut()) {
                 let total = HEADER_LEN + op.data.len();
                 if st.done == total || pending_send[op.peer] {
@@ -238,6 +278,23 @@ impl Links {
         }
     }
 
+    /// Tells each link whose next payload comes by rendezvous to grant it, before any send
+    /// of ours: on soft-RoCE a send does the transfer itself, so a grant issued after our
+    /// own sends would make the two directions of an exchange take turns.
+    fn grant_rendezvous(&mut self, recvs: &[RecvOp<'_>], rstate: &mut [RecvState], call: &CallHeader) -> Result<()> {
+        let mut earlier_open = vec![false; self.world()];
+        for (op, st) in recvs.iter().zip(rstate.iter_mut()) {
+            let done = st.header_done == HEADER_LEN && st.payload_done == op.sink.len();
+            if done || std::mem::replace(&mut earlier_open[op.peer], true) || !st.rendezvous || st.expected {
+                continue;
+            }
+            let rank = self.rank;
+            self.link(op.peer)?.expect_payload(op.sink.len()).map_err(|e| lost(rank, op.peer, call, "receive", e))?;
+            st.expected = true;
+        }
+        Ok(())
+    }
+
     fn progress_send(&mut self, op: &SendOp<'_>, st: &mut SendState, call: &CallHeader) -> Result<usize> {
         let rank = self.rank;
         let peer = op.peer;
@@ -245,9 +302,15 @@ impl Links {
         let mut total = 0;
         loop {
             let done = st.done;
-            let bufs: Vec<IoSlice<'_>> = if done < HEADER_LEN {
+            let bufs: Vec<IoSlice<'_>> = if done < HEADER_LEN && st.rendezvous {
+                vec![IoSlice::new(&st.header[done..])]
+            } else if done < HEADER_LEN {
                 vec![IoSlice::new(&st.header[done..]), IoSlice::new(op.data)]
             } else if done < HEADER_LEN + op.data.len() {
+                if st.rendezvous && !st.begun {
+                    link.begin_payload(op.data.len());
+                    st.begun = true;
+                }
                 vec![IoSlice::new(&op.data[done - HEADER_LEN..])]
             } else {
                 break;

@@ -151,9 +151,15 @@ pub fn killed_rank(world: usize, victim: usize, transport: &str, bytes: &str, t:
 /// Rank 1 runs `odd` while the others run `even`: every rank must fail fast with a
 /// mismatch error that names both calls.
 pub fn mismatch(transport: &str, even: &[&str], odd: &[&str], expect: &[&str]) {
+    mismatch_with_env(transport, &[], even, odd, expect)
+}
+
+/// [`mismatch`] with more environment for every rank.
+pub fn mismatch_with_env(transport: &str, extra_env: &[(&str, &str)], even: &[&str], odd: &[&str], expect: &[&str]) {
     let world = 3;
     let port = free_port();
-    let env = [("GRADWIRE_TIMEOUT_MS", "30000"), ("GRADWIRE_TRANSPORT", transport)];
+    let mut env = vec![("GRADWIRE_TIMEOUT_MS", "30000"), ("GRADWIRE_TRANSPORT", transport)];
+    env.extend_from_slice(extra_env);
     let start = Instant::now();
     let ranks: Vec<Child> = (0..world).map(|r| spawn_rank(r, world, port, "fault-test-secret", &env, if r == 1 { odd } else { even })).collect();
     let outs: Vec<_> = ranks.into_iter().map(|c| wait_with_limit(c, Duration::from_secs(60))).collect();

@@ -17,6 +17,14 @@
 //! in an allreduce, where both directions are busy, that halved throughput once messages
 //! outgrew the ring.
 //!
+//! Rendezvous: a payload of at least half a ring does not go through the ring. The receiver,
+//! as soon as it starts waiting for the payload, grants a landing zone for all of it (up to
+//! `MAX_PIECE_RINGS` rings at a time): it writes the zone's address and key into a mailbox beside the
+//! sender's staging ring and sends `IMM_GRANT`. The sender then writes the payload into the
+//! zone in large chunks, reusing its staging memory as soon as a write completes locally.
+//! A receiver that is late to read (a rank not scheduled in time) no longer stalls the
+//! sender: with a ring, the sender waited for credits that only a running receiver returns.
+//!
 //! Liveness: a dead peer's queue pair is destroyed with its process, so any request to it
 //! ends in a retry-exceeded completion. While waiting, the link posts a zero-length RDMA
 //! WRITE probe now and then to learn this even when it has nothing to send.
@@ -39,15 +47,50 @@ const WR_PROBE: u64 = 3;
 const WR_RECV_DATA: u64 = 4;
 const WR_CTRL: u64 = 5;
 const WR_RECV_CREDIT: u64 = 6;
+const WR_ZONE: u64 = 7;
+const WR_GRANT: u64 = 8;
 
 /// Control immediates (credits are small counts, far below these).
 const IMM_HELLO: u32 = 0xFFFF_FFF0;
 const IMM_CLOSE: u32 = 0xFFFF_FFF1;
+const IMM_GRANT: u32 = 0xFFFF_FFF2;
+/// Marks a write into the rendezvous zone; the low bits carry its byte count.
+const ZONE_FLAG: u32 = 1 << 30;
+
+/// Largest rendezvous write: large, because a zone has no slots to fill.
+const MAX_ZONE_CHUNK: usize = 1 << 20;
+/// Largest landing zone granted at once, in rings (64 MiB for the default 4 MiB ring); a
+/// larger payload is granted piece by piece.
+const MAX_PIECE_RINGS: usize = 16;
+/// Room after the staging ring where the peer writes its grants (address, key, length).
+const MAILBOX: usize = 64;
 
 /// Largest slot: big enough that a slot's fixed cost is small, small enough that a reduce
 /// on receive starts while the rest of a chunk is still in flight.
 const MAX_SLOT: usize = 128 << 10;
 const PROBE_EVERY: Duration = Duration::from_millis(200);
+
+/// One stretch of received bytes, oldest first: a ring slot, or a write into the zone.
+struct Landed {
+    len: usize,
+    /// Offset in the zone; `None` for a ring slot.
+    zone_at: Option<usize>,
+}
+
+/// Where the receiver lets the sender write the next piece of a rendezvous payload.
+struct Grant {
+    addr: u64,
+    rkey: u32,
+    len: usize,
+    used: usize,
+}
+
+/// The receiver's landing zone, registered once and grown when a larger piece is granted.
+struct Zone {
+    // The registration drops before the memory it covers.
+    mr: Mr,
+    region: Region,
+}
 
 /// A link to one peer over RDMA verbs.
 pub struct VerbsLink {
@@ -60,10 +103,12 @@ pub struct VerbsLink {
     cq: Arc<Cq>,
     /// The peer's `credit_qp` endpoint, with its receive ring.
     remote: Endpoint,
+    /// The peer's mailbox (beside its staging ring), where our grants go.
+    remote_mailbox: (u64, u32),
     // Registrations drop before the memory they cover.
     tx_mr: Mr,
-    /// Registered for the peer's writes; never used locally after connect.
-    _rx_mr: Mr,
+    /// Registered for the peer's writes (and our grants, which leave from its mailbox).
+    rx_mr: Mr,
     tx: Region,
     rx: Region,
     slots: usize,
@@ -75,8 +120,9 @@ pub struct VerbsLink {
     sq_busy: usize,
     credit_busy: usize,
     sq_cap: usize,
-    /// Byte counts of slots that landed and are not yet read, oldest first.
-    arrived: VecDeque<usize>,
+    /// Stretches that landed and are not yet read, oldest first; how many are ring slots.
+    arrived: VecDeque<Landed>,
+    ring_unread: usize,
     taken: u64,
     read_off: usize,
     /// Slots read but not yet returned to the sender as credits.
@@ -86,6 +132,23 @@ pub struct VerbsLink {
     peer_hello: bool,
     peer_closed: bool,
     failed: Option<String>,
+    /// Rendezvous, sending: payload bytes still to send, the piece granted, and writes in
+    /// flight from the staging ring (zone chunks or ring slots: they share its memory).
+    send_left: usize,
+    grant: Option<Grant>,
+    zone_chunk: usize,
+    zone_busy: usize,
+    zone_posted: u64,
+    ring_busy: usize,
+    rendezvous_from: usize,
+    /// Rendezvous, receiving: payload bytes not yet granted, the piece granted and how much
+    /// of it has landed and been read; a grant waiting for room in the send queue.
+    zone: Option<Zone>,
+    recv_left: usize,
+    piece: usize,
+    piece_landed: usize,
+    piece_read: usize,
+    grant_due: bool,
 }
 
 impl VerbsLink {
@@ -109,6 +172,8 @@ impl VerbsLink {
                 if !wc.is_valid() {
                     let op = match kind {
                         WR_DATA => "write with immediate",
+                        WR_ZONE => "rendezvous write",
+                        WR_GRANT => "rendezvous grant",
                         WR_CREDIT => "credit send",
                         WR_PROBE => "liveness probe",
                         WR_CTRL => "control send",
@@ -126,18 +191,19 @@ impl VerbsLink {
                         }
                         let imm = wc.imm_data().map(u32::from_be).unwrap_or(0);
                         if wc.opcode() == sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
-                            if imm as usize > self.slot || self.arrived.len() >= self.slots {
-                                let e = std::io::Error::other(format!(
-                                    "protocol: rank {} wrote {imm} bytes into a {}-byte slot of a full ring",
-                                    self.peer, self.slot
-                                ));
+                            let r = if imm & ZONE_FLAG != 0 { self.landed_in_zone((imm & !ZONE_FLAG) as usize) } else { self.landed_in_ring(imm as usize) };
+                            if let Err(e) = r {
                                 return Err(self.fail(e));
                             }
-                            self.arrived.push_back(imm as usize);
                         } else {
                             match imm {
                                 IMM_HELLO => self.peer_hello = true,
                                 IMM_CLOSE => self.peer_closed = true,
+                                IMM_GRANT => {
+                                    if let Err(e) = self.take_grant() {
+                                        return Err(self.fail(e));
+                                    }
+                                }
                                 n => self.credits += n as usize,
                             }
                         }
@@ -146,7 +212,15 @@ impl VerbsLink {
                         self.probe_out = false;
                         self.sq_busy -= 1;
                     }
-                    WR_CREDIT => self.credit_busy -= 1,
+                    WR_CREDIT | WR_GRANT => self.credit_busy -= 1,
+                    WR_ZONE => {
+                        self.zone_busy -= 1;
+                        self.sq_busy -= 1;
+                    }
+                    WR_DATA => {
+                        self.ring_busy -= 1;
+                        self.sq_busy -= 1;
+                    }
                     _ => self.sq_busy -= 1,
                 }
             }
@@ -166,21 +240,158 @@ impl VerbsLink {
         Ok(())
     }
 
-    /// `n` more bytes of the front slot (of `len`) are read; a finished slot becomes a credit.
-    fn consume(&mut self, n: usize, len: usize) -> std::io::Result<()> {
+    fn protocol(&self, what: String) -> std::io::Error {
+        std::io::Error::other(format!("protocol: rank {} {what}", self.peer))
+    }
+
+    fn landed_in_ring(&mut self, len: usize) -> std::io::Result<()> {
+        if len > self.slot || self.ring_unread >= self.slots {
+            return Err(self.protocol(format!("wrote {len} bytes into a {}-byte slot of a full ring", self.slot)));
+        }
+        self.ring_unread += 1;
+        self.arrived.push_back(Landed { len, zone_at: None });
+        Ok(())
+    }
+
+    fn landed_in_zone(&mut self, len: usize) -> std::io::Result<()> {
+        if self.piece_landed + len > self.piece {
+            return Err(self.protocol(format!("wrote {len} bytes at {} of a {}-byte landing zone", self.piece_landed, self.piece)));
+        }
+        self.arrived.push_back(Landed { len, zone_at: Some(self.piece_landed) });
+        self.piece_landed += len;
+        Ok(())
+    }
+
+    /// The peer granted us room for the next piece of our payload: its description is in
+    /// our mailbox (the write that put it there arrived before this notice).
+    fn take_grant(&mut self) -> std::io::Result<()> {
+        if self.grant.is_some() {
+            return Err(self.protocol("granted a landing zone while the previous one was unused".into()));
+        }
+        // SAFETY: the mailbox lies after the ring in the staging region, which outlives the link.
+        let mail = unsafe { std::slice::from_raw_parts(self.tx.as_ptr().add(self.slots * self.slot), 16) };
+        let addr = u64::from_le_bytes(mail[..8].try_into().expect("8 bytes"));
+        let rkey = u32::from_le_bytes(mail[8..12].try_into().expect("4 bytes"));
+        let len = u32::from_le_bytes(mail[12..16].try_into().expect("4 bytes")) as usize;
+        self.grant = Some(Grant { addr, rkey, len, used: 0 });
+        Ok(())
+    }
+
+    /// Receiver: grants the next piece of the expected payload once the previous piece is
+    /// read and the send queue has room for the mailbox write and its notice.
+    fn flush_grant(&mut self) -> std::io::Result<()> {
+        if !self.grant_due || self.credit_busy + 2 > self.sq_cap {
+            return Ok(());
+        }
+        let piece = self.recv_left.min(MAX_PIECE_RINGS * self.slots * self.slot);
+        if self.zone.as_ref().is_none_or(|z| z.region.len() < piece) {
+            // Drop the old registration before mapping the larger zone.
+            self.zone = None;
+            let region = Region::anonymous(piece).map_err(std::io::Error::other)?;
+            // SAFETY: the zone keeps the region next to (and longer than) its registration.
+            let mr = unsafe { self.data_qp.domain().register_raw(region.as_ptr(), region.len()) }.map_err(std::io::Error::other)?;
+            self.zone = Some(Zone { mr, region });
+        }
+        let zone = self.zone.as_ref().expect("zone just made");
+        let mut mail = [0u8; 16];
+        mail[..8].copy_from_slice(&(zone.region.as_ptr() as u64).to_le_bytes());
+        mail[8..12].copy_from_slice(&zone.mr.rkey().to_le_bytes());
+        mail[12..16].copy_from_slice(&(piece as u32).to_le_bytes());
+        // The description goes out from our own mailbox (after the receive ring), which is
+        // rewritten only for the next grant: after the peer has used this one.
+        // SAFETY: the mailbox lies inside the registered receive region.
+        let src = unsafe {
+            let p = self.rx.as_ptr().add(self.slots * self.slot);
+            std::ptr::copy_nonoverlapping(mail.as_ptr(), p, mail.len());
+            std::slice::from_raw_parts(p, mail.len())
+        };
+        let (remote_addr, rkey) = self.remote_mailbox;
+        self.credit_qp.post(WR_GRANT, Wr::Write { local: Some((src, self.rx_mr.lkey())), remote_addr, rkey, imm: None })?;
+        self.credit_busy += 1;
+        self.credit_qp.post(WR_CREDIT, Wr::SendImm(IMM_GRANT))?;
+        self.credit_busy += 1;
+        self.recv_left -= piece;
+        self.piece = piece;
+        self.piece_landed = 0;
+        self.piece_read = 0;
+        self.grant_due = false;
+        Ok(())
+    }
+
+    /// `n` more bytes of the front stretch are read. A finished ring slot becomes a credit;
+    /// a finished zone piece makes room for the next grant.
+    fn consume(&mut self, n: usize) -> std::io::Result<()> {
+        let front = self.arrived.front().expect("a landed stretch is being read");
+        let (len, in_zone) = (front.len, front.zone_at.is_some());
         self.read_off += n;
-        if self.read_off == len {
-            self.arrived.pop_front();
-            self.taken += 1;
-            self.read_off = 0;
-            self.freed += 1;
-            // A quarter ring at a time, or at once when we have caught up (the sender may be
-            // waiting for exactly these slots).
-            if self.freed >= (self.slots / 4).max(1) || self.arrived.is_empty() {
-                self.return_credits()?;
+        if self.read_off < len {
+            return Ok(());
+        }
+        self.arrived.pop_front();
+        self.read_off = 0;
+        if in_zone {
+            self.piece_read += len;
+            if self.piece_read == self.piece && self.recv_left > 0 {
+                self.grant_due = true;
+                self.flush_grant()?;
             }
+            return Ok(());
+        }
+        self.ring_unread -= 1;
+        self.taken += 1;
+        self.freed += 1;
+        // A quarter ring at a time, or at once when we have caught up (the sender may be
+        // waiting for exactly these slots).
+        if self.freed >= (self.slots / 4).max(1) || self.ring_unread == 0 {
+            self.return_credits()?;
         }
         Ok(())
+    }
+
+    /// Sender: writes payload bytes into the granted zone, a chunk per staging piece whose
+    /// previous write has completed.
+    fn write_to_zone(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        let Some(g) = self.grant.as_mut() else {
+            return Ok(0);
+        };
+        if g.len - g.used > self.send_left {
+            let e = std::io::Error::other(format!(
+                "protocol: rank {} granted {} bytes of landing zone for the {} bytes left of our payload (mismatched calls?)",
+                self.peer,
+                g.len - g.used,
+                self.send_left
+            ));
+            return Err(self.fail(e));
+        }
+        // Ring slots in flight still read the staging memory the chunks use.
+        if self.ring_busy > 0 {
+            return Ok(0);
+        }
+        let chunks = self.slots * self.slot / self.zone_chunk;
+        let have: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut n = 0;
+        while n < have && g.used < g.len && self.zone_busy < chunks && self.sq_busy < self.sq_cap {
+            let take = self.zone_chunk.min(g.len - g.used).min(have - n);
+            let at = (self.zone_posted % chunks as u64) as usize * self.zone_chunk;
+            // SAFETY: the staging region holds `chunks` chunks; this one's last write has
+            // completed (zone_busy < chunks and completions arrive in order).
+            let dst = unsafe { std::slice::from_raw_parts_mut(self.tx.as_ptr().add(at), take) };
+            gather(bufs, n, dst);
+            let wr = Wr::Write { local: Some((dst, self.tx_mr.lkey())), remote_addr: g.addr + g.used as u64, rkey: g.rkey, imm: Some(ZONE_FLAG | take as u32) };
+            if let Err(e) = self.data_qp.post(WR_ZONE, wr) {
+                return Err(self.fail(e));
+            }
+            g.used += take;
+            n += take;
+            self.send_left -= take;
+            self.zone_busy += 1;
+            self.sq_busy += 1;
+            self.zone_posted += 1;
+        }
+        if g.used == g.len {
+            self.grant = None;
+        }
+        Ok(n)
     }
 
     fn slot_ptr(region: &Region, slot: usize, index: u64, slots: usize) -> *mut u8 {
@@ -194,12 +405,32 @@ impl Link for VerbsLink {
         "verbs"
     }
 
+    fn rendezvous_from(&self) -> Option<usize> {
+        Some(self.rendezvous_from)
+    }
+
+    fn expect_payload(&mut self, len: usize) -> std::io::Result<()> {
+        if self.recv_left > 0 || self.piece_read < self.piece {
+            return Err(self.protocol("payload expected while the previous one is unfinished".into()));
+        }
+        self.recv_left = len;
+        self.grant_due = len > 0;
+        self.flush_grant()
+    }
+
+    fn begin_payload(&mut self, len: usize) {
+        self.send_left = len;
+    }
+
     fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
         self.progress()?;
         if self.peer_closed {
             return Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "peer closed the link"));
         }
-        if self.credits == 0 || self.sq_busy >= self.sq_cap {
+        if self.send_left > 0 {
+            return self.write_to_zone(bufs);
+        }
+        if self.credits == 0 || self.sq_busy >= self.sq_cap || self.zone_busy > 0 {
             return Ok(0);
         }
         let dst = Self::slot_ptr(&self.tx, self.slot, self.sent, self.slots);
@@ -227,6 +458,7 @@ impl Link for VerbsLink {
         self.sent += 1;
         self.credits -= 1;
         self.sq_busy += 1;
+        self.ring_busy += 1;
         Ok(n)
     }
 
@@ -236,21 +468,25 @@ impl Link for VerbsLink {
     }
 
     fn try_read_in_place(&mut self, max: usize, f: &mut dyn FnMut(&[u8])) -> Option<std::io::Result<usize>> {
-        if let Err(e) = self.progress() {
+        if let Err(e) = self.progress().and_then(|_| self.flush_grant()) {
             return Some(Err(e));
         }
-        let Some(&len) = self.arrived.front() else {
+        let Some(front) = self.arrived.front() else {
             if self.peer_closed {
                 return Some(Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "peer closed the link")));
             }
             return Some(Ok(0));
         };
-        let n = max.min(len - self.read_off);
-        let src = Self::slot_ptr(&self.rx, self.slot, self.taken, self.slots);
-        // SAFETY: the slot holds `len` landed bytes and the sender does not reuse it before
-        // we return its credit below.
+        let n = max.min(front.len - self.read_off);
+        let src = match (front.zone_at, &self.zone) {
+            // SAFETY: the piece lies inside the zone, which was granted for it.
+            (Some(at), Some(zone)) => unsafe { zone.region.as_ptr().add(at) },
+            _ => Self::slot_ptr(&self.rx, self.slot, self.taken, self.slots),
+        };
+        // SAFETY: the stretch holds `len` landed bytes, and the sender does not write there
+        // again before we return its credit (ring) or grant the zone anew (below).
         f(unsafe { std::slice::from_raw_parts(src.add(self.read_off), n) });
-        Some(self.consume(n, len).map(|_| n))
+        Some(self.consume(n).map(|_| n))
     }
 
     fn poll_fd(&self) -> Option<RawFd> {
@@ -264,8 +500,8 @@ impl Link for VerbsLink {
         if let Some(why) = self.remote.local_pid().and_then(crate::transport::shm::process_gone) {
             return Some(why);
         }
-        // Credits held back while the sender may be waiting for them.
-        if self.arrived.is_empty() && self.return_credits().is_err() {
+        // Credits (and a grant) held back while the sender may be waiting for them.
+        if (self.arrived.is_empty() && self.return_credits().is_err()) || self.flush_grant().is_err() {
             return self.failed.clone();
         }
         if !self.probe_out && self.last_probe.elapsed() >= PROBE_EVERY && self.sq_busy < self.sq_cap {
@@ -320,6 +556,7 @@ pub fn connect_all(
     let slots = ring_bytes / slot;
     // Each queue holds a whole ring of slots (or of credits) plus control words.
     let depth = slots + 16;
+    let rendezvous_from = ring_bytes / 2;
     struct Pending {
         peer: usize,
         data_qp: Qp,
@@ -337,12 +574,14 @@ pub fn connect_all(
         let cq = dom.create_cq(4 * depth)?;
         let data_qp = dom.create_qp(&cq, depth as u32, depth as u32)?;
         let credit_qp = dom.create_qp(&cq, depth as u32, depth as u32)?;
-        let tx = Region::anonymous(ring_bytes)?;
-        let rx = Region::anonymous(ring_bytes)?;
+        // The mailbox after each ring: grants arrive in the staging region's, and leave
+        // from the receive region's.
+        let tx = Region::anonymous(ring_bytes + MAILBOX)?;
+        let rx = Region::anonymous(ring_bytes + MAILBOX)?;
         // SAFETY: both regions live in the link next to (and longer than) their registrations.
         let (tx_mr, rx_mr) = unsafe { (dom.register_raw(tx.as_ptr(), tx.len())?, dom.register_raw(rx.as_ptr(), rx.len())?) };
         let psn = (rand::random::<u32>() & 0xFF_FFFF, rand::random::<u32>() & 0xFF_FFFF);
-        store.set(&format!("{prefix}/ib/{rank}>{p}/data"), data_qp.endpoint(psn.0, None).encode().as_bytes())?;
+        store.set(&format!("{prefix}/ib/{rank}>{p}/data"), data_qp.endpoint(psn.0, Some(&tx_mr)).encode().as_bytes())?;
         store.set(&format!("{prefix}/ib/{rank}>{p}/credit"), credit_qp.endpoint(psn.1, Some(&rx_mr)).encode().as_bytes())?;
         pending.push(Pending { peer: p, data_qp, credit_qp, cq, tx, rx, tx_mr, rx_mr, psn });
     }
@@ -358,7 +597,7 @@ pub fn connect_all(
             Endpoint::decode(&String::from_utf8_lossy(&v)).map_err(|e| Error::Protocol(format!("rank {p}: {e}")))
         };
         let (remote_data, remote) = (fetch("data")?, fetch("credit")?);
-        if remote.len < ring_bytes as u64 {
+        if remote.len < ring_bytes as u64 || remote_data.len < (ring_bytes + MAILBOX) as u64 {
             return Err(Error::Config(format!(
                 "rank {p} has a {}-byte verbs ring, rank {rank} {ring_bytes}: set GRADWIRE_IB_RING_BYTES alike on every rank",
                 remote.len
@@ -377,8 +616,9 @@ pub fn connect_all(
             credit_qp: pd.credit_qp,
             cq: pd.cq,
             remote,
+            remote_mailbox: (remote_data.addr + ring_bytes as u64, remote_data.rkey),
             tx_mr: pd.tx_mr,
-            _rx_mr: pd.rx_mr,
+            rx_mr: pd.rx_mr,
             tx: pd.tx,
             rx: pd.rx,
             slots,
@@ -389,6 +629,7 @@ pub fn connect_all(
             credit_busy: 0,
             sq_cap: depth,
             arrived: VecDeque::new(),
+            ring_unread: 0,
             taken: 0,
             read_off: 0,
             freed: 0,
@@ -397,6 +638,19 @@ pub fn connect_all(
             peer_hello: false,
             peer_closed: false,
             failed: None,
+            send_left: 0,
+            grant: None,
+            zone_chunk: MAX_ZONE_CHUNK.min(ring_bytes / 4),
+            zone_busy: 0,
+            zone_posted: 0,
+            ring_busy: 0,
+            rendezvous_from,
+            zone: None,
+            recv_left: 0,
+            piece: 0,
+            piece_landed: 0,
+            piece_read: 0,
+            grant_due: false,
         });
     }
     // Every queue pair of ours is ready to receive; wait until the peers' are too, so a
@@ -434,5 +688,23 @@ fn hello(rank: usize, links: &mut [VerbsLink], deadline: Instant, started: Insta
             return Err(Error::Timeout { rank, peer: p, op: "verbs connect (hello)".into(), waited_ms: started.elapsed().as_millis() as u64 });
         }
         std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// Copies `dst.len()` bytes of the concatenation of `bufs`, starting `skip` bytes in.
+fn gather(bufs: &[IoSlice<'_>], mut skip: usize, dst: &mut [u8]) {
+    let mut filled = 0;
+    for b in bufs {
+        if skip >= b.len() {
+            skip -= b.len();
+            continue;
+        }
+        let take = (b.len() - skip).min(dst.len() - filled);
+        dst[filled..filled + take].copy_from_slice(&b[skip..skip + take]);
+        filled += take;
+        skip = 0;
+        if filled == dst.len() {
+            return;
+        }
     }
 }
