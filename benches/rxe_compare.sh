@@ -48,7 +48,10 @@ vCPUs on this 2-core host, rxe0 on the guest's eth0, active MTU 1024): perftest'
 `ib_write_bw` (client and server on rxe0, to the guest's own address), `gradwire bench
 write` (rank 0 RDMA-WRITEs from its registered window into rank 1's, one request in flight)
 and `gradwire bench allreduce --transport verbs` with 2 ranks (busbw = algbw at W=2). The
-last column is `ib_write_bw -b`, both directions at once: an allreduce moves data both ways.
+next column is `ib_write_bw -b`, both directions at once: an allreduce moves data both ways,
+busbw in each direction at once. The last column sets the allreduce against half of that:
+what perftest itself gets per direction when both directions run at once on the guest's
+2 vCPUs (context, not a target).
 Absolute figures measure TCG-emulated soft-RoCE, not RDMA hardware; only the ratios count.
 
 {chr(10).join(rows)}
