@@ -98,7 +98,7 @@ impl Communicator {
                 let mut links = tcp::connect_all(&prefix, rank, size, &tcp_peers, store, &secret, deadline)?;
                 #[cfg(feature = "verbs")]
                 if let Some(dom) = &verbs {
-                    for (p, l) in crate::transport::verbs::link::connect_all(&prefix, rank, &verbs_peers, store, dom, cfg.ib_ring_bytes, deadline)? {
+                    for (p, l) in crate::transport::verbs::link::connect_all(&prefix, rank, &verbs_peers, store, dom, &cfg, deadline)? {
                         links[p] = Some(l);
                     }
                 }

@@ -40,6 +40,11 @@ pub const SETTINGS: &[Setting] = &[
         help: "GID table index; automatic: the RoCE v2 IPv4-mapped GID on the bootstrap address's subnet.",
     },
     Setting { env: "GRADWIRE_IB_RING_BYTES", default: "4194304", help: "Per-peer, per-direction receive ring of the verbs transport (registered memory)." },
+    Setting {
+        env: "GRADWIRE_IB_ZONE_BYTES",
+        default: "67108864",
+        help: "Largest verbs rendezvous landing zone per peer (registered on first use; larger payloads arrive piece by piece). 0: every payload goes through the ring.",
+    },
     Setting { env: "GRADWIRE_HUGEPAGES", default: "0", help: "1: back regions with huge pages when the host has them (falls back with a logged reason)." },
     Setting { env: "GRADWIRE_HOST_ID", default: "hostname + boot id + network namespace", help: "Override of the host identity that decides which ranks share memory." },
     Setting {
@@ -153,6 +158,7 @@ pub struct Config {
     pub spin: Duration,
     pub hugepages: bool,
     pub ib_ring_bytes: usize,
+    pub ib_zone_bytes: usize,
 }
 
 impl Config {
@@ -174,8 +180,13 @@ impl Config {
         if !(64 << 10..=1 << 30).contains(&ib_ring) || !ib_ring.is_power_of_two() {
             return Err(config(format!("GRADWIRE_IB_RING_BYTES={ib_ring}: must be a power of two between 64K and 1G")));
         }
+        let ib_zone = env_u64("GRADWIRE_IB_ZONE_BYTES", 64 << 20)? as usize;
+        if ib_zone != 0 && !(64 << 10..=1 << 32).contains(&ib_zone) {
+            return Err(config(format!("GRADWIRE_IB_ZONE_BYTES={ib_zone}: must be 0 (no rendezvous) or between 64K and 4G")));
+        }
         Ok(Config {
             ib_ring_bytes: ib_ring,
+            ib_zone_bytes: ib_zone,
             timeout: Duration::from_millis(timeout_ms),
             transport: env_parse("GRADWIRE_TRANSPORT", TransportChoice::Auto)?,
             algo: env_parse("GRADWIRE_ALGO", Algo::Auto)?,

@@ -100,18 +100,21 @@ fn device_mismatched_calls_fail_on_every_rank() {
     mismatch("verbs", &base, &["bench", "broadcast", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1"], &["allreduce#0", "broadcast#0"]);
 }
 
-/// A 64 KiB ring sends every payload of 32 KiB or more by rendezvous, and grants anything
-/// over 1 MiB piece by piece: the whole matrix, larger counts and an 8 MiB run go that way.
+/// A 64 KiB ring sends every payload of 32 KiB or more by rendezvous; a 1 MiB zone grants
+/// anything larger piece by piece: the whole matrix, larger counts and an 8 MiB run go that
+/// way. With no zone (`GRADWIRE_IB_ZONE_BYTES=0`) every receiver refuses and those payloads
+/// fall back to the ring.
 #[test]
 fn device_rendezvous_with_a_small_ring() {
     if !device_or_skip("device_rendezvous_with_a_small_ring") {
         return;
     }
-    let small_ring = [("GRADWIRE_IB_RING_BYTES", "65536")];
-    for n in [2, 4] {
+    let small_ring = [("GRADWIRE_IB_RING_BYTES", "65536"), ("GRADWIRE_IB_ZONE_BYTES", "1048576")];
+    let no_zone = [("GRADWIRE_IB_RING_BYTES", "65536"), ("GRADWIRE_IB_ZONE_BYTES", "0")];
+    for (n, env) in [(2, &small_ring), (4, &small_ring), (2, &no_zone)] {
         let large: &[&str] = if n == 2 { &["--large", "8M"] } else { &[] };
         let args: Vec<&str> = ["check", "--transport", "verbs", "--counts", "0,1,7919,100003"].iter().chain(large).copied().collect();
-        let t = ok(&launch(n, &[], &args, &small_ring), &format!("{n}-rank verbs matrix with a 64 KiB ring"));
+        let t = ok(&launch(n, &[], &args, env), &format!("{n}-rank verbs matrix with {env:?}"));
         println!("{t}");
         assert!(t.contains(r#"links ["verbs"]"#) && t.contains(" 0 failed"), "{t}");
     }

@@ -19,8 +19,10 @@
 //!
 //! Rendezvous: a payload of at least half a ring does not go through the ring. The receiver,
 //! as soon as it starts waiting for the payload, grants a landing zone for all of it (up to
-//! `MAX_PIECE_RINGS` rings at a time): it writes the zone's address and key into a mailbox beside the
-//! sender's staging ring and sends `IMM_GRANT`. The sender then writes the payload into the
+//! `GRADWIRE_IB_ZONE_BYTES` at a time): it writes the zone's address and key into a mailbox
+//! beside the sender's staging ring and sends `IMM_GRANT`. A receiver that has no zone (the
+//! setting is 0, or registering one failed) answers `IMM_NO_ZONE` and the payload goes
+//! through the ring. The sender then writes the payload into the
 //! zone in large chunks, reusing its staging memory as soon as a write completes locally.
 //! A receiver that is late to read (a rank not scheduled in time) no longer stalls the
 //! sender: with a ring, the sender waited for credits that only a running receiver returns.
@@ -31,6 +33,7 @@
 
 use super::{completion_error, sys, Cq, Domain, Endpoint, Mr, Qp, Wr};
 use crate::bootstrap::StoreClient;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::mem::Region;
 use crate::transport::Link;
@@ -54,6 +57,7 @@ const WR_GRANT: u64 = 8;
 const IMM_HELLO: u32 = 0xFFFF_FFF0;
 const IMM_CLOSE: u32 = 0xFFFF_FFF1;
 const IMM_GRANT: u32 = 0xFFFF_FFF2;
+const IMM_NO_ZONE: u32 = 0xFFFF_FFF3;
 /// Marks a write into the rendezvous zone; the low bits carry its byte count.
 const ZONE_FLAG: u32 = 1 << 30;
 
@@ -61,9 +65,6 @@ const ZONE_FLAG: u32 = 1 << 30;
 /// writes beat 1 MiB and 4 MiB ones: 30.6-33.2 against 28.2-29.3 and 23.4-27.0 MB/s for a
 /// 16 MiB allreduce), and half the staging ring, so one chunk fills while the other is out.
 const MAX_ZONE_CHUNK: usize = 2 << 20;
-/// Largest landing zone granted at once, in rings (64 MiB for the default 4 MiB ring); a
-/// larger payload is granted piece by piece.
-const MAX_PIECE_RINGS: usize = 16;
 /// Room after the staging ring where the peer writes its grants (address, key, length).
 const MAILBOX: usize = 64;
 
@@ -138,6 +139,8 @@ pub struct VerbsLink {
     /// flight from the staging ring (zone chunks or ring slots: they share its memory).
     send_left: usize,
     grant: Option<Grant>,
+    /// The peer answered our next payload with `IMM_NO_ZONE` before we began it.
+    no_zone_ahead: bool,
     zone_chunk: usize,
     zone_busy: usize,
     zone_posted: u64,
@@ -146,6 +149,8 @@ pub struct VerbsLink {
     /// Rendezvous, receiving: payload bytes not yet granted, the piece granted and how much
     /// of it has landed and been read; a grant waiting for room in the send queue.
     zone: Option<Zone>,
+    /// Largest zone (0: none, or registering one failed: payloads come through the ring).
+    zone_max: usize,
     recv_left: usize,
     piece: usize,
     piece_landed: usize,
@@ -206,6 +211,9 @@ impl VerbsLink {
                                         return Err(self.fail(e));
                                     }
                                 }
+                                // The rest of the payload (or the next one) goes through the ring.
+                                IMM_NO_ZONE if self.send_left > 0 => self.send_left = 0,
+                                IMM_NO_ZONE => self.no_zone_ahead = true,
                                 n => self.credits += n as usize,
                             }
                         }
@@ -285,14 +293,19 @@ impl VerbsLink {
         if !self.grant_due || self.credit_busy + 2 > self.sq_cap {
             return Ok(());
         }
-        let piece = self.recv_left.min(MAX_PIECE_RINGS * self.slots * self.slot);
-        if self.zone.as_ref().is_none_or(|z| z.region.len() < piece) {
-            // Drop the old registration before mapping the larger zone.
-            self.zone = None;
-            let region = Region::anonymous(piece).map_err(std::io::Error::other)?;
-            // SAFETY: the zone keeps the region next to (and longer than) its registration.
-            let mr = unsafe { self.data_qp.domain().register_raw(region.as_ptr(), region.len()) }.map_err(std::io::Error::other)?;
-            self.zone = Some(Zone { mr, region });
+        self.grant_due = false;
+        let piece = self.recv_left.min(self.zone_max);
+        if let Err(why) = self.ensure_zone(piece) {
+            log::warn!("verbs: no rendezvous landing zone for rank {}: {why}; large payloads from it come through the ring", self.peer);
+            self.zone_max = 0;
+        }
+        if self.zone_max == 0 {
+            self.credit_qp.post(WR_CREDIT, Wr::SendImm(IMM_NO_ZONE))?;
+            self.credit_busy += 1;
+            self.recv_left = 0;
+            self.piece = 0;
+            self.piece_read = 0;
+            return Ok(());
         }
         let zone = self.zone.as_ref().expect("zone just made");
         let mut mail = [0u8; 16];
@@ -316,7 +329,20 @@ impl VerbsLink {
         self.piece = piece;
         self.piece_landed = 0;
         self.piece_read = 0;
-        self.grant_due = false;
+        Ok(())
+    }
+
+    /// A registered zone of at least `len` bytes (kept, and only replaced by a larger one).
+    fn ensure_zone(&mut self, len: usize) -> Result<()> {
+        if len == 0 || self.zone.as_ref().is_some_and(|z| z.region.len() >= len) {
+            return Ok(());
+        }
+        // Drop the old registration before mapping the larger zone.
+        self.zone = None;
+        let region = Region::anonymous(len)?;
+        // SAFETY: the zone keeps the region next to (and longer than) its registration.
+        let mr = unsafe { self.data_qp.domain().register_raw(region.as_ptr(), region.len())? };
+        self.zone = Some(Zone { mr, region });
         Ok(())
     }
 
@@ -421,7 +447,8 @@ impl Link for VerbsLink {
     }
 
     fn begin_payload(&mut self, len: usize) {
-        self.send_left = len;
+        // Refused ahead of time: the payload goes through the ring.
+        self.send_left = if std::mem::take(&mut self.no_zone_ahead) { 0 } else { len };
     }
 
     fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
@@ -547,9 +574,10 @@ pub fn connect_all(
     peers: &[usize],
     store: &StoreClient,
     dom: &Arc<Domain>,
-    ring_bytes: usize,
+    cfg: &Config,
     deadline: Instant,
 ) -> Result<Vec<(usize, Box<dyn Link>)>> {
+    let (ring_bytes, zone_bytes) = (cfg.ib_ring_bytes, cfg.ib_zone_bytes);
     let started = Instant::now();
     if peers.is_empty() {
         return Ok(vec![]);
@@ -642,12 +670,14 @@ pub fn connect_all(
             failed: None,
             send_left: 0,
             grant: None,
+            no_zone_ahead: false,
             zone_chunk: MAX_ZONE_CHUNK.min(ring_bytes / 2),
             zone_busy: 0,
             zone_posted: 0,
             ring_busy: 0,
             rendezvous_from,
             zone: None,
+            zone_max: zone_bytes,
             recv_left: 0,
             piece: 0,
             piece_landed: 0,
