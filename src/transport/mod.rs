@@ -321,6 +321,11 @@ impl Links {
             }
             st.done += n;
             total += n;
+            // A rendezvous write can be a blocking call (on soft-RoCE the post does the
+            // transfer): let the receives reduce what has landed before the next one.
+            if st.begun {
+                break;
+            }
         }
         self.mid_frame[peer] = st.done > 0 && st.done < HEADER_LEN + op.data.len();
         Ok(total)

@@ -530,8 +530,9 @@ impl Link for VerbsLink {
             return Some(why);
         }
         // Credits (and a grant) held back while the sender may be waiting for them.
-        if (self.arrived.is_empty() && self.return_credits().is_err()) || self.flush_grant().is_err() {
-            return self.failed.clone();
+        let held_back = if self.arrived.is_empty() { self.return_credits() } else { Ok(()) };
+        if let Err(e) = held_back.and_then(|_| self.flush_grant()) {
+            return Some(self.fail(e).to_string());
         }
         if !self.probe_out && self.last_probe.elapsed() >= PROBE_EVERY && self.sq_busy < self.sq_cap {
             let wr = Wr::Write { local: None, remote_addr: self.remote.addr, rkey: self.remote.rkey, imm: None };
