@@ -109,17 +109,4 @@ python3 benches/ps_verdict.py "$tmp/section.md" | tee -a "$tmp/section.md"
 echo >> "$tmp/section.md"
 
 [ $record = 1 ] || exit 0
-python3 - "$tmp/section.md" <<'PY'
-import sys
-sec = open(sys.argv[1]).read()
-doc = open("BENCHMARKS.md").read()
-head = "## Parameter-server shards and token ring"
-if head in doc:
-    a = doc.index(head)
-    b = doc.find("\n## ", a + len(head))
-    doc = doc[:a] + sec.rstrip() + "\n" + (doc[b:] if b >= 0 else "")
-else:
-    doc = doc.rstrip() + "\n\n" + sec
-open("BENCHMARKS.md", "w").write(doc)
-PY
-echo "ps_bench: BENCHMARKS.md updated" >&2
+python3 benches/record_section.py "$tmp/section.md"

@@ -25,7 +25,7 @@ tests/rxe/run-in-vm.sh -t 1500 -e "SIZES=$sizes" -e "BYTES=${BYTES:-67108864}" -
 grep -q '^| [0-9]' "$tmp/out" || { echo "rxe_compare: no result rows" >&2; exit 1; }
 [ $record = 1 ] || exit 0
 
-python3 - "$tmp/out" "$sizes" "${REPEATS:-3}" <<'PY'
+python3 - "$tmp/out" "$sizes" "${REPEATS:-3}" "$tmp/section.md" <<'PY'
 import re, sys
 out, sizes, repeats = open(sys.argv[1]).read(), sys.argv[2], sys.argv[3]
 rows = [l for l in out.splitlines() if l.startswith("|")]
@@ -63,20 +63,6 @@ at >= 4 MiB):
 |---:|---|---|
 {chr(10).join(judge)}
 """
-path = "BENCHMARKS.md"
-KEEP = "<!-- Sections below are written by other scripts (benches/rxe_compare.sh --record); merge.py keeps them. -->"
-text = open(path).read()
-head = "## RDMA verbs on soft-RoCE (rxe), one QEMU guest"
-if KEEP not in text:
-    text = text.rstrip("\n") + "\n\n" + KEEP + "\n"
-if head in text:
-    # Replace this section only: sections after it (written by other scripts) stay.
-    start = text.index(head)
-    end = text.find("\n## ", start + len(head))
-    rest = text[end + 1 :] if end >= 0 else ""
-    text = text[:start].rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
-else:
-    text = text.rstrip("\n") + "\n\n" + section
-open(path, "w").write(text)
-print("recorded in BENCHMARKS.md", file=sys.stderr)
+open(sys.argv[4], "w").write(section)
 PY
+python3 benches/record_section.py "$tmp/section.md"

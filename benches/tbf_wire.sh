@@ -26,7 +26,7 @@ SH
   chmod +x "$tmp/rank.sh"
   target/release/gradwire launch -n $world --netns --link-gbit "$gbit" -- "$tmp/rank.sh" >>"$tmp/out"
 done
-python3 - "$tmp/out" "$gbit" "$iters" "$warmup" "$world" "$record" <<'PY'
+python3 - "$tmp/out" "$gbit" "$iters" "$warmup" "$world" "$record" "$tmp/section.md" <<'PY'
 import sys
 path, gbit, iters, warmup, world, record = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
 rows = [l.split() for l in open(path) if l.startswith("rank ")]
@@ -56,15 +56,7 @@ needs the link busy >= 95 / (payload / charged) of the time.
 
 {table}
 """
-    text = open("BENCHMARKS.md").read()
-    KEEP = "<!-- Sections below are written by other scripts"
-    if head in text:
-        start = text.index(head)
-        end = text.find("\n## ", start + len(head))
-        text = text[:start].rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n" + ("\n" + text[end + 1:] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    assert KEEP in text[: text.index(head)], "BENCHMARKS.md lacks the marker after which other scripts' sections are kept"
-    open("BENCHMARKS.md", "w").write(text)
-    print("recorded in BENCHMARKS.md", file=sys.stderr)
+    open(sys.argv[7], "w").write(section)
 PY
+[ $record = 1 ] && python3 benches/record_section.py "$tmp/section.md"
+true

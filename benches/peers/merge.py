@@ -1023,7 +1023,7 @@ def main() -> int:
     w("```")
     w("")
 
-    # Sections written by other scripts (benches/rxe_compare.sh) follow KEEP; keep them.
+    # Sections written by other scripts (benches/record_section.py) follow KEEP; keep them.
     kept = KEEP + "\n"
     if os.path.exists(args.out):
         old = open(args.out).read()

@@ -114,9 +114,14 @@ struct RecvState {
     payload_done: usize,
     /// Bytes of a partial element carried between reads (reduce sinks).
     carry: usize,
-    /// The payload comes by rendezvous; `expected` once the link was told.
-    rendezvous: bool,
-    expected: bool,
+    /// The payload comes by rendezvous and the link has not been told yet.
+    grant_pending: bool,
+}
+
+impl RecvState {
+    fn complete(&self, payload_len: usize) -> bool {
+        self.header_done == HEADER_LEN && self.payload_done == payload_len
+    }
 }
 
 /// How a rank waits for a peer on shared memory: spin briefly (only when every rank has a
@@ -203,14 +208,7 @@ impl Links {
             .collect();
         let mut rstate: Vec<RecvState> = recvs
             .iter()
-            .map(|r| RecvState {
-                header: [0; HEADER_LEN],
-                header_done: 0,
-                payload_done: 0,
-                carry: 0,
-                rendezvous: rendezvous(r.peer, r.sink.len()),
-                expected: false,
-            })
+            .map(|r| RecvState { header: [0; HEADER_LEN], header_done: 0, payload_done: 0, carry: 0, grant_pending: rendezvous(r.peer, r.sink.len()) })
             .collect();
         let start = Instant::now();
         let mut idle_since: Option<Instant> = None;
@@ -232,12 +230,12 @@ impl Links {
                 }
             }
             for (op, st) in recvs.iter_mut().zip(rstate.iter_mut()) {
-                if (st.header_done == HEADER_LEN && st.payload_done == op.sink.len()) || pending_recv[op.peer] {
+                if st.complete(op.sink.len()) || pending_recv[op.peer] {
                     continue;
                 }
                 let n = self.progress_recv(op, st, call)?;
                 progressed |= n > 0;
-                if !(st.header_done == HEADER_LEN && st.payload_done == op.sink.len()) {
+                if !st.complete(op.sink.len()) {
                     pending_recv[op.peer] = true;
                 }
             }
@@ -282,15 +280,19 @@ impl Links {
     /// of ours: on soft-RoCE a send does the transfer itself, so a grant issued after our
     /// own sends would make the two directions of an exchange take turns.
     fn grant_rendezvous(&mut self, recvs: &[RecvOp<'_>], rstate: &mut [RecvState], call: &CallHeader) -> Result<()> {
+        // Most exchanges (every one on shm and tcp) have nothing to grant: no allocation then.
+        if !rstate.iter().any(|st| st.grant_pending) {
+            return Ok(());
+        }
         let mut earlier_open = vec![false; self.world()];
         for (op, st) in recvs.iter().zip(rstate.iter_mut()) {
-            let done = st.header_done == HEADER_LEN && st.payload_done == op.sink.len();
-            if done || std::mem::replace(&mut earlier_open[op.peer], true) || !st.rendezvous || st.expected {
+            // Only a receive with none before it from the same peer is the link's next payload.
+            if st.complete(op.sink.len()) || std::mem::replace(&mut earlier_open[op.peer], true) || !st.grant_pending {
                 continue;
             }
             let rank = self.rank;
             self.link(op.peer)?.expect_payload(op.sink.len()).map_err(|e| lost(rank, op.peer, call, "receive", e))?;
-            st.expected = true;
+            st.grant_pending = false;
         }
         Ok(())
     }

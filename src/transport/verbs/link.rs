@@ -88,6 +88,26 @@ struct Grant {
     used: usize,
 }
 
+/// Bytes of a grant in the mailbox: address, key, length (little-endian).
+const GRANT_BYTES: usize = 16;
+
+impl Grant {
+    fn to_mail(&self) -> [u8; GRANT_BYTES] {
+        let mut mail = [0u8; GRANT_BYTES];
+        mail[..8].copy_from_slice(&self.addr.to_le_bytes());
+        mail[8..12].copy_from_slice(&self.rkey.to_le_bytes());
+        mail[12..16].copy_from_slice(&(self.len as u32).to_le_bytes());
+        mail
+    }
+
+    fn from_mail(mail: &[u8; GRANT_BYTES]) -> Grant {
+        let addr = u64::from_le_bytes(mail[..8].try_into().expect("8 bytes"));
+        let rkey = u32::from_le_bytes(mail[8..12].try_into().expect("4 bytes"));
+        let len = u32::from_le_bytes(mail[12..16].try_into().expect("4 bytes")) as usize;
+        Grant { addr, rkey, len, used: 0 }
+    }
+}
+
 /// The receiver's landing zone, registered once and grown when a larger piece is granted.
 struct Zone {
     // The registration drops before the memory it covers.
@@ -250,6 +270,12 @@ impl VerbsLink {
         Ok(())
     }
 
+    /// The mailbox after the ring in `region` (the staging or the receive region).
+    fn mailbox(&self, region: &Region) -> *mut u8 {
+        // SAFETY: both regions hold the ring plus MAILBOX bytes.
+        unsafe { region.as_ptr().add(self.slots * self.slot) }
+    }
+
     fn protocol(&self, what: String) -> std::io::Error {
         std::io::Error::other(format!("protocol: rank {} {what}", self.peer))
     }
@@ -278,12 +304,9 @@ impl VerbsLink {
         if self.grant.is_some() {
             return Err(self.protocol("granted a landing zone while the previous one was unused".into()));
         }
-        // SAFETY: the mailbox lies after the ring in the staging region, which outlives the link.
-        let mail = unsafe { std::slice::from_raw_parts(self.tx.as_ptr().add(self.slots * self.slot), 16) };
-        let addr = u64::from_le_bytes(mail[..8].try_into().expect("8 bytes"));
-        let rkey = u32::from_le_bytes(mail[8..12].try_into().expect("4 bytes"));
-        let len = u32::from_le_bytes(mail[12..16].try_into().expect("4 bytes")) as usize;
-        self.grant = Some(Grant { addr, rkey, len, used: 0 });
+        // SAFETY: the mailbox holds GRANT_BYTES inside the staging region, which outlives the link.
+        let mail = unsafe { &*(self.mailbox(&self.tx) as *const [u8; GRANT_BYTES]) };
+        self.grant = Some(Grant::from_mail(mail));
         Ok(())
     }
 
@@ -308,17 +331,14 @@ impl VerbsLink {
             return Ok(());
         }
         let zone = self.zone.as_ref().expect("zone just made");
-        let mut mail = [0u8; 16];
-        mail[..8].copy_from_slice(&(zone.region.as_ptr() as u64).to_le_bytes());
-        mail[8..12].copy_from_slice(&zone.mr.rkey().to_le_bytes());
-        mail[12..16].copy_from_slice(&(piece as u32).to_le_bytes());
+        let mail = Grant { addr: zone.region.as_ptr() as u64, rkey: zone.mr.rkey(), len: piece, used: 0 }.to_mail();
         // The description goes out from our own mailbox (after the receive ring), which is
         // rewritten only for the next grant: after the peer has used this one.
-        // SAFETY: the mailbox lies inside the registered receive region.
+        // SAFETY: the mailbox holds GRANT_BYTES inside the registered receive region.
         let src = unsafe {
-            let p = self.rx.as_ptr().add(self.slots * self.slot);
-            std::ptr::copy_nonoverlapping(mail.as_ptr(), p, mail.len());
-            std::slice::from_raw_parts(p, mail.len())
+            let p = self.mailbox(&self.rx);
+            std::ptr::copy_nonoverlapping(mail.as_ptr(), p, GRANT_BYTES);
+            std::slice::from_raw_parts(p, GRANT_BYTES)
         };
         let (remote_addr, rkey) = self.remote_mailbox;
         self.credit_qp.post(WR_GRANT, Wr::Write { local: Some((src, self.rx_mr.lkey())), remote_addr, rkey, imm: None })?;
@@ -379,22 +399,18 @@ impl VerbsLink {
     /// Sender: writes payload bytes into the granted zone, a chunk per staging piece whose
     /// previous write has completed.
     fn write_to_zone(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
-        let Some(g) = self.grant.as_mut() else {
+        let Some(unused) = self.grant.as_ref().map(|g| g.len - g.used) else {
             return Ok(0);
         };
-        if g.len - g.used > self.send_left {
-            let e = std::io::Error::other(format!(
-                "protocol: rank {} granted {} bytes of landing zone for the {} bytes left of our payload (mismatched calls?)",
-                self.peer,
-                g.len - g.used,
-                self.send_left
-            ));
+        if unused > self.send_left {
+            let e = self.protocol(format!("granted {unused} bytes of landing zone for the {} bytes left of our payload (mismatched calls?)", self.send_left));
             return Err(self.fail(e));
         }
         // Ring slots in flight still read the staging memory the chunks use.
         if self.ring_busy > 0 {
             return Ok(0);
         }
+        let g = self.grant.as_mut().expect("a grant, checked above");
         let chunks = self.slots * self.slot / self.zone_chunk;
         let have: usize = bufs.iter().map(|b| b.len()).sum();
         let mut n = 0;
