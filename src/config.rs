@@ -21,6 +21,11 @@ pub const SETTINGS: &[Setting] = &[
         help: "Allreduce algorithm: auto, ring, rd (recursive doubling) or shm (one-host shared-buffer reduction).",
     },
     Setting { env: "GRADWIRE_SMALL_BYTES", default: "65536", help: "Below this many bytes `auto` uses recursive doubling instead of the ring." },
+    Setting {
+        env: "GRADWIRE_RING_CHUNK_BYTES",
+        default: "1048576",
+        help: "Ring collectives move each part in chunks of about this size, each forwarded as soon as it has arrived (at most 64 per part).",
+    },
     Setting { env: "GRADWIRE_SHM_RING_BYTES", default: "4194304", help: "Capacity of each shared-memory point-to-point ring." },
     Setting {
         env: "GRADWIRE_SHM_STAGE_BYTES",
@@ -153,6 +158,7 @@ pub struct Config {
     pub transport: TransportChoice,
     pub algo: Algo,
     pub small_bytes: usize,
+    pub ring_chunk_bytes: usize,
     pub shm_ring_bytes: usize,
     pub shm_stage_bytes: usize,
     pub spin: Duration,
@@ -184,7 +190,12 @@ impl Config {
         if ib_zone != 0 && !(64 << 10..=1 << 32).contains(&ib_zone) {
             return Err(config(format!("GRADWIRE_IB_ZONE_BYTES={ib_zone}: must be 0 (no rendezvous) or between 64K and 4G")));
         }
+        let ring_chunk = env_u64("GRADWIRE_RING_CHUNK_BYTES", 1 << 20)? as usize;
+        if !(16..=1 << 32).contains(&ring_chunk) {
+            return Err(config(format!("GRADWIRE_RING_CHUNK_BYTES={ring_chunk}: must be between 16 and 4G")));
+        }
         Ok(Config {
+            ring_chunk_bytes: ring_chunk,
             ib_ring_bytes: ib_ring,
             ib_zone_bytes: ib_zone,
             timeout: Duration::from_millis(timeout_ms),

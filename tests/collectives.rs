@@ -11,9 +11,13 @@ mod common;
 use common::*;
 
 fn check(n: usize, transport: &str, launch_args: &[&str], extra: &[&str]) {
+    check_with_env(n, transport, launch_args, extra, &[])
+}
+
+fn check_with_env(n: usize, transport: &str, launch_args: &[&str], extra: &[&str], env: &[(&str, &str)]) {
     let mut args = vec!["check", "--transport", transport];
     args.extend_from_slice(extra);
-    let out = launch(n, launch_args, &args, &[]);
+    let out = launch(n, launch_args, &args, env);
     let t = text(&out);
     println!("{t}");
     assert!(out.status.success(), "check failed with {n} ranks over {transport}:\n{t}");
@@ -52,6 +56,19 @@ fn shm_64mib() {
 #[test]
 fn tcp_64mib() {
     check(3, "tcp", &[], LARGE);
+}
+
+/// Ring collectives cut every part into chunks that move on their own (forwarded as soon as
+/// they arrive). Tiny chunks make every count of the matrix span many chunks, up to the cap
+/// of 64 per part, with parts of uneven length and chunks of a few elements.
+#[test]
+fn ring_in_tiny_chunks() {
+    let env = [("GRADWIRE_RING_CHUNK_BYTES", "64")];
+    let counts = ["--counts", "1,3,1003,7919,100003"];
+    check_with_env(3, "tcp", &[], &counts, &env);
+    check_with_env(4, "tcp", &[], &counts, &env);
+    // Ring over shared-memory links (the check runs every allreduce algorithm).
+    check_with_env(2, "shm", &[], &counts, &env);
 }
 
 #[test]

@@ -56,6 +56,28 @@ fn mismatched_order() {
     }
 }
 
+/// Ranks that cut ring parts into different chunks send the same call in different
+/// messages: each rank fails fast, and the error points at the setting.
+#[test]
+fn ranks_with_different_ring_chunks_fail_fast() {
+    let port = free_port();
+    let args = ["bench", "allreduce", "-b", "1M", "-e", "1M", "-n", "3", "-w", "1", "--transport", "tcp"];
+    let start = Instant::now();
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let chunk = if r == 0 { "65536" } else { "131072" };
+            spawn_rank(r, 2, port, "fault-test-secret", &[("GRADWIRE_TIMEOUT_MS", "30000"), ("GRADWIRE_RING_CHUNK_BYTES", chunk)], &args)
+        })
+        .collect();
+    let outs: Vec<_> = ranks.into_iter().map(|c| wait_with_limit(c, Duration::from_secs(60))).collect();
+    let all: String = outs.iter().map(text).collect();
+    println!("{all}");
+    assert!(start.elapsed() < Duration::from_secs(20), "took {:?}: waited for the deadline", start.elapsed());
+    assert!(outs.iter().all(|o| !o.status.success()), "{all}");
+    assert!(all.contains("GRADWIRE_RING_CHUNK_BYTES"), "{all}");
+    assert!(!all.contains("panicked"), "{all}");
+}
+
 #[test]
 fn wrong_job_secret_is_refused() {
     let port = free_port();
@@ -86,6 +108,7 @@ fn malformed_or_missing_environment() {
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TIMEOUT_MS", "soon")], "GRADWIRE_TIMEOUT_MS"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TRANSPORT", "carrier-pigeon")], "GRADWIRE_TRANSPORT"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SHM_RING_BYTES", "1000")], "GRADWIRE_SHM_RING_BYTES"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_RING_CHUNK_BYTES", "8")], "GRADWIRE_RING_CHUNK_BYTES"),
         (&[("RANK", "1"), ("WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_RANK", "0")], "contradicts"),
     ];
     for (env, expect) in cases {

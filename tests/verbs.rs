@@ -111,7 +111,10 @@ fn device_rendezvous_with_a_small_ring() {
     }
     let small_ring = [("GRADWIRE_IB_RING_BYTES", "65536"), ("GRADWIRE_IB_ZONE_BYTES", "1048576")];
     let no_zone = [("GRADWIRE_IB_RING_BYTES", "65536"), ("GRADWIRE_IB_ZONE_BYTES", "0")];
-    for (n, env) in [(2, &small_ring), (4, &small_ring), (2, &no_zone)] {
+    // Ring chunks of about 33 KB around the 32 KiB rendezvous threshold: a pipelined ring
+    // whose chunks take both paths, one after the other, on the same link.
+    let mixed_chunks = [("GRADWIRE_IB_RING_BYTES", "65536"), ("GRADWIRE_IB_ZONE_BYTES", "1048576"), ("GRADWIRE_RING_CHUNK_BYTES", "33000")];
+    for (n, env) in [(2, &small_ring[..]), (4, &small_ring[..]), (2, &no_zone[..]), (4, &mixed_chunks[..])] {
         let large: &[&str] = if n == 2 { &["--large", "8M"] } else { &[] };
         let args: Vec<&str> = ["check", "--transport", "verbs", "--counts", "0,1,7919,100003"].iter().chain(large).copied().collect();
         let t = ok(&launch(n, &[], &args, env), &format!("{n}-rank verbs matrix with {env:?}"));

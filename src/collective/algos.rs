@@ -5,7 +5,7 @@ use super::reduce::{reduce_bytes, scale};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::transport::frame::CallHeader;
-use crate::transport::{Links, RecvOp, SendOp, Sink};
+use crate::transport::{Links, RecvOp, Region, SendOp, Sink};
 use std::time::Instant;
 
 /// What an algorithm needs: the links, the call being run, its deadline.
@@ -43,59 +43,124 @@ unsafe fn view<'a>(base: *mut u8, lo: usize, hi: usize) -> &'a mut [u8] {
     std::slice::from_raw_parts_mut(base.add(lo), hi - lo)
 }
 
-/// Ring reduce-scatter over parts given by `bounds`: W−1 steps; at step s rank r sends part
-/// r−s+shift to r+1 and reduces part r−s−1+shift arriving from r−1 into place.
-/// Afterwards rank r holds the reduced part r+1+shift. Cost (W−1)α + (W−1)/W·Sβ.
-pub fn ring_reduce_scatter(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], shift: isize, step0: u32) -> Result<()> {
+/// The steps of a ring over the parts given by `bounds`: at step g rank r sends part
+/// r − g + `first` to r+1 and receives part r − g − 1 + `first` from r−1, reducing it into
+/// place for the first `reduce_steps` steps and copying it after. The receive of step g is
+/// what step g+1 forwards, so a reduce-scatter followed by an allgather is one ring of
+/// 2(W−1) steps.
+pub struct RingSteps<'b> {
+    pub bounds: &'b [usize],
+    pub first: isize,
+    pub steps: usize,
+    pub reduce_steps: usize,
+    /// Frame step number of the first message.
+    pub step0: u32,
+}
+
+/// Runs `ring` pipelined: every part is cut into chunks of about `chunk` bytes (at most
+/// [`MAX_RING_CHUNKS`] per part), and a chunk is forwarded as soon as its bytes have arrived
+/// at the previous step, not when the whole step is done. A rank's link then stays busy
+/// across step boundaries (the synchronous ring idles at each one until the slowest
+/// neighbour catches up), and reducing one chunk overlaps with moving the next. All steps
+/// are one exchange whose sends wait for the receives they forward. Cost: steps·C messages
+/// of S/(W·C) bytes, the bytes of the plain ring (steps/W · Sβ); the pipeline fills in one
+/// chunk.
+pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: &RingSteps<'_>, chunk: usize) -> Result<()> {
     let (w, r) = (cx.world, cx.rank as isize);
     let (next, prev) = ((cx.rank + 1) % w, (cx.rank + w - 1) % w);
     let (dtype, op) = (cx.dtype, cx.op);
+    let elem = dtype.size();
     let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
+    let bounds = ring.bounds;
+    assert!(bounds.len() == w + 1 && bounds[w] <= buf.len(), "ring bounds must cover {w} parts of the buffer");
+    // Both ends of a link derive the same chunking from the same bounds. Links with a
+    // rendezvous (verbs) stream a large payload themselves, and a chunk below the
+    // rendezvous size would go through their credit ring instead: on soft-RoCE, 16 MiB at 2
+    // ranks ran at 55 % of ib_write_bw in 1 MiB chunks. Those links keep parts whole.
+    let largest = bounds.windows(2).map(|b| b[1] - b[0]).max().unwrap_or(0);
+    let chunks_on = |peer: usize| {
+        if cx.links.rendezvous_from(peer).is_some() {
+            1
+        } else {
+            largest.div_ceil(chunk.max(elem)).clamp(1, MAX_RING_CHUNKS)
+        }
+    };
+    let (c_out, c_in) = (chunks_on(next), chunks_on(prev));
+    let piece = |part: usize, k: usize, c: usize| chunk_of(bounds, part, k, c, elem);
     let base = buf.as_mut_ptr();
-    for s in 0..w.saturating_sub(1) {
-        let sp = cx.modw(r - s as isize + shift);
-        let rp = cx.modw(r - s as isize - 1 + shift);
-        // SAFETY: sp != rp (w >= 2), so the two views are disjoint parts of `buf`.
-        let (sbuf, rbuf) = unsafe { (view(base, bounds[sp], bounds[sp + 1]), view(base, bounds[rp], bounds[rp + 1])) };
-        let step = step0 + s as u32;
-        cx.exchange(
-            &mut [SendOp { peer: next, step, data: sbuf }],
-            &mut [RecvOp { peer: prev, step, sink: Sink::Reduce { dst: rbuf, elem: dtype.size(), reduce: &red } }],
-        )?;
+    let mut sends = Vec::with_capacity(ring.steps * c_out);
+    let mut recvs = Vec::with_capacity(ring.steps * c_in);
+    for g in 0..ring.steps {
+        let sp = cx.modw(r - g as isize + ring.first);
+        let rp = cx.modw(r - g as isize - 1 + ring.first);
+        for k in 0..c_out {
+            let (lo, hi) = piece(sp, k, c_out);
+            // The receive of the previous step that brings this chunk's last byte (receives
+            // from one peer complete in order, so all of it is here then).
+            let after = (g > 0).then(|| (g - 1) * c_in + chunk_bringing(bounds, sp, hi, c_in, elem));
+            // SAFETY: the range lies in `buf`, borrowed by this function. Ranges shared
+            // between operations (a received chunk is forwarded at the next step; an
+            // allgather receive overwrites bytes sent earlier) are never worked on at the
+            // same time: a forwarding send waits for its receive (`after`), and bytes come
+            // back around the ring only after our send of them has completed.
+            let data = unsafe { Region::raw(base.add(lo), hi - lo) };
+            sends.push(SendOp { peer: next, step: ring.step0 + (g * c_out + k) as u32, data, after });
+        }
+        for j in 0..c_in {
+            let (lo, hi) = piece(rp, j, c_in);
+            // SAFETY: as above.
+            let dst = unsafe { Region::raw(base.add(lo), hi - lo) };
+            let sink = if g < ring.reduce_steps { Sink::Reduce { dst, elem, reduce: &red } } else { Sink::Copy(dst) };
+            recvs.push(RecvOp { peer: prev, step: ring.step0 + (g * c_in + j) as u32, sink });
+        }
     }
-    Ok(())
+    cx.exchange(&mut sends, &mut recvs)
+}
+
+/// Byte range of chunk `k` of `c` of part `part` (element-balanced, like the parts).
+fn chunk_of(bounds: &[usize], part: usize, k: usize, c: usize, elem: usize) -> (usize, usize) {
+    let (lo, n) = (bounds[part], (bounds[part + 1] - bounds[part]) / elem);
+    (lo + n * k / c * elem, lo + n * (k + 1) / c * elem)
+}
+
+/// The first of `c` chunks of `part` that ends at or after byte `end`: the receive a
+/// forwarding send of the bytes up to `end` waits for (the two ends of a rank may chunk
+/// differently when only one of its links has a rendezvous).
+fn chunk_bringing(bounds: &[usize], part: usize, end: usize, c: usize, elem: usize) -> usize {
+    (0..c).find(|&j| chunk_of(bounds, part, j, c, elem).1 >= end).unwrap_or(c - 1)
+}
+
+/// Most chunks a ring part is cut into: bounds the exchange's bookkeeping.
+pub const MAX_RING_CHUNKS: usize = 64;
+
+/// Ring reduce-scatter: W−1 steps; afterwards rank r holds the reduced part r+1+shift.
+/// Cost (W−1)α + (W−1)/W·Sβ.
+pub fn ring_reduce_scatter(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], shift: isize, chunk: usize) -> Result<()> {
+    let steps = cx.world - 1;
+    ring_pipelined(cx, buf, &RingSteps { bounds, first: shift, steps, reduce_steps: steps, step0: 0 }, chunk)
 }
 
 /// Ring allgather: rank r starts owning part r+own; W−1 steps circulate every part.
 /// Cost (W−1)α + (W−1)/W·Sβ.
-pub fn ring_allgather(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], own: isize, step0: u32) -> Result<()> {
-    let (w, r) = (cx.world, cx.rank as isize);
-    let (next, prev) = ((cx.rank + 1) % w, (cx.rank + w - 1) % w);
-    let base = buf.as_mut_ptr();
-    for s in 0..w.saturating_sub(1) {
-        let sp = cx.modw(r + own - s as isize);
-        let rp = cx.modw(r + own - s as isize - 1);
-        // SAFETY: sp != rp, disjoint parts of `buf`.
-        let (sbuf, rbuf) = unsafe { (view(base, bounds[sp], bounds[sp + 1]), view(base, bounds[rp], bounds[rp + 1])) };
-        let step = step0 + s as u32;
-        cx.exchange(&mut [SendOp { peer: next, step, data: sbuf }], &mut [RecvOp { peer: prev, step, sink: Sink::Copy(rbuf) }])?;
-    }
-    Ok(())
+pub fn ring_allgather(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], own: isize, chunk: usize) -> Result<()> {
+    ring_pipelined(cx, buf, &RingSteps { bounds, first: own, steps: cx.world - 1, reduce_steps: 0, step0: 0 }, chunk)
 }
 
-/// Ring allreduce (bandwidth-optimal for large buffers): reduce-scatter then allgather.
-/// Cost 2(W−1)α + 2(W−1)/W·Sβ. Every rank ends with bit-identical data because each part
-/// is finished by exactly one rank and then copied.
-pub fn ring_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<()> {
+/// Ring allreduce (bandwidth-optimal for large buffers): reduce-scatter then allgather, as
+/// one pipelined ring. Cost 2(W−1)α + 2(W−1)/W·Sβ. Every rank ends with bit-identical
+/// data because each part is finished by exactly one rank and then copied.
+pub fn ring_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8], chunk: usize) -> Result<()> {
     let w = cx.world;
     let elem = cx.dtype.size();
     let bounds = part_bounds(buf.len() / elem, w, elem);
-    ring_reduce_scatter(cx, buf, &bounds, 0, 0)?;
-    let owned = (cx.rank + 1) % w;
     if cx.op == ReduceOp::Avg {
+        // The owner scales its part between the two phases.
+        ring_reduce_scatter(cx, buf, &bounds, 0, chunk)?;
+        let owned = (cx.rank + 1) % w;
         scale(cx.dtype, &mut buf[bounds[owned]..bounds[owned + 1]], 1.0 / w as f64);
+        return ring_pipelined(cx, buf, &RingSteps { bounds: &bounds, first: 1, steps: w - 1, reduce_steps: 0, step0: (w * MAX_RING_CHUNKS) as u32 }, chunk);
     }
-    ring_allgather(cx, buf, &bounds, 1, w as u32)
+    ring_pipelined(cx, buf, &RingSteps { bounds: &bounds, first: 0, steps: 2 * (w - 1), reduce_steps: w - 1, step0: 0 }, chunk)
 }
 
 /// Recursive doubling (latency-optimal for small buffers): ⌈log2 W⌉ (+2 when W is not a
@@ -109,18 +174,18 @@ pub fn recursive_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<
     let extra = w - p2;
     // Fold: ranks p2.. hand their data to rank r-p2 and wait for the result.
     if r >= p2 {
-        cx.exchange(&mut [SendOp { peer: r - p2, step: 0, data: buf }], &mut [])?;
-        return cx.exchange(&mut [], &mut [RecvOp { peer: r - p2, step: 99, sink: Sink::Copy(buf) }]);
+        cx.exchange(&mut [SendOp::new(r - p2, 0, buf)], &mut [])?;
+        return cx.exchange(&mut [], &mut [RecvOp { peer: r - p2, step: 99, sink: Sink::Copy(buf.into()) }]);
     }
     if r < extra {
-        cx.exchange(&mut [], &mut [RecvOp { peer: r + p2, step: 0, sink: Sink::Reduce { dst: buf, elem: dtype.size(), reduce: &red } }])?;
+        cx.exchange(&mut [], &mut [RecvOp { peer: r + p2, step: 0, sink: Sink::Reduce { dst: buf.into(), elem: dtype.size(), reduce: &red } }])?;
     }
     let mut tmp = vec![0u8; buf.len()];
     let mut mask = 1;
     let mut step = 1;
     while mask < p2 {
         let partner = r ^ mask;
-        cx.exchange(&mut [SendOp { peer: partner, step, data: buf }], &mut [RecvOp { peer: partner, step, sink: Sink::Copy(&mut tmp) }])?;
+        cx.exchange(&mut [SendOp::new(partner, step, buf)], &mut [RecvOp { peer: partner, step, sink: Sink::Copy((&mut tmp[..]).into()) }])?;
         reduce_bytes(dtype, op, buf, &tmp);
         mask <<= 1;
         step += 1;
@@ -129,7 +194,7 @@ pub fn recursive_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<
         scale(dtype, buf, 1.0 / w as f64);
     }
     if r < extra {
-        cx.exchange(&mut [SendOp { peer: r + p2, step: 99, data: buf }], &mut [])?;
+        cx.exchange(&mut [SendOp::new(r + p2, 99, buf)], &mut [])?;
     }
     Ok(())
 }
@@ -142,7 +207,7 @@ pub fn binomial_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Resu
     let mut mask = 1;
     while mask < w {
         if v & mask != 0 {
-            cx.exchange(&mut [], &mut [RecvOp { peer: real(v - mask), step: 0, sink: Sink::Copy(buf) }])?;
+            cx.exchange(&mut [], &mut [RecvOp { peer: real(v - mask), step: 0, sink: Sink::Copy(buf.into()) }])?;
             break;
         }
         mask <<= 1;
@@ -150,7 +215,7 @@ pub fn binomial_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Resu
     mask >>= 1;
     while mask > 0 {
         if v + mask < w {
-            cx.exchange(&mut [SendOp { peer: real(v + mask), step: 0, data: buf }], &mut [])?;
+            cx.exchange(&mut [SendOp::new(real(v + mask), 0, buf)], &mut [])?;
         }
         mask >>= 1;
     }
@@ -176,10 +241,11 @@ pub fn chain_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usi
     for k in 0..=n {
         let (send_piece, recv_piece) = if v == 0 { ((k < n).then_some(k), None) } else { ((!last && k >= 1).then(|| k - 1), (k < n).then_some(k)) };
         // SAFETY: pieces k and k-1 are disjoint ranges of `buf`.
-        let mut sends: Vec<SendOp<'_>> =
-            send_piece.map(|p| SendOp { peer: next, step: p as u32, data: unsafe { view(base, bound(p), bound(p + 1)) } }).into_iter().collect();
-        let mut recvs: Vec<RecvOp<'_>> =
-            recv_piece.map(|p| RecvOp { peer: prev, step: p as u32, sink: Sink::Copy(unsafe { view(base, bound(p), bound(p + 1)) }) }).into_iter().collect();
+        let mut sends: Vec<SendOp<'_>> = send_piece.map(|p| SendOp::new(next, p as u32, unsafe { view(base, bound(p), bound(p + 1)) })).into_iter().collect();
+        let mut recvs: Vec<RecvOp<'_>> = recv_piece
+            .map(|p| RecvOp { peer: prev, step: p as u32, sink: Sink::Copy(unsafe { view(base, bound(p), bound(p + 1)) }.into()) })
+            .into_iter()
+            .collect();
         if !sends.is_empty() || !recvs.is_empty() {
             cx.exchange(&mut sends, &mut recvs)?;
         }
@@ -200,13 +266,13 @@ pub fn binomial_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Result<
     let mut mask = 1;
     while mask < w {
         if v & mask != 0 {
-            cx.exchange(&mut [SendOp { peer: real(v - mask), step: mask.trailing_zeros(), data: acc }], &mut [])?;
+            cx.exchange(&mut [SendOp::new(real(v - mask), mask.trailing_zeros(), acc)], &mut [])?;
             return Ok(());
         }
         if v + mask < w {
             cx.exchange(
                 &mut [],
-                &mut [RecvOp { peer: real(v + mask), step: mask.trailing_zeros(), sink: Sink::Reduce { dst: acc, elem: dtype.size(), reduce: &red } }],
+                &mut [RecvOp { peer: real(v + mask), step: mask.trailing_zeros(), sink: Sink::Reduce { dst: acc.into(), elem: dtype.size(), reduce: &red } }],
             )?;
         }
         mask <<= 1;
@@ -223,9 +289,38 @@ pub fn dissemination_barrier(cx: &mut Ctx<'_>) -> Result<()> {
     let mut dist = 1;
     let mut step = 0;
     while dist < w {
-        cx.exchange(&mut [SendOp { peer: (r + dist) % w, step, data: &[] }], &mut [RecvOp { peer: (r + w - dist) % w, step, sink: Sink::Copy(&mut []) }])?;
+        cx.exchange(&mut [SendOp::new((r + dist) % w, step, &[])], &mut [RecvOp { peer: (r + w - dist) % w, step, sink: Sink::Copy((&mut [][..]).into()) }])?;
         dist <<= 1;
         step += 1;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Chunks tile their part exactly, and a forwarding send waits for a receive that
+    /// brings all of its bytes, however the two sides are chunked.
+    #[test]
+    fn chunks_tile_parts_and_sends_wait_for_all_their_bytes() {
+        for (count, w, elem) in [(0, 2, 4), (1, 3, 4), (7, 4, 2), (1003, 3, 4), (100003, 4, 8), (64, 2, 1)] {
+            let bounds = part_bounds(count, w, elem);
+            for part in 0..w {
+                for c_out in [1, 2, 3, 7, 64] {
+                    let mut at = bounds[part];
+                    for k in 0..c_out {
+                        let (lo, hi) = chunk_of(&bounds, part, k, c_out, elem);
+                        assert!(lo == at && hi >= lo && (hi - lo) % elem == 0, "count {count} part {part} chunk {k}/{c_out}");
+                        at = hi;
+                        for c_in in [1, 2, 5, 64] {
+                            let j = chunk_bringing(&bounds, part, hi, c_in, elem);
+                            assert!(chunk_of(&bounds, part, j, c_in, elem).1 >= hi, "send {k}/{c_out} waits for {j}/{c_in} that ends before it");
+                        }
+                    }
+                    assert_eq!(at, bounds[part + 1]);
+                }
+            }
+        }
+    }
 }

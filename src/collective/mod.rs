@@ -96,7 +96,8 @@ impl Communicator {
         if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
             return Err(invalid("null buffer"));
         }
-        let (small, default_algo) = (self.config.small_bytes, self.config.algo);
+        let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes };
+        let default_algo = self.config.algo;
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
         let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
             let (s, r) = (s, r);
@@ -105,7 +106,7 @@ impl Communicator {
             // SAFETY: lengths and validity are the caller's contract (see `start`).
             let sbuf: &[u8] = if slen == 0 { &[] } else { unsafe { std::slice::from_raw_parts(s.0, slen) } };
             let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
-            run(st, deadline, call, req, req.algo.unwrap_or(default_algo), small, sbuf, rbuf)
+            run(st, deadline, call, req, req.algo.unwrap_or(default_algo), tune, sbuf, rbuf)
         });
         Ok(job)
     }
@@ -198,7 +199,7 @@ impl Communicator {
             let p = p;
             // SAFETY: `data` is borrowed until wait() below returns.
             let bytes = unsafe { std::slice::from_raw_parts(p.0, len) };
-            st.links.exchange(&call, &mut [SendOp { peer, step: 0, data: bytes }], &mut [], deadline)
+            st.links.exchange(&call, &mut [SendOp::new(peer, 0, bytes)], &mut [], deadline)
         });
         self.run_blocking(|| call.to_string(), job)
     }
@@ -212,7 +213,7 @@ impl Communicator {
             let p = p;
             // SAFETY: `buf` is exclusively borrowed until wait() below returns.
             let bytes = unsafe { std::slice::from_raw_parts_mut(p.0, len) };
-            st.links.exchange(&call, &mut [], &mut [RecvOp { peer, step: 0, sink: Sink::Copy(bytes) }], deadline)
+            st.links.exchange(&call, &mut [], &mut [RecvOp { peer, step: 0, sink: Sink::Copy(bytes.into()) }], deadline)
         });
         self.run_blocking(|| call.to_string(), job)
     }
@@ -264,9 +265,16 @@ impl<V> Drop for Pending<V> {
     }
 }
 
+/// The size thresholds an algorithm choice needs (from [`crate::config::Config`]).
+#[derive(Clone, Copy)]
+struct Sizes {
+    small: usize,
+    ring_chunk: usize,
+}
+
 /// Runs one collective on the progress thread.
 #[allow(clippy::too_many_arguments)]
-fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, algo: Algo, small: usize, send: &[u8], recv: &mut [u8]) -> Result<()> {
+fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, algo: Algo, tune: Sizes, send: &[u8], recv: &mut [u8]) -> Result<()> {
     let (rank, world) = (st.rank, st.world);
     if let Some(dom) = &st.shm {
         dom.set_call(&encode_call(&call));
@@ -282,7 +290,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             }
             let algo = match algo {
                 Algo::Auto if st.shm_all => Algo::SharedMemory,
-                Algo::Auto if recv.len() < small => Algo::RecursiveDoubling,
+                Algo::Auto if recv.len() < tune.small => Algo::RecursiveDoubling,
                 Algo::Auto => Algo::Ring,
                 Algo::SharedMemory if !st.shm_all => {
                     return Err(invalid("GRADWIRE_ALGO=shm needs every rank on one host with the shm transport"));
@@ -296,13 +304,13 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                     shm_allreduce(&scx, recv, req.dtype, req.redop)
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),
-                _ => algos::ring_allreduce(&mut cx, recv),
+                _ => algos::ring_allreduce(&mut cx, recv, tune.ring_chunk),
             }
         }
         OpKind::ReduceScatter => {
             let mut work = send.to_vec();
             let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
-            algos::ring_reduce_scatter(&mut cx, &mut work, &bounds, -1, 0)?;
+            algos::ring_reduce_scatter(&mut cx, &mut work, &bounds, -1, tune.ring_chunk)?;
             recv.copy_from_slice(&work[bounds[rank]..bounds[rank + 1]]);
             if req.redop == ReduceOp::Avg {
                 reduce::scale(req.dtype, recv, 1.0 / world as f64);
@@ -312,12 +320,12 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         OpKind::Allgather => {
             let bounds: Vec<usize> = (0..=world).map(|i| i * send.len()).collect();
             recv[bounds[rank]..bounds[rank + 1]].copy_from_slice(send);
-            algos::ring_allgather(&mut cx, recv, &bounds, 0, 0)
+            algos::ring_allgather(&mut cx, recv, &bounds, 0, tune.ring_chunk)
         }
         OpKind::Broadcast => {
             if world == 1 {
                 Ok(())
-            } else if recv.len() < small {
+            } else if recv.len() < tune.small {
                 algos::binomial_broadcast(&mut cx, recv, req.root)
             } else {
                 let piece = (recv.len() / 8).clamp(64 << 10, 1 << 20);

@@ -16,6 +16,7 @@ pub mod verbs;
 use crate::error::{Error, Result};
 use frame::{CallHeader, FrameHeader, FrameKind, HEADER_LEN};
 use std::io::IoSlice;
+use std::marker::PhantomData;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -67,13 +68,73 @@ pub trait Link: Send {
 /// Links of one rank indexed by peer rank (`None` for itself and unconnected peers).
 pub type LinkTable = Vec<Option<Box<dyn Link>>>;
 
+/// Bytes an exchange reads (a send's payload) or writes (a receive's sink).
+///
+/// Made from a slice, it borrows the slice for `'a`. A pipelined algorithm whose operations
+/// share memory in a dependency order (a received chunk is forwarded by a later send, see
+/// [`SendOp::after`]) makes them from raw pointers instead: the exchange makes a slice of a
+/// region only while it works on that operation, never touches a receive's region once it
+/// is complete, and never starts a send before the receive it waits for is complete.
+#[derive(Clone, Copy)]
+pub struct Region<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Region<'a> {
+    /// `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// The bytes must stay valid for `'a`, and while the exchange works on an operation
+    /// with this region nothing else may access them (a send's may be read elsewhere).
+    pub unsafe fn raw(ptr: *mut u8, len: usize) -> Self {
+        Region { ptr, len, _borrow: PhantomData }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// # Safety
+    /// See [`Region::raw`]: only while working on this region's operation.
+    unsafe fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            &[]
+        } else {
+            std::slice::from_raw_parts(self.ptr, self.len)
+        }
+    }
+
+    /// # Safety
+    /// As [`Region::bytes`], and only for a receive's region (made from `&mut` or `raw`).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn bytes_mut(&self) -> &mut [u8] {
+        if self.len == 0 {
+            &mut []
+        } else {
+            std::slice::from_raw_parts_mut(self.ptr, self.len)
+        }
+    }
+}
+
+impl<'a> From<&'a mut [u8]> for Region<'a> {
+    fn from(s: &'a mut [u8]) -> Self {
+        Region { ptr: s.as_mut_ptr(), len: s.len(), _borrow: PhantomData }
+    }
+}
+
 /// Where a received payload goes.
 pub enum Sink<'a> {
-    /// Copy into this buffer (its length is the expected payload length).
-    Copy(&'a mut [u8]),
+    /// Copy into this region (its length is the expected payload length).
+    Copy(Region<'a>),
     /// Combine into `dst` element by element with `reduce(dst_part, src_part)`; both parts
     /// are whole elements of `elem` bytes.
-    Reduce { dst: &'a mut [u8], elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
+    Reduce { dst: Region<'a>, elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
 }
 
 impl Sink<'_> {
@@ -89,7 +150,18 @@ impl Sink<'_> {
 pub struct SendOp<'a> {
     pub peer: usize,
     pub step: u32,
-    pub data: &'a [u8],
+    /// The payload; only read (see [`Region`]).
+    pub data: Region<'a>,
+    /// Index of a receive of the same exchange that must be complete before this send
+    /// starts: the payload is (part of) what that receive brings.
+    pub after: Option<usize>,
+}
+
+impl<'a> SendOp<'a> {
+    pub fn new(peer: usize, step: u32, data: &'a [u8]) -> Self {
+        // Sends only read their region.
+        SendOp { peer, step, data: Region { ptr: data.as_ptr() as *mut u8, len: data.len(), _borrow: PhantomData }, after: None }
+    }
 }
 
 /// A receive of one framed message.
@@ -109,6 +181,8 @@ struct SendState {
 }
 
 struct RecvState {
+    /// Payload length (kept here: a complete receive's region is not touched again).
+    len: usize,
     header: [u8; HEADER_LEN],
     header_done: usize,
     payload_done: usize,
@@ -119,8 +193,8 @@ struct RecvState {
 }
 
 impl RecvState {
-    fn complete(&self, payload_len: usize) -> bool {
-        self.header_done == HEADER_LEN && self.payload_done == payload_len
+    fn complete(&self) -> bool {
+        self.header_done == HEADER_LEN && self.payload_done == self.len
     }
 }
 
@@ -184,19 +258,25 @@ impl Links {
         self.links.len()
     }
 
+    /// [`Link::rendezvous_from`] of the link to `peer`.
+    pub fn rendezvous_from(&self, peer: usize) -> Option<usize> {
+        self.links.get(peer).and_then(|l| l.as_ref()).and_then(|l| l.rendezvous_from())
+    }
+
     fn link(&mut self, peer: usize) -> Result<&mut Box<dyn Link>> {
         let rank = self.rank;
         self.links.get_mut(peer).and_then(|l| l.as_mut()).ok_or_else(|| Error::InvalidArgument(format!("rank {rank} has no link to rank {peer}")))
     }
 
-    /// Runs all `sends` and `recvs` of one algorithm step concurrently until every one is
-    /// complete, the deadline passes, a peer fails, or the communicator is aborted.
-    /// Messages to or from the same peer complete in list order.
+    /// Runs all `sends` and `recvs` concurrently until every one is complete, the deadline
+    /// passes, a peer fails, or the communicator is aborted. Messages to or from the same
+    /// peer complete in list order; a send with [`SendOp::after`] starts once that receive
+    /// is complete, so one exchange can run a whole pipelined algorithm.
     pub fn exchange(&mut self, call: &CallHeader, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>], deadline: Instant) -> Result<()> {
-        let rendezvous = |peer: usize, len: usize| {
-            let from = self.links.get(peer).and_then(|l| l.as_ref()).and_then(|l| l.rendezvous_from());
-            from.is_some_and(|from| len > 0 && len >= from)
-        };
+        if let Some(bad) = sends.iter().find(|s| s.after.is_some_and(|i| i >= recvs.len())) {
+            return Err(Error::InvalidArgument(format!("send of step {} waits for receive {:?} of {}", bad.step, bad.after, recvs.len())));
+        }
+        let rendezvous = |peer: usize, len: usize| self.rendezvous_from(peer).is_some_and(|from| len > 0 && len >= from);
         let mut sstate: Vec<SendState> = sends
             .iter()
             .map(|s| SendState {
@@ -208,39 +288,59 @@ impl Links {
             .collect();
         let mut rstate: Vec<RecvState> = recvs
             .iter()
-            .map(|r| RecvState { header: [0; HEADER_LEN], header_done: 0, payload_done: 0, carry: 0, grant_pending: rendezvous(r.peer, r.sink.len()) })
+            .map(|r| {
+                let len = r.sink.len();
+                RecvState { len, header: [0; HEADER_LEN], header_done: 0, payload_done: 0, carry: 0, grant_pending: rendezvous(r.peer, len) }
+            })
             .collect();
+        // Everything before these indices is complete: long pipelines skip it.
+        let (mut first_send, mut first_recv) = (0, 0);
         let start = Instant::now();
         let mut idle_since: Option<Instant> = None;
         let mut last_liveness = start;
         loop {
             let mut progressed = false;
+            // Sends waiting for room on a link; sends held back behind an earlier one to
+            // the same peer (in progress, or waiting for its receive: no room to poll for).
             let mut pending_send = vec![false; self.world()];
+            let mut held = vec![false; self.world()];
             let mut pending_recv = vec![false; self.world()];
-            self.grant_rendezvous(recvs, &mut rstate, call)?;
-            for (op, st) in sends.iter().zip(sstate.iter_mut()) {
+            self.grant_rendezvous(&recvs[first_recv..], &mut rstate[first_recv..], call)?;
+            for i in first_send..sends.len() {
+                let (op, st) = (&sends[i], &mut sstate[i]);
                 let total = HEADER_LEN + op.data.len();
-                if st.done == total || pending_send[op.peer] {
+                if st.done == total || held[op.peer] {
+                    continue;
+                }
+                if op.after.is_some_and(|r| !rstate[r].complete()) {
+                    held[op.peer] = true;
                     continue;
                 }
                 let n = self.progress_send(op, st, call)?;
                 progressed |= n > 0;
                 if st.done < total {
+                    held[op.peer] = true;
                     pending_send[op.peer] = true;
                 }
             }
-            for (op, st) in recvs.iter_mut().zip(rstate.iter_mut()) {
-                if st.complete(op.sink.len()) || pending_recv[op.peer] {
+            for i in first_recv..recvs.len() {
+                let (op, st) = (&mut recvs[i], &mut rstate[i]);
+                if st.complete() || pending_recv[op.peer] {
                     continue;
                 }
                 let n = self.progress_recv(op, st, call)?;
                 progressed |= n > 0;
-                if !st.complete(op.sink.len()) {
+                if !st.complete() {
                     pending_recv[op.peer] = true;
                 }
             }
-            let any_pending = pending_send.iter().chain(pending_recv.iter()).any(|&p| p);
-            if !any_pending {
+            while first_send < sends.len() && sstate[first_send].done == HEADER_LEN + sends[first_send].data.len() {
+                first_send += 1;
+            }
+            while first_recv < recvs.len() && rstate[first_recv].complete() {
+                first_recv += 1;
+            }
+            if first_send == sends.len() && first_recv == recvs.len() {
                 return Ok(());
             }
             if progressed {
@@ -287,11 +387,11 @@ impl Links {
         let mut earlier_open = vec![false; self.world()];
         for (op, st) in recvs.iter().zip(rstate.iter_mut()) {
             // Only a receive with none before it from the same peer is the link's next payload.
-            if st.complete(op.sink.len()) || std::mem::replace(&mut earlier_open[op.peer], true) || !st.grant_pending {
+            if st.complete() || std::mem::replace(&mut earlier_open[op.peer], true) || !st.grant_pending {
                 continue;
             }
             let rank = self.rank;
-            self.link(op.peer)?.expect_payload(op.sink.len()).map_err(|e| lost(rank, op.peer, call, "receive", e))?;
+            self.link(op.peer)?.expect_payload(st.len).map_err(|e| lost(rank, op.peer, call, "receive", e))?;
             st.grant_pending = false;
         }
         Ok(())
@@ -307,13 +407,15 @@ impl Links {
             let bufs: Vec<IoSlice<'_>> = if done < HEADER_LEN && st.rendezvous {
                 vec![IoSlice::new(&st.header[done..])]
             } else if done < HEADER_LEN {
-                vec![IoSlice::new(&st.header[done..]), IoSlice::new(op.data)]
+                // SAFETY: the exchange is working on this send (see `Region`).
+                vec![IoSlice::new(&st.header[done..]), IoSlice::new(unsafe { op.data.bytes() })]
             } else if done < HEADER_LEN + op.data.len() {
                 if st.rendezvous && !st.begun {
                     link.begin_payload(op.data.len());
                     st.begun = true;
                 }
-                vec![IoSlice::new(&op.data[done - HEADER_LEN..])]
+                // SAFETY: as above.
+                vec![IoSlice::new(unsafe { &op.data.bytes()[done - HEADER_LEN..] })]
             } else {
                 break;
             };
@@ -351,12 +453,16 @@ impl Links {
         let expected = op.sink.len();
         while st.payload_done < expected {
             let n = match &mut op.sink {
-                Sink::Copy(buf) => {
+                Sink::Copy(region) => {
+                    // SAFETY: the exchange is working on this receive (see `Region`).
+                    let buf = unsafe { region.bytes_mut() };
                     let n = self.link(peer)?.try_read(&mut buf[st.payload_done..]).map_err(|e| lost(rank, peer, call, "receive", e))?;
                     st.payload_done += n;
                     n
                 }
                 Sink::Reduce { dst, elem, reduce } => {
+                    // SAFETY: as above.
+                    let dst = unsafe { dst.bytes_mut() };
                     let elem = *elem;
                     if st.carry == 0 {
                         // Reduce straight out of the transport's memory where it has some.
@@ -434,8 +540,9 @@ impl Links {
             return Err(Error::Mismatch { rank: self.rank, mine: call.to_string(), peer: op.peer, theirs: h.call.to_string() });
         }
         if h.step != op.step || h.len != op.sink.len() as u64 {
+            // Same call, different cut: the ranks split the buffer differently.
             return Err(Error::Protocol(format!(
-                "rank {}: {call}: rank {} sent step {} with {} bytes, expected step {} with {} bytes",
+                "rank {}: {call}: rank {} sent step {} with {} bytes, expected step {} with {} bytes (do all ranks use the same GRADWIRE_RING_CHUNK_BYTES?)",
                 self.rank,
                 op.peer,
                 h.step,
