@@ -52,18 +52,6 @@ impl Link for TcpLink {
     }
 }
 
-fn set_buffers(s: &TcpStream) {
-    // Large socket buffers let a whole ring chunk be in flight on fast links; the kernel
-    // clamps to net.core.{r,w}mem_max.
-    let size: libc::c_int = 4 << 20;
-    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-        // SAFETY: valid fd, option value points to a c_int of the stated size.
-        unsafe {
-            libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, opt, &size as *const _ as *const libc::c_void, std::mem::size_of::<libc::c_int>() as u32);
-        }
-    }
-}
-
 /// Connects this rank to every peer in `peers` (global ranks of this communicator that
 /// need a TCP link). Lower ranks listen, higher ranks dial; every connection proves the job
 /// secret bound to `prefix`, so a stray or hostile connection is refused and logged.
@@ -136,7 +124,10 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
 fn finish(s: TcpStream) -> Result<Box<dyn Link>> {
     s.set_nodelay(true).ok();
     s.set_read_timeout(None).ok();
-    set_buffers(&s);
+    // Socket buffers stay with the kernel's autotuning. Fixed 4 MiB buffers were slower:
+    // data waits longer between the sender's copy in and the receiver's copy out and
+    // leaves the cache (interleaved runs: 4 ranks on loopback 0.90-0.94 against
+    // 1.06-1.07 GB/s busbw, 4 namespaces at 10 Gbit/s 0.63-0.64 against 0.72).
     s.set_nonblocking(true).map_err(|e| Error::io("set tcp link nonblocking", e))?;
     Ok(Box::new(TcpLink { stream: s }))
 }
