@@ -5,7 +5,7 @@ use super::reduce::{reduce_bytes, scale};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::transport::frame::CallHeader;
-use crate::transport::{Links, RecvOp, Region, SendOp, Sink};
+use crate::transport::{Links, RecvOp, SendOp, Sink, Span};
 use std::time::Instant;
 
 /// What an algorithm needs: the links, the call being run, its deadline.
@@ -103,13 +103,13 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: &RingSteps<'_>, ch
             // allgather receive overwrites bytes sent earlier) are never worked on at the
             // same time: a forwarding send waits for its receive (`after`), and bytes come
             // back around the ring only after our send of them has completed.
-            let data = unsafe { Region::raw(base.add(lo), hi - lo) };
-            sends.push(SendOp { peer: next, step: ring.step0 + (g * c_out + k) as u32, data, after });
+            let data = unsafe { Span::raw(base.add(lo), hi - lo) };
+            sends.push(SendOp::forwarding(next, ring.step0 + (g * c_out + k) as u32, data, after));
         }
         for j in 0..c_in {
             let (lo, hi) = piece(rp, j, c_in);
             // SAFETY: as above.
-            let dst = unsafe { Region::raw(base.add(lo), hi - lo) };
+            let dst = unsafe { Span::raw(base.add(lo), hi - lo) };
             let sink = if g < ring.reduce_steps { Sink::Reduce { dst, elem, reduce: &red } } else { Sink::Copy(dst) };
             recvs.push(RecvOp { peer: prev, step: ring.step0 + (g * c_in + j) as u32, sink });
         }

@@ -73,23 +73,23 @@ pub type LinkTable = Vec<Option<Box<dyn Link>>>;
 /// Made from a slice, it borrows the slice for `'a`. A pipelined algorithm whose operations
 /// share memory in a dependency order (a received chunk is forwarded by a later send, see
 /// [`SendOp::after`]) makes them from raw pointers instead: the exchange makes a slice of a
-/// region only while it works on that operation, never touches a receive's region once it
+/// span only while it works on that operation, never touches a receive's span once it
 /// is complete, and never starts a send before the receive it waits for is complete.
 #[derive(Clone, Copy)]
-pub struct Region<'a> {
+pub struct Span<'a> {
     ptr: *mut u8,
     len: usize,
     _borrow: PhantomData<&'a mut [u8]>,
 }
 
-impl<'a> Region<'a> {
+impl<'a> Span<'a> {
     /// `len` bytes at `ptr`.
     ///
     /// # Safety
     /// The bytes must stay valid for `'a`, and while the exchange works on an operation
-    /// with this region nothing else may access them (a send's may be read elsewhere).
+    /// with this span nothing else may access them (a send's may be read elsewhere).
     pub unsafe fn raw(ptr: *mut u8, len: usize) -> Self {
-        Region { ptr, len, _borrow: PhantomData }
+        Span { ptr, len, _borrow: PhantomData }
     }
 
     pub fn len(&self) -> usize {
@@ -101,7 +101,7 @@ impl<'a> Region<'a> {
     }
 
     /// # Safety
-    /// See [`Region::raw`]: only while working on this region's operation.
+    /// See [`Span::raw`]: only while working on this span's operation.
     unsafe fn bytes(&self) -> &[u8] {
         if self.len == 0 {
             &[]
@@ -111,7 +111,7 @@ impl<'a> Region<'a> {
     }
 
     /// # Safety
-    /// As [`Region::bytes`], and only for a receive's region (made from `&mut` or `raw`).
+    /// As [`Span::bytes`], and only for a receive's span (made from `&mut` or `raw`).
     #[allow(clippy::mut_from_ref)]
     unsafe fn bytes_mut(&self) -> &mut [u8] {
         if self.len == 0 {
@@ -122,19 +122,19 @@ impl<'a> Region<'a> {
     }
 }
 
-impl<'a> From<&'a mut [u8]> for Region<'a> {
+impl<'a> From<&'a mut [u8]> for Span<'a> {
     fn from(s: &'a mut [u8]) -> Self {
-        Region { ptr: s.as_mut_ptr(), len: s.len(), _borrow: PhantomData }
+        Span { ptr: s.as_mut_ptr(), len: s.len(), _borrow: PhantomData }
     }
 }
 
 /// Where a received payload goes.
 pub enum Sink<'a> {
-    /// Copy into this region (its length is the expected payload length).
-    Copy(Region<'a>),
+    /// Copy into this span (its length is the expected payload length).
+    Copy(Span<'a>),
     /// Combine into `dst` element by element with `reduce(dst_part, src_part)`; both parts
     /// are whole elements of `elem` bytes.
-    Reduce { dst: Region<'a>, elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
+    Reduce { dst: Span<'a>, elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
 }
 
 impl Sink<'_> {
@@ -150,8 +150,9 @@ impl Sink<'_> {
 pub struct SendOp<'a> {
     pub peer: usize,
     pub step: u32,
-    /// The payload; only read (see [`Region`]).
-    pub data: Region<'a>,
+    /// The payload, only read. Private: made from a shared slice, it must never become
+    /// a receive's span.
+    data: Span<'a>,
     /// Index of a receive of the same exchange that must be complete before this send
     /// starts: the payload is (part of) what that receive brings.
     pub after: Option<usize>,
@@ -159,8 +160,13 @@ pub struct SendOp<'a> {
 
 impl<'a> SendOp<'a> {
     pub fn new(peer: usize, step: u32, data: &'a [u8]) -> Self {
-        // Sends only read their region.
-        SendOp { peer, step, data: Region { ptr: data.as_ptr() as *mut u8, len: data.len(), _borrow: PhantomData }, after: None }
+        SendOp { peer, step, data: Span { ptr: data.as_ptr() as *mut u8, len: data.len(), _borrow: PhantomData }, after: None }
+    }
+
+    /// A send of (part of) what receive `after` of the same exchange brings, once it is
+    /// complete: how a pipelined algorithm forwards.
+    pub fn forwarding(peer: usize, step: u32, data: Span<'a>, after: Option<usize>) -> Self {
+        SendOp { peer, step, data, after }
     }
 }
 
@@ -181,7 +187,7 @@ struct SendState {
 }
 
 struct RecvState {
-    /// Payload length (kept here: a complete receive's region is not touched again).
+    /// Payload length (kept here: a complete receive's span is not touched again).
     len: usize,
     header: [u8; HEADER_LEN],
     header_done: usize,
@@ -407,7 +413,7 @@ impl Links {
             let bufs: Vec<IoSlice<'_>> = if done < HEADER_LEN && st.rendezvous {
                 vec![IoSlice::new(&st.header[done..])]
             } else if done < HEADER_LEN {
-                // SAFETY: the exchange is working on this send (see `Region`).
+                // SAFETY: the exchange is working on this send (see `Span`).
                 vec![IoSlice::new(&st.header[done..]), IoSlice::new(unsafe { op.data.bytes() })]
             } else if done < HEADER_LEN + op.data.len() {
                 if st.rendezvous && !st.begun {
@@ -453,9 +459,9 @@ impl Links {
         let expected = op.sink.len();
         while st.payload_done < expected {
             let n = match &mut op.sink {
-                Sink::Copy(region) => {
-                    // SAFETY: the exchange is working on this receive (see `Region`).
-                    let buf = unsafe { region.bytes_mut() };
+                Sink::Copy(span) => {
+                    // SAFETY: the exchange is working on this receive (see `Span`).
+                    let buf = unsafe { span.bytes_mut() };
                     let n = self.link(peer)?.try_read(&mut buf[st.payload_done..]).map_err(|e| lost(rank, peer, call, "receive", e))?;
                     st.payload_done += n;
                     n
