@@ -47,14 +47,12 @@ unsafe fn view<'a>(base: *mut u8, lo: usize, hi: usize) -> &'a mut [u8] {
 /// r − g + `first` to r+1 and receives part r − g − 1 + `first` from r−1, reducing it into
 /// place for the first `reduce_steps` steps and copying it after. The receive of step g is
 /// what step g+1 forwards, so a reduce-scatter followed by an allgather is one ring of
-/// 2(W−1) steps.
+/// 2(W−1) steps. An `Avg` is divided by W as the last reduce step completes each part.
 pub struct RingSteps<'b> {
     pub bounds: &'b [usize],
     pub first: isize,
     pub steps: usize,
     pub reduce_steps: usize,
-    /// Frame step number of the first message.
-    pub step0: u32,
 }
 
 /// Runs `ring` pipelined: every part is cut into chunks of about `chunk` bytes (at most
@@ -71,6 +69,14 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: &RingSteps<'_>, ch
     let (dtype, op) = (cx.dtype, cx.op);
     let elem = dtype.size();
     let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
+    // The last reduce step finishes each element: an average divides it there, once.
+    let inv_w = 1.0 / w as f64;
+    let red_last = move |d: &mut [u8], s: &[u8]| {
+        reduce_bytes(dtype, op, d, s);
+        if op == ReduceOp::Avg {
+            scale(dtype, d, inv_w);
+        }
+    };
     let bounds = ring.bounds;
     assert!(bounds.len() == w + 1 && bounds[w] <= buf.len(), "ring bounds must cover {w} parts of the buffer");
     // Both ends of a link derive the same chunking from the same bounds. Links with a
@@ -86,7 +92,6 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: &RingSteps<'_>, ch
         }
     };
     let (c_out, c_in) = (chunks_on(next), chunks_on(prev));
-    let piece = |part: usize, k: usize, c: usize| chunk_of(bounds, part, k, c, elem);
     let base = buf.as_mut_ptr();
     let mut sends = Vec::with_capacity(ring.steps * c_out);
     let mut recvs = Vec::with_capacity(ring.steps * c_in);
@@ -94,7 +99,7 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: &RingSteps<'_>, ch
         let sp = cx.modw(r - g as isize + ring.first);
         let rp = cx.modw(r - g as isize - 1 + ring.first);
         for k in 0..c_out {
-            let (lo, hi) = piece(sp, k, c_out);
+            let (lo, hi) = chunk_of(bounds, sp, k, c_out, elem);
             // The receive of the previous step that brings this chunk's last byte (receives
             // from one peer complete in order, so all of it is here then).
             let after = (g > 0).then(|| (g - 1) * c_in + chunk_bringing(bounds, sp, hi, c_in, elem));
@@ -104,14 +109,18 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: &RingSteps<'_>, ch
             // same time: a forwarding send waits for its receive (`after`), and bytes come
             // back around the ring only after our send of them has completed.
             let data = unsafe { Span::raw(base.add(lo), hi - lo) };
-            sends.push(SendOp::forwarding(next, ring.step0 + (g * c_out + k) as u32, data, after));
+            sends.push(SendOp::forwarding(next, (g * c_out + k) as u32, data, after));
         }
         for j in 0..c_in {
-            let (lo, hi) = piece(rp, j, c_in);
+            let (lo, hi) = chunk_of(bounds, rp, j, c_in, elem);
             // SAFETY: as above.
             let dst = unsafe { Span::raw(base.add(lo), hi - lo) };
-            let sink = if g < ring.reduce_steps { Sink::Reduce { dst, elem, reduce: &red } } else { Sink::Copy(dst) };
-            recvs.push(RecvOp { peer: prev, step: ring.step0 + (g * c_in + j) as u32, sink });
+            let sink = match g + 1 {
+                n if n < ring.reduce_steps => Sink::Reduce { dst, elem, reduce: &red },
+                n if n == ring.reduce_steps => Sink::Reduce { dst, elem, reduce: &red_last },
+                _ => Sink::Copy(dst),
+            };
+            recvs.push(RecvOp { peer: prev, step: (g * c_in + j) as u32, sink });
         }
     }
     cx.exchange(&mut sends, &mut recvs)
@@ -133,17 +142,17 @@ fn chunk_bringing(bounds: &[usize], part: usize, end: usize, c: usize, elem: usi
 /// Most chunks a ring part is cut into: bounds the exchange's bookkeeping.
 pub const MAX_RING_CHUNKS: usize = 64;
 
-/// Ring reduce-scatter: W−1 steps; afterwards rank r holds the reduced part r+1+shift.
-/// Cost (W−1)α + (W−1)/W·Sβ.
+/// Ring reduce-scatter: W−1 steps; afterwards rank r holds the reduced (for `Avg`, also
+/// divided) part r+1+shift. Cost (W−1)α + (W−1)/W·Sβ.
 pub fn ring_reduce_scatter(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], shift: isize, chunk: usize) -> Result<()> {
     let steps = cx.world - 1;
-    ring_pipelined(cx, buf, &RingSteps { bounds, first: shift, steps, reduce_steps: steps, step0: 0 }, chunk)
+    ring_pipelined(cx, buf, &RingSteps { bounds, first: shift, steps, reduce_steps: steps }, chunk)
 }
 
 /// Ring allgather: rank r starts owning part r+own; W−1 steps circulate every part.
 /// Cost (W−1)α + (W−1)/W·Sβ.
 pub fn ring_allgather(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], own: isize, chunk: usize) -> Result<()> {
-    ring_pipelined(cx, buf, &RingSteps { bounds, first: own, steps: cx.world - 1, reduce_steps: 0, step0: 0 }, chunk)
+    ring_pipelined(cx, buf, &RingSteps { bounds, first: own, steps: cx.world - 1, reduce_steps: 0 }, chunk)
 }
 
 /// Ring allreduce (bandwidth-optimal for large buffers): reduce-scatter then allgather, as
@@ -153,14 +162,7 @@ pub fn ring_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8], chunk: usize) -> Result<
     let w = cx.world;
     let elem = cx.dtype.size();
     let bounds = part_bounds(buf.len() / elem, w, elem);
-    if cx.op == ReduceOp::Avg {
-        // The owner scales its part between the two phases.
-        ring_reduce_scatter(cx, buf, &bounds, 0, chunk)?;
-        let owned = (cx.rank + 1) % w;
-        scale(cx.dtype, &mut buf[bounds[owned]..bounds[owned + 1]], 1.0 / w as f64);
-        return ring_pipelined(cx, buf, &RingSteps { bounds: &bounds, first: 1, steps: w - 1, reduce_steps: 0, step0: (w * MAX_RING_CHUNKS) as u32 }, chunk);
-    }
-    ring_pipelined(cx, buf, &RingSteps { bounds: &bounds, first: 0, steps: 2 * (w - 1), reduce_steps: w - 1, step0: 0 }, chunk)
+    ring_pipelined(cx, buf, &RingSteps { bounds: &bounds, first: 0, steps: 2 * (w - 1), reduce_steps: w - 1 }, chunk)
 }
 
 /// Recursive doubling (latency-optimal for small buffers): ⌈log2 W⌉ (+2 when W is not a

@@ -312,9 +312,6 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
             algos::ring_reduce_scatter(&mut cx, &mut work, &bounds, -1, tune.ring_chunk)?;
             recv.copy_from_slice(&work[bounds[rank]..bounds[rank + 1]]);
-            if req.redop == ReduceOp::Avg {
-                reduce::scale(req.dtype, recv, 1.0 / world as f64);
-            }
             Ok(())
         }
         OpKind::Allgather => {

@@ -179,7 +179,9 @@ pub struct RecvOp<'a> {
 
 struct SendState {
     header: [u8; HEADER_LEN],
+    /// Bytes of the frame (header and payload) written, of `total`.
     done: usize,
+    total: usize,
     /// The payload goes by rendezvous: the header is written alone, then the payload is
     /// announced (`begun`) and written.
     rendezvous: bool,
@@ -196,6 +198,12 @@ struct RecvState {
     carry: usize,
     /// The payload comes by rendezvous and the link has not been told yet.
     grant_pending: bool,
+}
+
+impl SendState {
+    fn complete(&self) -> bool {
+        self.done == self.total
+    }
 }
 
 impl RecvState {
@@ -288,6 +296,7 @@ impl Links {
             .map(|s| SendState {
                 header: FrameHeader { kind: FrameKind::Data, call: *call, step: s.step, len: s.data.len() as u64 }.encode(),
                 done: 0,
+                total: HEADER_LEN + s.data.len(),
                 rendezvous: rendezvous(s.peer, s.data.len()),
                 begun: false,
             })
@@ -314,8 +323,7 @@ impl Links {
             self.grant_rendezvous(&recvs[first_recv..], &mut rstate[first_recv..], call)?;
             for i in first_send..sends.len() {
                 let (op, st) = (&sends[i], &mut sstate[i]);
-                let total = HEADER_LEN + op.data.len();
-                if st.done == total || held[op.peer] {
+                if st.complete() || held[op.peer] {
                     continue;
                 }
                 if op.after.is_some_and(|r| !rstate[r].complete()) {
@@ -324,7 +332,7 @@ impl Links {
                 }
                 let n = self.progress_send(op, st, call)?;
                 progressed |= n > 0;
-                if st.done < total {
+                if !st.complete() {
                     held[op.peer] = true;
                     pending_send[op.peer] = true;
                 }
@@ -340,7 +348,7 @@ impl Links {
                     pending_recv[op.peer] = true;
                 }
             }
-            while first_send < sends.len() && sstate[first_send].done == HEADER_LEN + sends[first_send].data.len() {
+            while first_send < sends.len() && sstate[first_send].complete() {
                 first_send += 1;
             }
             while first_recv < recvs.len() && rstate[first_recv].complete() {
@@ -415,7 +423,7 @@ impl Links {
             } else if done < HEADER_LEN {
                 // SAFETY: the exchange is working on this send (see `Span`).
                 vec![IoSlice::new(&st.header[done..]), IoSlice::new(unsafe { op.data.bytes() })]
-            } else if done < HEADER_LEN + op.data.len() {
+            } else if done < st.total {
                 if st.rendezvous && !st.begun {
                     link.begin_payload(op.data.len());
                     st.begun = true;
@@ -437,7 +445,7 @@ impl Links {
                 break;
             }
         }
-        self.mid_frame[peer] = st.done > 0 && st.done < HEADER_LEN + op.data.len();
+        self.mid_frame[peer] = st.done > 0 && !st.complete();
         Ok(total)
     }
 
