@@ -112,9 +112,9 @@ impl Communicator {
         }
         let link_kinds = (0..size).map(|p| if p == rank { "self" } else { links[p].as_ref().map(|l| l.kind()).unwrap_or("none") }).collect();
         let shm_all = shm.is_some() && shm_peers.len() + 1 == size;
-        // Spinning only pays when every local rank has a core of its own.
-        let cores = host_cpus();
-        let spin = if local.len() > cores { std::time::Duration::ZERO } else { cfg.spin };
+        // Spinning only pays when every rank on this machine has a core of its own (ranks
+        // in other network namespaces of this machine count: `launch --netns`).
+        let spin = if topology.ranks_on_machine(rank) > host_cpus() { std::time::Duration::ZERO } else { cfg.spin };
         let links = Links::new(rank, links, abort.clone(), spin);
         let state = EngineState::new(rank, size, links, shm, shm_all, spin, abort, global_ranks.clone()).with_store(store.clone(), &prefix);
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
@@ -195,7 +195,7 @@ impl Communicator {
         members.sort();
         let ranks: Vec<usize> = members.iter().map(|m| m.1).collect();
         let new_rank = ranks.iter().position(|&r| r == self.rank).unwrap_or(0);
-        let topo = Topology { host_of: ranks.iter().map(|&r| self.topology.host_of[r]).collect() };
+        let topo = self.topology.subset(&ranks);
         let prefix = format!("{}/s{n}c{color}", self.prefix);
         let deadline = Instant::now() + self.config.timeout;
         let store = if ranks.len() > 1 { self.store.clone() } else { None };

@@ -12,28 +12,57 @@ use crate::error::{Error, Result};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Which ranks share a host. Hosts are numbered in order of their lowest rank.
+/// Which ranks share a host (memory), and which share a machine (cores: namespaces of
+/// one machine are different hosts). Both numbered in order of their lowest rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     /// Host index of every rank.
     pub host_of: Vec<usize>,
+    /// Machine index of every rank.
+    pub machine_of: Vec<usize>,
+}
+
+/// Numbers distinct keys in order of first appearance.
+fn number_distinct<T: PartialEq>(keys: impl Iterator<Item = T>) -> Vec<usize> {
+    let mut seen: Vec<T> = Vec::new();
+    keys.map(|k| match seen.iter().position(|s| *s == k) {
+        Some(i) => i,
+        None => {
+            seen.push(k);
+            seen.len() - 1
+        }
+    })
+    .collect()
+}
+
+/// The machine part of a host identity made by [`host_id`]: without its network namespace.
+fn machine_of(host_id: &str) -> &str {
+    match host_id.rsplit_once('/') {
+        Some((machine, netns)) if netns.starts_with("net:[") => machine,
+        _ => host_id,
+    }
 }
 
 impl Topology {
-    /// Groups ranks by host identity string.
+    /// Groups ranks by host identity string (see [`host_id`]).
     pub fn from_host_ids(ids: &[String]) -> Self {
-        let mut seen: Vec<&String> = Vec::new();
-        let host_of = ids
-            .iter()
-            .map(|id| match seen.iter().position(|s| *s == id) {
-                Some(i) => i,
-                None => {
-                    seen.push(id);
-                    seen.len() - 1
-                }
-            })
-            .collect();
-        Topology { host_of }
+        Topology { host_of: number_distinct(ids.iter().map(|s| s.as_str())), machine_of: number_distinct(ids.iter().map(|s| machine_of(s))) }
+    }
+
+    /// Every rank on its own host, all on one machine: a single rank.
+    pub fn single_rank() -> Self {
+        Topology { host_of: vec![0], machine_of: vec![0] }
+    }
+
+    /// The topology of the ranks `ranks` (a sub-communicator), renumbered from 0.
+    pub fn subset(&self, ranks: &[usize]) -> Self {
+        let pick = |of: &[usize]| number_distinct(ranks.iter().map(|&r| of[r]));
+        Topology { host_of: pick(&self.host_of), machine_of: pick(&self.machine_of) }
+    }
+
+    /// How many ranks share `rank`'s machine (and so its cores).
+    pub fn ranks_on_machine(&self, rank: usize) -> usize {
+        self.machine_of.iter().filter(|&&m| m == self.machine_of[rank]).count()
     }
 
     pub fn hosts(&self) -> usize {
@@ -88,7 +117,7 @@ impl Bootstrap {
     pub fn new(env: RankEnv, deadline: Instant) -> Result<Self> {
         let started = Instant::now();
         if env.world == 1 {
-            return Ok(Bootstrap { env, store: None, topology: Topology { host_of: vec![0] }, _server: None });
+            return Ok(Bootstrap { env, store: None, topology: Topology::single_rank(), _server: None });
         }
         let addr = format!("{}:{}", env.master_addr, env.master_port);
         let server = if env.rank == 0 {
@@ -138,5 +167,20 @@ mod tests {
         assert_eq!(t.hosts(), 3);
         assert_eq!(t.local_ranks(4), vec![1, 4]);
         assert!(!t.single_host());
+    }
+
+    #[test]
+    fn namespaces_of_one_machine_share_its_cores() {
+        let ids: Vec<String> = ["m/b1/net:[41]", "m/b1/net:[42]", "m/b2/net:[41]", "m/b1/net:[41]", "custom/id"].iter().map(|s| s.to_string()).collect();
+        let t = Topology::from_host_ids(&ids);
+        assert_eq!(t.host_of, vec![0, 1, 2, 0, 3]);
+        assert_eq!(t.machine_of, vec![0, 0, 1, 0, 2]);
+        assert_eq!(t.ranks_on_machine(1), 3);
+        assert_eq!(t.ranks_on_machine(2), 1);
+        assert_eq!(t.ranks_on_machine(4), 1);
+        // A sub-communicator renumbers hosts and machines from 0.
+        let sub = t.subset(&[2, 4]);
+        assert_eq!((sub.host_of, sub.machine_of), (vec![0, 1], vec![0, 1]));
+        assert!(t.subset(&[1]).single_host());
     }
 }

@@ -568,7 +568,8 @@ impl Links {
         Ok(())
     }
 
-    /// Waits for readiness: poll on socket links, spin-then-yield-then-sleep on shm links.
+    /// Waits for readiness: on sockets poll, without sleeping while `idle` is under the spin
+    /// time; on shm links spin, then yield, then sleep.
     fn wait_ready(&mut self, send: &[bool], recv: &[bool], idle: Duration, deadline: Instant) -> Result<()> {
         let mut fds = Vec::new();
         let mut any_fdless = false;
@@ -596,6 +597,11 @@ impl Links {
                 poll(&mut fds, 0);
             }
             Backoff { start: Instant::now() - idle, spin: self.spin }.pause();
+            return Ok(());
+        }
+        if idle < self.spin {
+            // A core of our own: look again at once rather than pay a sleep and a wake-up.
+            poll(&mut fds, 0);
             return Ok(());
         }
         // Sockets only: sleep in poll, capped so a local abort is noticed promptly.
