@@ -53,6 +53,15 @@ fn shm_64mib() {
     check(4, "shm", &[], LARGE);
 }
 
+/// Above 8 MiB the one-host allreduce goes through cross-memory attach (each rank reduces
+/// its part out of the peers' buffers and writes it into theirs): every dtype and op, an
+/// odd world (uneven parts) and an odd count (parts not a whole number of blocks).
+#[test]
+fn shm_zero_copy_every_dtype_and_op() {
+    check(3, "shm", &[], &["--counts", "4500007", "--collectives", "allreduce"]);
+    check(2, "shm", &[], &["--counts", "4500007", "--collectives", "allreduce", "--dtypes", "float32,bfloat16", "--ops", "sum,avg"]);
+}
+
 #[test]
 fn tcp_64mib() {
     check(3, "tcp", &[], LARGE);

@@ -12,6 +12,13 @@ fn killed_rank_shm() {
     killed_rank(3, 1, "shm", "4M", &LOCAL);
 }
 
+/// 16 MiB: the one-host allreduce through cross-memory attach (reading and writing the
+/// dead rank's memory fails, or its phase never comes).
+#[test]
+fn killed_rank_shm_zero_copy() {
+    killed_rank(3, 2, "shm", "16M", &LOCAL);
+}
+
 #[test]
 fn killed_rank_tcp() {
     killed_rank(4, 2, "tcp", "4M", &LOCAL);
@@ -33,6 +40,15 @@ fn mismatched_count() {
     for t in ["shm", "tcp"] {
         mismatch(t, BASE, &["bench", "allreduce", "-b", "8K", "-e", "8K", "-n", "3", "-w", "1"], &["count 1024", "count 2048"]);
     }
+}
+
+/// The one-host allreduce takes a different form by size (one barrier, staged, zero-copy):
+/// ranks that disagree on the size run different forms and must still name both calls.
+#[test]
+fn mismatched_count_across_shm_forms() {
+    let bench = |size: &'static str| vec!["bench", "allreduce", "-b", size, "-e", size, "-n", "3", "-w", "1"];
+    mismatch("shm", BASE, &bench("256K"), &["count 1024", "count 65536"]);
+    mismatch("shm", &bench("256K"), &bench("16M"), &["count 65536", "count 4194304"]);
 }
 
 #[test]

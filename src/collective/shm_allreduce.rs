@@ -1,11 +1,18 @@
-//! One-host allreduce straight out of the peers' shared staging areas.
+//! One-host allreduce through shared memory, in three forms chosen by size (see
+//! [`shm_allreduce`]):
 //!
-//! Per segment of the buffer (at most the staging size): (1) every rank copies its input
-//! into its own staging area; (2) rank r reduces part r of every rank's staging area into
-//! its own part r, reading the peers' memory directly; (3) every rank copies each finished
-//! part from its owner's staging area into its output. Three barriers per segment, made of
-//! per-rank phase counters (no shared contended line). Bytes moved per rank ≈ S (copy in)
-//! + S (read parts) + S/W (write) + 2S (copy out) — no socket, no ring, no second copy.
+//! - small (at most [`SMALL_MAX`]): one barrier; every rank reduces every input itself;
+//! - staged: per segment of the buffer (at most the staging size): (1) every rank copies
+//!   its input into its own staging area; (2) rank r reduces part r of every rank's
+//!   staging area into its own part r, reading the peers' memory directly; (3) every rank
+//!   copies each finished part from its owner's staging area into its output. Three
+//!   barriers per segment, made of per-rank phase counters (no shared contended line);
+//! - zero-copy (from [`ZERO_COPY_MIN`], where cross-memory attach is permitted): rank r
+//!   reduces part r straight out of the peers' own buffers.
+//!
+//! The small form reads its peers' staging after its only barrier, while they may have
+//! returned already; so it has an area of its own at the end of the staging area, which
+//! the staged form never writes.
 
 use super::reduce::{reduce_bytes, scale};
 use crate::dtype::{DType, ReduceOp};
@@ -99,11 +106,24 @@ impl ShmCtx<'_> {
     }
 }
 
-/// In-place allreduce of `buf` among all ranks of the domain (all on this host).
+/// In-place allreduce of `buf` among all ranks of the domain (all on this host), in the
+/// form its size calls for. Every rank picks the same: the sizes match (checked) and the
+/// cross-memory attach permission was agreed at setup.
 pub fn shm_allreduce(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    if buf.len() <= cx.small_capacity() && buf.len() * cx.world <= SMALL_READ_MAX {
+        shm_allreduce_small(cx, buf, dtype, op)
+    } else if buf.len() >= ZERO_COPY_MIN && cx.dom.cma {
+        shm_allreduce_zero_copy(cx, buf, dtype, op)
+    } else {
+        shm_allreduce_staged(cx, buf, dtype, op)
+    }
+}
+
+/// Staged allreduce (see the module comment).
+fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
     let elem = dtype.size();
-    let seg = cx.dom.stage_len() / elem * elem;
+    let seg = cx.staged_capacity() / elem * elem;
     let mut base = cx.dom.phase(me).load(Ordering::Relaxed);
     let mut first = true;
     let mut off = 0;
@@ -160,38 +180,82 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
     }
 }
 
-/// Largest buffer for [`shm_allreduce_small`] (and at most half the staging area).
+/// Largest buffer for the one-barrier small form.
 pub const SMALL_MAX: usize = 64 << 10;
 
+/// The small form has every rank read every input (W·S bytes); beyond this the staged
+/// form, where each rank reduces 1/W of them, wins. Alternating runs, 4 ranks: 4 KiB
+/// 6.2-6.7 µs against 11.7-17.5 staged, 16 KiB 13-19 against 17, 32 KiB 22-32 against
+/// 22-23, 64 KiB 39-48 against 34-42; 2 ranks: even at 64 KiB.
+const SMALL_READ_MAX: usize = 128 << 10;
+
+/// Room for the call header in front of each half of the small form's area (a cache line).
+const SMALL_HEADER: usize = 64;
+
+impl ShmCtx<'_> {
+    /// Bytes of each of the small form's two halves: a call header and the data (the
+    /// area is at most a quarter of the staging area; whole cache lines).
+    fn small_half(&self) -> usize {
+        (self.dom.stage_len() / 8).min(SMALL_HEADER + SMALL_MAX) / 64 * 64
+    }
+
+    /// Largest buffer the small form takes.
+    fn small_capacity(&self) -> usize {
+        self.small_half().saturating_sub(SMALL_HEADER)
+    }
+
+    /// Bytes of the staging area the staged form uses: all but the small form's area.
+    fn staged_capacity(&self) -> usize {
+        self.dom.stage_len() - 2 * self.small_half()
+    }
+}
+
 /// Latency-optimised one-host allreduce for small buffers: one barrier instead of three.
-/// Every rank copies its input into its staging area, announces it, waits for all, then
-/// reduces all inputs itself, in rank order, so every rank gets bit-identical results.
-/// Consecutive calls alternate between the two halves of the staging area: a rank may
-/// only overwrite a half once every peer has arrived at the call after the one that read
-/// it, which the previous call's barrier guarantees.
-pub fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+/// Every rank copies its call header and its input into its small area, announces it,
+/// waits for all, then reduces all inputs itself, in rank order, so every rank gets
+/// bit-identical results. Consecutive calls alternate between the two halves of the small
+/// area: a rank may only overwrite a half once every peer has arrived at the call after
+/// the one that read it, which that later call's barrier guarantees (whatever form it
+/// took). No other form writes this area. The call is checked against the header in the
+/// half, not the control page: a peer may have returned and announced its next call.
+fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
-    let half = cx.dom.stage_len() / 2;
-    debug_assert!(buf.len() <= half.min(SMALL_MAX));
+    let (at, half) = (cx.staged_capacity(), cx.small_half());
+    debug_assert!(buf.len() <= cx.small_capacity());
     let base = cx.dom.phase(me).load(Ordering::Relaxed);
     let slot = |r: usize| {
-        // SAFETY: the half lies inside rank r's staging area.
-        unsafe { cx.dom.stage(r).add((base % 2) as usize * half) }
+        // SAFETY: the half lies inside rank r's staging area, past the staged form's part.
+        unsafe { cx.dom.stage(r).add(at + (base % 2) as usize * half) }
     };
-    // SAFETY: our own staging half; see the function comment for why no peer reads it now.
-    unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), slot(me), buf.len()) };
+    let header = encode_call(&cx.call);
+    // SAFETY: our own half, header then data; see the function comment for why no peer
+    // reads it now.
+    unsafe {
+        std::ptr::copy_nonoverlapping(header.as_ptr(), slot(me), header.len());
+        std::ptr::copy_nonoverlapping(buf.as_ptr(), slot(me).add(SMALL_HEADER), buf.len());
+    }
     cx.advance(base + 1);
     cx.wait_all(base + 1)?;
-    cx.check_calls()?;
-    // SAFETY: every rank's half is complete (barrier above) and is not rewritten before
-    // everyone has arrived at the next call. Rank 0's buffer already holds its input.
+    // SAFETY (all reads below): every rank's half is complete (barrier above) and is not
+    // rewritten before everyone has arrived at the next call.
+    for p in (0..w).filter(|&p| p != me) {
+        let mut theirs = [0u8; crate::transport::frame::HEADER_LEN];
+        unsafe { std::ptr::copy_nonoverlapping(slot(p), theirs.as_mut_ptr(), theirs.len()) };
+        if theirs != header {
+            // A peer in another form of the call wrote no header here: name its call from
+            // the control page, which it has not left yet (it waits for our next phase).
+            cx.check_calls()?;
+            return Err(Error::Protocol(format!("rank {p}'s shared call header does not match {} (a different size of allreduce?)", cx.call)));
+        }
+    }
+    let len = buf.len();
+    let data = |p: usize| unsafe { std::slice::from_raw_parts(slot(p).add(SMALL_HEADER), len) };
+    // Rank 0's buffer already holds its input.
     if me != 0 {
-        unsafe { std::ptr::copy_nonoverlapping(slot(0), buf.as_mut_ptr(), buf.len()) };
+        buf.copy_from_slice(data(0));
     }
     for p in 1..w {
-        // SAFETY: as above.
-        let theirs = unsafe { std::slice::from_raw_parts(slot(p), buf.len()) };
-        reduce_bytes(dtype, op, buf, theirs);
+        reduce_bytes(dtype, op, buf, data(p));
     }
     if op == ReduceOp::Avg {
         scale(dtype, buf, 1.0 / w as f64);
@@ -200,8 +264,8 @@ pub fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Re
 }
 
 /// From this size on the zero-copy path wins; below it the staged copies stay in cache and
-/// cross-memory attach's page pinning costs more than it saves (measured: at 4 MiB and 4
-/// ranks, staging 4.4 GB/s busbw against 3.0 GB/s zero-copy).
+/// cross-memory attach's page pinning costs more than it saves (alternating runs at 4 MiB
+/// and 4 ranks: staged 2.0-3.4 GB/s busbw against 2.1-2.6 zero-copy; at 2 ranks even).
 pub const ZERO_COPY_MIN: usize = 8 << 20;
 
 /// Bytes read from a peer per cross-memory-attach call in the reduce phase: the scratch
@@ -209,12 +273,14 @@ pub const ZERO_COPY_MIN: usize = 8 << 20;
 const CMA_BLOCK: usize = 256 << 10;
 
 /// Zero-copy one-host allreduce: rank r reduces part r straight out of the peers' own
-/// buffers (cross-memory attach, no staging copy), then gathers the finished parts from
-/// their owners' buffers. Bytes moved per rank: S/W (own part), plus (W−1)S/W (peers'
-/// parts), plus S/W (write), plus 2(W−1)S/W (gather): 2.5 S at W=2, 2.75 S at W=4. Three
-/// barriers: all buffers published; all parts reduced (nobody reads inputs any more); all
-/// parts gathered (nobody reads our buffer any more).
-pub fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+/// buffers (cross-memory attach, no staging copy) and writes each finished block straight
+/// into every peer's buffer, while it is still in cache. Bytes moved per rank: S read (its
+/// part of every buffer), S written (its part of every buffer): 2 S, against 2.5 S (W=2)
+/// and 2.75 S (W=4) when each rank reduces its part in place and then reads the other
+/// finished parts from their owners. Only rank r touches part r of any buffer, so nothing
+/// it writes is read by anyone else. Two barriers: all buffers published; all parts
+/// reduced and written (nobody reads or writes our buffer any more).
+fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
     let elem = dtype.size();
     let bounds = super::algos::part_bounds(buf.len() / elem, w, elem);
@@ -224,29 +290,28 @@ pub fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op
     cx.wait_all(base + 1)?;
     cx.check_calls()?;
     let addrs: Vec<usize> = (0..w).map(|p| cx.dom.buffer_addr(p)).collect();
-    let lost = |p: usize, e: std::io::Error| Error::PeerLost { rank: me, peer: p, op: cx.call.to_string(), cause: format!("reading its buffer: {e}") };
+    let lost =
+        |p: usize, what: &str, e: std::io::Error| Error::PeerLost { rank: me, peer: p, op: cx.call.to_string(), cause: format!("{what} its buffer: {e}") };
     let (lo, hi) = (bounds[me], bounds[me + 1]);
     let mut scratch = vec![0u64; CMA_BLOCK / 8];
     // SAFETY: a u64 vector viewed as bytes.
     let scratch = unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u8, CMA_BLOCK) };
+    let peers = || (0..w).filter(move |&p| p != me);
     let mut b = lo;
     while b < hi {
         let e = (b + CMA_BLOCK).min(hi);
-        for p in (0..w).filter(|&p| p != me) {
-            cx.dom.read_peer(p, addrs[p] + b, &mut scratch[..e - b]).map_err(|err| lost(p, err))?;
+        for p in peers() {
+            cx.dom.read_peer(p, addrs[p] + b, &mut scratch[..e - b]).map_err(|err| lost(p, "reading", err))?;
             reduce_bytes(dtype, op, &mut buf[b..e], &scratch[..e - b]);
+        }
+        if op == ReduceOp::Avg {
+            scale(dtype, &mut buf[b..e], 1.0 / w as f64);
+        }
+        for p in peers() {
+            cx.dom.write_peer(p, addrs[p] + b, &buf[b..e]).map_err(|err| lost(p, "writing", err))?;
         }
         b = e;
     }
-    if op == ReduceOp::Avg {
-        scale(dtype, &mut buf[lo..hi], 1.0 / w as f64);
-    }
     cx.advance(base + 2);
-    cx.wait_all(base + 2)?;
-    for p in (0..w).filter(|&p| p != me) {
-        let (lo, hi) = (bounds[p], bounds[p + 1]);
-        cx.dom.read_peer(p, addrs[p] + lo, &mut buf[lo..hi]).map_err(|err| lost(p, err))?;
-    }
-    cx.advance(base + 3);
-    cx.wait_all(base + 3)
+    cx.wait_all(base + 2)
 }

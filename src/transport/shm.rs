@@ -126,7 +126,7 @@ impl ShmDomain {
         Ok(Arc::new(dom))
     }
 
-    /// Tests cross-memory attach to every local peer (it needs ptrace permission, which
+    /// Tests cross-memory attach, reading and writing, to every local peer (it needs ptrace permission, which
     /// containers and Yama may deny) and agrees through the store: zero-copy is used only
     /// if every pair works.
     fn agree_on_cma(&self, prefix: &str, store: &StoreClient, deadline: Instant) -> Result<bool> {
@@ -138,7 +138,8 @@ impl ShmDomain {
             let v = store.get(&format!("{prefix}/cma-addr/{p}"), deadline)?.unwrap_or_default();
             let addr: usize = String::from_utf8_lossy(&v).parse().unwrap_or(0);
             let mut got = [0u8; 8];
-            ok &= self.read_peer(p, addr, &mut got).is_ok() && u64::from_ne_bytes(got) == CMA_PROBE;
+            // The allreduce writes peers' buffers too: write the probe back unchanged.
+            ok &= self.read_peer(p, addr, &mut got).is_ok() && u64::from_ne_bytes(got) == CMA_PROBE && self.write_peer(p, addr, &got).is_ok();
         }
         store.set(&format!("{prefix}/cma-ok/{}", self.rank), if ok { b"1" } else { b"0" })?;
         for &p in &self.members {
@@ -159,15 +160,32 @@ impl ShmDomain {
     /// Copies `buf.len()` bytes at `addr` in local rank `r`'s address space into `buf`
     /// (cross-memory attach: one kernel copy, no help from the peer).
     pub fn read_peer(&self, r: usize, addr: usize, buf: &mut [u8]) -> std::io::Result<()> {
+        self.cross_memory(r, addr, buf.as_mut_ptr(), buf.len(), false)
+    }
+
+    /// Copies `buf` to `addr` in local rank `r`'s address space (cross-memory attach).
+    pub fn write_peer(&self, r: usize, addr: usize, buf: &[u8]) -> std::io::Result<()> {
+        self.cross_memory(r, addr, buf.as_ptr() as *mut u8, buf.len(), true)
+    }
+
+    fn cross_memory(&self, r: usize, addr: usize, local: *mut u8, len: usize, write: bool) -> std::io::Result<()> {
         let mut done = 0;
-        while done < buf.len() {
-            let local = libc::iovec { iov_base: buf[done..].as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() - done };
-            let remote = libc::iovec { iov_base: (addr + done) as *mut libc::c_void, iov_len: buf.len() - done };
-            // SAFETY: `local` describes memory we own exclusively; the kernel validates the
-            // remote range against the peer's mappings and fails instead of faulting.
-            let n = unsafe { libc::process_vm_readv(self.pids[r] as libc::pid_t, &local, 1, &remote, 1, 0) };
+        while done < len {
+            // SAFETY: `local..local+len` is a slice of the caller's (exclusive, when reading).
+            let local = libc::iovec { iov_base: unsafe { local.add(done) } as *mut libc::c_void, iov_len: len - done };
+            let remote = libc::iovec { iov_base: (addr + done) as *mut libc::c_void, iov_len: len - done };
+            let pid = self.pids[r] as libc::pid_t;
+            // SAFETY: the kernel validates the remote range against the peer's mappings and
+            // fails instead of faulting; the local range is as above.
+            let n = unsafe {
+                if write {
+                    libc::process_vm_writev(pid, &local, 1, &remote, 1, 0)
+                } else {
+                    libc::process_vm_readv(pid, &local, 1, &remote, 1, 0)
+                }
+            };
             if n <= 0 {
-                return Err(if n == 0 { std::io::Error::other("process_vm_readv read nothing") } else { std::io::Error::last_os_error() });
+                return Err(if n == 0 { std::io::Error::other("cross-memory attach moved nothing") } else { std::io::Error::last_os_error() });
             }
             done += n as usize;
         }
