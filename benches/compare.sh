@@ -495,6 +495,14 @@ part_local() {  # part_local REPEAT
                     "$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" -- \
                     "$GW" bench allreduce "${BENCH_ARGS[@]}" -d float32 -o sum \
                     --transport "$tr" --check --csv CSV
+                if [ "$tr" = shm ]; then
+                    # Again on buffers from gradwire's allocator (gradwire_alloc), which
+                    # the ranks of a host map: its zero-copy case, tabled beside.
+                    run_one gradwire "$w" shm-shared "$rep" \
+                        "$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" -- \
+                        "$GW" bench allreduce "${BENCH_ARGS[@]}" -d float32 -o sum \
+                        --transport shm --buffers shared --check --csv CSV
+                fi
             else
                 record_na gradwire "$w" "$tr" "$rep" "$GW_STATUS"
             fi

@@ -29,6 +29,49 @@ pub struct Region {
     map: MmapMut,
     kind: RegionKind,
     file: Option<File>,
+    /// Set for a shared region this process created: it is in [`shared_region_of`]'s
+    /// registry until dropped.
+    shared_id: Option<u64>,
+}
+
+/// A shared region this process created, as a peer on this host maps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedRegion {
+    /// Unique in this process for its lifetime: a new region that reuses a freed one's
+    /// descriptor number gets a new id, so a peer never mistakes one for the other.
+    pub id: u64,
+    pub fd: i32,
+    pub len: usize,
+}
+
+/// Shared regions this process created, by start address.
+static SHARED_REGIONS: std::sync::Mutex<BTreeMap<usize, SharedRegion>> = std::sync::Mutex::new(BTreeMap::new());
+static NEXT_SHARED_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn shared_regions() -> std::sync::MutexGuard<'static, BTreeMap<usize, SharedRegion>> {
+    SHARED_REGIONS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The shared region (made by [`Region::shared`], e.g. through `gradwire_alloc`) that holds
+/// all of `buf`, and `buf`'s offset in it: peers on this host can map it and reach `buf`
+/// without a copy.
+pub fn shared_region_of(buf: &[u8]) -> Option<(SharedRegion, usize)> {
+    shared_region_at(buf.as_ptr() as usize, buf.len())
+}
+
+fn shared_region_at(start: usize, len: usize) -> Option<(SharedRegion, usize)> {
+    let regions = shared_regions();
+    let (&base, region) = regions.range(..=start).next_back()?;
+    let offset = start - base;
+    (offset.checked_add(len)? <= region.len).then_some((*region, offset))
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if self.shared_id.is_some() {
+            shared_regions().remove(&(self.as_ptr() as usize));
+        }
+    }
 }
 
 impl std::fmt::Debug for Region {
@@ -53,7 +96,7 @@ impl Region {
     pub fn anonymous(len: usize) -> Result<Self> {
         let len = len.max(1).next_multiple_of(page_size());
         let map = MmapOptions::new().len(len).map_anon().map_err(|e| Error::io(format!("mmap {len} bytes"), e))?;
-        Ok(Region { map, kind: RegionKind::Anonymous, file: None })
+        Ok(Region { map, kind: RegionKind::Anonymous, file: None, shared_id: None })
     }
 
     /// Huge-page region; falls back to normal pages with a logged reason when the host has
@@ -62,7 +105,7 @@ impl Region {
         const HUGE: usize = 2 << 20;
         let huge_len = len.max(1).next_multiple_of(HUGE);
         match MmapOptions::new().len(huge_len).huge(Some(21)).map_anon() {
-            Ok(map) => Ok(Region { map, kind: RegionKind::HugePages, file: None }),
+            Ok(map) => Ok(Region { map, kind: RegionKind::HugePages, file: None, shared_id: None }),
             Err(e) => {
                 log::info!(
                     "huge pages unavailable for {huge_len} bytes ({e}); using normal pages \
@@ -88,7 +131,9 @@ impl Region {
         file.set_len(len as u64).map_err(|e| Error::io(format!("ftruncate memfd to {len}"), e))?;
         // SAFETY: the memfd is ours; peers that map it agree (by protocol) on who writes where.
         let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }.map_err(|e| Error::io("mmap memfd", e))?;
-        Ok(Region { map, kind: RegionKind::Shared, file: Some(file) })
+        let id = NEXT_SHARED_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        shared_regions().insert(map.as_ptr() as usize, SharedRegion { id, fd: file.as_raw_fd(), len });
+        Ok(Region { map, kind: RegionKind::Shared, file: Some(file), shared_id: Some(id) })
     }
 
     /// Maps a peer's shared region, given the peer's pid and the region's fd in that process.
@@ -102,7 +147,7 @@ impl Region {
         // SAFETY: shared mapping of a peer's memfd; concurrent access is coordinated by the
         // shm transport's protocol (atomics with acquire/release ordering).
         let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }.map_err(|e| Error::io(format!("mmap {path}"), e))?;
-        Ok(Region { map, kind: RegionKind::Shared, file: Some(file) })
+        Ok(Region { map, kind: RegionKind::Shared, file: Some(file), shared_id: None })
     }
 
     pub fn len(&self) -> usize {
@@ -265,6 +310,24 @@ mod tests {
         r.as_mut_slice()[100] = 42;
         let peer = Region::open_shared(std::process::id(), r.shared_fd().unwrap(), 8192).unwrap();
         assert_eq!(peer.as_slice()[100], 42);
+    }
+
+    #[test]
+    fn shared_regions_are_found_by_address_until_dropped() {
+        let r = Region::shared("t", 3 * page_size()).unwrap();
+        let all = r.as_slice();
+        let (found, off) = shared_region_of(&all[100..5000]).expect("inside a shared region");
+        assert_eq!((off, found.len, Some(found.fd)), (100, r.len(), r.shared_fd()));
+        assert_eq!(shared_region_of(all).map(|(_, off)| off), Some(0));
+        let anon = Region::anonymous(4096).unwrap();
+        assert!(shared_region_of(anon.as_slice()).is_none(), "private memory is not shared");
+        assert!(shared_region_at(all.as_ptr() as usize + 4096, all.len()).is_none(), "a buffer running past the region's end");
+        let (id, ptr) = (found.id, all.as_ptr());
+        drop(r);
+        let again = Region::shared("t", page_size()).unwrap();
+        if let Some((r2, _)) = shared_region_of(again.as_slice()) {
+            assert_ne!(r2.id, id, "a new region gets a new id even at the old address ({ptr:p})");
+        }
     }
 
     #[test]

@@ -62,6 +62,37 @@ fn shm_zero_copy_every_dtype_and_op() {
     check(2, "shm", &[], &["--counts", "4500007", "--collectives", "allreduce", "--dtypes", "float32,bfloat16", "--ops", "sum,avg"]);
 }
 
+/// Buffers from gradwire's allocator (`gradwire_alloc`): above 8 MiB the one-host
+/// allreduce maps the peers' buffers and works in them. All shared, and mixed (shared on
+/// even ranks only: each rank maps the shared peers and reaches the others through
+/// cross-memory attach); the log shows the mapping really happened.
+#[test]
+fn shm_shared_buffers() {
+    check(3, "shm", &[], &["--buffers", "shared", "--counts", "4500007,1003", "--collectives", "allreduce"]);
+    let args = [
+        "check",
+        "--transport",
+        "shm",
+        "--buffers",
+        "mixed",
+        "--counts",
+        "4500007",
+        "--collectives",
+        "allreduce",
+        "--dtypes",
+        "float32,float16",
+        "--ops",
+        "sum,avg",
+    ];
+    let out = launch(4, &[], &args, &[("GRADWIRE_LOG", "debug")]);
+    let t = text(&out);
+    assert!(out.status.success() && t.contains(", 0 failed"), "{t}");
+    for (rank, peer) in [(0, 2), (1, 0), (1, 2), (3, 0), (3, 2)] {
+        assert!(t.contains(&format!("rank {rank}: mapped rank {peer}'s shared buffer")), "rank {rank} never mapped rank {peer}'s buffer:\n{t}");
+    }
+    assert!(!t.contains("mapped rank 1's") && !t.contains("mapped rank 3's"), "a private buffer cannot be mapped:\n{t}");
+}
+
 #[test]
 fn tcp_64mib() {
     check(3, "tcp", &[], LARGE);

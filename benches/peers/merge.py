@@ -277,8 +277,13 @@ class Results:
         return " / ".join(out)
 
 
+SHARED = "shm-shared"  # gradwire on buffers from its allocator; the peers' shm runs beside
+
+
 def local_key(tool, w, transport):
-    return (tool, w, "tcp" if tool == "gloo" else transport)
+    if tool == "gloo":
+        return (tool, w, "tcp")
+    return (tool, w, "shm" if transport == SHARED and tool != "gradwire" else transport)
 
 
 def busbw_cells(res, keys, absent, size, ratios):
@@ -311,7 +316,7 @@ def table_local(res, w, transport, copy_bw):
     keys = {t: local_key(t, w, transport) for t, _ in TOOLS}
     absent = {t: res.why_absent(keys[t]) for t, _ in TOOLS}
     sizes = res.sizes(*keys.values())
-    bound = bound_busbw(copy_bw, w) if (transport == "shm" and copy_bw) else None
+    bound = bound_busbw(copy_bw, w) if (transport in ("shm", SHARED) and copy_bw) else None
 
     def label(t, n):
         return f"{n} (tcp)" if t == "gloo" and transport != "tcp" else n
@@ -539,24 +544,30 @@ def targets(res, meta, copy_bw, ranks_local, transports, cores=(0, None)):
     def in_range(keys, lo, hi=None):
         return [s for s in res.sizes(*keys) if s >= lo and (hi is None or s <= hi)]
 
-    # 1. one host, shm, W=2 and 4, 16..256 MiB: vs Open MPI and vs the memory bound
-    for w in (2, 4):
-        kg, km = ("gradwire", w, "shm"), ("mpi", w, "shm")
+    # 1. one host, shm, W=2 and 4, 16..256 MiB: vs Open MPI and vs the memory bound;
+    # gradwire on private buffers, and (where run) on buffers from its allocator
+    kinds = [("shm", ", private buffers")]
+    if res.sizes(("gradwire", 2, SHARED)) or res.sizes(("gradwire", 4, SHARED)):
+        kinds.append((SHARED, ", gradwire_alloc buffers"))
+    for (kind, which), w in ((k, w) for k in kinds for w in (2, 4)):
+        kg, km = ("gradwire", w, kind), ("mpi", w, "shm")
         sizes = in_range([kg, km], *T1_SIZES)
         where = f"W={w}"
+        name_1a = "1a shm busbw ≥ 2.5× Open MPI (vader)" + which
+        name_1b = "1b shm busbw ≥ 70% of memory bound" + which
         if "local" not in parts or w not in ranks_local or "shm" not in transports:
             na = "n/a (local shm part with W=%d not run)" % w
-            rows.append(("1a shm busbw ≥ 2.5× Open MPI (vader)", where, "16–256 MiB",
+            rows.append((name_1a, where, "16–256 MiB",
                          "—", "—", "—", f"≥ {T1_RATIO:.2f}×", na))
-            rows.append(("1b shm busbw ≥ 70% of memory bound", where, "16–256 MiB",
+            rows.append((name_1b, where, "16–256 MiB",
                          "—", "—", "—", f"≥ {T1_BOUND_FRAC:.0%}", na))
             continue
         gw = {s: res.med(kg, s) for s in sizes}
         mp = {s: res.med(km, s) for s in sizes}
         rat = [(s, gw[s] / mp[s] if gw[s] is not None and mp[s] else None) for s in sizes]
         for tid, cell in memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores).items():
-            ceil[(tid, where)] = cell
-        rows.append(("1a shm busbw ≥ 2.5× Open MPI (vader)", where,
+            ceil[({"1a": name_1a, "1b": name_1b}[tid], where)] = cell
+        rows.append((name_1a, where,
                      join([human(s) for s in sizes]),
                      join([num(gw[s]) if gw[s] is not None else "—" for s in sizes]),
                      join([num(mp[s]) if mp[s] is not None else "—" for s in sizes]) +
@@ -566,7 +577,7 @@ def targets(res, meta, copy_bw, ranks_local, transports, cores=(0, None)):
         if copy_bw:
             b = bound_busbw(copy_bw, w)
             frac = [(s, gw[s] / b if gw[s] is not None else None) for s in sizes]
-            rows.append(("1b shm busbw ≥ 70% of memory bound", where,
+            rows.append((name_1b, where,
                          join([human(s) for s in sizes]),
                          join([num(gw[s]) if gw[s] is not None else "—" for s in sizes]),
                          f"{num(b)} (bound: memcpy {copy_bw:g} / {bound_k(w):g} · "
@@ -574,7 +585,7 @@ def targets(res, meta, copy_bw, ranks_local, transports, cores=(0, None)):
                          join([f"{f * 100:.1f}%" if f is not None else "—" for _, f in frac]),
                          f"≥ {T1_BOUND_FRAC:.0%}", verdict(frac, thr=T1_BOUND_FRAC)))
         else:
-            rows.append(("1b shm busbw ≥ 70% of memory bound", where, "16–256 MiB",
+            rows.append((name_1b, where, "16–256 MiB",
                          "—", "—", "—", f"≥ {T1_BOUND_FRAC:.0%}",
                          "n/a (no copy bandwidth measured)"))
 
@@ -695,7 +706,7 @@ def targets(res, meta, copy_bw, ranks_local, transports, cores=(0, None)):
     for r in rows:
         tid, _, name = r[0].partition(" ")
         lines.append("| " + " | ".join((tid, name) + tuple(r[1:]) +
-                                       (ceil.get((tid, r[1]), "—"),)) + " |")
+                                       (ceil.get((r[0], r[1]), ceil.get((tid, r[1]), "—")),)) + " |")
         res_cell = r[-1]
         tally["met" if res_cell == "**met**" else
               "not met" if res_cell.startswith("**not met") else "n/a"] += 1
@@ -860,6 +871,13 @@ def main() -> int:
       "on CPU tensors over TCP loopback (`GLOO_SOCKET_IFNAME=lo`), 1 torch thread per rank. "
       "Gloo has no shared-memory transport, so its TCP numbers appear in both the shm "
       "and tcp tables.")
+    w("- gradwire's buffers: private memory (an anonymous mapping, like the peers' `malloc`) "
+      "unless the table or target says **gradwire_alloc buffers**: then the same run with "
+      "`--buffers shared`, buffers from gradwire's allocator (`gradwire_alloc`, a memfd the "
+      "ranks of a host map), which the one-host allreduce reads and writes in place instead "
+      "of through cross-memory attach (the peers' columns there repeat their shm runs; Open "
+      "MPI's `MPI_Alloc_mem` would not change its vader path). Targets 1a and 1b are judged "
+      "for both.")
     if "netns" in parts:
         w("- Network namespaces: all three tools run under the same "
           "`gradwire launch -n W --netns --link-gbit R` (one namespace per rank on a private "
@@ -907,9 +925,11 @@ def main() -> int:
     summary = []
     if "local" in parts:
         for wsz in ranks:
-            for tr in transports:
+            shared = [SHARED] if "shm" in transports and res.sizes(("gradwire", wsz, SHARED)) else []
+            for tr in transports + shared:
                 lines, ratios = table_local(res, wsz, tr, copy_bw)
-                w(f"## W = {wsz}, transport = {tr}")
+                w(f"## W = {wsz}, transport = {tr}" if tr != SHARED else
+                  f"## W = {wsz}, transport = shm, gradwire's buffers from gradwire_alloc (`--buffers shared`)")
                 w("")
                 if len(lines) <= 2:
                     w("_No data._")

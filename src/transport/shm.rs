@@ -30,6 +30,11 @@ const CALL_AT: usize = 1216;
 const BUF_ADDR_AT: usize = 1280;
 /// A known value peers read through cross-memory attach to test that it works.
 const CMA_PROBE_AT: usize = 1344;
+/// Where that buffer lies in a shared region of ours (`mem::shared_region_of`): region id
+/// (0: it does not), descriptor, region length, and the buffer's offset in it, 8 bytes each.
+const SHARED_AT: usize = 1408;
+/// Shared regions of one peer kept mapped; its oldest goes first.
+const MAX_PEER_MAPS: usize = 4;
 const CMA_PROBE: u64 = 0x6772_6164_7769_7265;
 const RING_HEAD: usize = 0;
 const RING_TAIL: usize = 64;
@@ -65,6 +70,18 @@ pub struct ShmDomain {
     pub members: Vec<usize>,
     /// Every local rank can read every other's memory with `process_vm_readv`.
     pub cma: bool,
+    /// Peers' shared regions mapped here, oldest first.
+    peer_maps: std::sync::Mutex<Vec<PeerMap>>,
+}
+
+/// A peer's shared region as this rank sees it.
+struct PeerMap {
+    peer: usize,
+    /// The peer's region id and its descriptor there.
+    id: u64,
+    fd: u64,
+    /// `None`: it could not be mapped (then its buffers go through cross-memory attach).
+    region: Option<Region>,
 }
 
 // SAFETY: the regions are plain shared memory; all concurrent access goes through atomics
@@ -121,7 +138,7 @@ impl ShmDomain {
         }
         pids[rank] = pid;
         segs[rank] = Some(own);
-        let mut dom = ShmDomain { rank, layout, segs, pids, members: members.to_vec(), cma: false };
+        let mut dom = ShmDomain { rank, layout, segs, pids, members: members.to_vec(), cma: false, peer_maps: Default::default() };
         dom.cma = dom.agree_on_cma(prefix, store, deadline)?;
         Ok(Arc::new(dom))
     }
@@ -192,14 +209,56 @@ impl ShmDomain {
         Ok(())
     }
 
-    /// Publishes the address of this rank's buffer in the current zero-copy allreduce.
-    pub fn set_buffer_addr(&self, addr: usize) {
-        atomic_u64(self.base(self.rank), BUF_ADDR_AT).store(addr as u64, Ordering::Relaxed);
+    /// Publishes this rank's buffer of the current zero-copy allreduce: its address (for
+    /// cross-memory attach) and, when it lies in a shared region of ours (`gradwire_alloc`),
+    /// how a peer maps it.
+    pub fn publish_buffer(&self, buf: &[u8]) {
+        let base = self.base(self.rank);
+        atomic_u64(base, BUF_ADDR_AT).store(buf.as_ptr() as u64, Ordering::Relaxed);
+        let shared = crate::mem::shared_region_of(buf).map_or([0; 4], |(r, off)| [r.id, r.fd as u64, r.len as u64, off as u64]);
+        for (i, v) in shared.into_iter().enumerate() {
+            atomic_u64(base, SHARED_AT + 8 * i).store(v, Ordering::Relaxed);
+        }
     }
 
     /// Local rank `r`'s published buffer address (read after its phase announcement).
     pub fn buffer_addr(&self, r: usize) -> usize {
         atomic_u64(self.base(r), BUF_ADDR_AT).load(Ordering::Relaxed) as usize
+    }
+
+    /// Local rank `r`'s published buffer of `len` bytes mapped into this process, when it
+    /// lies in a shared region that we can map (read after its phase announcement). The
+    /// mapping stays until the peer publishes another region under the same descriptor
+    /// (it closed this one) or `MAX_PEER_MAPS` newer ones of the same peer push it out
+    /// (so looking up another peer never unmaps what an earlier lookup returned).
+    pub fn peer_buffer(&self, r: usize, len: usize) -> Option<*mut u8> {
+        let base = self.base(r);
+        let [id, fd, region_len, off] = [0, 1, 2, 3].map(|i| atomic_u64(base, SHARED_AT + 8 * i).load(Ordering::Relaxed));
+        if id == 0 || off.checked_add(len as u64).is_none_or(|end| end > region_len) {
+            return None;
+        }
+        let mut maps = self.peer_maps.lock().unwrap_or_else(|e| e.into_inner());
+        let at = match maps.iter().position(|m| m.peer == r && m.id == id) {
+            Some(i) => i,
+            None => {
+                maps.retain(|m| !(m.peer == r && m.fd == fd));
+                let of_peer: Vec<usize> = (0..maps.len()).filter(|&i| maps[i].peer == r).collect();
+                if of_peer.len() >= MAX_PEER_MAPS {
+                    maps.remove(of_peer[0]);
+                }
+                let region = Region::open_shared(self.pids[r], fd as i32, region_len as usize)
+                    .inspect_err(|e| log::info!("rank {}: cannot map rank {r}'s shared buffer ({e}); reading it through cross-memory attach", self.rank))
+                    .ok();
+                if region.is_some() {
+                    log::debug!("rank {}: mapped rank {r}'s shared buffer (region {id}, {region_len} bytes)", self.rank);
+                }
+                maps.push(PeerMap { peer: r, id, fd, region });
+                maps.len() - 1
+            }
+        };
+        // SAFETY: off + len lies inside the mapping (checked above; open_shared checked the
+        // region's length), which lives until it leaves `peer_maps`, after this call.
+        maps[at].region.as_ref().map(|m| unsafe { m.as_ptr().add(off as usize) })
     }
 
     fn base(&self, r: usize) -> *mut u8 {

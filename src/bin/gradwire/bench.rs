@@ -21,6 +21,8 @@ pub struct BenchArgs {
     pub json: Option<String>,
     /// Allreduce through the node-local + cross-node hierarchy.
     pub hierarchical: Option<gradwire::HierarchicalAlgo>,
+    /// Where the buffers come from (shared: what `gradwire_alloc` hands out).
+    pub buffers: crate::check::Buffers,
 }
 
 /// nccl-tests' bus-bandwidth factor: what each rank's link carries relative to S/t.
@@ -54,11 +56,16 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
         sizes.push(s);
         s = if a.factor > 1 { s * a.factor } else { s + a.min.max(es) };
     }
-    let kind = if comm.config().hugepages { RegionKind::HugePages } else { RegionKind::Anonymous };
+    let kind = match (a.buffers.shared_on(me), comm.config().hugepages) {
+        (true, _) => RegionKind::Shared,
+        (false, true) => RegionKind::HugePages,
+        (false, false) => RegionKind::Anonymous,
+    };
     let region_of = |len: usize| -> Result<Region> {
         match kind {
+            RegionKind::Shared => Region::shared("gradwire-bench", len),
             RegionKind::HugePages => Region::huge(len),
-            _ => Region::anonymous(len),
+            RegionKind::Anonymous => Region::anonymous(len),
         }
     };
     let mut send = region_of(a.max.max(es))?;
@@ -76,7 +83,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
     };
     if me == 0 {
         println!(
-            "# gradwire bench {}: {} ranks, {} host(s), links {:?}, algo {}, dtype {}, op {}, iters {}, warmup {}",
+            "# gradwire bench {}: {} ranks, {} host(s), links {:?}, algo {}, dtype {}, op {}, iters {}, warmup {}, buffers {:?}",
             a.op.name(),
             w,
             comm.topology().hosts(),
@@ -88,7 +95,8 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             a.dtype.name(),
             a.redop.name(),
             a.iters,
-            a.warmup
+            a.warmup,
+            kind
         );
         println!(
             "# busbw = algbw x {:.3} ({})",
@@ -146,7 +154,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             let mut failures = vec![];
             let label = format!("bench {} size {size}", a.op.name());
             let hier = hierarchy.as_ref().map(|(h, algo)| (h, *algo));
-            let bad = run_case(comm, seed, 1000 + si as u64, req, hier, &label, &mut failures)?;
+            let bad = run_case(comm, seed, 1000 + si as u64, req, hier, a.buffers, &label, &mut failures)?;
             for f in &failures {
                 eprintln!("FAIL {f}");
             }

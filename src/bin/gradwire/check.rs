@@ -18,6 +18,41 @@ pub struct CheckArgs {
     pub verbose: bool,
     /// Test the hierarchical allreduce (both algorithms) instead of the flat collectives.
     pub hierarchical: bool,
+    pub buffers: Buffers,
+}
+
+/// Where the allreduce buffers of a check or bench come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Buffers {
+    /// Private memory (a `Vec` or an anonymous mapping).
+    Private,
+    /// gradwire's shared allocator (`gradwire_alloc`): ranks of one host reach them without
+    /// a copy.
+    Shared,
+    /// Shared on even ranks, private on odd ones (checks the mix).
+    Mixed,
+}
+
+impl Buffers {
+    pub fn shared_on(self, rank: usize) -> bool {
+        match self {
+            Buffers::Private => false,
+            Buffers::Shared => true,
+            Buffers::Mixed => rank % 2 == 0,
+        }
+    }
+}
+
+impl std::str::FromStr for Buffers {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "private" => Ok(Buffers::Private),
+            "shared" => Ok(Buffers::Shared),
+            "mixed" => Ok(Buffers::Mixed),
+            _ => Err(format!("unknown buffers {s:?} (private, shared or mixed)")),
+        }
+    }
 }
 
 /// Runs a request on byte buffers and waits.
@@ -121,7 +156,7 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
             if matches!(op, OpKind::Broadcast | OpKind::Reduce) { format!(" root={root}") } else { String::new() }
         );
         let hier = hierarchy.as_ref().zip(hier_algo);
-        let wrong = run_case(comm, seed, case, req, hier, &label, &mut failures)?;
+        let wrong = run_case(comm, seed, case, req, hier, args.buffers, &label, &mut failures)?;
         if wrong > 0 {
             failures.push(format!("rank {me}: {label}: {wrong} wrong elements"));
         } else if args.verbose && me == 0 {
@@ -186,12 +221,14 @@ pub fn run_split(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
 
 /// Runs one collective on fresh inputs of `case` and returns how many output elements
 /// differ from the independent reference; describes failures in `failures`.
+#[allow(clippy::too_many_arguments)]
 pub fn run_case(
     comm: &Communicator,
     seed: u64,
     case: u64,
     req: Request,
     hier: Option<(&Hierarchy, HierarchicalAlgo)>,
+    buffers: Buffers,
     label: &str,
     failures: &mut Vec<String>,
 ) -> Result<usize> {
@@ -200,7 +237,14 @@ pub fn run_case(
     let es = dtype.size();
     Ok(match op {
         OpKind::Allreduce | OpKind::Reduce => {
-            let mut buf = vec![0u8; n * es];
+            let (mut private, mut shared);
+            let buf: &mut [u8] = if buffers.shared_on(me) {
+                shared = gradwire::Region::shared("gradwire-check", n * es)?;
+                &mut shared.as_mut_slice()[..n * es]
+            } else {
+                private = vec![0u8; n * es];
+                &mut private
+            };
             let mut g = Gen::new(seed, me, case, dtype);
             for (i, c) in buf.chunks_mut(BLOCK * es).enumerate() {
                 let vals = g.take(c.len() / es);
@@ -208,11 +252,11 @@ pub fn run_case(
                 encode(dtype, &vals, c);
             }
             match hier {
-                Some((h, algo)) => h.allreduce_bytes(dtype, &mut buf, redop, algo)?,
-                None => run_bytes(comm, req, &[], &mut buf)?,
+                Some((h, algo)) => h.allreduce_bytes(dtype, buf, redop, algo)?,
+                None => run_bytes(comm, req, &[], buf)?,
             }
             if op == OpKind::Allreduce {
-                let fp = fingerprint(&buf);
+                let fp = fingerprint(buf);
                 let mut all = vec![0f64; 2 * w];
                 comm.allgather(&[(fp >> 32) as f64, (fp & 0xffff_ffff) as f64], &mut all)?;
                 if all.chunks(2).any(|c| c != &all[..2]) {

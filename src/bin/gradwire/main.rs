@@ -127,6 +127,10 @@ enum Cmd {
         /// Allreduce through node-local + cross-node groups: sharded or leader.
         #[arg(long)]
         hierarchical: Option<gradwire::HierarchicalAlgo>,
+        /// private, shared (gradwire's allocator, `gradwire_alloc`: ranks on one host reach
+        /// these buffers without a copy) or mixed (shared on even ranks).
+        #[arg(long, default_value = "private")]
+        buffers: check::Buffers,
     },
     /// Correctness matrix: every collective x dtype x op x count against an independent
     /// reference on fresh random data (run under `gradwire launch`).
@@ -166,6 +170,10 @@ enum Cmd {
         /// With --token-ring: RANK:STEP — that rank SIGKILLs itself holding the token.
         #[arg(long)]
         kill: Option<String>,
+        /// Allreduce buffers: private, shared (gradwire's allocator) or mixed (shared on
+        /// even ranks).
+        #[arg(long, default_value = "private")]
+        buffers: check::Buffers,
         #[arg(short, long)]
         verbose: bool,
     },
@@ -303,16 +311,17 @@ fn main() {
             csv,
             json,
             hierarchical,
+            buffers,
         } => {
             set_transport(transport);
-            let args = bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, algo, check, csv, json, hierarchical };
+            let args = bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, algo, check, csv, json, hierarchical, buffers };
             let all_right = Communicator::init().and_then(|c| bench::run(&c, &args)).map(|rows| rows.iter().all(|r| r.wrong.unwrap_or(0) == 0));
             exit_code("bench", all_right)
         }
-        Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, hierarchical, overlap, token_ring, cyclic, kill, verbose } => {
+        Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, hierarchical, overlap, token_ring, cyclic, kill, buffers, verbose } => {
             let kill = kill.and_then(|k| k.split_once(':').and_then(|(r, s)| Some((r.parse().ok()?, s.parse().ok()?))));
             set_transport(transport);
-            let args = check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose, hierarchical };
+            let args = check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose, hierarchical, buffers };
             exit_code(
                 "check",
                 Communicator::init().and_then(|c| match (overlap, split) {
