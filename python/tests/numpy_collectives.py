@@ -55,6 +55,18 @@ for case, (dt, op) in enumerate(itertools.product([np.float32, np.float64, np.fl
     comm.iallreduce(y, op=op).wait()
     expect(f"iallreduce {np.dtype(dt).name} {op}", y, ref, tol)
 
+# Arrays from gradwire's allocator: above 8 MiB the one-host allreduce works in them in place.
+big = 2_500_007
+for case, op in enumerate(["sum", "avg"], start=50):
+    inputs = np.stack([inp(r, case, big, np.float32).astype(np.float64) for r in range(world)])
+    tol = (world + 1) * np.finfo(np.float32).eps * np.abs(inputs).sum(axis=0)
+    ref = inputs.sum(0) if op == "sum" else inputs.mean(0)
+    x = comm.empty(big, "float32")
+    x[:] = inp(rank, case, big, np.float32)
+    comm.allreduce(x, op=op)
+    expect(f"allreduce on comm.empty {op}", x, ref, tol if op == "sum" else tol / world)
+    del x
+
 case = 100
 root = world - 1
 b = inp(rank, case, n, np.float32)
@@ -77,6 +89,8 @@ for bad_call, exc in [
     (lambda: comm.allreduce(np.zeros(4, dtype=np.float32), op="prod"), ValueError),
     (lambda: comm.broadcast(np.zeros(4, dtype=np.float32), root=world), GradwireError),
     (lambda: comm.allreduce([1.0, 2.0]), TypeError),
+    (lambda: comm.empty(4, "int32"), TypeError),
+    (lambda: comm.empty(-1), ValueError),
 ]:
     cases += 1
     try:
