@@ -403,9 +403,10 @@ pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
             (c, regions)
         };
         // Dropped outside the registry lock: joining the progress thread may take until the
-        // running operation's deadline.
-        drop(regions);
+        // running operation's deadline. The communicator first: a non-blocking operation
+        // may still be working in these regions.
         drop(c);
+        drop(regions);
         Ok(())
     })
 }

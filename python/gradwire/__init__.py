@@ -155,6 +155,8 @@ class Comm:
             _check(lib.gradwire_init(ctypes.byref(h)))
             _handle = h
         self._h = _handle
+        # Arrays from empty() still alive, and the handle finalize() left to the last of them.
+        self._arrays, self._closing = 0, None
         r, s = ctypes.c_int(), ctypes.c_int()
         _check(lib.gradwire_comm_rank(self._h, ctypes.byref(r)))
         _check(lib.gradwire_comm_size(self._h, ctypes.byref(s)))
@@ -213,7 +215,8 @@ class Comm:
         """A NumPy array of `count` elements (float32, float64 or float16) in memory from
         gradwire_alloc, which the ranks of a host map: an allreduce of at least 8 MiB on it
         works in the peers' arrays in place instead of copying through the kernel. Freed
-        when the array and every view of it are gone; do not use it after finalize()."""
+        when the array and every view of it are gone; finalize() waits for that (the
+        communicator is closed at once, its memory outlives it)."""
         import numpy as np  # noqa: PLC0415 (NumPy is needed only here)
 
         dt = np.dtype(dtype)
@@ -224,8 +227,17 @@ class Comm:
         ptr = ctypes.c_void_p()
         _check(load_library().gradwire_alloc(self._live(), nbytes, ctypes.byref(ptr)))
         raw = (ctypes.c_char * nbytes).from_address(ptr.value)
-        weakref.finalize(raw, load_library().gradwire_free, self._h, ptr.value)
+        self._arrays += 1
+        weakref.finalize(raw, self._release, ptr.value)
         return np.frombuffer(raw, dtype=dt, count=count)
+
+    def _release(self, ptr):
+        lib = load_library()
+        lib.gradwire_free(self._h if self._h is not None else self._closing, ptr)
+        self._arrays -= 1
+        if self._closing is not None and self._arrays == 0:
+            h, self._closing = self._closing, None
+            lib.gradwire_finalize(h)
 
     def split(self, color, key=0):
         """Sub-communicator of the ranks with the same color (None for a negative color)."""
@@ -236,7 +248,10 @@ class Comm:
     def finalize(self):
         if self._h is not None:
             h, self._h = self._h, None
-            _check(load_library().gradwire_finalize(h))
+            if self._arrays:
+                self._closing = h  # finalized when the last array from empty() is gone
+            else:
+                _check(load_library().gradwire_finalize(h))
 
     def __enter__(self):
         return self

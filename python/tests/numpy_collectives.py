@@ -101,7 +101,13 @@ for bad_call, exc in [
 
 if comm.split(rank % 2).size != (world + 1 - rank % 2) // 2:
     failures.append(f"rank {rank}: split sizes wrong")
+kept = comm.empty(1000, "float64")
+kept[:] = 0.5
 comm.finalize()
+cases += 1
+if kept.sum() != 500.0:  # memory from empty() outlives finalize()
+    failures.append(f"rank {rank}: comm.empty array changed across finalize")
+del kept
 for f in failures:
     print("FAIL", f, file=sys.stderr)
 print(f"rank {rank}: numpy binding: {cases - len(failures)} passed, {len(failures)} failed")

@@ -12,14 +12,16 @@ use crate::error::{Error, Result};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Which ranks share a host (memory), and which share a machine (cores: namespaces of
-/// one machine are different hosts). Both numbered in order of their lowest rank.
+/// Which ranks share a host (memory; hosts numbered in order of their lowest rank), and
+/// how many ranks of the whole job share each rank's machine (cores: namespaces of one
+/// machine are different hosts).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     /// Host index of every rank.
     pub host_of: Vec<usize>,
-    /// Machine index of every rank.
-    pub machine_of: Vec<usize>,
+    /// Ranks of the job on every rank's machine (kept by sub-communicators: their ranks
+    /// still share the cores with the others).
+    pub machine_load: Vec<usize>,
 }
 
 /// Numbers distinct keys in order of first appearance.
@@ -46,23 +48,25 @@ fn machine_of(host_id: &str) -> &str {
 impl Topology {
     /// Groups ranks by host identity string (see [`host_id`]).
     pub fn from_host_ids(ids: &[String]) -> Self {
-        Topology { host_of: number_distinct(ids.iter().map(|s| s.as_str())), machine_of: number_distinct(ids.iter().map(|s| machine_of(s))) }
+        let machine_of = number_distinct(ids.iter().map(|s| machine_of(s)));
+        let machine_load = machine_of.iter().map(|m| machine_of.iter().filter(|&x| x == m).count()).collect();
+        Topology { host_of: number_distinct(ids.iter().map(|s| s.as_str())), machine_load }
     }
 
-    /// Every rank on its own host, all on one machine: a single rank.
+    /// A job of one rank.
     pub fn single_rank() -> Self {
-        Topology { host_of: vec![0], machine_of: vec![0] }
+        Topology { host_of: vec![0], machine_load: vec![1] }
     }
 
-    /// The topology of the ranks `ranks` (a sub-communicator), renumbered from 0.
+    /// The topology of the ranks `ranks` (a sub-communicator): hosts renumbered from 0,
+    /// machine loads kept.
     pub fn subset(&self, ranks: &[usize]) -> Self {
-        let pick = |of: &[usize]| number_distinct(ranks.iter().map(|&r| of[r]));
-        Topology { host_of: pick(&self.host_of), machine_of: pick(&self.machine_of) }
+        Topology { host_of: number_distinct(ranks.iter().map(|&r| self.host_of[r])), machine_load: ranks.iter().map(|&r| self.machine_load[r]).collect() }
     }
 
-    /// How many ranks share `rank`'s machine (and so its cores).
+    /// How many ranks of the job share `rank`'s machine (and so its cores).
     pub fn ranks_on_machine(&self, rank: usize) -> usize {
-        self.machine_of.iter().filter(|&&m| m == self.machine_of[rank]).count()
+        self.machine_load[rank]
     }
 
     pub fn hosts(&self) -> usize {
@@ -174,13 +178,15 @@ mod tests {
         let ids: Vec<String> = ["m/b1/net:[41]", "m/b1/net:[42]", "m/b2/net:[41]", "m/b1/net:[41]", "custom/id"].iter().map(|s| s.to_string()).collect();
         let t = Topology::from_host_ids(&ids);
         assert_eq!(t.host_of, vec![0, 1, 2, 0, 3]);
-        assert_eq!(t.machine_of, vec![0, 0, 1, 0, 2]);
+        assert_eq!(t.machine_load, vec![3, 3, 1, 3, 1]);
         assert_eq!(t.ranks_on_machine(1), 3);
         assert_eq!(t.ranks_on_machine(2), 1);
         assert_eq!(t.ranks_on_machine(4), 1);
-        // A sub-communicator renumbers hosts and machines from 0.
-        let sub = t.subset(&[2, 4]);
-        assert_eq!((sub.host_of, sub.machine_of), (vec![0, 1], vec![0, 1]));
+        // A sub-communicator renumbers hosts from 0; its ranks still share their machines
+        // with the rest of the job.
+        let sub = t.subset(&[2, 4, 1]);
+        assert_eq!((sub.host_of, sub.machine_load), (vec![0, 1, 2], vec![1, 1, 3]));
         assert!(t.subset(&[1]).single_host());
+        assert_eq!(t.subset(&[1]).ranks_on_machine(0), 3);
     }
 }

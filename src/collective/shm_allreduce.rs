@@ -104,7 +104,26 @@ impl ShmCtx<'_> {
     fn advance(&self, to: u64) {
         self.dom.phase(self.rank).store(to, Ordering::Release);
     }
+
+    /// After a failed zero-copy call: waits until every peer has announced `done` (which
+    /// it does only after its last write into our buffer), aborted or exited. A peer never
+    /// waits for us on the way there, so this ends; the bound is for a peer that is frozen.
+    fn let_writers_finish(&self, done: u64) {
+        let until = Instant::now() + WRITERS_GRACE;
+        for p in (0..self.world).filter(|&p| p != self.rank) {
+            while self.dom.phase(p).load(Ordering::Acquire) < done && self.dom.peer_gone(p).is_none() {
+                if Instant::now() >= until {
+                    log::warn!("rank {}: rank {p} neither finished nor failed its part of {} within {WRITERS_GRACE:?}", self.rank, self.call);
+                    return;
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
 }
+
+/// Longest a failed zero-copy call waits for peers still writing into its buffer.
+const WRITERS_GRACE: Duration = Duration::from_secs(2);
 
 /// In-place allreduce of `buf` among all ranks of the domain (all on this host), in the
 /// form its size calls for. Every rank picks the same: the sizes match (checked) and the
@@ -284,12 +303,26 @@ const CMA_BLOCK: usize = 256 << 10;
 /// barriers: all buffers published; all parts reduced and written (nobody reads or writes
 /// our buffer any more).
 fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let base = cx.dom.phase(cx.rank).load(Ordering::Relaxed);
+    cx.dom.publish_buffer(buf);
+    cx.advance(base + 1);
+    let done = reduce_and_write_parts(cx, buf, dtype, op, base);
+    if let Err(e) = &done {
+        // Peers that passed the first barrier may still be writing their parts into our
+        // buffer: the caller must not get it back before they have finished, failed or
+        // exited. We fail the communicator now rather than after returning (the engine
+        // would), so that a peer doing the same does not wait for us.
+        cx.dom.set_aborted(&e.to_string());
+        cx.let_writers_finish(base + 2);
+    }
+    done
+}
+
+/// The zero-copy form after this rank's first announcement (phase `base + 1`).
+fn reduce_and_write_parts(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, base: u64) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
     let elem = dtype.size();
     let bounds = super::algos::part_bounds(buf.len() / elem, w, elem);
-    let base = cx.dom.phase(me).load(Ordering::Relaxed);
-    cx.dom.publish_buffer(buf);
-    cx.advance(base + 1);
     cx.wait_all(base + 1)?;
     cx.check_calls()?;
     let addrs: Vec<usize> = (0..w).map(|p| cx.dom.buffer_addr(p)).collect();

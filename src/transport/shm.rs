@@ -80,8 +80,7 @@ struct PeerMap {
     /// The peer's region id and its descriptor there.
     id: u64,
     fd: u64,
-    /// `None`: it could not be mapped (then its buffers go through cross-memory attach).
-    region: Option<Region>,
+    region: Region,
 }
 
 // SAFETY: the regions are plain shared memory; all concurrent access goes through atomics
@@ -169,7 +168,7 @@ impl ShmDomain {
             ok &= v == b"1";
         }
         if !ok {
-            log::info!("rank {}: process_vm_readv between local ranks is not permitted; the one-host allreduce stages through shared memory", self.rank);
+            log::info!("rank {}: cross-memory attach (process_vm_readv/writev) between local ranks is not permitted; the one-host allreduce stages through shared memory", self.rank);
         }
         Ok(ok)
     }
@@ -239,26 +238,31 @@ impl ShmDomain {
         }
         let mut maps = self.peer_maps.lock().unwrap_or_else(|e| e.into_inner());
         let at = match maps.iter().position(|m| m.peer == r && m.id == id) {
-            Some(i) => i,
+            // Most recently used last: eviction takes the peer's least recently used.
+            Some(i) => {
+                let hit = maps.remove(i);
+                maps.push(hit);
+                maps.len() - 1
+            }
             None => {
                 maps.retain(|m| !(m.peer == r && m.fd == fd));
                 let of_peer: Vec<usize> = (0..maps.len()).filter(|&i| maps[i].peer == r).collect();
                 if of_peer.len() >= MAX_PEER_MAPS {
                     maps.remove(of_peer[0]);
                 }
+                // A failure is not kept: it may be passing (a descriptor limit), and the
+                // next call tries again.
                 let region = Region::open_shared(self.pids[r], fd as i32, region_len as usize)
-                    .inspect_err(|e| log::info!("rank {}: cannot map rank {r}'s shared buffer ({e}); reading it through cross-memory attach", self.rank))
-                    .ok();
-                if region.is_some() {
-                    log::debug!("rank {}: mapped rank {r}'s shared buffer (region {id}, {region_len} bytes)", self.rank);
-                }
+                    .inspect_err(|e| log::info!("rank {}: cannot map rank {r}'s shared buffer ({e}); reaching it through cross-memory attach", self.rank))
+                    .ok()?;
+                log::debug!("rank {}: mapped rank {r}'s shared buffer (region {id}, {region_len} bytes)", self.rank);
                 maps.push(PeerMap { peer: r, id, fd, region });
                 maps.len() - 1
             }
         };
         // SAFETY: off + len lies inside the mapping (checked above; open_shared checked the
         // region's length), which lives until it leaves `peer_maps`, after this call.
-        maps[at].region.as_ref().map(|m| unsafe { m.as_ptr().add(off as usize) })
+        Some(unsafe { maps[at].region.as_ptr().add(off as usize) })
     }
 
     fn base(&self, r: usize) -> *mut u8 {
