@@ -29,9 +29,9 @@ pub struct Region {
     map: MmapMut,
     kind: RegionKind,
     file: Option<File>,
-    /// Set for a shared region this process created: it is in [`shared_region_of`]'s
-    /// registry until dropped.
-    shared_id: Option<u64>,
+    /// A shared region this process created: it is in [`shared_region_of`]'s registry
+    /// until dropped.
+    registered: bool,
 }
 
 /// A shared region this process created, as a peer on this host maps it.
@@ -68,7 +68,7 @@ fn shared_region_at(start: usize, len: usize) -> Option<(SharedRegion, usize)> {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        if self.shared_id.is_some() {
+        if self.registered {
             shared_regions().remove(&(self.as_ptr() as usize));
         }
     }
@@ -96,7 +96,7 @@ impl Region {
     pub fn anonymous(len: usize) -> Result<Self> {
         let len = len.max(1).next_multiple_of(page_size());
         let map = MmapOptions::new().len(len).map_anon().map_err(|e| Error::io(format!("mmap {len} bytes"), e))?;
-        Ok(Region { map, kind: RegionKind::Anonymous, file: None, shared_id: None })
+        Ok(Region { map, kind: RegionKind::Anonymous, file: None, registered: false })
     }
 
     /// Huge-page region; falls back to normal pages with a logged reason when the host has
@@ -105,7 +105,7 @@ impl Region {
         const HUGE: usize = 2 << 20;
         let huge_len = len.max(1).next_multiple_of(HUGE);
         match MmapOptions::new().len(huge_len).huge(Some(21)).map_anon() {
-            Ok(map) => Ok(Region { map, kind: RegionKind::HugePages, file: None, shared_id: None }),
+            Ok(map) => Ok(Region { map, kind: RegionKind::HugePages, file: None, registered: false }),
             Err(e) => {
                 log::info!(
                     "huge pages unavailable for {huge_len} bytes ({e}); using normal pages \
@@ -133,7 +133,7 @@ impl Region {
         let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }.map_err(|e| Error::io("mmap memfd", e))?;
         let id = NEXT_SHARED_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         shared_regions().insert(map.as_ptr() as usize, SharedRegion { id, fd: file.as_raw_fd(), len });
-        Ok(Region { map, kind: RegionKind::Shared, file: Some(file), shared_id: Some(id) })
+        Ok(Region { map, kind: RegionKind::Shared, file: Some(file), registered: true })
     }
 
     /// Maps a peer's shared region, given the peer's pid and the region's fd in that process.
@@ -147,7 +147,7 @@ impl Region {
         // SAFETY: shared mapping of a peer's memfd; concurrent access is coordinated by the
         // shm transport's protocol (atomics with acquire/release ordering).
         let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }.map_err(|e| Error::io(format!("mmap {path}"), e))?;
-        Ok(Region { map, kind: RegionKind::Shared, file: Some(file), shared_id: None })
+        Ok(Region { map, kind: RegionKind::Shared, file: Some(file), registered: false })
     }
 
     pub fn len(&self) -> usize {

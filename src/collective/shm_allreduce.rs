@@ -144,7 +144,6 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
     let elem = dtype.size();
     let seg = cx.staged_capacity() / elem * elem;
     let mut base = cx.dom.phase(me).load(Ordering::Relaxed);
-    let mut first = true;
     let mut off = 0;
     loop {
         let len = (buf.len() - off).min(seg);
@@ -155,14 +154,8 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(off), cx.dom.stage(me), len) };
         cx.advance(base + 1);
         cx.wait_all(base + 1)?;
-        if first {
-            for p in 0..w {
-                let h = FrameHeader::decode(&cx.dom.call_of(p)).map_err(|e| Error::Protocol(format!("rank {p}'s shared call header: {e}")))?;
-                if h.call != cx.call {
-                    return Err(Error::Mismatch { rank: me, mine: cx.call.to_string(), peer: p, theirs: h.call.to_string() });
-                }
-            }
-            first = false;
+        if off == 0 {
+            cx.check_calls()?;
         }
         // (2) Reduce my part from every peer's staging area into mine.
         let (lo, hi) = (bounds[me], bounds[me + 1]);
