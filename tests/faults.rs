@@ -12,11 +12,11 @@ fn killed_rank_shm() {
     killed_rank(3, 1, "shm", "4M", &LOCAL);
 }
 
-/// 16 MiB: the one-host allreduce through cross-memory attach (reading and writing the
-/// dead rank's memory fails, or its phase never comes).
+/// 16 MiB on `gradwire_alloc` buffers: the zero-copy one-host allreduce, where the ranks
+/// work in each other's buffers (the dead rank's phase never comes).
 #[test]
 fn killed_rank_shm_zero_copy() {
-    killed_rank(3, 2, "shm", "16M", &LOCAL);
+    killed_rank_with(3, 2, "shm", "16M", &["--buffers", "shared"], &LOCAL);
 }
 
 #[test]
@@ -42,13 +42,16 @@ fn mismatched_count() {
     }
 }
 
-/// The one-host allreduce takes a different form by size (one barrier, staged, zero-copy):
+/// The one-host allreduce takes a different form by size (one barrier, staged, zero-copy
+/// or its agreement to stage):
 /// ranks that disagree on the size run different forms and must still name both calls.
 #[test]
 fn mismatched_count_across_shm_forms() {
     let bench = |size: &'static str| vec!["bench", "allreduce", "-b", size, "-e", size, "-n", "3", "-w", "1"];
     mismatch("shm", BASE, &bench("256K"), &["count 1024", "count 65536"]);
     mismatch("shm", &bench("256K"), &bench("16M"), &["count 65536", "count 4194304"]);
+    let shared = |size: &'static str| [bench(size), vec!["--buffers", "shared"]].concat();
+    mismatch("shm", &shared("256K"), &shared("16M"), &["count 65536", "count 4194304"]);
 }
 
 #[test]

@@ -875,7 +875,7 @@ def main() -> int:
       "unless the table or target says **gradwire_alloc buffers**: then the same run with "
       "`--buffers shared`, buffers from gradwire's allocator (`gradwire_alloc`, a memfd the "
       "ranks of a host map), which the one-host allreduce reads and writes in place instead "
-      "of through cross-memory attach (the peers' columns there repeat their shm runs; Open "
+      "of staging (the peers' columns there repeat their shm runs; Open "
       "MPI's `MPI_Alloc_mem` would not change its vader path). Targets 1a and 1b are judged "
       "for both.")
     if "netns" in parts:

@@ -1,14 +1,16 @@
-//! One-host allreduce through shared memory, in three forms chosen by size (see
-//! [`shm_allreduce`]):
+//! One-host allreduce through shared memory, in three forms chosen by size and by where
+//! the buffers live (see [`shm_allreduce`]):
 //!
 //! - small (at most [`SMALL_MAX`]): one barrier; every rank reduces every input itself;
-//! - staged: per segment of the buffer (at most the staging size): (1) every rank copies
-//!   its input into its own staging area; (2) rank r reduces part r of every rank's
-//!   staging area into its own part r, reading the peers' memory directly; (3) every rank
-//!   copies each finished part from its owner's staging area into its output. Three
-//!   barriers per segment, made of per-rank phase counters (no shared contended line);
-//! - zero-copy (from [`ZERO_COPY_MIN`], where cross-memory attach is permitted): rank r
-//!   reduces part r straight out of the peers' own buffers.
+//! - staged: per segment of the buffer (at most the staging size, about 1 MiB, so that
+//!   the segments of all ranks stay in cache): (1) every rank copies the parts it does not
+//!   own into its staging area; (2) rank r reduces part r of the peers' staging areas into
+//!   its own buffer and copies the result into its staging area; (3) every rank copies the
+//!   other finished parts from their owners' staging areas. Three barriers per segment,
+//!   made of per-rank phase counters (no shared contended line);
+//! - zero-copy (from [`ZERO_COPY_MIN`], when every rank's buffer comes from
+//!   `gradwire_alloc` and every rank maps every other's): rank r reduces part r straight
+//!   out of the peers' buffers and writes it straight into them.
 //!
 //! The small form reads its peers' staging after its only barrier, while they may have
 //! returned already; so it has an area of its own at the end of the staging area, which
@@ -126,61 +128,74 @@ impl ShmCtx<'_> {
 const WRITERS_GRACE: Duration = Duration::from_secs(2);
 
 /// In-place allreduce of `buf` among all ranks of the domain (all on this host), in the
-/// form its size calls for. Every rank picks the same: the sizes match (checked) and the
-/// cross-memory attach permission was agreed at setup.
+/// form its size calls for. Every rank picks the same: the sizes match (checked), and
+/// whether the zero-copy form runs is agreed in its first two barriers.
 pub fn shm_allreduce(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     if buf.len() <= cx.small_capacity() && buf.len() * cx.world <= SMALL_READ_MAX {
-        shm_allreduce_small(cx, buf, dtype, op)
-    } else if buf.len() >= ZERO_COPY_MIN && cx.dom.cma {
-        shm_allreduce_zero_copy(cx, buf, dtype, op)
-    } else {
-        shm_allreduce_staged(cx, buf, dtype, op)
+        return shm_allreduce_small(cx, buf, dtype, op);
     }
+    if buf.len() >= ZERO_COPY_MIN {
+        if let Some(peers) = map_peer_buffers(cx, buf)? {
+            return shm_allreduce_zero_copy(cx, buf, dtype, op, &peers);
+        }
+    }
+    shm_allreduce_staged(cx, buf, dtype, op)
 }
 
-/// Staged allreduce (see the module comment).
+/// Staged allreduce (see the module comment). A rank's own part does not pass through
+/// staging on the way in: it is reduced in its buffer, then staged once for the peers
+/// (2 ranks, medians of 5 alternating runs: 1 MiB 14.8 against 8.2 GB/s busbw, 64 MiB
+/// 9.4 against 7.0, with every part staged both ways). Segments of about 1 MiB keep the
+/// staging areas in cache (every part staged, 16 and 64 MiB: 2 ranks 4.3-4.4 GB/s with
+/// 16 MiB segments, 6.7-7.1 with 2 MiB and 6.2-7.3 with 1 MiB; 4 ranks 3.0-3.6 with
+/// 4 MiB, 3.7-4.5 with 2 MiB, 4.1-4.8 with 1 MiB).
 fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
     let elem = dtype.size();
     let seg = cx.staged_capacity() / elem * elem;
     let mut base = cx.dom.phase(me).load(Ordering::Relaxed);
     let mut off = 0;
+    let others = || (0..w).filter(move |&p| p != me);
     loop {
         let len = (buf.len() - off).min(seg);
         let bounds = super::algos::part_bounds(len / elem, w, elem);
-        // (1) Copy in, publish.
-        // SAFETY: our own staging area, at least `seg` bytes; peers read it only after the
-        // Release store below and stop before our next write (barrier base+3).
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(off), cx.dom.stage(me), len) };
+        let part = |p: usize| bounds[p]..bounds[p + 1];
+        // (1) Copy in the parts the peers reduce, publish.
+        for p in others() {
+            // SAFETY: our own staging area, at least `seg` bytes; peers read it only after
+            // the Release store below and stop before our next write (barrier base+3).
+            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(off + bounds[p]), cx.dom.stage(me).add(bounds[p]), part(p).len()) };
+        }
         cx.advance(base + 1);
         cx.wait_all(base + 1)?;
         if off == 0 {
             cx.check_calls()?;
         }
-        // (2) Reduce my part from every peer's staging area into mine.
-        let (lo, hi) = (bounds[me], bounds[me + 1]);
-        // SAFETY: part `me` of our staging area is written only by us in this phase; the
-        // peers' parts `me` are only read by us until barrier base+2.
-        let mine = unsafe { std::slice::from_raw_parts_mut(cx.dom.stage(me).add(lo), hi - lo) };
+        // (2) Reduce my part of every peer's staging area into my buffer, block by block,
+        // and stage each finished block for the peers while it is in cache.
+        let mine = &mut buf[off + bounds[me]..off + bounds[me + 1]];
         for b in (0..mine.len()).step_by(BLOCK) {
             let e = (b + BLOCK).min(mine.len());
-            for p in (0..w).filter(|&p| p != me) {
-                // SAFETY: see above; the range lies in p's staging area.
-                let theirs = unsafe { std::slice::from_raw_parts(cx.dom.stage(p).add(lo + b), e - b) };
+            for p in others() {
+                // SAFETY: part `me` of p's staging area is only read, by us, until barrier
+                // base+2; the range lies in it.
+                let theirs = unsafe { std::slice::from_raw_parts(cx.dom.stage(p).add(bounds[me] + b), e - b) };
                 reduce_bytes(dtype, op, &mut mine[b..e], theirs);
             }
-        }
-        if op == ReduceOp::Avg {
-            scale(dtype, mine, 1.0 / w as f64);
+            if op == ReduceOp::Avg {
+                scale(dtype, &mut mine[b..e], 1.0 / w as f64);
+            }
+            // SAFETY: part `me` of our staging area: only we write it, and peers read it
+            // only after barrier base+2.
+            unsafe { std::ptr::copy_nonoverlapping(mine[b..e].as_ptr(), cx.dom.stage(me).add(bounds[me] + b), e - b) };
         }
         cx.advance(base + 2);
         cx.wait_all(base + 2)?;
-        // (3) Copy every finished part out of its owner's staging area.
-        for p in 0..w {
-            let (lo, hi) = (bounds[p], bounds[p + 1]);
+        // (3) Copy the peers' finished parts out of their staging areas.
+        for p in others() {
             // SAFETY: part p of p's staging area is final after barrier base+2 and is not
             // written again before barrier base+3.
-            unsafe { std::ptr::copy_nonoverlapping(cx.dom.stage(p).add(lo), buf.as_mut_ptr().add(off + lo), hi - lo) };
+            unsafe { std::ptr::copy_nonoverlapping(cx.dom.stage(p).add(bounds[p]), buf.as_mut_ptr().add(off + bounds[p]), part(p).len()) };
         }
         cx.advance(base + 3);
         cx.wait_all(base + 3)?;
@@ -275,84 +290,83 @@ fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduce
     Ok(())
 }
 
-/// From this size on the zero-copy path wins; below it the staged copies stay in cache and
-/// cross-memory attach's page pinning costs more than it saves (alternating runs at 4 MiB
-/// and 4 ranks: staged 2.0-3.4 GB/s busbw against 2.1-2.6 zero-copy; at 2 ranks even).
-pub const ZERO_COPY_MIN: usize = 8 << 20;
+/// From this size on, buffers that every rank maps take the zero-copy form. Agreeing on
+/// it costs private buffers one barrier before they go staged, about 5 % at 2-4 MiB and
+/// 4 ranks (30-40 % at 128-512 KiB), while mapped buffers gain 2-6x over staging at every
+/// size from 128 KiB (2 ranks, alternating runs).
+pub const ZERO_COPY_MIN: usize = 4 << 20;
 
-/// Bytes read from a peer per cross-memory-attach call in the reduce phase: the scratch
-/// stays in L2 while it is combined.
-const CMA_BLOCK: usize = 256 << 10;
+/// Bytes reduced and then written to the peers at a time: the block is still in L2 when
+/// it is written.
+const ZERO_COPY_BLOCK: usize = 256 << 10;
 
-/// Zero-copy one-host allreduce: rank r reduces part r straight out of the peers' own
-/// buffers and writes each finished block straight into every peer's buffer, while it is
-/// still in cache. A peer buffer in a shared region (`gradwire_alloc`) is mapped and used
-/// in place; any other goes through cross-memory attach (a kernel copy through an L2-sized
-/// scratch each way, plus pinning its pages). Bytes moved per rank: S read (its part of
-/// every buffer), S written (its part of every buffer): 2 S, against 2.5 S (W=2) and
-/// 2.75 S (W=4) when each rank reduces its part in place and then reads the other
-/// finished parts from their owners. Only rank r touches part r of any buffer, so nothing
-/// it writes is read by anyone else, and how it reaches a peer is its own choice. Two
-/// barriers: all buffers published; all parts reduced and written (nobody reads or writes
-/// our buffer any more).
-fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let base = cx.dom.phase(cx.rank).load(Ordering::Relaxed);
+/// The zero-copy form's agreement: every rank publishes where its buffer lies (barrier
+/// base+1); if every buffer is in a shared region, every rank maps all the peers' and
+/// says whether it could (barrier base+2). Returns the peers' buffers (ours: null) when
+/// all could, so that every rank takes the same form; otherwise the call goes on staged.
+fn map_peer_buffers(cx: &ShmCtx<'_>, buf: &[u8]) -> Result<Option<Vec<*mut u8>>> {
+    let (w, me) = (cx.world, cx.rank);
+    let base = cx.dom.phase(me).load(Ordering::Relaxed);
     cx.dom.publish_buffer(buf);
     cx.advance(base + 1);
-    let done = reduce_and_write_parts(cx, buf, dtype, op, base);
-    if let Err(e) = &done {
-        // Peers that passed the first barrier may still be writing their parts into our
-        // buffer: the caller must not get it back before they have finished, failed or
-        // exited. We fail the communicator now rather than after returning (the engine
-        // would), so that a peer doing the same does not wait for us.
-        cx.dom.set_aborted(&e.to_string());
-        cx.let_writers_finish(base + 2);
-    }
-    done
-}
-
-/// The zero-copy form after this rank's first announcement (phase `base + 1`).
-fn reduce_and_write_parts(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, base: u64) -> Result<()> {
-    let (w, me) = (cx.world, cx.rank);
-    let elem = dtype.size();
-    let bounds = super::algos::part_bounds(buf.len() / elem, w, elem);
     cx.wait_all(base + 1)?;
     cx.check_calls()?;
-    let addrs: Vec<usize> = (0..w).map(|p| cx.dom.buffer_addr(p)).collect();
-    let mapped: Vec<Option<*mut u8>> = (0..w).map(|p| if p == me { None } else { cx.dom.peer_buffer(p, buf.len()) }).collect();
-    let lost =
-        |p: usize, what: &str, e: std::io::Error| Error::PeerLost { rank: me, peer: p, op: cx.call.to_string(), cause: format!("{what} its buffer: {e}") };
+    if !(0..w).all(|p| cx.dom.buffer_is_shared(p)) {
+        return Ok(None);
+    }
+    let peers: Option<Vec<*mut u8>> = (0..w).map(|p| if p == me { Some(std::ptr::null_mut()) } else { cx.dom.peer_buffer(p, buf.len()) }).collect();
+    cx.dom.set_mapped_all(peers.is_some());
+    cx.advance(base + 2);
+    let all = cx.wait_all(base + 2).map(|()| (0..w).all(|p| cx.dom.mapped_all(p)));
+    match (all, peers) {
+        (Ok(true), Some(peers)) => Ok(Some(peers)),
+        (Ok(_), _) => Ok(None),
+        // Peers that saw us mapped may be writing into our buffer already.
+        (Err(e), Some(_)) => Err(cx.fail_zero_copy(e, base + 3)),
+        (Err(e), None) => Err(e),
+    }
+}
+
+/// Zero-copy one-host allreduce, after [`map_peer_buffers`]: rank r reduces part r
+/// straight out of the peers' buffers and writes each finished block straight into
+/// every peer's buffer, while it is still in cache. Bytes moved per rank: S read (its
+/// part of every buffer), S written (its part of every buffer). Only rank r touches part
+/// r of any buffer, so nothing it writes is read by anyone else. One more barrier: all
+/// parts reduced and written (nobody reads or writes our buffer any more).
+fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, peers: &[*mut u8]) -> Result<()> {
+    let (w, me) = (cx.world, cx.rank);
+    let base = cx.dom.phase(me).load(Ordering::Relaxed);
+    let elem = dtype.size();
+    let bounds = super::algos::part_bounds(buf.len() / elem, w, elem);
+    let others = || (0..w).filter(move |&p| p != me);
     let (lo, hi) = (bounds[me], bounds[me + 1]);
-    let mut scratch = vec![0u64; CMA_BLOCK / 8];
-    // SAFETY: a u64 vector viewed as bytes.
-    let scratch = unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u8, CMA_BLOCK) };
-    let peers = || (0..w).filter(move |&p| p != me);
-    let mut b = lo;
-    while b < hi {
-        let e = (b + CMA_BLOCK).min(hi);
-        for p in peers() {
-            match mapped[p] {
-                // SAFETY: bytes b..e of p's buffer (part `me`), which only we touch until
-                // the last barrier; the mapping outlives this call.
-                Some(theirs) => reduce_bytes(dtype, op, &mut buf[b..e], unsafe { std::slice::from_raw_parts(theirs.add(b), e - b) }),
-                None => {
-                    cx.dom.read_peer(p, addrs[p] + b, &mut scratch[..e - b]).map_err(|err| lost(p, "reading", err))?;
-                    reduce_bytes(dtype, op, &mut buf[b..e], &scratch[..e - b]);
-                }
-            }
+    for b in (lo..hi).step_by(ZERO_COPY_BLOCK) {
+        let e = (b + ZERO_COPY_BLOCK).min(hi);
+        for p in others() {
+            // SAFETY: bytes b..e of p's buffer (part `me`, inside its `buf.len()` bytes),
+            // which only we touch until the last barrier; the mapping outlives this call.
+            reduce_bytes(dtype, op, &mut buf[b..e], unsafe { std::slice::from_raw_parts(peers[p].add(b), e - b) });
         }
         if op == ReduceOp::Avg {
             scale(dtype, &mut buf[b..e], 1.0 / w as f64);
         }
-        for p in peers() {
-            match mapped[p] {
-                // SAFETY: as above.
-                Some(theirs) => unsafe { std::ptr::copy_nonoverlapping(buf[b..e].as_ptr(), theirs.add(b), e - b) },
-                None => cx.dom.write_peer(p, addrs[p] + b, &buf[b..e]).map_err(|err| lost(p, "writing", err))?,
-            }
+        for p in others() {
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(buf[b..e].as_ptr(), peers[p].add(b), e - b) };
         }
-        b = e;
     }
-    cx.advance(base + 2);
-    cx.wait_all(base + 2)
+    cx.advance(base + 1);
+    cx.wait_all(base + 1).map_err(|e| cx.fail_zero_copy(e, base + 1))
+}
+
+impl ShmCtx<'_> {
+    /// A zero-copy call failed after peers may have started writing into our buffer: the
+    /// caller must not get it back before they have finished (announced `done`), failed or
+    /// exited. We fail the communicator now rather than after returning (the engine would),
+    /// so that a peer doing the same does not wait for us.
+    fn fail_zero_copy(&self, e: Error, done: u64) -> Error {
+        self.dom.set_aborted(&e.to_string());
+        self.let_writers_finish(done);
+        e
+    }
 }

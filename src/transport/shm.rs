@@ -25,17 +25,15 @@ const REASON_AT: usize = 72;
 const REASON_MAX: usize = 1024;
 const PHASE_AT: usize = 1152;
 const CALL_AT: usize = 1216;
-/// Address of the buffer of the current zero-copy allreduce (read by peers through
-/// cross-memory attach).
-const BUF_ADDR_AT: usize = 1280;
-/// A known value peers read through cross-memory attach to test that it works.
-const CMA_PROBE_AT: usize = 1344;
-/// Where that buffer lies in a shared region of ours (`mem::shared_region_of`): region id
-/// (0: it does not), descriptor, region length, and the buffer's offset in it, 8 bytes each.
+/// Whether this rank mapped every peer's buffer of the current zero-copy allreduce (1) or
+/// not (0).
+const MAPPED_ALL_AT: usize = 1280;
+/// Where the buffer of the current zero-copy allreduce lies in a shared region of ours
+/// (`mem::shared_region_of`): region id (0: it does not), descriptor, region length, and
+/// the buffer's offset in it, 8 bytes each.
 const SHARED_AT: usize = 1408;
 /// Shared regions of one peer kept mapped; its oldest goes first.
 const MAX_PEER_MAPS: usize = 4;
-const CMA_PROBE: u64 = 0x6772_6164_7769_7265;
 const RING_HEAD: usize = 0;
 const RING_TAIL: usize = 64;
 const RING_DATA: usize = 128;
@@ -68,8 +66,6 @@ pub struct ShmDomain {
     pids: Vec<u32>,
     /// Local ranks (including this one), ascending.
     pub members: Vec<usize>,
-    /// Every local rank can read every other's memory with `process_vm_readv`.
-    pub cma: bool,
     /// Peers' shared regions mapped here, oldest first.
     peer_maps: std::sync::Mutex<Vec<PeerMap>>,
 }
@@ -137,92 +133,34 @@ impl ShmDomain {
         }
         pids[rank] = pid;
         segs[rank] = Some(own);
-        let mut dom = ShmDomain { rank, layout, segs, pids, members: members.to_vec(), cma: false, peer_maps: Default::default() };
-        dom.cma = dom.agree_on_cma(prefix, store, deadline)?;
-        Ok(Arc::new(dom))
+        Ok(Arc::new(ShmDomain { rank, layout, segs, pids, members: members.to_vec(), peer_maps: Default::default() }))
     }
 
-    /// Tests cross-memory attach, reading and writing, to every local peer (it needs ptrace permission, which
-    /// containers and Yama may deny) and agrees through the store: zero-copy is used only
-    /// if every pair works.
-    fn agree_on_cma(&self, prefix: &str, store: &StoreClient, deadline: Instant) -> Result<bool> {
-        let own = self.base(self.rank);
-        atomic_u64(own, CMA_PROBE_AT).store(CMA_PROBE, Ordering::Release);
-        store.set(&format!("{prefix}/cma-addr/{}", self.rank), (own as usize + CMA_PROBE_AT).to_string().as_bytes())?;
-        let mut ok = true;
-        for &p in self.members.iter().filter(|&&p| p != self.rank) {
-            let v = store.get(&format!("{prefix}/cma-addr/{p}"), deadline)?.unwrap_or_default();
-            let addr: usize = String::from_utf8_lossy(&v).parse().unwrap_or(0);
-            let mut got = [0u8; 8];
-            // The allreduce writes peers' buffers too: write the probe back unchanged.
-            ok &= self.read_peer(p, addr, &mut got).is_ok() && u64::from_ne_bytes(got) == CMA_PROBE && self.write_peer(p, addr, &got).is_ok();
-        }
-        store.set(&format!("{prefix}/cma-ok/{}", self.rank), if ok { b"1" } else { b"0" })?;
-        for &p in &self.members {
-            let v = store.get(&format!("{prefix}/cma-ok/{p}"), deadline)?.ok_or_else(|| Error::Timeout {
-                rank: self.rank,
-                peer: p,
-                op: "shared-memory setup (cross-memory attach probe)".into(),
-                waited_ms: 0,
-            })?;
-            ok &= v == b"1";
-        }
-        if !ok {
-            log::info!("rank {}: cross-memory attach (process_vm_readv/writev) between local ranks is not permitted; the one-host allreduce stages through shared memory", self.rank);
-        }
-        Ok(ok)
-    }
-
-    /// Copies `buf.len()` bytes at `addr` in local rank `r`'s address space into `buf`
-    /// (cross-memory attach: one kernel copy, no help from the peer).
-    pub fn read_peer(&self, r: usize, addr: usize, buf: &mut [u8]) -> std::io::Result<()> {
-        self.cross_memory(r, addr, buf.as_mut_ptr(), buf.len(), false)
-    }
-
-    /// Copies `buf` to `addr` in local rank `r`'s address space (cross-memory attach).
-    pub fn write_peer(&self, r: usize, addr: usize, buf: &[u8]) -> std::io::Result<()> {
-        self.cross_memory(r, addr, buf.as_ptr() as *mut u8, buf.len(), true)
-    }
-
-    fn cross_memory(&self, r: usize, addr: usize, local: *mut u8, len: usize, write: bool) -> std::io::Result<()> {
-        let mut done = 0;
-        while done < len {
-            // SAFETY: `local..local+len` is a slice of the caller's (exclusive, when reading).
-            let local = libc::iovec { iov_base: unsafe { local.add(done) } as *mut libc::c_void, iov_len: len - done };
-            let remote = libc::iovec { iov_base: (addr + done) as *mut libc::c_void, iov_len: len - done };
-            let pid = self.pids[r] as libc::pid_t;
-            // SAFETY: the kernel validates the remote range against the peer's mappings and
-            // fails instead of faulting; the local range is as above.
-            let n = unsafe {
-                if write {
-                    libc::process_vm_writev(pid, &local, 1, &remote, 1, 0)
-                } else {
-                    libc::process_vm_readv(pid, &local, 1, &remote, 1, 0)
-                }
-            };
-            if n <= 0 {
-                return Err(if n == 0 { std::io::Error::other("cross-memory attach moved nothing") } else { std::io::Error::last_os_error() });
-            }
-            done += n as usize;
-        }
-        Ok(())
-    }
-
-    /// Publishes this rank's buffer of the current zero-copy allreduce: its address (for
-    /// cross-memory attach) and, when it lies in a shared region of ours (`gradwire_alloc`),
-    /// how a peer maps it.
+    /// Publishes where this rank's buffer of the current zero-copy allreduce lies in a
+    /// shared region of ours (`gradwire_alloc`), so that peers can map it; or that it does
+    /// not.
     pub fn publish_buffer(&self, buf: &[u8]) {
         let base = self.base(self.rank);
-        atomic_u64(base, BUF_ADDR_AT).store(buf.as_ptr() as u64, Ordering::Relaxed);
         let shared = crate::mem::shared_region_of(buf).map_or([0; 4], |(r, off)| [r.id, r.fd as u64, r.len as u64, off as u64]);
         for (i, v) in shared.into_iter().enumerate() {
             atomic_u64(base, SHARED_AT + 8 * i).store(v, Ordering::Relaxed);
         }
     }
 
-    /// Local rank `r`'s published buffer address (read after its phase announcement).
-    pub fn buffer_addr(&self, r: usize) -> usize {
-        atomic_u64(self.base(r), BUF_ADDR_AT).load(Ordering::Relaxed) as usize
+    /// Whether local rank `r` published a buffer in a shared region (read after its phase
+    /// announcement).
+    pub fn buffer_is_shared(&self, r: usize) -> bool {
+        atomic_u64(self.base(r), SHARED_AT).load(Ordering::Relaxed) != 0
+    }
+
+    /// Publishes whether this rank mapped every peer's buffer (before a phase announcement).
+    pub fn set_mapped_all(&self, mapped: bool) {
+        atomic_u64(self.base(self.rank), MAPPED_ALL_AT).store(mapped as u64, Ordering::Relaxed);
+    }
+
+    /// Whether local rank `r` mapped every peer's buffer (read after its phase announcement).
+    pub fn mapped_all(&self, r: usize) -> bool {
+        atomic_u64(self.base(r), MAPPED_ALL_AT).load(Ordering::Relaxed) == 1
     }
 
     /// Local rank `r`'s published buffer of `len` bytes mapped into this process, when it
@@ -253,7 +191,7 @@ impl ShmDomain {
                 // A failure is not kept: it may be passing (a descriptor limit), and the
                 // next call tries again.
                 let region = Region::open_shared(self.pids[r], fd as i32, region_len as usize)
-                    .inspect_err(|e| log::info!("rank {}: cannot map rank {r}'s shared buffer ({e}); reaching it through cross-memory attach", self.rank))
+                    .inspect_err(|e| log::info!("rank {}: cannot map rank {r}'s shared buffer ({e}); this allreduce stages through shared memory", self.rank))
                     .ok()?;
                 log::debug!("rank {}: mapped rank {r}'s shared buffer (region {id}, {region_len} bytes)", self.rank);
                 maps.push(PeerMap { peer: r, id, fd, region });
