@@ -367,6 +367,15 @@ if gcc -O3 -pthread -o "$BUILD/copybw" "$PEERS/copybw.c" >"$RESULTS/logs/copybw_
 else
     meta copybw "n/a (gcc failed)"
 fi
+# Cross-core hand-off through shared memory: on a virtual machine it can change several-fold
+# within minutes (where the host puts the two vCPUs); measured again after the runs.
+HANDOFF=
+if [ "$(nproc)" -ge 2 ] && gcc -O2 -pthread -o "$BUILD/handoff" "$PEERS/handoff.c" >"$RESULTS/logs/handoff_build.log" 2>&1; then
+    HANDOFF="$BUILD/handoff"
+    meta handoff_start "$("$HANDOFF" -H | tr '\n' ';')"
+else
+    meta handoff_start "n/a (fewer than 2 CPUs, or gcc failed)"
+fi
 if gcc -O2 -o "$BUILD/pingpong" "$PEERS/pingpong.c" >"$RESULTS/logs/pingpong_build.log" 2>&1; then
     meta pingpong "$("$BUILD/pingpong" -H 5000 | tr '\n' ';')"
 else
@@ -649,6 +658,7 @@ for rep in $(seq 1 "$REPEATS"); do
     has_part bound && part_bound "$rep"
 done
 meta loadavg_end "$(cut -d' ' -f1-3 /proc/loadavg)"
+[ -n "$HANDOFF" ] && meta handoff_end "$("$HANDOFF" -H | tr '\n' ';')"
 [ "$NPROC" -gt 0 ] && meta oversubscribed_when "W > $NPROC"
 if { has_part netns || has_part bound; } && [ "$NETNS_STATUS" = ok ]; then
     sleep 0.5

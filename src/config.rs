@@ -29,8 +29,8 @@ pub const SETTINGS: &[Setting] = &[
     Setting { env: "GRADWIRE_SHM_RING_BYTES", default: "4194304", help: "Capacity of each shared-memory point-to-point ring." },
     Setting {
         env: "GRADWIRE_SHM_STAGE_BYTES",
-        default: "1179648",
-        help: "Per-rank shared staging area of the one-host allreduce: 128 KiB for small calls, the rest for the segments larger buffers go through (about 1 MiB keeps every rank's segment in cache).",
+        default: "1179776",
+        help: "Per-rank shared staging area of the one-host allreduce: 131200 bytes for small calls, the rest for the segments larger buffers go through (1 MiB keeps every rank's segment in cache).",
     },
     Setting {
         env: "GRADWIRE_SPIN_US",
@@ -178,7 +178,7 @@ impl Config {
         if !(4096..=(1 << 30)).contains(&ring) || !ring.is_power_of_two() {
             return Err(config(format!("GRADWIRE_SHM_RING_BYTES={ring}: must be a power of two between 4K and 1G")));
         }
-        let stage = env_u64("GRADWIRE_SHM_STAGE_BYTES", 1179648)? as usize;
+        let stage = env_u64("GRADWIRE_SHM_STAGE_BYTES", 1179776)? as usize;
         if !(4096..=(1 << 32)).contains(&stage) {
             return Err(config(format!("GRADWIRE_SHM_STAGE_BYTES={stage}: must be between 4K and 4G")));
         }

@@ -75,6 +75,10 @@ fn shm_shared_buffers() {
     for (rank, peer) in [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)] {
         assert!(t.contains(&format!("rank {rank}: mapped rank {peer}'s shared buffer")), "rank {rank} never mapped rank {peer}'s buffer:\n{t}");
     }
+    for rank in 0..3 {
+        let zero_copy = |l: &&str| l.contains(&format!("rank {rank}: ")) && l.contains("zero-copy in the peers' buffers");
+        assert!(t.lines().any(|l| zero_copy(&l)), "rank {rank} never took the zero-copy form:\n{t}");
+    }
     let mixed = [
         "check",
         "--transport",
@@ -93,7 +97,7 @@ fn shm_shared_buffers() {
     let out = launch(4, &[], &mixed, &[("GRADWIRE_LOG", "debug")]);
     let t = text(&out);
     assert!(out.status.success() && t.contains(", 0 failed"), "{t}");
-    assert!(!t.contains("mapped rank"), "with a private buffer among them the ranks stage, mapping nothing:\n{t}");
+    assert!(!t.contains("mapped rank") && !t.contains("zero-copy"), "with a private buffer among them the ranks stage, mapping nothing:\n{t}");
 }
 
 #[test]

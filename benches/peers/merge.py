@@ -836,6 +836,15 @@ def main() -> int:
       f"**CPU:** {meta.get('cpu_model', '?')}; **memory:** {meta.get('mem_total', '?')}")
     w(f"- **Measured copy bandwidth** (`benches/peers/copybw.c`): {copybw}")
     w(f"- **Loopback TCP round trip** (`benches/peers/pingpong.c`): {pingpong}")
+    handoff = [parse_csvish(meta.get(k, ""), None) for k in ("handoff_start", "handoff_end")]
+    if any(handoff):
+        at = [h.get("handoff_gbs", "?") if h else "n/a" for h in handoff]
+        w(f"- **Cross-core hand-off** (`benches/peers/handoff.c`: two threads pinned to CPUs 0 "
+          f"and 1 copy 512 KiB into shared memory and then each other's copy out, a barrier "
+          f"between): {at[0]} GB/s per thread before the runs, {at[1]} after. On this virtual "
+          f"machine it has changed several-fold from one minute to the next with nothing else "
+          f"running in the guest; shared-memory cells whose repeats spread widely ran through "
+          f"such a change.")
     w(f"- **Load average** at start: {meta.get('loadavg_start', '?')}, "
       f"at end: {meta.get('loadavg_end', '?')}")
     w(f"- **Parameters:** {meta.get('params', '?')}")

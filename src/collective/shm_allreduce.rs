@@ -107,13 +107,13 @@ impl ShmCtx<'_> {
         self.dom.phase(self.rank).store(to, Ordering::Release);
     }
 
-    /// After a failed zero-copy call: waits until every peer has announced `done` (which
-    /// it does only after its last write into our buffer), aborted or exited. A peer never
-    /// waits for us on the way there, so this ends; the bound is for a peer that is frozen.
+    /// After a failed zero-copy call: waits until no peer writes into our buffer any more
+    /// before phase `done` (see `ShmDomain::writes_done`). A peer never waits for us on the
+    /// way there, so this ends; the bound is for a peer that is frozen.
     fn let_writers_finish(&self, done: u64) {
         let until = Instant::now() + WRITERS_GRACE;
         for p in (0..self.world).filter(|&p| p != self.rank) {
-            while self.dom.phase(p).load(Ordering::Acquire) < done && self.dom.peer_gone(p).is_none() {
+            while !self.dom.writes_done(p, done) {
                 if Instant::now() >= until {
                     log::warn!("rank {}: rank {p} neither finished nor failed its part of {} within {WRITERS_GRACE:?}", self.rank, self.call);
                     return;
@@ -317,9 +317,17 @@ fn map_peer_buffers(cx: &ShmCtx<'_>, buf: &[u8]) -> Result<Option<Vec<*mut u8>>>
     let peers: Option<Vec<*mut u8>> = (0..w).map(|p| if p == me { Some(std::ptr::null_mut()) } else { cx.dom.peer_buffer(p, buf.len()) }).collect();
     cx.dom.set_mapped_all(peers.is_some());
     cx.advance(base + 2);
-    let all = cx.wait_all(base + 2).map(|()| (0..w).all(|p| cx.dom.mapped_all(p)));
+    // A peer that failed after announcing its mapping (it may be a step behind us) has
+    // set its abort flag; going on would write into a buffer it is about to hand back.
+    let all = cx.wait_all(base + 2).and_then(|()| {
+        (0..w).filter(|&p| p != me).try_for_each(|p| cx.check_peer(p, Duration::ZERO))?;
+        Ok((0..w).all(|p| cx.dom.mapped_all(p)))
+    });
     match (all, peers) {
-        (Ok(true), Some(peers)) => Ok(Some(peers)),
+        (Ok(true), Some(peers)) => {
+            log::debug!("rank {me}: {} zero-copy in the peers' buffers", cx.call);
+            Ok(Some(peers))
+        }
         (Ok(_), _) => Ok(None),
         // Peers that saw us mapped may be writing into our buffer already.
         (Err(e), Some(_)) => Err(cx.fail_zero_copy(e, base + 3)),
@@ -361,10 +369,11 @@ fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Re
 
 impl ShmCtx<'_> {
     /// A zero-copy call failed after peers may have started writing into our buffer: the
-    /// caller must not get it back before they have finished (announced `done`), failed or
-    /// exited. We fail the communicator now rather than after returning (the engine would),
-    /// so that a peer doing the same does not wait for us.
+    /// caller must not get it back before they write no more. We say that we write no more
+    /// (so that a peer doing the same does not wait for us) and fail the communicator now
+    /// rather than after returning (peers waiting for our phase fail at once).
     fn fail_zero_copy(&self, e: Error, done: u64) -> Error {
+        self.dom.set_writes_done(done);
         self.dom.set_aborted(&e.to_string());
         self.let_writers_finish(done);
         e

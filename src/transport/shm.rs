@@ -28,6 +28,9 @@ const CALL_AT: usize = 1216;
 /// Whether this rank mapped every peer's buffer of the current zero-copy allreduce (1) or
 /// not (0).
 const MAPPED_ALL_AT: usize = 1280;
+/// The phase before which this rank writes nothing more into peers' buffers, set by a
+/// failed zero-copy allreduce (a finished one says so by its phase counter).
+const WRITES_DONE_AT: usize = 1344;
 /// Where the buffer of the current zero-copy allreduce lies in a shared region of ours
 /// (`mem::shared_region_of`): region id (0: it does not), descriptor, region length, and
 /// the buffer's offset in it, 8 bytes each.
@@ -161,6 +164,21 @@ impl ShmDomain {
     /// Whether local rank `r` mapped every peer's buffer (read after its phase announcement).
     pub fn mapped_all(&self, r: usize) -> bool {
         atomic_u64(self.base(r), MAPPED_ALL_AT).load(Ordering::Relaxed) == 1
+    }
+
+    /// Announces that this rank writes nothing more into peers' buffers before `phase`.
+    pub fn set_writes_done(&self, phase: u64) {
+        atomic_u64(self.base(self.rank), WRITES_DONE_AT).store(phase, Ordering::Release);
+    }
+
+    /// Whether local rank `r` writes nothing more into peers' buffers before `phase`: it
+    /// reached it, said so, or exited. (Its abort flag is no answer: another thread of its
+    /// process may set that while its collective is still writing.)
+    pub fn writes_done(&self, r: usize, phase: u64) -> bool {
+        let base = self.base(r);
+        atomic_u64(base, PHASE_AT).load(Ordering::Acquire) >= phase
+            || atomic_u64(base, WRITES_DONE_AT).load(Ordering::Acquire) >= phase
+            || process_gone(self.pids[r]).is_some()
     }
 
     /// Local rank `r`'s published buffer of `len` bytes mapped into this process, when it
