@@ -164,7 +164,7 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         for p in others() {
             // SAFETY: our own staging area, at least `seg` bytes; peers read it only after
             // the Release store below and stop before our next write (barrier base+3).
-            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(off + bounds[p]), cx.dom.stage(me).add(bounds[p]), part(p).len()) };
+            unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[p]), &buf[off + bounds[p]..off + bounds[p + 1]]) };
         }
         cx.advance(base + 1);
         cx.wait_all(base + 1)?;
@@ -187,7 +187,7 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
             }
             // SAFETY: part `me` of our staging area: only we write it, and peers read it
             // only after barrier base+2.
-            unsafe { std::ptr::copy_nonoverlapping(mine[b..e].as_ptr(), cx.dom.stage(me).add(bounds[me] + b), e - b) };
+            unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[me] + b), &mine[b..e]) };
         }
         cx.advance(base + 2);
         cx.wait_all(base + 2)?;
@@ -205,6 +205,36 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
             return Ok(());
         }
     }
+}
+
+/// Copies `src` to `dst` in our staging area, for peers to read, with non-temporal stores
+/// (x86-64): the lines go to memory instead of staying modified in this core's cache, from
+/// where every peer's read would have to fetch them. That fetch is what varies on a
+/// virtual machine: two processes handing 512 KiB back and forth (as benches/peers/handoff.c)
+/// ran at 3.4-4.8 GB/s with plain copies against 16-20 with streaming ones in some
+/// minutes, and 14-16 either way in others.
+///
+/// # Safety
+/// `dst..dst + src.len()` is writable and does not overlap `src`.
+unsafe fn copy_for_peers(dst: *mut u8, src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let n = src.len();
+        let head = dst.align_offset(16).min(n);
+        let body_end = head + (n - head) / 16 * 16;
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head);
+        for i in (head..body_end).step_by(16) {
+            // SAFETY: dst + i is 16-aligned and i + 16 <= n; SSE2 is part of x86-64.
+            _mm_stream_si128(dst.add(i) as *mut __m128i, _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i));
+        }
+        std::ptr::copy_nonoverlapping(src.as_ptr().add(body_end), dst.add(body_end), n - body_end);
+        // Streaming stores are weakly ordered: make them visible before the phase store
+        // that publishes them.
+        _mm_sfence();
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
 }
 
 /// Largest buffer for the one-barrier small form.
