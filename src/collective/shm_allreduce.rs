@@ -107,6 +107,17 @@ impl ShmCtx<'_> {
         self.dom.phase(self.rank).store(to, Ordering::Release);
     }
 
+    /// A zero-copy call failed after peers may have started writing into our buffer: the
+    /// caller must not get it back before they write no more. We say that we write no more
+    /// (so that a peer doing the same does not wait for us) and fail the communicator now
+    /// rather than after returning (peers waiting for our phase fail at once).
+    fn fail_zero_copy(&self, e: Error, done: u64) -> Error {
+        self.dom.set_writes_done(done);
+        self.dom.set_aborted(&e.to_string());
+        self.let_writers_finish(done);
+        e
+    }
+
     /// After a failed zero-copy call: waits until no peer writes into our buffer any more
     /// before phase `done` (see `ShmDomain::writes_done`). A peer never waits for us on the
     /// way there, so this ends; the bound is for a peer that is frozen.
@@ -164,7 +175,7 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         for p in others() {
             // SAFETY: our own staging area, at least `seg` bytes; peers read it only after
             // the Release store below and stop before our next write (barrier base+3).
-            unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[p]), &buf[off + bounds[p]..off + bounds[p + 1]]) };
+            unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[p]), &buf[off..][part(p)]) };
         }
         cx.advance(base + 1);
         cx.wait_all(base + 1)?;
@@ -173,7 +184,7 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         }
         // (2) Reduce my part of every peer's staging area into my buffer, block by block,
         // and stage each finished block for the peers while it is in cache.
-        let mine = &mut buf[off + bounds[me]..off + bounds[me + 1]];
+        let mine = &mut buf[off..][part(me)];
         for b in (0..mine.len()).step_by(BLOCK) {
             let e = (b + BLOCK).min(mine.len());
             for p in others() {
@@ -395,17 +406,4 @@ fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Re
     }
     cx.advance(base + 1);
     cx.wait_all(base + 1).map_err(|e| cx.fail_zero_copy(e, base + 1))
-}
-
-impl ShmCtx<'_> {
-    /// A zero-copy call failed after peers may have started writing into our buffer: the
-    /// caller must not get it back before they write no more. We say that we write no more
-    /// (so that a peer doing the same does not wait for us) and fail the communicator now
-    /// rather than after returning (peers waiting for our phase fail at once).
-    fn fail_zero_copy(&self, e: Error, done: u64) -> Error {
-        self.dom.set_writes_done(done);
-        self.dom.set_aborted(&e.to_string());
-        self.let_writers_finish(done);
-        e
-    }
 }
