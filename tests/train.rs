@@ -64,7 +64,10 @@ fn cyclic_reaches_accuracy() {
 
 #[test]
 fn downpour_reaches_accuracy() {
-    train(4, &[], &["--strategy", "downpour", "--lr", "0.05", "--push", "2", "--fetch", "2"], SHM);
+    // Asynchronous pushes make the last epochs wander: at η = 0.05 and 12 epochs one run in
+    // about twenty ended at 86.7 % after 94.2 % the epoch before. η = 0.03 over 25 epochs
+    // ended at 94.7–96.9 % with both cores busy elsewhere, and the wander is 1–3 points.
+    train(4, &[], &["--strategy", "downpour", "--lr", "0.03", "--push", "2", "--fetch", "2", "--epochs", "25"], SHM);
 }
 
 #[test]
