@@ -1,7 +1,7 @@
 //! Collective algorithms over point-to-point links (any transport), each documented with
 //! its cost in steps (α) and bytes a rank sends (β), S = buffer bytes, W = ranks.
 
-use super::reduce::{reduce_bytes, scale};
+use super::reduce::{finish, reduce_all, reduce_bytes};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::transport::frame::CallHeader;
@@ -70,13 +70,7 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: &RingSteps<'_>, ch
     let elem = dtype.size();
     let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
     // The last reduce step finishes each element: an average divides it there, once.
-    let inv_w = 1.0 / w as f64;
-    let red_last = move |d: &mut [u8], s: &[u8]| {
-        reduce_bytes(dtype, op, d, s);
-        if op == ReduceOp::Avg {
-            scale(dtype, d, inv_w);
-        }
-    };
+    let red_last = move |d: &mut [u8], s: &[u8]| reduce_all(dtype, op, w, d, [s]);
     let bounds = ring.bounds;
     assert!(bounds.len() == w + 1 && bounds[w] <= buf.len(), "ring bounds must cover {w} parts of the buffer");
     // Both ends of a link derive the same chunking from the same bounds. Links with a
@@ -192,9 +186,7 @@ pub fn recursive_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<
         mask <<= 1;
         step += 1;
     }
-    if op == ReduceOp::Avg {
-        scale(dtype, buf, 1.0 / w as f64);
-    }
+    finish(dtype, op, buf, w);
     if r < extra {
         cx.exchange(&mut [SendOp::new(r + p2, 99, buf)], &mut [])?;
     }
@@ -279,9 +271,7 @@ pub fn binomial_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Result<
         }
         mask <<= 1;
     }
-    if op == ReduceOp::Avg {
-        scale(dtype, acc, 1.0 / w as f64);
-    }
+    finish(dtype, op, acc, w);
     Ok(())
 }
 

@@ -10,7 +10,7 @@
 //! Inside a node the groups use shared memory; between nodes tcp (verbs later). GPU
 //! buffers take the same path with NCCL as the node-local step (see `gpu`).
 
-use super::reduce::scale;
+use super::reduce::finish;
 use super::Request;
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
@@ -126,9 +126,7 @@ impl Hierarchy {
                 }
             }
         }
-        if op == ReduceOp::Avg {
-            scale(dtype, buf, 1.0 / self.world as f64);
-        }
+        finish(dtype, op, buf, self.world);
         Ok(())
     }
 

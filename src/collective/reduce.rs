@@ -160,6 +160,23 @@ pub fn reduce_bytes(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     }
 }
 
+/// The last step of a reduction over `w` ranks: an average divides the finished sum by `w`,
+/// once; every other operation is already final.
+pub fn finish(dtype: DType, op: ReduceOp, buf: &mut [u8], w: usize) {
+    if op == ReduceOp::Avg {
+        scale(dtype, buf, 1.0 / w as f64);
+    }
+}
+
+/// Reduces every one of `sources` into `acc`, then [`finish`]es it: the whole reduction of
+/// one block when the peers' copies of it all lie in memory we can read.
+pub fn reduce_all<'s>(dtype: DType, op: ReduceOp, w: usize, acc: &mut [u8], sources: impl IntoIterator<Item = &'s [u8]>) {
+    for src in sources {
+        reduce_bytes(dtype, op, acc, src);
+    }
+    finish(dtype, op, acc, w);
+}
+
 /// Multiplies every element by `factor` (the final step of `Avg`).
 pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) {
     let aligned = buf.as_ptr() as usize % dtype.size() == 0;

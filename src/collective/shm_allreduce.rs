@@ -16,7 +16,7 @@
 //! returned already; so it has an area of its own at the end of the staging area, which
 //! the staged form never writes.
 
-use super::reduce::{reduce_bytes, scale};
+use super::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::transport::frame::{CallHeader, FrameHeader, FrameKind};
@@ -187,15 +187,10 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         let mine = &mut buf[off..][part(me)];
         for b in (0..mine.len()).step_by(BLOCK) {
             let e = (b + BLOCK).min(mine.len());
-            for p in others() {
-                // SAFETY: part `me` of p's staging area is only read, by us, until barrier
-                // base+2; the range lies in it.
-                let theirs = unsafe { std::slice::from_raw_parts(cx.dom.stage(p).add(bounds[me] + b), e - b) };
-                reduce_bytes(dtype, op, &mut mine[b..e], theirs);
-            }
-            if op == ReduceOp::Avg {
-                scale(dtype, &mut mine[b..e], 1.0 / w as f64);
-            }
+            // SAFETY: part `me` of every peer's staging area is only read, by us, until
+            // barrier base+2; the range lies in it.
+            let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.dom.stage(p).add(bounds[me] + b), e - b) });
+            reduce_all(dtype, op, w, &mut mine[b..e], theirs);
             // SAFETY: part `me` of our staging area: only we write it, and peers read it
             // only after barrier base+2.
             unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[me] + b), &mine[b..e]) };
@@ -322,12 +317,7 @@ fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduce
     if me != 0 {
         buf.copy_from_slice(data(0));
     }
-    for p in 1..w {
-        reduce_bytes(dtype, op, buf, data(p));
-    }
-    if op == ReduceOp::Avg {
-        scale(dtype, buf, 1.0 / w as f64);
-    }
+    reduce_all(dtype, op, w, buf, (1..w).map(data));
     Ok(())
 }
 
@@ -391,14 +381,10 @@ fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Re
     let (lo, hi) = (bounds[me], bounds[me + 1]);
     for b in (lo..hi).step_by(ZERO_COPY_BLOCK) {
         let e = (b + ZERO_COPY_BLOCK).min(hi);
-        for p in others() {
-            // SAFETY: bytes b..e of p's buffer (part `me`, inside its `buf.len()` bytes),
-            // which only we touch until the last barrier; the mapping outlives this call.
-            reduce_bytes(dtype, op, &mut buf[b..e], unsafe { std::slice::from_raw_parts(peers[p].add(b), e - b) });
-        }
-        if op == ReduceOp::Avg {
-            scale(dtype, &mut buf[b..e], 1.0 / w as f64);
-        }
+        // SAFETY: bytes b..e of every peer's buffer (part `me`, inside its `buf.len()`
+        // bytes), which only we touch until the last barrier; the mappings outlive this call.
+        let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(peers[p].add(b), e - b) });
+        reduce_all(dtype, op, w, &mut buf[b..e], theirs);
         for p in others() {
             // SAFETY: as above.
             unsafe { std::ptr::copy_nonoverlapping(buf[b..e].as_ptr(), peers[p].add(b), e - b) };
