@@ -35,7 +35,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         env: "GRADWIRE_SPIN_US",
         default: "50",
-        help: "How long a waiting rank spins before it yields and then sleeps (keep small when ranks outnumber cores).",
+        help: "How long a waiting rank spins before it yields and then sleeps; 0 wherever this host's ranks outnumber the CPUs its control group lets them use.",
     },
     Setting { env: "GRADWIRE_IB_DEV", default: "(automatic)", help: "RDMA device to use (see `gradwire info` for the list and the automatic choice)." },
     Setting { env: "GRADWIRE_IB_PORT", default: "(first ACTIVE port)", help: "RDMA port number on that device." },

@@ -155,3 +155,50 @@ fn sub_communicators_from_split() {
     }
     check(4, "auto", &[], &["--split", "--counts", "1,7919"]);
 }
+
+/// A control group that confines the job to one CPU (as a container's cpuset does) makes
+/// two ranks on a host of several CPUs wait by yielding instead of spinning, and the
+/// collectives stay correct. Real cgroup v1 cpuset (or v2 with the cpuset controller);
+/// skipped where neither can be created (not root, or no such hierarchy).
+#[test]
+fn ranks_confined_to_one_cpu_by_a_cpuset_do_not_spin() {
+    let name = format!("gradwire-test-{}", std::process::id());
+    let v1 = std::path::Path::new("/sys/fs/cgroup/cpuset");
+    let v2_has_cpuset = std::fs::read_to_string("/sys/fs/cgroup/cgroup.subtree_control").is_ok_and(|t| t.split_whitespace().any(|c| c == "cpuset"));
+    let (dir, cpus_file) = if v1.join("cpuset.cpus").exists() {
+        (v1.join(&name), "cpuset.cpus")
+    } else if v2_has_cpuset {
+        (std::path::Path::new("/sys/fs/cgroup").join(&name), "cpuset.cpus")
+    } else {
+        eprintln!("SKIP ranks_confined_to_one_cpu_by_a_cpuset_do_not_spin: no writable cpuset hierarchy");
+        return;
+    };
+    let made = std::fs::create_dir(&dir).and_then(|()| std::fs::write(dir.join(cpus_file), "0")).and_then(|()| {
+        if dir.join("cpuset.mems").exists() {
+            std::fs::write(dir.join("cpuset.mems"), "0")
+        } else {
+            Ok(())
+        }
+    });
+    if let Err(e) = made {
+        let _ = std::fs::remove_dir(&dir);
+        eprintln!("SKIP ranks_confined_to_one_cpu_by_a_cpuset_do_not_spin: cannot make cgroup {}: {e}", dir.display());
+        return;
+    }
+    // The shell joins the group, then becomes the launcher: everything it starts is inside.
+    let procs = dir.join(if dir.join("tasks").exists() { "tasks" } else { "cgroup.procs" });
+    let confined = |args: &str| {
+        let mut cmd = std::process::Command::new("sh");
+        cmd.arg("-c").arg(format!("echo $$ > {} && exec {} {args}", procs.display(), bin())).env("GRADWIRE_LOG", "debug");
+        run_with_limit(cmd, std::time::Duration::from_secs(120))
+    };
+    let info = confined("info");
+    let check = confined(&format!("launch -n 2 -- {} check --transport shm --collectives allreduce,broadcast --dtypes float32 --counts 1,7919,300000", bin()));
+    let _ = std::fs::remove_dir(&dir);
+    let (ti, tc) = (text(&info), text(&check));
+    assert!(info.status.success() && ti.contains("cpus               1 "), "{ti}");
+    assert!(check.status.success(), "{tc}");
+    for r in 0..2 {
+        assert!(tc.contains(&format!("rank {r}: 2 ranks on this host, 1 CPUs for them: spin 0 us")), "rank {r} did not give up spinning:\n{tc}");
+    }
+}

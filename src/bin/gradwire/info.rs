@@ -47,7 +47,10 @@ pub fn run(settings_only: bool) -> i32 {
     }
     println!("gradwire {}", env!("CARGO_PKG_VERSION"));
     println!("host identity      {}", gradwire::bootstrap::host_id());
-    println!("cpus               {}", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    println!(
+        "cpus               {} for this job's ranks on this host (online CPUs, capped by the control group's cpuset and CPU quota; ranks spin only when they do not outnumber them)",
+        gradwire::comm::host_cpus()
+    );
     let shm_ok = gradwire::Region::shared("gradwire-info", 4096).is_ok();
     println!("transports");
     println!("  shm              {}", if shm_ok { "available (memfd shared through /proc/<pid>/fd)" } else { "UNAVAILABLE: memfd_create failed" });
