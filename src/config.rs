@@ -33,6 +33,11 @@ pub const SETTINGS: &[Setting] = &[
         help: "Per-rank shared staging area of the one-host allreduce: 131200 bytes for small calls, the rest for the segments larger buffers go through (1 MiB keeps every rank's segment in cache).",
     },
     Setting {
+        env: "GRADWIRE_SHM_STORES",
+        default: "auto",
+        help: "How the one-host staged allreduce writes what peers read: plain or streaming (non-temporal) stores; auto times both per size class and keeps the faster.",
+    },
+    Setting {
         env: "GRADWIRE_SPIN_US",
         default: "50",
         help: "How long a waiting rank spins before it yields and then sleeps; 0 wherever this host's ranks outnumber the CPUs its control group lets them use.",
@@ -144,6 +149,29 @@ impl std::str::FromStr for Algo {
     }
 }
 
+/// How the one-host staged allreduce writes what its peers read (`GRADWIRE_SHM_STORES`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StagedStores {
+    /// Time both kinds and keep the faster, per size class, looking again now and then.
+    Auto,
+    /// Ordinary stores: the lines stay in the writer's cache until a peer fetches them.
+    Plain,
+    /// Non-temporal stores: the lines go to memory.
+    Streaming,
+}
+
+impl std::str::FromStr for StagedStores {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "plain" => Ok(Self::Plain),
+            "streaming" => Ok(Self::Streaming),
+            other => Err(format!("unknown store kind {other:?} (expected auto, plain or streaming)")),
+        }
+    }
+}
+
 fn env_parse<T: std::str::FromStr<Err = String>>(env: &str, default: T) -> Result<T> {
     match raw(env) {
         None => Ok(default),
@@ -161,6 +189,7 @@ pub struct Config {
     pub ring_chunk_bytes: usize,
     pub shm_ring_bytes: usize,
     pub shm_stage_bytes: usize,
+    pub shm_stores: StagedStores,
     pub spin: Duration,
     pub hugepages: bool,
     pub ib_ring_bytes: usize,
@@ -204,6 +233,7 @@ impl Config {
             small_bytes: env_u64("GRADWIRE_SMALL_BYTES", 64 << 10)? as usize,
             shm_ring_bytes: ring,
             shm_stage_bytes: stage,
+            shm_stores: env_parse("GRADWIRE_SHM_STORES", StagedStores::Auto)?,
             spin: Duration::from_micros(env_u64("GRADWIRE_SPIN_US", 50)?),
             hugepages: env_bool("GRADWIRE_HUGEPAGES", false)?,
         })

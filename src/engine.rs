@@ -25,6 +25,8 @@ pub struct EngineState {
     /// True when `shm` covers every rank of the communicator.
     pub shm_all: bool,
     pub spin: Duration,
+    /// What the one-host staged allreduce has learned about this host's stores.
+    pub shm_stores: crate::collective::shm_allreduce::StoreChooser,
     pub abort: Arc<AtomicBool>,
     failed: Option<String>,
     /// Collectives executed so far: the sequence number in every message header.
@@ -229,7 +231,7 @@ impl EngineState {
     ) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        EngineState { rank, world, links, shm, shm_all, spin, abort, failed: None, seq: 0, global, id, store: None }
+        EngineState { rank, world, links, shm, shm_all, spin, shm_stores: Default::default(), abort, failed: None, seq: 0, global, id, store: None }
     }
 
     /// Lets failures be explained through the rendezvous store (see `store`).

@@ -59,7 +59,29 @@ fn shm_64mib() {
 #[test]
 fn shm_staged_segments_every_dtype_and_op() {
     check(3, "shm", &[], &["--counts", "4500007", "--collectives", "allreduce"]);
-    check(2, "shm", &[], &["--counts", "4500007", "--collectives", "allreduce", "--dtypes", "float32,bfloat16", "--ops", "sum,avg"]);
+    // Both kinds of stores the staged form can write with (auto picks per call).
+    for stores in ["plain", "streaming"] {
+        let args = ["--counts", "4500007", "--collectives", "allreduce", "--dtypes", "float32,bfloat16", "--ops", "sum,avg"];
+        check_with_env(2, "shm", &[], &args, &[("GRADWIRE_SHM_STORES", stores)]);
+    }
+}
+
+/// The staged form times both kinds of stores and says which it keeps, on every rank,
+/// while the results stay right (`--check` after the timed calls).
+#[test]
+fn shm_staged_form_chooses_its_stores_and_says_so() {
+    let out =
+        launch(3, &[], &["bench", "allreduce", "-b", "2M", "-e", "2M", "-n", "8", "-w", "2", "--transport", "shm", "--check"], &[("GRADWIRE_LOG", "debug")]);
+    let t = text(&out);
+    assert!(out.status.success() && !t.contains("panicked"), "{t}");
+    for rank in 0..3 {
+        let chose = |l: &&str| l.contains(&format!("rank {rank}: the staged allreduce of 2097152 bytes now uses")) && l.contains("ns/B");
+        assert!(
+            t.lines().any(|l| chose(&l)),
+            "rank {rank} never said which stores it keeps:
+{t}"
+        );
+    }
 }
 
 /// Buffers from gradwire's allocator (`gradwire_alloc`): from 4 MiB the one-host

@@ -126,6 +126,7 @@ fn malformed_or_missing_environment() {
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TRANSPORT", "carrier-pigeon")], "GRADWIRE_TRANSPORT"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SHM_RING_BYTES", "1000")], "GRADWIRE_SHM_RING_BYTES"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_RING_CHUNK_BYTES", "8")], "GRADWIRE_RING_CHUNK_BYTES"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SHM_STORES", "fast")], "GRADWIRE_SHM_STORES: unknown store kind \"fast\""),
         (&[("RANK", "1"), ("WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_RANK", "0")], "contradicts"),
     ];
     for (env, expect) in cases {

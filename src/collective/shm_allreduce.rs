@@ -7,7 +7,8 @@
 //!   own into its staging area; (2) rank r reduces part r of the peers' staging areas into
 //!   its own buffer and copies the result into its staging area; (3) every rank copies the
 //!   other finished parts from their owners' staging areas. Three barriers per segment,
-//!   made of per-rank phase counters (no shared contended line);
+//!   made of per-rank phase counters (no shared contended line). What peers read is
+//!   written with plain or streaming stores, whichever [`StoreChooser`] has timed faster;
 //! - zero-copy (from [`ZERO_COPY_MIN`], when every rank's buffer comes from
 //!   `gradwire_alloc` and every rank maps every other's): rank r reduces part r straight
 //!   out of the peers' buffers and writes it straight into them.
@@ -17,6 +18,7 @@
 //! the staged form never writes.
 
 use super::reduce::reduce_all;
+use crate::config::StagedStores;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::transport::frame::{CallHeader, FrameHeader, FrameKind};
@@ -141,7 +143,7 @@ const WRITERS_GRACE: Duration = Duration::from_secs(2);
 /// In-place allreduce of `buf` among all ranks of the domain (all on this host), in the
 /// form its size calls for. Every rank picks the same: the sizes match (checked), and
 /// whether the zero-copy form runs is agreed in its first two barriers.
-pub fn shm_allreduce(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+pub fn shm_allreduce(cx: &ShmCtx<'_>, stores: &mut StoreChooser, setting: StagedStores, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     if buf.len() <= cx.small_capacity() && buf.len() * cx.world <= SMALL_READ_MAX {
         return shm_allreduce_small(cx, buf, dtype, op);
     }
@@ -150,7 +152,12 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
             return shm_allreduce_zero_copy(cx, buf, dtype, op, &peers);
         }
     }
-    shm_allreduce_staged(cx, buf, dtype, op)
+    let streaming = stores.choose(setting, buf.len());
+    let took = shm_allreduce_staged(cx, buf, dtype, op, streaming)?;
+    if let Some(flip) = stores.record(buf.len(), streaming, took) {
+        log::debug!("rank {}: the staged allreduce of {flip}", cx.rank);
+    }
+    Ok(())
 }
 
 /// Staged allreduce (see the module comment). A rank's own part does not pass through
@@ -160,13 +167,16 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp
 /// staging areas in cache (every part staged, 16 and 64 MiB: 2 ranks 4.3-4.4 GB/s with
 /// 16 MiB segments, 6.7-7.1 with 2 MiB and 6.2-7.3 with 1 MiB; 4 ranks 3.0-3.6 with
 /// 4 MiB, 3.7-4.5 with 2 MiB, 4.1-4.8 with 1 MiB).
-fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+/// Returns how long the call took from its first barrier on, which the peers' arrival
+/// does not stretch: what [`StoreChooser`] compares.
+fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, streaming: bool) -> Result<Duration> {
     let (w, me) = (cx.world, cx.rank);
     let elem = dtype.size();
     let seg = cx.staged_capacity() / elem * elem;
     let mut base = cx.dom.phase(me).load(Ordering::Relaxed);
     let mut off = 0;
     let others = || (0..w).filter(move |&p| p != me);
+    let mut since = Instant::now();
     loop {
         let len = (buf.len() - off).min(seg);
         let bounds = super::algos::part_bounds(len / elem, w, elem);
@@ -175,12 +185,13 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         for p in others() {
             // SAFETY: our own staging area, at least `seg` bytes; peers read it only after
             // the Release store below and stop before our next write (barrier base+3).
-            unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[p]), &buf[off..][part(p)]) };
+            unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[p]), &buf[off..][part(p)], streaming) };
         }
         cx.advance(base + 1);
         cx.wait_all(base + 1)?;
         if off == 0 {
             cx.check_calls()?;
+            since = Instant::now();
         }
         // (2) Reduce my part of every peer's staging area into my buffer, block by block,
         // and stage each finished block for the peers while it is in cache.
@@ -193,7 +204,7 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
             reduce_all(dtype, op, w, &mut mine[b..e], theirs);
             // SAFETY: part `me` of our staging area: only we write it, and peers read it
             // only after barrier base+2.
-            unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[me] + b), &mine[b..e]) };
+            unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[me] + b), &mine[b..e], streaming) };
         }
         cx.advance(base + 2);
         cx.wait_all(base + 2)?;
@@ -208,23 +219,25 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         base += 3;
         off += len;
         if off >= buf.len() {
-            return Ok(());
+            return Ok(since.elapsed());
         }
     }
 }
 
-/// Copies `src` to `dst` in our staging area, for peers to read, with non-temporal stores
-/// (x86-64): the lines go to memory instead of staying modified in this core's cache, from
-/// where every peer's read would have to fetch them. That fetch is what varies on a
-/// virtual machine: two processes handing 512 KiB back and forth (as benches/peers/handoff.c)
-/// ran at 3.4-4.8 GB/s with plain copies against 16-20 with streaming ones in some
-/// minutes, and 14-16 either way in others.
+/// Copies `src` to `dst` in our staging area, for peers to read: with non-temporal stores
+/// when `streaming` (x86-64), so the lines go to memory instead of staying modified in this
+/// core's cache, from where every peer's read has to fetch them. How fast that fetch is
+/// changes on a virtual machine from one minute to the next: two processes handing 512 KiB
+/// back and forth (benches/peers/handoff.c) ran at 3.4-4.8 GB/s with plain copies against
+/// 16-20 with streaming ones in some minutes, and 14-16 either way in others, where plain
+/// stores win by keeping everything in cache (2 ranks, 1-4 MiB: 12-13 against 6.3 GB/s
+/// busbw). Hence [`StoreChooser`].
 ///
 /// # Safety
 /// `dst..dst + src.len()` is writable and does not overlap `src`.
-unsafe fn copy_for_peers(dst: *mut u8, src: &[u8]) {
+unsafe fn copy_for_peers(dst: *mut u8, src: &[u8], streaming: bool) {
     #[cfg(target_arch = "x86_64")]
-    {
+    if streaming {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
         let n = src.len();
         let head = dst.align_offset(16).min(n);
@@ -238,9 +251,134 @@ unsafe fn copy_for_peers(dst: *mut u8, src: &[u8]) {
         // Streaming stores are weakly ordered: make them visible before the phase store
         // that publishes them.
         _mm_sfence();
+        return;
     }
     #[cfg(not(target_arch = "x86_64"))]
+    let _ = streaming;
     std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
+}
+
+/// Picks the stores of the staged form per call, by size class (a power of two), from the
+/// time per byte of past calls, each kind's cost being the least of its last three (the
+/// noise of a shared machine only ever adds time). A class's first call only warms up
+/// (page faults, cold caches); then each kind is timed twice, alternately, and the faster
+/// one is kept. The other is tried again after 32 calls, then twice as seldom each time
+/// it loses again, at most every 1024 calls: a host whose cache hand-off slows down shows
+/// in the kind in use within three calls, one that recovers within the probe interval,
+/// and trying the slower kind costs little once the interval has grown (a probe of plain
+/// stores in a slow minute costs about five calls). The kind in use changes only when the
+/// other is at least 10 % faster, so that noise does not flip it back and forth. Every
+/// rank makes the same calls, so the first tries coincide; ranks that later disagree lose
+/// speed, never correctness. Measured (2 ranks, 1-256 MiB, alternating runs): in a good
+/// minute within 1-4 % of plain stores, 1.7x streaming ones; in a slow minute, 4-5x plain.
+#[derive(Default)]
+pub struct StoreChooser {
+    classes: Vec<StoreClass>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct StoreClass {
+    warm: bool,
+    /// Nanoseconds per byte of the latest calls, [plain, streaming].
+    recent: [Recent; 2],
+    /// The kind in use, once both are timed: true for streaming.
+    streaming: Option<bool>,
+    calls_since_probe: u32,
+    probe_every: u32,
+}
+
+/// The last (up to) three figures of one kind, newest at `next - 1`.
+#[derive(Clone, Copy, Default)]
+struct Recent {
+    figures: [f64; 3],
+    len: usize,
+    next: usize,
+}
+
+impl Recent {
+    fn push(&mut self, x: f64) {
+        self.figures[self.next] = x;
+        self.next = (self.next + 1) % self.figures.len();
+        self.len = (self.len + 1).min(self.figures.len());
+    }
+
+    fn least(&self) -> f64 {
+        self.figures[..self.len].iter().copied().fold(f64::INFINITY, f64::min)
+    }
+}
+
+/// Calls between probes of the other kind: at first, and after a change (see [`StoreChooser`]).
+const PROBE_MIN: u32 = 32;
+/// Calls between probes of the other kind: at most.
+const PROBE_MAX: u32 = 1024;
+/// The other kind must cost at most this fraction of the kind in use to replace it.
+const SWITCH_GAIN: f64 = 0.9;
+
+impl StoreChooser {
+    fn class(&mut self, len: usize) -> &mut StoreClass {
+        let c = (usize::BITS - len.leading_zeros()) as usize;
+        if self.classes.len() <= c {
+            self.classes.resize(c + 1, StoreClass { probe_every: PROBE_MIN, ..Default::default() });
+        }
+        &mut self.classes[c]
+    }
+
+    /// Whether the staged allreduce of `len` bytes uses streaming stores.
+    pub fn choose(&mut self, setting: StagedStores, len: usize) -> bool {
+        match setting {
+            StagedStores::Plain => false,
+            StagedStores::Streaming => true,
+            StagedStores::Auto => {
+                let c = self.class(len);
+                match c.streaming {
+                    None => c.recent[1].len < c.recent[0].len,
+                    Some(in_use) => in_use != (c.calls_since_probe + 1 >= c.probe_every),
+                }
+            }
+        }
+    }
+
+    /// Records the time of a call of `len` bytes; returns the new choice, explained, when
+    /// it changed.
+    pub fn record(&mut self, len: usize, streaming: bool, took: Duration) -> Option<String> {
+        let c = self.class(len);
+        if !std::mem::replace(&mut c.warm, true) {
+            return None;
+        }
+        let per_byte = took.as_nanos() as f64 / len.max(1) as f64;
+        let probe = c.streaming.is_some_and(|s| s != streaming);
+        // A probe is the only recent figure for the other kind: it replaces the old ones.
+        let kind = &mut c.recent[streaming as usize];
+        if probe {
+            *kind = Recent::default();
+        }
+        kind.push(per_byte);
+        if c.streaming.is_none() && c.recent.iter().any(|r| r.len < 2) {
+            return None;
+        }
+        let (plain, stream) = (c.recent[0].least(), c.recent[1].least());
+        let before = c.streaming;
+        let after = match before {
+            None => stream < plain,
+            Some(true) => plain >= SWITCH_GAIN * stream,
+            Some(false) => stream < SWITCH_GAIN * plain,
+        };
+        c.streaming = Some(after);
+        if before == Some(after) {
+            if probe {
+                c.calls_since_probe = 0;
+                c.probe_every = (c.probe_every * 2).min(PROBE_MAX);
+            } else {
+                c.calls_since_probe += 1;
+            }
+            return None;
+        }
+        // A first choice, or the host changed: look at the other kind again soon.
+        c.calls_since_probe = 0;
+        c.probe_every = PROBE_MIN;
+        let kind = if after { "streaming" } else { "plain" };
+        Some(format!("{len} bytes now uses {kind} stores (plain {plain:.3} ns/B, streaming {stream:.3} ns/B)"))
+    }
 }
 
 /// Largest buffer for the one-barrier small form.
@@ -392,4 +530,78 @@ fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Re
     }
     cx.advance(base + 1);
     cx.wait_all(base + 1).map_err(|e| cx.fail_zero_copy(e, base + 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `calls` calls of `len` bytes on a host where a byte costs `plain` or
+    /// `streaming` ns; returns the kinds used, true for streaming.
+    fn run(ch: &mut StoreChooser, len: usize, calls: usize, plain: f64, streaming: f64) -> Vec<bool> {
+        (0..calls)
+            .map(|_| {
+                let s = ch.choose(StagedStores::Auto, len);
+                ch.record(len, s, Duration::from_nanos((len as f64 * if s { streaming } else { plain }) as u64));
+                s
+            })
+            .collect()
+    }
+
+    #[test]
+    fn tries_both_then_keeps_the_faster_and_probes_ever_more_seldom() {
+        let mut ch = StoreChooser::default();
+        let used = run(&mut ch, 1 << 20, 4000, 0.1, 0.2);
+        // The first call warms up (plain, not timed), then each kind is timed twice.
+        assert_eq!(&used[..5], &[false, false, true, false, true]);
+        let probes: Vec<usize> = used.iter().enumerate().skip(5).filter(|(_, &s)| s).map(|(i, _)| i).collect();
+        let gaps: Vec<usize> = probes.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps.windows(2).all(|g| g[1] >= g[0]) && gaps.iter().all(|&g| g <= PROBE_MAX as usize + 1), "{probes:?}");
+        assert!(probes.len() >= 4 && probes.len() <= 12, "{probes:?}");
+    }
+
+    #[test]
+    fn follows_the_host_when_it_changes_and_classes_are_separate() {
+        let mut ch = StoreChooser::default();
+        run(&mut ch, 1 << 20, 100, 0.1, 0.2);
+        // Cross-core fetches slow down 5x: once the fast figures have left plain's last
+        // three, streaming takes over, and plain is tried again only after PROBE_MIN calls,
+        // then ever more seldom.
+        let used = run(&mut ch, 1 << 20, 3 * PROBE_MIN as usize, 0.5, 0.2);
+        let plain: Vec<usize> = used.iter().enumerate().skip(4).filter(|(_, &s)| !s).map(|(i, _)| i).collect();
+        assert!(plain.len() <= 2 && plain.windows(2).all(|w| w[1] - w[0] >= PROBE_MIN as usize), "{used:?}");
+        // They recover: the next probe of plain (the interval has grown to twice
+        // PROBE_MIN) finds it, and plain is kept again.
+        let used = run(&mut ch, 1 << 20, 3 * PROBE_MIN as usize, 0.1, 0.2);
+        let back = used.iter().position(|&s| !s).expect("plain never tried again");
+        assert!(back <= 2 * PROBE_MIN as usize && used[back..].iter().filter(|&&s| s).count() <= 2, "{used:?}");
+        // Another size class starts from scratch.
+        assert_eq!(run(&mut ch, 16 << 20, 5, 0.5, 0.2), [false, false, true, false, true]);
+    }
+
+    #[test]
+    fn noise_does_not_flip_the_choice() {
+        let mut ch = StoreChooser::default();
+        let mut used = vec![];
+        for i in 0..400 {
+            // Within 5 % of each other, the lead changing with every call.
+            let (p, s) = if i % 2 == 0 { (0.100, 0.104) } else { (0.104, 0.100) };
+            used.extend(run(&mut ch, 4 << 20, 1, p, s));
+        }
+        // After the first tries, one kind stays in use: the other appears only as single
+        // probes, ever more seldom.
+        let after = &used[5..];
+        let in_use = after[0];
+        let probes = after.iter().filter(|&&s| s != in_use).count();
+        assert!(probes <= 8 && after.windows(2).all(|w| w[0] == in_use || w[1] == in_use), "{probes} probes: {used:?}");
+    }
+
+    #[test]
+    fn a_forced_kind_is_always_used() {
+        let mut ch = StoreChooser::default();
+        for _ in 0..50 {
+            assert!(!ch.choose(StagedStores::Plain, 1 << 20));
+            assert!(ch.choose(StagedStores::Streaming, 1 << 20));
+        }
+    }
 }

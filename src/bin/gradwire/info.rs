@@ -101,6 +101,15 @@ pub fn run(settings_only: bool) -> i32 {
             );
             println!("  verbs ring       {} B per peer and direction (registered)", c.ib_ring_bytes);
             println!("  shm ring         {} B per peer, staging {} B per rank", c.shm_ring_bytes, c.shm_stage_bytes);
+            println!(
+                "  shm stores       {}",
+                match c.shm_stores {
+                    gradwire::config::StagedStores::Auto =>
+                        "auto: plain or streaming per size class, whichever times faster (GRADWIRE_LOG=debug shows each choice)",
+                    gradwire::config::StagedStores::Plain => "plain (forced)",
+                    gradwire::config::StagedStores::Streaming => "streaming, non-temporal (forced)",
+                }
+            );
             println!("  waiting          spin {} us, then yield, then sleep", c.spin.as_micros());
             println!("  huge pages       {}", if c.hugepages { "requested (falls back to normal pages with a logged reason)" } else { "off" });
         }
