@@ -167,6 +167,7 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, stores: &mut StoreChooser, setting: Staged
 /// staging areas in cache (every part staged, 16 and 64 MiB: 2 ranks 4.3-4.4 GB/s with
 /// 16 MiB segments, 6.7-7.1 with 2 MiB and 6.2-7.3 with 1 MiB; 4 ranks 3.0-3.6 with
 /// 4 MiB, 3.7-4.5 with 2 MiB, 4.1-4.8 with 1 MiB).
+///
 /// Returns how long the call took from its first barrier on, which the peers' arrival
 /// does not stretch: what [`StoreChooser`] compares.
 fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, streaming: bool) -> Result<Duration> {
@@ -270,7 +271,7 @@ unsafe fn copy_for_peers(dst: *mut u8, src: &[u8], streaming: bool) {
 /// other is at least 10 % faster, so that noise does not flip it back and forth. Every
 /// rank makes the same calls, so the first tries coincide; ranks that later disagree lose
 /// speed, never correctness. Measured (2 ranks, 1-256 MiB, alternating runs): in a good
-/// minute within 1-4 % of plain stores, 1.7x streaming ones; in a slow minute, 4-5x plain.
+/// minute within 1-4 % of plain stores, 1.7x streaming ones; in a slow minute, 3.5-4.5x plain.
 #[derive(Default)]
 pub struct StoreChooser {
     classes: Vec<StoreClass>,
