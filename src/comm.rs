@@ -311,7 +311,10 @@ type VerbsDomain = Option<()>;
 /// affinity: a launcher that pins each rank to its own core would make every rank see one
 /// CPU and give up spinning exactly where spinning pays (2 pinned ranks on 2 cores: the
 /// 4 KiB shm allreduce spent half its time in sched_yield). Pinning changes the affinity,
-/// never the control group.
+/// never the control group. Assumed: the ranks of a host share one control group (a
+/// container, a job step). A scheduler that puts every rank in a cgroup of its own with one
+/// CPU makes each see 1 CPU, and they stop spinning although each has its core: small
+/// calls get slower, never wrong.
 pub fn host_cpus() -> usize {
     // SAFETY: sysconf has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
@@ -385,7 +388,7 @@ fn cpu_list_len(list: &str) -> Option<usize> {
     for range in list.trim().split(',').filter(|r| !r.is_empty()) {
         let (lo, hi) = range.split_once('-').unwrap_or((range, range));
         let (lo, hi): (usize, usize) = (lo.trim().parse().ok()?, hi.trim().parse().ok()?);
-        n += hi.checked_sub(lo)? + 1;
+        n = hi.checked_sub(lo).and_then(|d| d.checked_add(1)).and_then(|k| k.checked_add(n))?;
     }
     (n > 0).then_some(n)
 }
@@ -407,6 +410,7 @@ mod tests {
         assert_eq!(cpu_list_len(""), None);
         assert_eq!(cpu_list_len("3-1"), None);
         assert_eq!(cpu_list_len("a-b"), None);
+        assert_eq!(cpu_list_len("0-18446744073709551615"), None);
         assert_eq!(quota_cpus(150_000, 100_000), Some(2));
         assert_eq!(quota_cpus(-1, 100_000), None);
         assert_eq!(quota_cpus(100_000, 0), None);
@@ -445,14 +449,5 @@ mod tests {
         assert_eq!(limit(own, &files), Some(4));
         assert_eq!(limit(own, &files[..2]), Some(8));
         assert_eq!(limit("0::/\n", &[("/sys/fs/cgroup/cpuset.cpus.effective", "0")]), Some(1));
-    }
-
-    #[test]
-    fn this_host() {
-        let n = host_cpus();
-        assert!(n >= 1);
-        // SAFETY: sysconf has no preconditions.
-        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-        assert!(online <= 0 || n <= online as usize);
     }
 }

@@ -75,7 +75,7 @@ fn shm_staged_form_chooses_its_stores_and_says_so() {
     let t = text(&out);
     assert!(out.status.success() && !t.contains("panicked"), "{t}");
     for rank in 0..3 {
-        let chose = |l: &&str| l.contains(&format!("rank {rank}: the staged allreduce of 2097152 bytes now uses")) && l.contains("ns/B");
+        let chose = |l: &&str| l.contains(&format!("rank {rank}: the staged allreduce of 2097152 bytes of float32 now uses")) && l.contains("ns/B");
         assert!(
             t.lines().any(|l| chose(&l)),
             "rank {rank} never said which stores it keeps:
@@ -216,7 +216,18 @@ fn ranks_confined_to_one_cpu_by_a_cpuset_do_not_spin() {
     };
     let info = confined("info");
     let check = confined(&format!("launch -n 2 -- {} check --transport shm --collectives allreduce,broadcast --dtypes float32 --counts 1,7919,300000", bin()));
-    let _ = std::fs::remove_dir(&dir);
+    // Whatever a killed run left in the group goes too, so that the group can be removed.
+    for pid in std::fs::read_to_string(&procs).unwrap_or_default().split_whitespace() {
+        let _ = std::process::Command::new("kill").args(["-9", pid]).status();
+    }
+    let gone = (0..50).any(|_| {
+        let removed = std::fs::remove_dir(&dir).is_ok();
+        if !removed {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        removed
+    });
+    assert!(gone, "could not remove cgroup {}", dir.display());
     let (ti, tc) = (text(&info), text(&check));
     assert!(info.status.success() && ti.contains("cpus               1 "), "{ti}");
     assert!(check.status.success(), "{tc}");

@@ -152,9 +152,9 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, stores: &mut StoreChooser, setting: Staged
             return shm_allreduce_zero_copy(cx, buf, dtype, op, &peers);
         }
     }
-    let streaming = stores.choose(setting, buf.len());
+    let streaming = stores.choose(setting, buf.len(), dtype);
     let took = shm_allreduce_staged(cx, buf, dtype, op, streaming)?;
-    if let Some(flip) = stores.record(buf.len(), streaming, took) {
+    if let Some(flip) = stores.record(buf.len(), dtype, streaming, took) {
         log::debug!("rank {}: the staged allreduce of {flip}", cx.rank);
     }
     Ok(())
@@ -168,8 +168,8 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, stores: &mut StoreChooser, setting: Staged
 /// 16 MiB segments, 6.7-7.1 with 2 MiB and 6.2-7.3 with 1 MiB; 4 ranks 3.0-3.6 with
 /// 4 MiB, 3.7-4.5 with 2 MiB, 4.1-4.8 with 1 MiB).
 ///
-/// Returns how long the call took from its first barrier on, which the peers' arrival
-/// does not stretch: what [`StoreChooser`] compares.
+/// Returns how long the call took, less the wait for the peers to arrive at its first
+/// barrier: what [`StoreChooser`] compares.
 fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, streaming: bool) -> Result<Duration> {
     let (w, me) = (cx.world, cx.rank);
     let elem = dtype.size();
@@ -177,7 +177,10 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
     let mut base = cx.dom.phase(me).load(Ordering::Relaxed);
     let mut off = 0;
     let others = || (0..w).filter(move |&p| p != me);
-    let mut since = Instant::now();
+    // Timed: the first copy-in, then everything after the first barrier (not the wait for
+    // the peers to arrive, which has nothing to do with the stores).
+    let started = Instant::now();
+    let (mut first_copy_in, mut since) = (Duration::ZERO, started);
     loop {
         let len = (buf.len() - off).min(seg);
         let bounds = super::algos::part_bounds(len / elem, w, elem);
@@ -187,6 +190,9 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
             // SAFETY: our own staging area, at least `seg` bytes; peers read it only after
             // the Release store below and stop before our next write (barrier base+3).
             unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[p]), &buf[off..][part(p)], streaming) };
+        }
+        if off == 0 {
+            first_copy_in = started.elapsed();
         }
         cx.advance(base + 1);
         cx.wait_all(base + 1)?;
@@ -220,7 +226,7 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         base += 3;
         off += len;
         if off >= buf.len() {
-            return Ok(since.elapsed());
+            return Ok(first_copy_in + since.elapsed());
         }
     }
 }
@@ -259,8 +265,8 @@ unsafe fn copy_for_peers(dst: *mut u8, src: &[u8], streaming: bool) {
     std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
 }
 
-/// Picks the stores of the staged form per call, by size class (a power of two), from the
-/// time per byte of past calls, each kind's cost being the least of its last three (the
+/// Picks the stores of the staged form per call, by size class (a power of two) and dtype
+/// (a bf16 reduction costs more per byte than an f32 one), from the time per byte of past calls, each kind's cost being the least of its last three (the
 /// noise of a shared machine only ever adds time). A class's first call only warms up
 /// (page faults, cold caches); then each kind is timed twice, alternately, and the faster
 /// one is kept. The other is tried again after 32 calls, then twice as seldom each time
@@ -316,8 +322,8 @@ const PROBE_MAX: u32 = 1024;
 const SWITCH_GAIN: f64 = 0.9;
 
 impl StoreChooser {
-    fn class(&mut self, len: usize) -> &mut StoreClass {
-        let c = (usize::BITS - len.leading_zeros()) as usize;
+    fn class(&mut self, len: usize, dtype: DType) -> &mut StoreClass {
+        let c = (usize::BITS - len.leading_zeros()) as usize * DType::ALL.len() + dtype as usize;
         if self.classes.len() <= c {
             self.classes.resize(c + 1, StoreClass { probe_every: PROBE_MIN, ..Default::default() });
         }
@@ -325,12 +331,12 @@ impl StoreChooser {
     }
 
     /// Whether the staged allreduce of `len` bytes uses streaming stores.
-    pub fn choose(&mut self, setting: StagedStores, len: usize) -> bool {
+    pub fn choose(&mut self, setting: StagedStores, len: usize, dtype: DType) -> bool {
         match setting {
             StagedStores::Plain => false,
             StagedStores::Streaming => true,
             StagedStores::Auto => {
-                let c = self.class(len);
+                let c = self.class(len, dtype);
                 match c.streaming {
                     None => c.recent[1].len < c.recent[0].len,
                     Some(in_use) => in_use != (c.calls_since_probe + 1 >= c.probe_every),
@@ -341,8 +347,8 @@ impl StoreChooser {
 
     /// Records the time of a call of `len` bytes; returns the new choice, explained, when
     /// it changed.
-    pub fn record(&mut self, len: usize, streaming: bool, took: Duration) -> Option<String> {
-        let c = self.class(len);
+    pub fn record(&mut self, len: usize, dtype: DType, streaming: bool, took: Duration) -> Option<String> {
+        let c = self.class(len, dtype);
         if !std::mem::replace(&mut c.warm, true) {
             return None;
         }
@@ -378,7 +384,7 @@ impl StoreChooser {
         c.calls_since_probe = 0;
         c.probe_every = PROBE_MIN;
         let kind = if after { "streaming" } else { "plain" };
-        Some(format!("{len} bytes now uses {kind} stores (plain {plain:.3} ns/B, streaming {stream:.3} ns/B)"))
+        Some(format!("{len} bytes of {} now uses {kind} stores (plain {plain:.3} ns/B, streaming {stream:.3} ns/B)", dtype.name()))
     }
 }
 
@@ -542,8 +548,8 @@ mod tests {
     fn run(ch: &mut StoreChooser, len: usize, calls: usize, plain: f64, streaming: f64) -> Vec<bool> {
         (0..calls)
             .map(|_| {
-                let s = ch.choose(StagedStores::Auto, len);
-                ch.record(len, s, Duration::from_nanos((len as f64 * if s { streaming } else { plain }) as u64));
+                let s = ch.choose(StagedStores::Auto, len, DType::F32);
+                ch.record(len, DType::F32, s, Duration::from_nanos((len as f64 * if s { streaming } else { plain }) as u64));
                 s
             })
             .collect()
@@ -576,8 +582,9 @@ mod tests {
         let used = run(&mut ch, 1 << 20, 3 * PROBE_MIN as usize, 0.1, 0.2);
         let back = used.iter().position(|&s| !s).expect("plain never tried again");
         assert!(back <= 2 * PROBE_MIN as usize && used[back..].iter().filter(|&&s| s).count() <= 2, "{used:?}");
-        // Another size class starts from scratch.
+        // Another size class starts from scratch, and so does another dtype.
         assert_eq!(run(&mut ch, 16 << 20, 5, 0.5, 0.2), [false, false, true, false, true]);
+        assert!(!ch.choose(StagedStores::Auto, 1 << 20, DType::BF16));
     }
 
     #[test]
@@ -601,8 +608,8 @@ mod tests {
     fn a_forced_kind_is_always_used() {
         let mut ch = StoreChooser::default();
         for _ in 0..50 {
-            assert!(!ch.choose(StagedStores::Plain, 1 << 20));
-            assert!(ch.choose(StagedStores::Streaming, 1 << 20));
+            assert!(!ch.choose(StagedStores::Plain, 1 << 20, DType::F32));
+            assert!(ch.choose(StagedStores::Streaming, 1 << 20, DType::BF16));
         }
     }
 }
