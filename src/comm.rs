@@ -118,7 +118,9 @@ impl Communicator {
         let spin = if here > cpus { std::time::Duration::ZERO } else { cfg.spin };
         log::debug!("rank {rank}: {here} ranks on this host, {cpus} CPUs for them: spin {} us before yielding", spin.as_micros());
         let links = Links::new(rank, links, abort.clone(), spin);
-        let state = EngineState::new(rank, size, links, shm, shm_all, spin, abort, global_ranks.clone()).with_store(store.clone(), &prefix);
+        let state = EngineState::new(rank, size, links, shm, shm_all, spin, abort, global_ranks.clone())
+            .with_store(store.clone(), &prefix)
+            .with_shm_stores(cfg.shm_stores);
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
         Ok(Communicator {
             rank,

@@ -150,9 +150,10 @@ impl std::str::FromStr for Algo {
 }
 
 /// How the one-host staged allreduce writes what its peers read (`GRADWIRE_SHM_STORES`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StagedStores {
     /// Time both kinds and keep the faster, per size class, looking again now and then.
+    #[default]
     Auto,
     /// Ordinary stores: the lines stay in the writer's cache until a peer fetches them.
     Plain,

@@ -234,6 +234,12 @@ impl EngineState {
         EngineState { rank, world, links, shm, shm_all, spin, shm_stores: Default::default(), abort, failed: None, seq: 0, global, id, store: None }
     }
 
+    /// How the one-host staged allreduce picks its stores (`GRADWIRE_SHM_STORES`).
+    pub fn with_shm_stores(mut self, setting: crate::config::StagedStores) -> Self {
+        self.shm_stores = crate::collective::shm_allreduce::StoreChooser::new(setting);
+        self
+    }
+
     /// Lets failures be explained through the rendezvous store (see `store`).
     pub fn with_store(mut self, store: Option<Arc<crate::bootstrap::StoreClient>>, prefix: &str) -> Self {
         self.store = store.map(|s| (s, prefix.to_string()));

@@ -96,7 +96,7 @@ impl Communicator {
         if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
             return Err(invalid("null buffer"));
         }
-        let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes, stores: self.config.shm_stores };
+        let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes };
         let default_algo = self.config.algo;
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
         let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
@@ -270,7 +270,6 @@ impl<V> Drop for Pending<V> {
 struct Sizes {
     small: usize,
     ring_chunk: usize,
-    stores: crate::config::StagedStores,
 }
 
 /// Runs one collective on the progress thread.
@@ -302,7 +301,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                 Algo::SharedMemory => {
                     let dom = st.shm.as_ref().ok_or_else(|| invalid("no shared memory"))?;
                     let scx = ShmCtx { dom, rank, world, call, deadline, abort: &st.abort, spin: st.spin };
-                    shm_allreduce(&scx, &mut st.shm_stores, tune.stores, recv, req.dtype, req.redop)
+                    shm_allreduce(&scx, &mut st.shm_stores, recv, req.dtype, req.redop)
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),
                 _ => algos::ring_allreduce(&mut cx, recv, tune.ring_chunk),

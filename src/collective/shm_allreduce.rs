@@ -143,7 +143,7 @@ const WRITERS_GRACE: Duration = Duration::from_secs(2);
 /// In-place allreduce of `buf` among all ranks of the domain (all on this host), in the
 /// form its size calls for. Every rank picks the same: the sizes match (checked), and
 /// whether the zero-copy form runs is agreed in its first two barriers.
-pub fn shm_allreduce(cx: &ShmCtx<'_>, stores: &mut StoreChooser, setting: StagedStores, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+pub fn shm_allreduce(cx: &ShmCtx<'_>, stores: &mut StoreChooser, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     if buf.len() <= cx.small_capacity() && buf.len() * cx.world <= SMALL_READ_MAX {
         return shm_allreduce_small(cx, buf, dtype, op);
     }
@@ -152,7 +152,7 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, stores: &mut StoreChooser, setting: Staged
             return shm_allreduce_zero_copy(cx, buf, dtype, op, &peers);
         }
     }
-    let streaming = stores.choose(setting, buf.len(), dtype);
+    let streaming = stores.choose(buf.len(), dtype);
     let took = shm_allreduce_staged(cx, buf, dtype, op, streaming)?;
     if let Some(flip) = stores.record(buf.len(), dtype, streaming, took) {
         log::debug!("rank {}: the staged allreduce of {flip}", cx.rank);
@@ -265,9 +265,10 @@ unsafe fn copy_for_peers(dst: *mut u8, src: &[u8], streaming: bool) {
     std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
 }
 
-/// Picks the stores of the staged form per call, by size class (a power of two) and dtype
-/// (a bf16 reduction costs more per byte than an f32 one), from the time per byte of past calls, each kind's cost being the least of its last three (the
-/// noise of a shared machine only ever adds time). A class's first call only warms up
+/// Picks the stores of the staged form per call (unless `GRADWIRE_SHM_STORES` forces a
+/// kind), by size class (a power of two) and dtype (a bf16 reduction costs more per byte
+/// than an f32 one), from the time per byte of past calls, each kind's cost being the
+/// least of its last three (the noise of a shared machine only ever adds time). A class's first call only warms up
 /// (page faults, cold caches); then each kind is timed twice, alternately, and the faster
 /// one is kept. The other is tried again after 32 calls, then twice as seldom each time
 /// it loses again, at most every 1024 calls: a host whose cache hand-off slows down shows
@@ -280,6 +281,7 @@ unsafe fn copy_for_peers(dst: *mut u8, src: &[u8], streaming: bool) {
 /// minute within 1-4 % of plain stores, 1.7x streaming ones; in a slow minute, 3.5-4.5x plain.
 #[derive(Default)]
 pub struct StoreChooser {
+    setting: StagedStores,
     classes: Vec<StoreClass>,
 }
 
@@ -322,6 +324,10 @@ const PROBE_MAX: u32 = 1024;
 const SWITCH_GAIN: f64 = 0.9;
 
 impl StoreChooser {
+    pub fn new(setting: StagedStores) -> Self {
+        StoreChooser { setting, classes: Vec::new() }
+    }
+
     fn class(&mut self, len: usize, dtype: DType) -> &mut StoreClass {
         let c = (usize::BITS - len.leading_zeros()) as usize * DType::ALL.len() + dtype as usize;
         if self.classes.len() <= c {
@@ -331,8 +337,8 @@ impl StoreChooser {
     }
 
     /// Whether the staged allreduce of `len` bytes uses streaming stores.
-    pub fn choose(&mut self, setting: StagedStores, len: usize, dtype: DType) -> bool {
-        match setting {
+    pub fn choose(&mut self, len: usize, dtype: DType) -> bool {
+        match self.setting {
             StagedStores::Plain => false,
             StagedStores::Streaming => true,
             StagedStores::Auto => {
@@ -548,7 +554,7 @@ mod tests {
     fn run(ch: &mut StoreChooser, len: usize, calls: usize, plain: f64, streaming: f64) -> Vec<bool> {
         (0..calls)
             .map(|_| {
-                let s = ch.choose(StagedStores::Auto, len, DType::F32);
+                let s = ch.choose(len, DType::F32);
                 ch.record(len, DType::F32, s, Duration::from_nanos((len as f64 * if s { streaming } else { plain }) as u64));
                 s
             })
@@ -584,7 +590,7 @@ mod tests {
         assert!(back <= 2 * PROBE_MIN as usize && used[back..].iter().filter(|&&s| s).count() <= 2, "{used:?}");
         // Another size class starts from scratch, and so does another dtype.
         assert_eq!(run(&mut ch, 16 << 20, 5, 0.5, 0.2), [false, false, true, false, true]);
-        assert!(!ch.choose(StagedStores::Auto, 1 << 20, DType::BF16));
+        assert!(!ch.choose(1 << 20, DType::BF16));
     }
 
     #[test]
@@ -606,10 +612,10 @@ mod tests {
 
     #[test]
     fn a_forced_kind_is_always_used() {
-        let mut ch = StoreChooser::default();
+        let (mut plain, mut streaming) = (StoreChooser::new(StagedStores::Plain), StoreChooser::new(StagedStores::Streaming));
         for _ in 0..50 {
-            assert!(!ch.choose(StagedStores::Plain, 1 << 20, DType::F32));
-            assert!(ch.choose(StagedStores::Streaming, 1 << 20, DType::BF16));
+            assert!(!plain.choose(1 << 20, DType::F32));
+            assert!(streaming.choose(1 << 20, DType::BF16));
         }
     }
 }
