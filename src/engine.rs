@@ -247,7 +247,7 @@ impl EngineState {
     }
 
     fn reason_key(&self, prefix: &str, local: usize) -> String {
-        failure_key(prefix, self.global.get(local).copied().unwrap_or(local))
+        crate::bootstrap::store::failure_key(prefix, self.global.get(local).copied().unwrap_or(local))
     }
 
     /// For a lost peer, the reason it left in the store when it failed first, if any.
@@ -315,10 +315,4 @@ impl Drop for Engine {
         let me = Arc::as_ptr(&self.state) as usize;
         siblings().retain(|s| s.state.as_ptr() as usize != me && s.state.strong_count() > 0);
     }
-}
-
-/// The store key under which the rank with `global_rank` leaves the reason it failed, for
-/// peers that find it gone (collectives here, the token ring in `rma`).
-pub(crate) fn failure_key(prefix: &str, global_rank: usize) -> String {
-    format!("{prefix}/failed/{global_rank}")
 }

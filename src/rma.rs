@@ -398,7 +398,7 @@ impl RemoteMemory {
     }
 
     fn reason_key(&self, prefix: &str, local: usize) -> String {
-        crate::engine::failure_key(prefix, self.global.get(local).copied().unwrap_or(local))
+        crate::bootstrap::store::failure_key(prefix, self.global.get(local).copied().unwrap_or(local))
     }
 
     /// Rank 0's count of current token holders (0 or 1 when all is well).

@@ -6,6 +6,7 @@ use super::auth::{self, read_frame, write_frame};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -14,11 +15,43 @@ const SET: u8 = b'S';
 const GET: u8 = b'G';
 const ADD: u8 = b'A';
 
+/// How long a store whose job has failed outlives its communicator, waiting for the other
+/// ranks to read the failure reasons and leave.
+const LINGER_AFTER_FAILURE: Duration = Duration::from_secs(3);
+
+/// The key segment under which ranks leave the reason they failed (see [`failure_key`]).
+const FAILED: &str = "/failed/";
+
+/// The store key under which the rank with `global_rank` of the communicator with key
+/// prefix `prefix` leaves the reason it failed, for peers that only see it leave.
+pub fn failure_key(prefix: &str, global_rank: usize) -> String {
+    format!("{prefix}{FAILED}{global_rank}")
+}
+
 type Table = Arc<(Mutex<HashMap<String, Vec<u8>>>, Condvar)>;
 
 /// The server half: accepts authenticated clients on a background thread each.
 pub struct StoreServer {
     pub addr: std::net::SocketAddr,
+    table: Table,
+    /// Authenticated connections now open.
+    clients: Arc<AtomicUsize>,
+}
+
+/// Counts one open client connection while it lives.
+struct Connected(Arc<AtomicUsize>);
+
+impl Connected {
+    fn new(clients: &Arc<AtomicUsize>) -> Self {
+        clients.fetch_add(1, Ordering::AcqRel);
+        Connected(clients.clone())
+    }
+}
+
+impl Drop for Connected {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl StoreServer {
@@ -27,8 +60,34 @@ impl StoreServer {
         let listener = TcpListener::bind(bind).map_err(|e| Error::io(format!("bind rendezvous store on {bind} (port taken?)"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::io("store address", e))?;
         let table: Table = Arc::new((Mutex::new(HashMap::new()), Condvar::new()));
-        auth::serve_authenticated(listener, secret, CONTEXT, "rendezvous store", move |s| serve(s, &table))?;
-        Ok(StoreServer { addr })
+        let clients = Arc::new(AtomicUsize::new(0));
+        let (served, counted) = (table.clone(), clients.clone());
+        auth::serve_authenticated(listener, secret, CONTEXT, "rendezvous store", move |s| {
+            let _open = Connected::new(&counted);
+            serve(s, &served)
+        })?;
+        Ok(StoreServer { addr, table, clients })
+    }
+
+    fn holds_a_failure(&self) -> bool {
+        self.table.0.lock().unwrap_or_else(|p| p.into_inner()).keys().any(|k| k.contains(FAILED))
+    }
+}
+
+impl Drop for StoreServer {
+    /// When some rank has left a failure reason, the host of the store (rank 0) may be about
+    /// to exit first; its peers would then lose the store with the reason in it and could
+    /// only report "lost rank 0", not the rank whose death started it. So it waits, at most
+    /// 3 s, until every other client has gone.
+    fn drop(&mut self) {
+        if !self.holds_a_failure() {
+            return;
+        }
+        let until = Instant::now() + LINGER_AFTER_FAILURE;
+        while self.clients.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        log::debug!("rendezvous store: closing with {} clients still connected", self.clients.load(Ordering::Acquire));
     }
 }
 
@@ -186,5 +245,38 @@ mod tests {
         std::thread::sleep(Duration::from_millis(100));
         StoreClient::connect(&addr, "secret-123", dl).unwrap().set("late", b"x").unwrap();
         assert_eq!(t.join().unwrap().unwrap(), b"x");
+    }
+
+    /// The host of a store holding a failure reason keeps it up until the other ranks have
+    /// read it and left, and no longer than its bound; without a failure it goes at once.
+    #[test]
+    fn a_failed_jobs_store_waits_for_its_readers_within_a_bound() {
+        let dl = Instant::now() + Duration::from_secs(5);
+        let clean = StoreServer::start("127.0.0.1:0", "s").unwrap();
+        let _reader = StoreClient::connect(&clean.addr.to_string(), "s", dl).unwrap();
+        let t = Instant::now();
+        drop(clean);
+        assert!(t.elapsed() < Duration::from_millis(500), "a store without failures lingered {:?}", t.elapsed());
+
+        for reader_leaves in [true, false] {
+            let srv = StoreServer::start("127.0.0.1:0", "s").unwrap();
+            let addr = srv.addr.to_string();
+            let reader = StoreClient::connect(&addr, "s", dl).unwrap();
+            StoreClient::connect(&addr, "s", dl).unwrap().set(&failure_key("job", 3), b"lost rank 1").unwrap();
+            let t = Instant::now();
+            let closing = std::thread::spawn(move || drop(srv));
+            std::thread::sleep(Duration::from_millis(300));
+            assert!(!closing.is_finished(), "the store closed before its reader left");
+            assert_eq!(reader.get(&failure_key("job", 3), dl).unwrap().unwrap(), b"lost rank 1");
+            if reader_leaves {
+                drop(reader);
+                closing.join().unwrap();
+                assert!(t.elapsed() < LINGER_AFTER_FAILURE, "it waited {:?} after its last reader left", t.elapsed());
+            } else {
+                closing.join().unwrap();
+                let waited = t.elapsed();
+                assert!(waited >= LINGER_AFTER_FAILURE && waited < LINGER_AFTER_FAILURE + Duration::from_secs(1), "waited {waited:?}");
+            }
+        }
     }
 }
