@@ -8,13 +8,18 @@
  *   - Every function returns GRADWIRE_OK (0) or a negative gradwire_result_t; the text of
  *     the last error on the calling thread is gradwire_last_error().
  *   - Handles are opaque. Passing NULL, a handle that was finalized/freed, an unknown enum
- *     value, or a count whose byte size overflows returns GRADWIRE_ERR_INVALID_ARGUMENT;
- *     nothing crosses this boundary as a panic or abort.
+ *     value, or a count whose buffer would exceed PTRDIFF_MAX bytes returns
+ *     GRADWIRE_ERR_INVALID_ARGUMENT; nothing crosses this boundary as a panic or abort (a
+ *     bug inside gradwire returns GRADWIRE_ERR_INTERNAL and fails the communicator).
  *   - Blocking calls return when the operation is complete on this rank, or with an error
- *     naming the peer rank and the operation once GRADWIRE_TIMEOUT_MS has passed.
+ *     naming the peer rank and the operation once GRADWIRE_TIMEOUT_MS has passed since it
+ *     started running (operations queued ahead of it run first, each with its own deadline).
  *   - A communicator may be used from several threads; operations on it run in the order
- *     they were issued. gradwire_finalize must not race with other calls on the same
- *     communicator.
+ *     they were issued. As with NCCL and MPI, every rank must issue the same collectives
+ *     in the same order: threads of one rank that issue collectives concurrently must
+ *     order them among themselves, or two calls of the same shape may be paired with the
+ *     other rank's calls the other way round. gradwire_finalize must not race with other
+ *     calls on the same communicator.
  */
 #ifndef GRADWIRE_H
 #define GRADWIRE_H

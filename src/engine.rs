@@ -277,7 +277,16 @@ impl EngineState {
             self.fail("aborted by the application".into());
             return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted by the application".into() });
         }
-        let r = job(self, Instant::now() + timeout).map_err(|e| self.reason_of(e.with_global_ranks(&self.global)));
+        let deadline = Instant::now() + timeout;
+        // A panic is a bug; caught here it fails this communicator like any error (its peers
+        // learn why) instead of killing the progress thread and leaving waiters hanging.
+        let r = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(self, deadline))) {
+            Ok(r) => r.map_err(|e| self.reason_of(e.with_global_ranks(&self.global))),
+            Err(panic) => {
+                let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+                Err(Error::Internal(format!("rank {}: {}", self.global.get(self.rank).copied().unwrap_or(self.rank), what.unwrap_or_else(|| "panic".into()))))
+            }
+        };
         if let Err(e) = &r {
             self.fail(e.to_string());
         }
@@ -314,5 +323,26 @@ impl Drop for Engine {
         }
         let me = Arc::as_ptr(&self.state) as usize;
         siblings().retain(|s| s.state.as_ptr() as usize != me && s.state.strong_count() > 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job that panics (a bug) fails its work, and every later one, with an internal
+    /// error naming the rank, on the progress thread and on the caller's: nothing hangs.
+    #[test]
+    fn a_panicking_job_fails_its_work_instead_of_hanging() {
+        let abort = Arc::new(AtomicBool::new(false));
+        let links = Links::new(0, vec![None], abort.clone(), Duration::ZERO);
+        let state = EngineState::new(0, 1, links, None, true, Duration::ZERO, abort, vec![0]);
+        let engine = Engine::start(state, Duration::from_secs(5), "panic-test".into()).unwrap();
+        let boom: Job = Box::new(|_, _| panic!("injected fault"));
+        let e = engine.submit("boom#0".into(), boom).wait().expect_err("a panicking job must fail");
+        assert!(matches!(&e, Error::Internal(m) if m.contains("rank 0") && m.contains("injected fault")), "{e}");
+        assert_eq!(e.code(), -1);
+        let later = engine.run_blocking(|| "later#1".into(), Box::new(|_, _| Ok(())));
+        assert!(matches!(&later, Err(Error::Aborted { reason, .. }) if reason.contains("injected fault")), "{later:?}");
     }
 }

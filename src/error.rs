@@ -58,6 +58,10 @@ pub enum Error {
     /// The feature is not available in this build or on this host.
     #[error("unsupported: {0}")]
     Unsupported(String),
+
+    /// A bug in gradwire (a panic), caught before it could cross the C ABI or hang a waiter.
+    #[error("internal error (a gradwire bug; please report it): {0}")]
+    Internal(String),
 }
 
 impl Error {
@@ -92,6 +96,7 @@ impl Error {
             Error::Protocol(_) => -9,
             Error::Io { .. } => -10,
             Error::Unsupported(_) => -11,
+            Error::Internal(_) => -1,
         }
     }
 }

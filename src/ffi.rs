@@ -71,7 +71,8 @@ thread_local! {
 
 fn set_last_error(msg: String) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    // During thread teardown the text has nowhere to go; the error code still does.
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
 }
 
 /// Runs `f`, turning errors into codes plus error text and panics into
@@ -179,7 +180,10 @@ fn blocking(p: *mut gradwire_comm_t, req: Request, send: *const c_void, recv: *m
         let (_, c) = comm(p, what)?;
         check_buffers(&c, &req, send, recv, what)?;
         // SAFETY: checked buffers of the sizes the C contract documents, valid for the call.
-        unsafe { c.run(req, send as *const u8, recv as *mut u8) }
+        unsafe { c.run(req, send as *const u8, recv as *mut u8) }.map_err(|e| match e {
+            Error::InvalidArgument(m) if !m.starts_with(what) => invalid(format!("{what}: {m}")),
+            e => e,
+        })
     })
 }
 
@@ -413,5 +417,6 @@ pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
 
 #[no_mangle]
 pub extern "C" fn gradwire_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    // After this thread's locals are gone (a C++ thread_local destructor), empty text.
+    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(c"".as_ptr())
 }

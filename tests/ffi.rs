@@ -90,6 +90,10 @@ unsafe fn bad_inputs() {
     expect(gradwire_allreduce(comm, xp, xp, 8, 7, 0), INVALID, "unknown dtype 7");
     expect(gradwire_allreduce(comm, xp, xp, 8, 0, 9), INVALID, "unknown op 9");
     expect(gradwire_allreduce(comm, xp, xp, usize::MAX, 0, 0), INVALID, "overflows");
+    // No overflow in usize, but no buffer can be that large (a slice over isize::MAX bytes
+    // is undefined behaviour): refused before anything touches memory.
+    expect(gradwire_allreduce(comm, xp, xp, usize::MAX / 4, 0, 0), INVALID, "more than any buffer can hold");
+    expect(gradwire_allgather(comm, xp, xp, (isize::MAX as usize) / 4 + 1, 0), INVALID, "more than any buffer can hold");
     expect(gradwire_allreduce(comm, std::ptr::null(), xp, 8, 0, 0), INVALID, "sendbuf is NULL");
     expect(gradwire_allreduce(comm, xp, std::ptr::null_mut(), 8, 0, 0), INVALID, "recvbuf is NULL");
     // SAFETY: pointer arithmetic inside `x` only, to build an overlapping pair.

@@ -52,6 +52,11 @@ impl Request {
     pub fn lengths(&self, w: usize) -> Result<(usize, usize)> {
         let b = self.count.checked_mul(self.dtype.size()).ok_or_else(|| invalid(format!("count {} overflows", self.count)))?;
         let wb = b.checked_mul(w).ok_or_else(|| invalid(format!("count {} x {w} ranks overflows", self.count)))?;
+        // No buffer is larger than isize::MAX bytes: a longer slice is undefined behaviour.
+        let largest = if matches!(self.op, OpKind::ReduceScatter | OpKind::Allgather) { wb } else { b };
+        if largest > isize::MAX as usize {
+            return Err(invalid(format!("count {} makes a buffer of {largest} bytes, more than any buffer can hold", self.count)));
+        }
         Ok(match self.op {
             OpKind::ReduceScatter => (wb, b),
             OpKind::Allgather => (b, wb),
@@ -103,8 +108,14 @@ impl Communicator {
             let (s, r) = (s, r);
             // Sequence numbers are given at execution, in the order operations run.
             let call = CallHeader { op: req.op, dtype: req.dtype, redop: req.redop, root: req.root as u32, count: req.count as u64, seq: st.next_seq() };
+            // In place, the receive buffer is the only view of the bytes: a shared view of
+            // them beside the mutable one would break Rust's aliasing rules.
             // SAFETY: lengths and validity are the caller's contract (see `start`).
-            let sbuf: &[u8] = if slen == 0 { &[] } else { unsafe { std::slice::from_raw_parts(s.0, slen) } };
+            let sbuf: Option<&[u8]> = match slen {
+                0 => Some(&[]),
+                _ if std::ptr::eq(s.0, r.0) => None,
+                _ => Some(unsafe { std::slice::from_raw_parts(s.0, slen) }),
+            };
             let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
             run(st, deadline, call, req, req.algo.unwrap_or(default_algo), tune, sbuf, rbuf)
         });
@@ -272,9 +283,9 @@ struct Sizes {
     ring_chunk: usize,
 }
 
-/// Runs one collective on the progress thread.
+/// Runs one collective on the progress thread; `send` is `None` in place.
 #[allow(clippy::too_many_arguments)]
-fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, algo: Algo, tune: Sizes, send: &[u8], recv: &mut [u8]) -> Result<()> {
+fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, algo: Algo, tune: Sizes, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
     let (rank, world) = (st.rank, st.world);
     if let Some(dom) = &st.shm {
         dom.set_call(&encode_call(&call));
@@ -282,7 +293,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
     let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
     match req.op {
         OpKind::Allreduce => {
-            if send.as_ptr() != recv.as_ptr() {
+            if let Some(send) = send {
                 recv.copy_from_slice(send);
             }
             if world == 1 {
@@ -308,13 +319,14 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             }
         }
         OpKind::ReduceScatter => {
-            let mut work = send.to_vec();
+            let mut work = send.ok_or_else(|| invalid("reduce-scatter cannot run in place (its send and receive buffers are the same)"))?.to_vec();
             let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
             algos::ring_reduce_scatter(&mut cx, &mut work, &bounds, -1, tune.ring_chunk)?;
             recv.copy_from_slice(&work[bounds[rank]..bounds[rank + 1]]);
             Ok(())
         }
         OpKind::Allgather => {
+            let send = send.ok_or_else(|| invalid("allgather cannot run in place (its send and receive buffers are the same)"))?;
             let bounds: Vec<usize> = (0..=world).map(|i| i * send.len()).collect();
             recv[bounds[rank]..bounds[rank + 1]].copy_from_slice(send);
             algos::ring_allgather(&mut cx, recv, &bounds, 0, tune.ring_chunk)
