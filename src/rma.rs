@@ -140,6 +140,7 @@ impl RemoteMemory {
             return Err(invalid(format!("parameter servers {servers:?} must be ranks of this communicator (size {world})")));
         }
         let n = params.len();
+        agree_on_shape(comm, n, servers)?;
         let bounds: Vec<usize> = (0..=servers.len()).map(|i| n * i / servers.len()).collect();
         let shard_len = (0..servers.len()).map(|i| bounds[i + 1] - bounds[i]).max().unwrap_or(0);
         let bytes = inbox_at(shard_len, world);
@@ -413,6 +414,24 @@ impl Drop for RemoteMemory {
         if let Some(t) = self.server.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// Checks that every rank passed the same number of parameters and the same servers: the
+/// shards' layout follows from both, and a rank that mapped a shard of another size would
+/// write outside it. Both travel as f64 (exact below 2^53; the servers as a 52-bit hash).
+fn agree_on_shape(comm: &Communicator, params: usize, servers: &[usize]) -> Result<()> {
+    let hash = servers.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &s| (h ^ s as u64).wrapping_mul(0x0100_0000_01b3)) >> 12;
+    let mine = [params as f64, hash as f64];
+    let mut all = vec![0f64; 2 * comm.size()];
+    comm.allgather(&mine, &mut all)?;
+    match all.chunks(2).position(|theirs| theirs != mine) {
+        None => Ok(()),
+        Some(r) => Err(Error::Config(format!(
+            "parameter-server mismatch: rank {r} set up {} parameters{}, this rank {params} on servers {servers:?}; every rank must pass the same",
+            all[2 * r],
+            if all[2 * r + 1] == mine[1] { "" } else { " on other servers" }
+        ))),
     }
 }
 

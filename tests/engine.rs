@@ -78,3 +78,32 @@ fn nonblocking_overlap_and_order() {
         run(&c0);
     });
 }
+
+/// Ranks that set up parameter servers with different parameter counts (or servers) fail
+/// at set-up, naming the rank and both shapes, on shm (where a mapped shard of the wrong
+/// size would be written out of bounds) and on tcp.
+#[test]
+fn parameter_servers_of_different_shapes_are_refused() {
+    use gradwire::rma::{ApplyRule, RemoteMemory};
+    for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
+        for (rank1_params, rank1_servers) in [(4000, vec![0, 1]), (1000, vec![1])] {
+            let p = port();
+            let mut c = cfg(20_000);
+            c.transport = transport;
+            let c1 = c.clone();
+            let setup = |comm: &Communicator, n: usize, servers: &[usize]| RemoteMemory::new(comm, servers, &vec![0.5f32; n], ApplyRule::Sum, 1.0).map(|_| ());
+            let t = std::thread::spawn(move || {
+                let comm = Communicator::with_env(env(1, 2, p), c1).unwrap();
+                setup(&comm, rank1_params, &rank1_servers).unwrap_err().to_string()
+            });
+            let comm = Communicator::with_env(env(0, 2, p), c).unwrap();
+            let e0 = setup(&comm, 1000, &[0, 1]).unwrap_err().to_string();
+            let e1 = t.join().unwrap();
+            assert!(e0.contains("parameter-server mismatch: rank 1 set up") && e0.contains("this rank 1000"), "{transport:?}: {e0}");
+            assert!(e1.contains("parameter-server mismatch: rank 0 set up 1000"), "{transport:?}: {e1}");
+            if rank1_params == 1000 {
+                assert!(e0.contains("on other servers"), "{e0}");
+            }
+        }
+    }
+}

@@ -10,6 +10,7 @@ use rand::RngCore;
 use sha2::Sha256;
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::time::{Duration, Instant};
 
 const MAGIC: &[u8; 8] = b"GRADWIR1";
 const NONCE: usize = 16;
@@ -44,16 +45,37 @@ fn io(what: &str, peer: &str) -> impl FnOnce(std::io::Error) -> Error {
     move |e| Error::io(what, e)
 }
 
-/// Accepting side. `context` binds the handshake to a purpose (e.g. store vs a link of a
-/// given communicator) so a proof for one cannot be replayed for another.
-pub fn accept(s: &mut TcpStream, secret: &str, context: &[u8]) -> Result<()> {
+/// Fills `buf` from `s` by `until` in all: a per-read timeout alone would let a client that
+/// trickles a byte at a time hold the caller for as long as it likes.
+pub fn read_exact_by(s: &mut TcpStream, buf: &mut [u8], until: Instant) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "too slow (deadline passed)"));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[done..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Accepting side, done by `until`. `context` binds the handshake to a purpose (e.g. store
+/// vs a link of a given communicator) so a proof for one cannot be replayed for another.
+pub fn accept(s: &mut TcpStream, secret: &str, context: &[u8], until: Instant) -> Result<()> {
     let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
     let my_nonce = nonce();
     let mut hello = MAGIC.to_vec();
     hello.extend_from_slice(&my_nonce);
+    s.set_write_timeout(Some(until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).map_err(io("auth hello", &peer))?;
     s.write_all(&hello).map_err(io("auth hello", &peer))?;
     let mut reply = [0u8; MAC + NONCE];
-    s.read_exact(&mut reply).map_err(io("auth reply", &peer))?;
+    read_exact_by(s, &mut reply, until).map_err(io("auth reply", &peer))?;
     if !verify(secret, b"client", &my_nonce, context, &reply[..MAC]) {
         let _ = s.write_all(&[0]);
         return Err(Error::Auth(format!("refused connection from {peer}: it did not prove the job secret (GRADWIRE_JOB_SECRET differs?)")));
@@ -61,6 +83,7 @@ pub fn accept(s: &mut TcpStream, secret: &str, context: &[u8]) -> Result<()> {
     let mut ok = vec![1u8];
     ok.extend_from_slice(&mac(secret, b"server", &reply[MAC..], context));
     s.write_all(&ok).map_err(io("auth accept", &peer))?;
+    s.set_write_timeout(None).map_err(io("auth accept", &peer))?;
     Ok(())
 }
 
@@ -158,13 +181,16 @@ where
         .name(name.to_string())
         .spawn(move || {
             for conn in listener.incoming() {
-                let Ok(mut s) = conn else { continue };
+                let Ok(mut s) = conn else {
+                    // Out of descriptors, say: retrying at once would only spin.
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                };
                 let (serve, secret, context, who) = (serve.clone(), secret.clone(), context.clone(), who.clone());
                 let _ = std::thread::Builder::new().name(format!("{who}-conn")).spawn(move || {
                     s.set_nodelay(true).ok();
                     // A client that never finishes the handshake must not hold a thread forever.
-                    s.set_read_timeout(Some(std::time::Duration::from_secs(10))).ok();
-                    if let Err(e) = accept(&mut s, &secret, context.as_bytes()) {
+                    if let Err(e) = accept(&mut s, &secret, context.as_bytes(), Instant::now() + Duration::from_secs(10)) {
                         log::warn!("{who}: {e}");
                         return;
                     }
@@ -177,4 +203,33 @@ where
         })
         .map_err(|e| Error::io(format!("spawn {name}"), e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client that trickles its handshake a byte at a time is cut off at the handshake's
+    /// deadline, not after a per-read timeout for every byte.
+    #[test]
+    fn a_trickling_handshake_is_cut_off_at_its_deadline() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let trickler = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            for _ in 0..MAC + NONCE {
+                if s.write_all(&[0]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let (mut s, _) = listener.accept().unwrap();
+        let t = Instant::now();
+        let e = accept(&mut s, "secret-123", b"ctx", Instant::now() + Duration::from_millis(400)).expect_err("an unfinished handshake must fail");
+        assert!(t.elapsed() < Duration::from_millis(1500), "it took {:?} (the trickle lasts 4.8 s)", t.elapsed());
+        assert!(e.to_string().contains("auth reply"), "{e}");
+        drop(s);
+        trickler.join().unwrap();
+    }
 }

@@ -52,6 +52,10 @@ const WORLD_VARS: &[&str] = &["GRADWIRE_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WO
 const LOCAL_RANK_VARS: &[&str] = &["GRADWIRE_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"];
 const LOCAL_WORLD_VARS: &[&str] = &["GRADWIRE_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"];
 
+/// Most ranks in a job: far beyond any real job, low enough that per-rank tables built
+/// from the world size before anyone checks it stay small.
+pub const MAX_WORLD: usize = 1 << 20;
+
 impl RankEnv {
     /// Reads the process environment.
     pub fn from_env() -> Result<Self> {
@@ -66,6 +70,9 @@ impl RankEnv {
         let (r, w) = (number(&rank)?, number(&world)?);
         if w == 0 {
             return Err(config(format!("{}=0: world size must be at least 1", world.0)));
+        }
+        if w > MAX_WORLD {
+            return Err(config(format!("{}={w}: more ranks than gradwire supports ({MAX_WORLD})", world.0)));
         }
         if r >= w {
             return Err(config(format!("{}={r} is not below {}={w}", rank.0, world.0)));
@@ -83,8 +90,9 @@ impl RankEnv {
         let port = get(lookup, "GRADWIRE_MASTER_PORT").or_else(|| get(lookup, "MASTER_PORT"));
         let secret = get(lookup, "GRADWIRE_JOB_SECRET");
         let (master_addr, master_port, secret) = if w == 1 {
-            // A single rank needs no rendezvous; take what is given, if anything.
-            let port = port.as_ref().map(|p| p.1.parse::<u16>().unwrap_or(0)).unwrap_or(0);
+            // A single rank needs no rendezvous; take what is given, if anything (a port
+            // given must still be one).
+            let port = port.map(|p| p.1.parse::<u16>().map_err(|_| config(format!("{}={:?} is not a TCP port (0-65535)", p.0, p.1)))).transpose()?.unwrap_or(0);
             (addr.map(|a| a.1).unwrap_or_else(|| "127.0.0.1".into()), port, secret.map(|s| s.1).unwrap_or_default())
         } else {
             let addr = addr.ok_or_else(|| config("MASTER_ADDR is not set (the address of rank 0's rendezvous store)"))?;
@@ -146,6 +154,10 @@ mod tests {
         assert!(err.contains("GRADWIRE_JOB_SECRET"), "{err}");
         let err = env(&with(&[("RANK", "0"), ("WORLD_SIZE", "0")])).unwrap_err().to_string();
         assert!(err.contains("at least 1"), "{err}");
+        let err = env(&with(&[("RANK", "0"), ("WORLD_SIZE", "1000000000000")])).unwrap_err().to_string();
+        assert!(err.contains("WORLD_SIZE=1000000000000: more ranks than"), "{err}");
+        let err = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "http")]).unwrap_err().to_string();
+        assert!(err.contains("MASTER_PORT=\"http\" is not a TCP port"), "{err}");
     }
 
     #[test]

@@ -177,7 +177,12 @@ impl StoreClient {
     fn call(&self, req: &[u8], timeout: Duration) -> Result<Vec<u8>> {
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         c.set_read_timeout(Some(timeout + Duration::from_secs(1))).ok();
-        write_frame(&mut *c, req).and_then(|_| read_frame(&mut *c)).map_err(|e| Error::io(format!("rendezvous store at {} (did rank 0 exit?)", self.addr), e))
+        write_frame(&mut *c, req).and_then(|_| read_frame(&mut *c)).map_err(|e| {
+            // Out of step now (a late reply would answer the next request): close it, so
+            // that later calls fail too instead of reading someone else's answer.
+            let _ = c.shutdown(std::net::Shutdown::Both);
+            Error::io(format!("rendezvous store at {} (did rank 0 exit?)", self.addr), e)
+        })
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
@@ -278,5 +283,30 @@ mod tests {
                 assert!(waited >= LINGER_AFTER_FAILURE && waited < LINGER_AFTER_FAILURE + Duration::from_secs(1), "waited {waited:?}");
             }
         }
+    }
+
+    /// A reply that arrives after the client gave up must not answer its next request: the
+    /// connection is closed, and later calls fail instead.
+    #[test]
+    fn a_late_reply_is_never_read_as_the_next_answer() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let slow_store = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            auth::accept(&mut s, "s", CONTEXT.as_bytes(), Instant::now() + Duration::from_secs(5)).unwrap();
+            while read_frame(&mut s).is_ok() {
+                std::thread::sleep(Duration::from_millis(1500));
+                if write_frame(&mut s, b"Vstale").is_err() {
+                    break;
+                }
+            }
+        });
+        let c = StoreClient::connect(&addr, "s", Instant::now() + Duration::from_secs(5)).unwrap();
+        // No wait asked for: the client gives up after its 1 s grace, before the reply.
+        assert!(c.get("first", Instant::now()).is_err());
+        let second = c.get("second", Instant::now() + Duration::from_secs(3));
+        assert!(second.is_err(), "the second get read the first one's late reply: {second:?}");
+        drop(c);
+        slow_store.join().unwrap();
     }
 }

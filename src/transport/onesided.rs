@@ -161,14 +161,15 @@ fn serve(s: &mut TcpStream, exposed: &Exposed) -> std::io::Result<()> {
                     refuse(s, "this window takes no accumulates")?;
                     continue;
                 };
-                // A peer that stops half-way must not hold the owner's update forever.
-                s.set_read_timeout(Some(ex.timeout))?;
+                // A peer that stops (or trickles) half-way must not hold the owner's update
+                // beyond the timeout.
+                let until = std::time::Instant::now() + ex.timeout;
                 let mut received = 0u64;
                 let mut recv = |buf: &mut [u8]| {
                     if received + buf.len() as u64 > payload {
                         return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "accumulate read past its payload"));
                     }
-                    s.read_exact(buf)?;
+                    crate::bootstrap::auth::read_exact_by(s, buf, until)?;
                     received += buf.len() as u64;
                     Ok(())
                 };
@@ -365,18 +366,22 @@ impl Window {
             return Err(invalid("not a remote peer"));
         };
         let mut s = conn.lock().unwrap_or_else(|p| p.into_inner());
-        let lost = |e| self.lost(peer, what, e);
         // Header and payload as two writes: copying a large payload behind the header
         // would cost a pass over it; a small one rides in the header's segment.
-        if payload.len() <= 4096 {
+        let sent = if payload.len() <= 4096 {
             let mut msg = req.to_vec();
             msg.extend_from_slice(payload);
-            s.write_all(&msg).map_err(lost)?;
+            s.write_all(&msg)
         } else {
-            s.write_all(req).map_err(lost)?;
-            s.write_all(payload).map_err(lost)?;
+            s.write_all(req).and_then(|_| s.write_all(payload))
+        };
+        let r = sent.map_err(Err).and_then(|_| self.reply(&mut s, peer, reply, what));
+        if let Err(Err(_)) = &r {
+            // A connection that failed mid-request (say a reply later than our timeout) is
+            // out of step: a later request must not read this one's reply as its own.
+            let _ = s.shutdown(std::net::Shutdown::Both);
         }
-        self.reply(&mut s, peer, reply, what).map_err(|e| e.unwrap_or_else(lost))
+        r.map_err(|e| e.unwrap_or_else(|e| self.lost(peer, what, e)))
     }
 
     /// Reads one reply: the status byte, then `reply`'s bytes or the refusal's reason. Outer
@@ -387,8 +392,10 @@ impl Window {
         if status[0] != 1 {
             let mut n = [0u8; 2];
             s.read_exact(&mut n).map_err(Err)?;
-            let mut why = vec![0u8; usize::from(u16::from_le_bytes(n)).min(REASON_MAX)];
+            // Read all of it (the stream stays in step), show at most REASON_MAX bytes.
+            let mut why = vec![0u8; usize::from(u16::from_le_bytes(n))];
             s.read_exact(&mut why).map_err(Err)?;
+            why.truncate(REASON_MAX);
             return Err(Ok(Error::Protocol(format!("rank {}: rank {peer} refused {what}: {}", self.rank, String::from_utf8_lossy(&why)))));
         }
         s.read_exact(reply).map_err(Err)

@@ -326,6 +326,20 @@ impl ShmLink {
     }
 }
 
+impl ShmLink {
+    /// Bytes in a ring from its counters, one of them (`peers`) written by the peer: a
+    /// value no correct peer writes is an error, never a copy outside the ring.
+    fn queued(&self, head: u64, tail: u64, peers: &str) -> std::io::Result<usize> {
+        match head.checked_sub(tail) {
+            Some(n) if n <= self.cap as u64 => Ok(n as usize),
+            _ => Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("rank {}'s ring {peers} is corrupt (head {head}, tail {tail}, capacity {})", self.peer, self.cap),
+            )),
+        }
+    }
+}
+
 impl Link for ShmLink {
     fn kind(&self) -> &'static str {
         "shm"
@@ -335,7 +349,7 @@ impl Link for ShmLink {
         let head_a = atomic_u64(self.tx, RING_HEAD);
         let head = head_a.load(Ordering::Relaxed);
         let tail = atomic_u64(self.tx, RING_TAIL).load(Ordering::Acquire);
-        let mut free = self.cap - (head - tail) as usize;
+        let mut free = self.cap - self.queued(head, tail, "tail")?;
         let mut pos = head;
         for b in bufs {
             if free == 0 {
@@ -361,7 +375,7 @@ impl Link for ShmLink {
         let tail_a = atomic_u64(self.rx, RING_TAIL);
         let tail = tail_a.load(Ordering::Relaxed);
         let head = atomic_u64(self.rx, RING_HEAD).load(Ordering::Acquire);
-        let n = ((head - tail) as usize).min(buf.len());
+        let n = self.queued(head, tail, "head")?.min(buf.len());
         if n == 0 {
             return Ok(0);
         }
@@ -391,4 +405,48 @@ impl Link for ShmLink {
     }
 
     fn shutdown(&mut self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::store::StoreServer;
+    use std::time::Duration;
+
+    /// Two ranks of one process share a domain; ring counters that no correct peer writes
+    /// (head behind tail, more queued than the ring holds) fail the read or write that sees
+    /// them, naming the peer, instead of copying outside the ring.
+    #[test]
+    fn corrupt_ring_counters_are_errors_not_copies() {
+        let srv = StoreServer::start("127.0.0.1:0", "s").unwrap();
+        let addr = srv.addr.to_string();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let domains: Vec<Arc<ShmDomain>> = std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|r| {
+                    let addr = addr.clone();
+                    s.spawn(move || {
+                        let store = StoreClient::connect(&addr, "s", deadline).unwrap();
+                        ShmDomain::create("ringtest", r, 2, &[0, 1], &Config::from_env().unwrap(), &store, deadline).unwrap()
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let (mut to_1, mut from_0) = (ShmLink::new(domains[0].clone(), 1), ShmLink::new(domains[1].clone(), 0));
+        assert_eq!(to_1.try_write(&[IoSlice::new(b"hello")]).unwrap(), 5);
+        let mut got = [0u8; 8];
+        assert_eq!(from_0.try_read(&mut got).unwrap(), 5);
+        assert_eq!(&got[..5], b"hello");
+
+        let (cap, head) = (from_0.cap as u64, atomic_u64(from_0.rx, RING_HEAD));
+        for bad in [2, 5 + cap + 1] {
+            head.store(bad, Ordering::Release);
+            let e = from_0.try_read(&mut got).expect_err("a corrupt head must fail the read");
+            assert!(e.kind() == std::io::ErrorKind::InvalidData && e.to_string().contains("rank 0's ring head is corrupt"), "{e}");
+        }
+        atomic_u64(to_1.tx, RING_TAIL).store(u64::MAX, Ordering::Release);
+        let e = to_1.try_write(&[IoSlice::new(b"x")]).expect_err("a corrupt tail must fail the write");
+        assert!(e.to_string().contains("rank 1's ring tail is corrupt"), "{e}");
+    }
 }

@@ -82,16 +82,27 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
     let mut expected: Vec<usize> = peers.iter().copied().filter(|&p| p > rank).collect();
     listener.set_nonblocking(true).map_err(|e| Error::io("listener nonblocking", e))?;
     while !expected.is_empty() {
+        // Checked on every pass: a stream of connections that never authenticate must not
+        // keep us past it.
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                rank,
+                peer: expected[0],
+                op: "tcp connect (peer never dialled in)".into(),
+                waited_ms: started.elapsed().as_millis() as u64,
+            });
+        }
         match listener.accept() {
             Ok((mut s, from)) => {
                 s.set_nonblocking(false).ok();
-                s.set_read_timeout(Some(Duration::from_secs(5))).ok();
-                if let Err(e) = auth::accept(&mut s, secret, context.as_bytes()) {
+                // The handshake and hello, all of it within 5 s and the deadline.
+                let until = deadline.min(Instant::now() + Duration::from_secs(5));
+                if let Err(e) = auth::accept(&mut s, secret, context.as_bytes(), until) {
                     log::warn!("rank {rank}: tcp transport: {e}");
                     continue;
                 }
                 let mut hello = [0u8; 4];
-                if s.read_exact(&mut hello).is_err() {
+                if auth::read_exact_by(&mut s, &mut hello, until).is_err() {
                     log::warn!("rank {rank}: connection from {from} sent no hello; dropped");
                     continue;
                 }
@@ -104,17 +115,7 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
                     None => log::warn!("rank {rank}: unexpected hello from rank {p} at {from}; dropped"),
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(Error::Timeout {
-                        rank,
-                        peer: expected[0],
-                        op: "tcp connect (peer never dialled in)".into(),
-                        waited_ms: started.elapsed().as_millis() as u64,
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(2)),
             Err(e) => return Err(Error::io("accept tcp link", e)),
         }
     }
