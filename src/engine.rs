@@ -283,8 +283,8 @@ impl EngineState {
         let r = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(self, deadline))) {
             Ok(r) => r.map_err(|e| self.reason_of(e.with_global_ranks(&self.global))),
             Err(panic) => {
-                let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
-                Err(Error::Internal(format!("rank {}: {}", self.global.get(self.rank).copied().unwrap_or(self.rank), what.unwrap_or_else(|| "panic".into()))))
+                let rank = self.global.get(self.rank).copied().unwrap_or(self.rank);
+                Err(Error::Internal(format!("rank {rank}: {}", crate::error::panic_message(&*panic))))
             }
         };
         if let Err(e) = &r {

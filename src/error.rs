@@ -101,6 +101,12 @@ impl Error {
     }
 }
 
+/// The text a panic carried (`panic!` with a literal or a formatted message), for
+/// [`Error::Internal`].
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| payload.downcast_ref::<String>().cloned()).unwrap_or_else(|| "panic".into())
+}
+
 /// Shorthand for an `InvalidArgument` error.
 pub fn invalid(msg: impl Into<String>) -> Error {
     Error::InvalidArgument(msg.into())

@@ -85,9 +85,9 @@ fn guard(f: impl FnOnce() -> Result<()>) -> c_int {
             e.code()
         }
         Err(panic) => {
-            let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
-            set_last_error(format!("internal error (a gradwire bug, please report): {what}"));
-            GRADWIRE_ERR_INTERNAL
+            let e = Error::Internal(crate::error::panic_message(&*panic));
+            set_last_error(e.to_string());
+            e.code()
         }
     }
 }

@@ -267,18 +267,19 @@ unsafe fn copy_for_peers(dst: *mut u8, src: &[u8], streaming: bool) {
 
 /// Picks the stores of the staged form per call (unless `GRADWIRE_SHM_STORES` forces a
 /// kind), by size class (a power of two) and dtype (a bf16 reduction costs more per byte
-/// than an f32 one), from the time per byte of past calls, each kind's cost being the
-/// least of its last three (the noise of a shared machine only ever adds time). A class's first call only warms up
-/// (page faults, cold caches); then each kind is timed twice, alternately, and the faster
-/// one is kept. The other is tried again after 32 calls, then twice as seldom each time
-/// it loses again, at most every 1024 calls: a host whose cache hand-off slows down shows
-/// in the kind in use within three calls, one that recovers within the probe interval,
-/// and trying the slower kind costs little once the interval has grown (a probe of plain
-/// stores in a slow minute costs about five calls). The kind in use changes only when the
-/// other is at least 10 % faster, so that noise does not flip it back and forth. Every
-/// rank makes the same calls, so the first tries coincide; ranks that later disagree lose
-/// speed, never correctness. Measured (2 ranks, 1-256 MiB, alternating runs): in a good
-/// minute within 1-4 % of plain stores, 1.7x streaming ones; in a slow minute, 3.5-4.5x plain.
+/// than an f32 one), from the time per byte of past calls, each kind's cost being the least
+/// of its last three (the noise of a shared machine only ever adds time). A class's first
+/// call only warms up (page faults, cold caches); then each kind is timed twice,
+/// alternately, and the faster one is kept. The other is tried again after 32 calls, then
+/// twice as seldom each time it loses again, at most every 1024 calls: a host whose cache
+/// hand-off slows down shows in the kind in use within three calls, one that recovers
+/// within the probe interval, and trying the slower kind costs little once the interval has
+/// grown (a probe of plain stores in a slow minute costs about five calls). The kind in use
+/// changes only when the other is at least 10 % faster, so that noise does not flip it back
+/// and forth. Every rank makes the same calls, so the first tries coincide; ranks that
+/// later disagree lose speed, never correctness. Measured (2 ranks, 1-256 MiB, alternating
+/// runs): in a good minute within 1-4 % of plain stores, 1.7x streaming ones; in a slow
+/// minute, 3.5-4.5x plain.
 #[derive(Default)]
 pub struct StoreChooser {
     setting: StagedStores,

@@ -324,9 +324,7 @@ impl ShmLink {
         let tx = unsafe { domain.base(peer).add(l.ring_at(me)) };
         ShmLink { cap: l.ring, domain, peer, rx, tx }
     }
-}
 
-impl ShmLink {
     /// Bytes in a ring from its counters, one of them (`peers`) written by the peer: a
     /// value no correct peer writes is an error, never a copy outside the ring.
     fn queued(&self, head: u64, tail: u64, peers: &str) -> std::io::Result<usize> {
