@@ -22,20 +22,20 @@
 #            ("10 1" Gbit/s): gradwire, Open MPI, Gloo all under
 #            `gradwire launch --netns --link-gbit R` (needs root); sizes
 #            --netns-min..--netns-max with their own -n/-w
-#   bound    the transport ceiling of the TCP targets: gradwire *allgather*
-#            busbw (`gradwire bench allgather --transport tcp`, no reduction)
-#            over TCP loopback for W in RANKS with the local part's sizes and
-#            -n/-w, and under `gradwire launch -n W --netns --link-gbit R` for
-#            every netns rate with the netns sizes (that netns run needs root).
-#            A ring allgather of S bytes (whole gathered buffer) moves the same
-#            per-link traffic, in the same S/W chunks, as each of a ring
-#            allreduce's two phases, with no reduction: its busbw
-#            (algbw*(W-1)/W) is the rate the sockets sustain here, the ceiling
-#            for any ring allreduce over TCP (gradwire's, Gloo's, Open MPI's).
-#            merge.py shows it in its own table and, per size, beside targets
-#            3a, 3b and 4 (context only: it does not change met / not met).
-#            The bench's allgather is out of place, so its time includes each
-#            rank's copy of its own S/W bytes; merge.py shows that share
+#   bound    the socket ceiling of the TCP targets: benches/peers/tcpring.c,
+#            W processes in a ring, each streaming to the next and reading
+#            from the previous at once, per "call" of size S exactly the
+#            per-link traffic of a ring allreduce of S (2(W-1) chunks of S/W),
+#            with no reduction, no framing and no step synchronisation, into
+#            a receive buffer that stays in cache.  Its payload rate is
+#            comparable with an allreduce's busbw (algbw*2(W-1)/W), and no
+#            ring allreduce over the same TCP path (gradwire's, Gloo's,
+#            Open MPI's) can beat it.  Over TCP loopback for W in RANKS with
+#            the local part's sizes and -n/-w, and under `gradwire launch -n W
+#            --netns --link-gbit R` for every netns rate with the netns sizes
+#            (that run needs root).  merge.py shows it in its own table and,
+#            per size, beside targets 3a, 3b and 4 (context only: it does not
+#            change met / not met).
 #
 # What it does (idempotent, safe to re-run):
 #   1. installs Open MPI from Debian if mpicc/mpirun are missing (apt-get);
@@ -116,7 +116,7 @@ usage: benches/compare.sh [options]
   --netns-iters N       timed iterations (default $NETNS_ITERS)
   --netns-warmup N      warmup iterations (default $NETNS_WARMUP)
  bound part (transport ceilings of the TCP targets; no options of its own):
-                        gradwire allgather busbw (no reduction: the rate the sockets
+                        tcpring: ring streams with no reduction (the rate the sockets
                         sustain) over TCP loopback, W in --ranks, local sizes/-n/-w, and
                         under --netns --link-gbit R for every --netns-rates rate (root),
                         W = --netns-ranks, netns sizes/-n/-w; shown beside targets 3a, 3b, 4
@@ -249,7 +249,7 @@ meta lat_iters "$LAT_ITERS"
 meta netns_params "-b $NETNS_MIN -e $NETNS_MAX -f $FACTOR -n $NETNS_ITERS -w $NETNS_WARMUP, W = $NETNS_RANKS namespaces (1 rank each), link rates {$NETNS_RATES} Gbit/s"
 meta netns_ranks "$NETNS_RANKS"
 meta netns_rates "$NETNS_RATES"
-meta bound_params "gradwire bench allgather --transport tcp: TCP loopback with -b $MIN -e $MAX -f $FACTOR -n $ITERS -w $WARMUP, W in {$RANKS}; netns with -b $NETNS_MIN -e $NETNS_MAX -f $FACTOR -n $NETNS_ITERS -w $NETNS_WARMUP, W = $NETNS_RANKS, link rates {$NETNS_RATES} Gbit/s"
+meta bound_params "benches/peers/tcpring.c (ring streams, no reduction): TCP loopback with -b $MIN -e $MAX -f $FACTOR -n $ITERS -w $WARMUP, W in {$RANKS}; netns with -b $NETNS_MIN -e $NETNS_MAX -f $FACTOR -n $NETNS_ITERS -w $NETNS_WARMUP, W = $NETNS_RANKS, link rates {$NETNS_RATES} Gbit/s"
 meta tools "$TOOLS"
 meta mpi_place "$([ -n "$MPI_PLACE" ] && echo in-place || echo out-of-place)"
 
@@ -349,14 +349,14 @@ elif [ "$LAUNCH_OK" != 1 ] || [[ "$("$GW" launch --help 2>&1)" != *--link-gbit* 
 fi
 meta netns_status "$NETNS_STATUS"
 
-# The bound part runs `gradwire bench allgather`.
+# The bound part runs benches/peers/tcpring.c under `gradwire launch`.
 BOUND_STATUS=ok
 if ! has_part bound; then
     BOUND_STATUS="not run (--parts)"
-elif [ "$GW_OK" != 1 ]; then
-    BOUND_STATUS=$GW_STATUS
-elif [[ "$("$GW" bench allgather --help 2>&1)" != *--csv* ]]; then
-    BOUND_STATUS="n/a (gradwire has no 'bench allgather --csv')"
+elif [ "$LAUNCH_OK" != 1 ]; then
+    BOUND_STATUS="n/a (no gradwire launch to start tcpring's ranks)"
+elif ! gcc -O2 -o "$BUILD/tcpring" "$PEERS/tcpring.c" >"$RESULTS/logs/tcpring_build.log" 2>&1; then
+    BOUND_STATUS="n/a (gcc failed on tcpring.c)"
 fi
 meta bound_status "$BOUND_STATUS"
 
@@ -618,34 +618,34 @@ part_netns() {  # part_netns REPEAT: W namespaces, 1 rank each, per link rate
     done
 }
 
-# part_bound REPEAT: the transport ceiling of the TCP targets.  gradwire allgather
-# (no reduction) over TCP: loopback for W in RANKS with the local sizes, and across
-# the namespaces for every netns rate with the netns sizes.  Recorded as tool
-# gradwire, transport bound-tcp / bound-netns-<Gbit/s>.
+# part_bound REPEAT: the socket ceiling of the TCP targets.  tcpring (ring streams,
+# no reduction) over TCP loopback for W in RANKS with the local sizes, and across the
+# namespaces for every netns rate with the netns sizes.  Recorded as tool tcpring,
+# transport bound-tcp / bound-netns-<Gbit/s>.
 part_bound() {
-    local rep=$1 w rate tr
+    local rep=$1 w rate tr hosts i
     for w in $RANKS; do
         if [ "$BOUND_STATUS" = ok ]; then
-            run_one gradwire "$w" bound-tcp "$rep" \
+            run_one tcpring "$w" bound-tcp "$rep" \
                 "$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" -- \
-                "$GW" bench allgather "${BENCH_ARGS[@]}" -d float32 \
-                --transport tcp --check --csv CSV
+                "$BUILD/tcpring" "${BENCH_ARGS[@]}" --csv CSV
         else
-            record_na gradwire "$w" bound-tcp "$rep" "$BOUND_STATUS"
+            record_na tcpring "$w" bound-tcp "$rep" "$BOUND_STATUS"
         fi
     done
     w=$NETNS_RANKS
+    # `gradwire launch --netns` puts rank i at 10.77.0.(i+2) (for W <= 248).
+    hosts=$(for ((i = 0; i < w; i++)); do printf '10.77.0.%d,' $((i + 2)); done)
     for rate in $NETNS_RATES; do
         tr="bound-netns-$rate"
         if [ "$BOUND_STATUS" != ok ]; then
-            record_na gradwire "$w" "$tr" "$rep" "$BOUND_STATUS"
+            record_na tcpring "$w" "$tr" "$rep" "$BOUND_STATUS"
         elif [ "$NETNS_STATUS" != ok ]; then
-            record_na gradwire "$w" "$tr" "$rep" "$NETNS_STATUS"
+            record_na tcpring "$w" "$tr" "$rep" "$NETNS_STATUS"
         else
-            run_one gradwire "$w" "$tr" "$rep" \
+            run_one tcpring "$w" "$tr" "$rep" \
                 "$GW" launch -n "$w" --netns --link-gbit "$rate" --timeout "$RUN_TIMEOUT" -- \
-                "$GW" bench allgather "${NETNS_ARGS[@]}" -d float32 \
-                --transport tcp --check --csv CSV
+                "$BUILD/tcpring" --hosts "${hosts%,}" "${NETNS_ARGS[@]}" --csv CSV
         fi
     done
 }

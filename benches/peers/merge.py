@@ -7,8 +7,8 @@ Input (a results directory written by compare.sh):
              seconds, command; status is "ok" or why there is no data.
              transport is "shm" / "tcp" (local part), "lat-shm" (latency
              part), "netns-<Gbit/s>" (network-namespace part) or
-             "bound-tcp" / "bound-netns-<Gbit/s>" (bound part: gradwire
-             allgather, tool "gradwire")
+             "bound-tcp" / "bound-netns-<Gbit/s>" (bound part: ring
+             streams without reduction, tool "tcpring")
   csv/*.csv  gradwire-format CSVs:
              size_bytes,count,type,redop,time_us,algbw_gbs,busbw_gbs,wrong
   logs/*.log the runs' output (the mpirun line of the netns runs is read
@@ -27,8 +27,9 @@ Output: markdown with
   * one table per link rate of the netns part, with gradwire's fraction of
     the link rate;
   * "Transport ceilings" (bound part): per (W, TCP loopback / netns rate)
-    and size, the median busbw of gradwire's allgather (no reduction: the
-    rate the sockets sustain, the ceiling of any ring allreduce over TCP)
+    and size, the median payload rate of tcpring's ring streams (a ring
+    allreduce's per-link traffic with no reduction: the rate the sockets
+    sustain, the ceiling of any ring allreduce over TCP)
     and the allreduce busbw of gradwire and of the best peer as fractions
     of it; the same figures per size in the "TCP ceiling" column of targets
     3a, 3b and 4 (context: met / not met does not depend on them);
@@ -401,24 +402,25 @@ def spread(res, key, size):
 
 # ---- transport ceilings (bound part) -------------------------------------------------
 #
-# gradwire's allgather over TCP: a ring allgather of S bytes (the whole gathered
-# buffer) sends the same per-link traffic, in the same S/W chunks, as each of the two
-# phases of a ring allreduce of S bytes, without reducing anything; its busbw
-# (algbw·(W−1)/W) is therefore the rate the sockets sustain here, the ceiling of any
-# ring allreduce's busbw (algbw·2(W−1)/W) over the same TCP path.
+# benches/peers/tcpring.c: W processes in a ring, each streaming to the next and reading
+# from the previous at once, per "call" of S exactly a ring allreduce's per-link traffic
+# (2(W-1) chunks of S/W) with no reduction, no framing, no step synchronisation and a
+# receive buffer that stays in cache. Its payload rate per link is comparable with an
+# allreduce's busbw (algbw·2(W−1)/W): the ceiling of any ring allreduce over the same
+# TCP path.
 
-# An allreduce more than 5% above the allgather "ceiling" is flagged in the Targets
-# table: there the allgather fell short of the sockets' rate (noise, or a peer that
-# keeps more in flight than gradwire's step-by-step ring), so it bounds nothing.
+# An allreduce more than 5% above the ceiling is flagged in the Targets table: there it
+# bounds nothing at that size (noise, or a tbf link whose bucket refills between an
+# allreduce's calls while the stream never pauses).
 ABOVE_CEILING = 1.05
 
 
 def bound_key(res, w, rate=None):
     """The bound part's key for TCP loopback (rate None) or the netns rate, or None."""
     if rate is None:
-        return ("gradwire", w, "bound-tcp")
+        return ("tcpring", w, "bound-tcp")
     for k in sorted(set(res.data) | set(res.status)):
-        if k[0] == "gradwire" and k[1] == w and k[2].startswith("bound-netns-") and \
+        if k[0] == "tcpring" and k[1] == w and k[2].startswith("bound-netns-") and \
                 rate_of(k[2]) == rate:
             return k
     return None
@@ -443,7 +445,7 @@ def ceiling_figures(res, bkey, keys, size):
 
 def ceiling_cell(res, parts, bkey, keys, lo, need, link=None):
     """The Targets table's "TCP ceiling" cell of a TCP target row: per size >= lo,
-    the ceiling (allgather busbw), gradwire's allreduce and the best peer's as
+    the ceiling (tcpring's payload rate), gradwire's allreduce and the best peer's as
     fractions of it and, when need(size, best peer value) gives the busbw the
     target asks for, that as a fraction of it too."""
     if "bound" not in parts:
@@ -462,7 +464,7 @@ def ceiling_cell(res, parts, bkey, keys, lo, need, link=None):
         if not c:
             out.append(f"{human(s)}: no ceiling at this size")
             continue
-        cell = f"{human(s)}: ceiling {num(c)} GB/s (allgather"
+        cell = f"{human(s)}: ceiling {num(c)} GB/s (socket stream"
         cell += f", {pct(c / link)} of link rate)" if link else ")"
         cell += f"; gradwire allreduce at {pct(gw / c if gw is not None else None)} of it"
         cell += (f"; best peer at {pct(pv / c)} of it ({NAMES[pt]})" if pv else
@@ -476,22 +478,17 @@ def ceiling_cell(res, parts, bkey, keys, lo, need, link=None):
     return "<br>".join(out)
 
 
-def table_bound(res, bkey, link=None, copy_bw=None):
-    """Per size: ceiling (allgather busbw), allreduce busbw of gradwire and the best
-    peer and their fractions of the ceiling; for netns also the ceiling's fraction of
-    the link rate.  With copy_bw (GB/s), the share of the allgather's time that its
-    out-of-place copy of the rank's own S/W bytes takes at that rate."""
+def table_bound(res, bkey, link=None):
+    """Per size: ceiling (tcpring's payload rate), allreduce busbw of gradwire and the
+    best peer and their fractions of the ceiling; for netns also the ceiling's fraction
+    of the link rate."""
     keys = allreduce_keys(bkey[2], bkey[1])
-    w = bkey[1]
     sizes = res.sizes(bkey, *keys.values())
-    head = ["size", "ceiling: gradwire allgather busbw GB/s", "allgather µs",
+    head = ["size", "ceiling: tcpring GB/s", "tcpring µs per call",
             "gradwire allreduce busbw GB/s", "gradwire / ceiling",
             "best peer allreduce busbw GB/s", "best peer / ceiling"]
     if link:
         head.append("ceiling / link rate")
-    if copy_bw:
-        head.append("own S/W copy, share of allgather time")
-    head.append("#wrong (allgather)")
     lines = ["| " + " | ".join(head) + " |",
              "|" + "|".join(["---:"] * len(head)) + "|"]
     absent = res.why_absent(bkey)
@@ -506,10 +503,6 @@ def table_bound(res, bkey, link=None, copy_bw=None):
                  pct(pv / c) if pv and c else "—"]
         if link:
             cells.append(pct(c / link) if c is not None else "—")
-        if copy_bw:
-            t = res.med(bkey, size, "time_us")
-            cells.append(pct(size / w / (copy_bw * 1e3) / t) if t else "—")
-        cells.append(res.wrong_cell([bkey], size))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -817,10 +810,10 @@ def main() -> int:
           "Context only: the result column does not depend on it.")
     if "bound" in parts:
         w("- TCP ceiling (rows 3a, 3b, 4; from the bound part, see \"Transport ceilings\"): "
-          "per size, the median busbw of gradwire's **allgather** over the same TCP path "
-          "(same W, same sizes), which moves a ring allreduce's per-link traffic without "
-          "reducing: the rate the sockets sustain on this machine, so no ring allreduce "
-          "over TCP (gradwire's, Open MPI's, Gloo's) should exceed it; where one does by "
+          "per size, the median payload rate of **tcpring** over the same TCP path "
+          "(same W, same sizes): ring streams that carry a ring allreduce's per-link "
+          "traffic with no reduction, so no ring allreduce over TCP (gradwire's, Open "
+          "MPI's, Gloo's) should exceed it; where one does by "
           f"more than {ABOVE_CEILING - 1:.0%} the cell says so, and that size has no bound. "
           "Then gradwire's and the best peer's allreduce busbw as percentages of it and, "
           "where the target's threshold is a busbw, the percentage the target asks for "
@@ -980,32 +973,29 @@ def main() -> int:
             w("")
 
     if "bound" in parts:
-        w("## Transport ceilings (gradwire allgather busbw, same run)")
+        w("## Transport ceilings (socket streams without reduction, same run)")
         w("")
-        w("`gradwire bench allgather --transport tcp` (size = the whole gathered buffer; "
-          "busbw = algbw · (W−1)/W) with the same W, sizes and iterations as the "
-          "allreduce runs it is set against. A ring allgather of S bytes sends each link "
-          "the same traffic, in the same S/W chunks, as each of the two phases of a ring "
-          "allreduce of S bytes (whose busbw = algbw · 2(W−1)/W counts both), but reduces "
-          "nothing: its busbw is the rate the sockets sustain on this machine, the "
-          "ceiling for any ring allreduce over the same TCP path. Medians across repeats; "
-          "the allreduce columns repeat the medians of the tables above. A fraction above "
-          "100% means the allgather itself fell short of the sockets' rate at that size "
-          "(noise, a peer that keeps more in flight than gradwire's step-by-step ring, "
-          "or a small size where the allreduce is not a ring: below `GRADWIRE_SMALL_BYTES` "
-          "(64 KiB by default) gradwire's uses recursive doubling, whose busbw is no "
-          "per-link rate). The bench's allgather is "
-          "out of place: each rank first copies its own S/W bytes into the gathered "
-          "buffer, and its time includes that copy (the allreduce runs in place). "
-          + ("\"own S/W copy\" estimates that copy's share at the memcpy rate of this "
-             "run; the ceiling understates the sockets by about that much."
-             if copy_bw else ""))
+        w("`benches/peers/tcpring.c` under `gradwire launch`, with the same W, sizes and "
+          "iterations as the allreduce runs it is set against: W processes in a ring, each "
+          "streaming to the next and reading from the previous at once from one thread, "
+          "per call of size S exactly a ring allreduce's per-link traffic (2(W−1) chunks of "
+          "S/W), with no reduction, no framing, no step synchronisation and a receive "
+          "buffer that stays in cache. Its payload rate per link (time = the slowest "
+          "rank's time per call) is comparable with an allreduce's busbw "
+          "(algbw · 2(W−1)/W): the rate the sockets sustain on this machine, the ceiling "
+          "of any ring allreduce over the same TCP path, which moves the same bytes and "
+          "must also reduce them. Medians across repeats; the allreduce columns repeat "
+          "the medians of the tables above. A fraction above 100% is noise; below "
+          "`GRADWIRE_SMALL_BYTES` (64 KiB by default) an allreduce that is not a ring "
+          "(gradwire's uses recursive doubling there, whose busbw is no per-link rate); "
+          "or, on a tbf link, a short call that starts on a bucket refilled while the "
+          "allreduce paused between calls, which the never-pausing stream does not get.")
         w("")
         nw = int(meta.get("netns_ranks", "4") or 4)
         blocks = [(wsz, None) for wsz in ranks] + \
                  [(nw, float(r)) for r in meta.get("netns_rates", "").split()]
         for wsz, rate in blocks:
-            bkey = bound_key(res, wsz, rate) or ("gradwire", wsz, f"bound-netns-{rate:g}")
+            bkey = bound_key(res, wsz, rate) or ("tcpring", wsz, f"bound-netns-{rate:g}")
             link = rate / 8.0 if rate else None
             if rate is None:
                 w(f"### W = {wsz}, TCP loopback")
@@ -1013,12 +1003,12 @@ def main() -> int:
                 w(f"### W = {wsz} network namespaces, links shaped to {rate_label(rate)} "
                   f"(link rate {link:g} GB/s)")
             w("")
-            lines = table_bound(res, bkey, link, copy_bw)
+            lines = table_bound(res, bkey, link)
             if len(lines) <= 2:
                 w("_No data._")
             else:
                 out.extend(lines)
-            missing_notes([(bkey, "gradwire allgather")])
+            missing_notes([(bkey, "tcpring")])
             w("")
 
     if summary:

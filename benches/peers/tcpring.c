@@ -1,0 +1,215 @@
+// The socket ceiling of a ring allreduce over TCP: W processes in a ring, each streaming to
+// the next and reading from the previous at once (one thread polling both sockets), with
+// no reduction, no framing and no step-by-step synchronisation. Per "call" of size S each link
+// carries what a ring allreduce of S puts on it, 2(W-1) chunks of S/W, so its payload rate in
+// GB/s is directly comparable with an allreduce's busbw (algbw * 2(W-1)/W). Nothing a ring
+// allreduce does over the same path can beat it: the allreduce moves the same bytes and must
+// also reduce them. benches/compare.sh runs it in its bound part, under `gradwire launch`
+// (RANK, WORLD_SIZE, MASTER_PORT from its environment), and writes the same CSV as the
+// allreduce benchmarks (time_us = the slowest rank's time per call, wrong = 0):
+//   gcc -O2 benches/peers/tcpring.c -o target/peers/tcpring
+//   gradwire launch -n 2 -- target/peers/tcpring -b 16M -e 256M -f 4 -n 20 -w 5
+// --hosts A,B,... gives rank r's address (default: 127.0.0.1 for all); rank r listens on
+// MASTER_PORT + 1 + r.
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+static int rank, world, to_next, from_prev;
+static size_t min_b = 16u << 20, max_b = 256u << 20, factor = 4;
+static int iters = 20, warmup = 5;
+static char *send_buf, *recv_buf;
+
+static void die(const char *what) {
+    fprintf(stderr, "tcpring rank %d: %s: %s\n", rank, what, strerror(errno));
+    exit(1);
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static size_t parse_size(const char *s) {
+    char *end;
+    double v = strtod(s, &end);
+    switch (*end) {
+    case 'K': case 'k': v *= 1024; break;
+    case 'M': case 'm': v *= 1024 * 1024; break;
+    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
+    case '\0': break;
+    default: fprintf(stderr, "tcpring: bad size '%s'\n", s); exit(2);
+    }
+    if (v < 1) { fprintf(stderr, "tcpring: bad size '%s'\n", s); exit(2); }
+    return (size_t)v;
+}
+
+static int env_int(const char *name, int fallback) {
+    const char *v = getenv(name);
+    return v ? atoi(v) : fallback;
+}
+
+static void write_all(int fd, const char *p, size_t n) {
+    while (n > 0) {
+        ssize_t k = write(fd, p, n);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) die("write to next rank");
+        p += k;
+        n -= (size_t)k;
+    }
+}
+
+static void read_all(int fd, char *p, size_t n) {
+    while (n > 0) {
+        ssize_t k = read(fd, p, n);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) die("read from previous rank");
+        p += k;
+        n -= (size_t)k;
+    }
+}
+
+// One size's traffic, `calls` calls of it: per link 2(W-1) chunks of S/W per call. One
+// thread, both sockets polled, non-blocking calls, at most PIECE bytes per system call, sending from the
+// S-byte buffer and receiving into a PIECE-sized one that stays in cache: the socket work of
+// a ring allreduce and nothing else (an allreduce also writes the received bytes somewhere
+// cold and reduces them).
+#define PIECE (1u << 20)
+static void stream_calls(size_t size, int calls) {
+    size_t total = (size_t)calls * 2 * (size_t)(world - 1) * (size / (size_t)world);
+    size_t sent = 0, got = 0;
+    while (sent < total || got < total) {
+        struct pollfd fds[2] = {{.fd = to_next, .events = sent < total ? POLLOUT : 0}, {.fd = from_prev, .events = got < total ? POLLIN : 0}};
+        if (poll(fds, 2, 120000) <= 0) die("poll (120 s without progress)");
+        if (fds[0].revents & (POLLERR | POLLHUP)) { errno = EPIPE; die("next rank's link"); }
+        if (sent < total && (fds[0].revents & POLLOUT)) {
+            size_t at = sent % size, n = total - sent;
+            if (n > PIECE) n = PIECE;
+            if (n > size - at) n = size - at;
+            ssize_t k = send(to_next, send_buf + at, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (k < 0 && errno != EAGAIN && errno != EINTR) die("write to next rank");
+            if (k > 0) sent += (size_t)k;
+        }
+        if (got < total && (fds[1].revents & (POLLIN | POLLHUP | POLLERR))) {
+            size_t n = total - got;
+            if (n > PIECE) n = PIECE;
+            ssize_t k = recv(from_prev, recv_buf, n, MSG_DONTWAIT);
+            if (k == 0) { errno = ECONNRESET; die("read from previous rank"); }
+            if (k < 0 && errno != EAGAIN && errno != EINTR) die("read from previous rank");
+            if (k > 0) got += (size_t)k;
+        }
+    }
+}
+
+int main(int argc, char **argv) {
+    const char *hosts = NULL, *csv = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) { fprintf(stderr, "tcpring: %s needs a value\n", a); return 2; }
+        if (!strcmp(a, "-b")) min_b = parse_size(v);
+        else if (!strcmp(a, "-e")) max_b = parse_size(v);
+        else if (!strcmp(a, "-f")) factor = parse_size(v);
+        else if (!strcmp(a, "-n")) iters = atoi(v);
+        else if (!strcmp(a, "-w")) warmup = atoi(v);
+        else if (!strcmp(a, "--hosts")) hosts = v;
+        else if (!strcmp(a, "--csv")) csv = v;
+        else { fprintf(stderr, "tcpring: unknown argument %s\n", a); return 2; }
+        i++;
+    }
+    rank = env_int("RANK", -1);
+    world = env_int("WORLD_SIZE", -1);
+    int port0 = env_int("MASTER_PORT", 29500) + 1;
+    if (rank < 0 || world < 2 || rank >= world || factor < 2 || iters < 1 || warmup < 0) {
+        fprintf(stderr, "tcpring: needs RANK < WORLD_SIZE (>= 2) from a launcher, -f >= 2, -n >= 1\n");
+        return 2;
+    }
+    char next_host[64] = "127.0.0.1";
+    if (hosts) {
+        const char *h = hosts;
+        for (int r = 0; r < (rank + 1) % world && h; r++) h = strchr(h, ',') ? strchr(h, ',') + 1 : NULL;
+        if (!h) { fprintf(stderr, "tcpring: --hosts names fewer than %d addresses\n", world); return 2; }
+        size_t n = strcspn(h, ",");
+        if (n >= sizeof next_host) { fprintf(stderr, "tcpring: address too long\n"); return 2; }
+        memcpy(next_host, h, n);
+        next_host[n] = 0;
+    }
+
+    int listener = socket(AF_INET, SOCK_STREAM, 0);
+    int one = 1;
+    setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(port0 + rank), .sin_addr.s_addr = htonl(INADDR_ANY)};
+    if (bind(listener, (struct sockaddr *)&me, sizeof me) || listen(listener, 1)) die("listen");
+
+    struct sockaddr_in next = {.sin_family = AF_INET, .sin_port = htons(port0 + (rank + 1) % world)};
+    if (inet_pton(AF_INET, next_host, &next.sin_addr) != 1) { fprintf(stderr, "tcpring: bad address %s\n", next_host); return 2; }
+    double give_up = now() + 30;
+    for (;;) {
+        to_next = socket(AF_INET, SOCK_STREAM, 0);
+        if (!connect(to_next, (struct sockaddr *)&next, sizeof next)) break;
+        close(to_next);
+        if (now() > give_up) die("connect to next rank (30 s)");
+        usleep(20000);
+    }
+    // A deadline on the accept and on every read and write: a dead neighbour ends the probe.
+    struct timeval limit = {.tv_sec = 120};
+    setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+    from_prev = accept(listener, NULL, NULL);
+    if (from_prev < 0) die("accept from previous rank");
+    close(listener);
+    setsockopt(to_next, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
+    setsockopt(from_prev, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+    setsockopt(to_next, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+
+    send_buf = mmap(NULL, max_b, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    recv_buf = mmap(NULL, PIECE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (send_buf == MAP_FAILED || recv_buf == MAP_FAILED) die("mmap");
+    memset(send_buf, rank + 1, max_b);
+    memset(recv_buf, 0, PIECE);
+
+    FILE *out = NULL;
+    if (rank == 0 && csv && !(out = fopen(csv, "w"))) die(csv);
+    if (out) fprintf(out, "size_bytes,count,type,redop,time_us,algbw_gbs,busbw_gbs,wrong\n");
+    if (rank == 0) printf("# tcpring W=%d: ring streams, no reduction (per call: 2(W-1) chunks of S/W per link)\n%12s %12s %12s\n", world, "size", "time_us", "busbw_GB/s");
+
+    // A fresh connection starts slow (congestion window, socket buffer autotuning): one
+    // untimed call of the largest size first, so the smallest size is not the warm-up.
+    stream_calls(max_b, 1);
+    for (size_t s = min_b; s <= max_b; s *= factor) {
+        stream_calls(s, warmup);
+        double t0 = now();
+        stream_calls(s, iters);
+        double mine = (now() - t0) / iters;
+        // The slowest rank's time per call: a max passed once around the ring, after the
+        // data (each link's byte stream is ordered). Rank 0 starts it and reads the result.
+        double slowest = mine;
+        if (rank == 0) {
+            write_all(to_next, (char *)&slowest, sizeof slowest);
+            read_all(from_prev, (char *)&slowest, sizeof slowest);
+        } else {
+            double seen;
+            read_all(from_prev, (char *)&seen, sizeof seen);
+            if (seen > slowest) slowest = seen;
+            write_all(to_next, (char *)&slowest, sizeof slowest);
+        }
+        double link_bytes = 2.0 * (world - 1) / world * (double)s;
+        double busbw = link_bytes / slowest / 1e9, algbw = (double)s / slowest / 1e9;
+        if (rank == 0) {
+            printf("%12zu %12.1f %12.3f\n", s, slowest * 1e6, busbw);
+            if (out) fprintf(out, "%zu,%zu,float32,sum,%.3f,%.4f,%.4f,0\n", s, s / 4, slowest * 1e6, algbw, busbw);
+        }
+    }
+    if (out) fclose(out);
+    return 0;
+}
