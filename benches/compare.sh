@@ -30,7 +30,7 @@
 #            a receive buffer that stays in cache.  Its payload rate is
 #            comparable with an allreduce's busbw (algbw*2(W-1)/W), and no
 #            ring allreduce over the same TCP path (gradwire's, Gloo's,
-#            Open MPI's) can beat it.  Over TCP loopback for W in RANKS with
+#            Open MPI's) should beat it beyond noise.  Over TCP loopback for W in RANKS with
 #            the local part's sizes and -n/-w, and under `gradwire launch -n W
 #            --netns --link-gbit R` for every netns rate with the netns sizes
 #            (that run needs root).  merge.py shows it in its own table and,

@@ -985,11 +985,11 @@ def main() -> int:
           "(algbw · 2(W−1)/W): the rate the sockets sustain on this machine, the ceiling "
           "of any ring allreduce over the same TCP path, which moves the same bytes and "
           "must also reduce them. Medians across repeats; the allreduce columns repeat "
-          "the medians of the tables above. A fraction above 100% is noise; below "
-          "`GRADWIRE_SMALL_BYTES` (64 KiB by default) an allreduce that is not a ring "
-          "(gradwire's uses recursive doubling there, whose busbw is no per-link rate); "
-          "or, on a tbf link, a short call that starts on a bucket refilled while the "
-          "allreduce paused between calls, which the never-pausing stream does not get.")
+          "the medians of the tables above. A fraction above 100% is noise (W = 4 on 2 "
+          "cores swings ±20%) or, on a tbf link, an allreduce call that starts on a bucket "
+          "refilled while it paused between calls, which the never-pausing stream does not "
+          "get. Small sizes carry no per-call latency in the stream: there it is a loose "
+          "ceiling.")
         w("")
         nw = int(meta.get("netns_ranks", "4") or 4)
         blocks = [(wsz, None) for wsz in ranks] + \

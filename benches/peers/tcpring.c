@@ -1,16 +1,17 @@
 // The socket ceiling of a ring allreduce over TCP: W processes in a ring, each streaming to
 // the next and reading from the previous at once (one thread polling both sockets), with
-// no reduction, no framing and no step-by-step synchronisation. Per "call" of size S each link
-// carries what a ring allreduce of S puts on it, 2(W-1) chunks of S/W, so its payload rate in
-// GB/s is directly comparable with an allreduce's busbw (algbw * 2(W-1)/W). Nothing a ring
-// allreduce does over the same path can beat it: the allreduce moves the same bytes and must
-// also reduce them. benches/compare.sh runs it in its bound part, under `gradwire launch`
+// no reduction, no framing and no step-by-step synchronisation. Per "call" of size S each
+// link carries what a ring allreduce of S puts on it, 2(W-1) chunks of S/W, so its payload
+// rate in GB/s is directly comparable with an allreduce's busbw (algbw * 2(W-1)/W). A ring
+// allreduce over the same path should not beat it (beyond noise, or a tbf bucket that
+// refills while an allreduce pauses between calls): it moves the same bytes and must also
+// reduce them. benches/compare.sh runs it in its bound part, under `gradwire launch`
 // (RANK, WORLD_SIZE, MASTER_PORT from its environment), and writes the same CSV as the
 // allreduce benchmarks (time_us = the slowest rank's time per call, wrong = 0):
 //   gcc -O2 benches/peers/tcpring.c -o target/peers/tcpring
 //   gradwire launch -n 2 -- target/peers/tcpring -b 16M -e 256M -f 4 -n 20 -w 5
-// --hosts A,B,... gives rank r's address (default: 127.0.0.1 for all); rank r listens on
-// MASTER_PORT + 1 + r.
+// --hosts A,B,... gives every rank's address in rank order (default: 127.0.0.1 for all);
+// rank r listens on MASTER_PORT + 1 + r.
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -28,7 +29,7 @@
 
 static int rank, world, to_next, from_prev;
 static size_t min_b = 16u << 20, max_b = 256u << 20, factor = 4;
-static int iters = 20, warmup = 5;
+static int iters = 20, warmup = 5; // warmup >= 1: it also lines the ranks up
 static char *send_buf, *recv_buf;
 
 static void die(const char *what) {
@@ -42,23 +43,36 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-static size_t parse_size(const char *s) {
-    char *end;
-    double v = strtod(s, &end);
-    switch (*end) {
-    case 'K': case 'k': v *= 1024; break;
-    case 'M': case 'm': v *= 1024 * 1024; break;
-    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
-    case '\0': break;
-    default: fprintf(stderr, "tcpring: bad size '%s'\n", s); exit(2);
-    }
-    if (v < 1) { fprintf(stderr, "tcpring: bad size '%s'\n", s); exit(2); }
-    return (size_t)v;
+static void usage_error(const char *what, const char *value) {
+    fprintf(stderr, "tcpring: %s '%s'\n", what, value ? value : "");
+    exit(2);
 }
 
-static int env_int(const char *name, int fallback) {
-    const char *v = getenv(name);
-    return v ? atoi(v) : fallback;
+// A byte count: digits with an optional K, M or G suffix, 1 byte to 64 GiB.
+static size_t parse_size(const char *s) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s || errno || *s == '-') usage_error("bad size", s);
+    unsigned shift = 0;
+    if (*end) {
+        shift = *end == 'K' || *end == 'k' ? 10 : *end == 'M' || *end == 'm' ? 20 : *end == 'G' || *end == 'g' ? 30 : 99;
+        if (shift == 99 || end[1]) usage_error("bad size (digits, then K, M or G)", s);
+    }
+    if (v < 1 || v > (64ull << 30) >> shift) usage_error("size out of range (1 byte to 64 GiB)", s);
+    return (size_t)(v << shift);
+}
+
+// A whole number in [lo, hi].
+static long parse_int(const char *what, const char *s, long lo, long hi) {
+    char *end;
+    errno = 0;
+    long v = s ? strtol(s, &end, 10) : 0;
+    if (!s || end == s || *end || errno || v < lo || v > hi) {
+        fprintf(stderr, "tcpring: %s must be a whole number in [%ld, %ld], got '%s'\n", what, lo, hi, s ? s : "(unset)");
+        exit(2);
+    }
+    return v;
 }
 
 static void write_all(int fd, const char *p, size_t n) {
@@ -82,19 +96,32 @@ static void read_all(int fd, char *p, size_t n) {
 }
 
 // One size's traffic, `calls` calls of it: per link 2(W-1) chunks of S/W per call. One
-// thread, both sockets polled, non-blocking calls, at most PIECE bytes per system call, sending from the
-// S-byte buffer and receiving into a PIECE-sized one that stays in cache: the socket work of
-// a ring allreduce and nothing else (an allreduce also writes the received bytes somewhere
-// cold and reduces them).
+// thread, both sockets polled, non-blocking calls, at most PIECE bytes per system call,
+// sending from the S-byte buffer and receiving into a PIECE-sized one that stays in cache:
+// the socket work of a ring allreduce and nothing else (an allreduce also writes the
+// received bytes somewhere cold and reduces them). Like gradwire's progress loop it spins
+// briefly before it sleeps when every rank has a core (`spin`).
 #define PIECE (1u << 20)
+static int spin;
 static void stream_calls(size_t size, int calls) {
     size_t total = (size_t)calls * 2 * (size_t)(world - 1) * (size / (size_t)world);
     size_t sent = 0, got = 0;
     while (sent < total || got < total) {
-        struct pollfd fds[2] = {{.fd = to_next, .events = sent < total ? POLLOUT : 0}, {.fd = from_prev, .events = got < total ? POLLIN : 0}};
-        if (poll(fds, 2, 120000) <= 0) die("poll (120 s without progress)");
-        if (fds[0].revents & (POLLERR | POLLHUP)) { errno = EPIPE; die("next rank's link"); }
-        if (sent < total && (fds[0].revents & POLLOUT)) {
+        // A finished direction leaves the poll set (its hang-up would wake it forever).
+        struct pollfd fds[2] = {{.fd = sent < total ? to_next : -1, .events = POLLOUT}, {.fd = got < total ? from_prev : -1, .events = POLLIN}};
+        int ready;
+        double spin_until = now() + (spin ? 50e-6 : 0);
+        while ((ready = poll(fds, 2, 0)) == 0 && now() < spin_until) {
+        }
+        if (ready == 0) ready = poll(fds, 2, 120000);
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready < 0) die("poll");
+        if (ready == 0) {
+            fprintf(stderr, "tcpring rank %d: no progress in 120 s (a neighbour died or stalled)\n", rank);
+            exit(1);
+        }
+        if (fds[0].revents & POLLERR) { errno = EPIPE; die("next rank's link"); }
+        if (fds[0].revents & POLLOUT) {
             size_t at = sent % size, n = total - sent;
             if (n > PIECE) n = PIECE;
             if (n > size - at) n = size - at;
@@ -102,7 +129,7 @@ static void stream_calls(size_t size, int calls) {
             if (k < 0 && errno != EAGAIN && errno != EINTR) die("write to next rank");
             if (k > 0) sent += (size_t)k;
         }
-        if (got < total && (fds[1].revents & (POLLIN | POLLHUP | POLLERR))) {
+        if (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) {
             size_t n = total - got;
             if (n > PIECE) n = PIECE;
             ssize_t k = recv(from_prev, recv_buf, n, MSG_DONTWAIT);
@@ -115,59 +142,78 @@ static void stream_calls(size_t size, int calls) {
 
 int main(int argc, char **argv) {
     const char *hosts = NULL, *csv = NULL;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!v) { fprintf(stderr, "tcpring: %s needs a value\n", a); return 2; }
-        if (!strcmp(a, "-b")) min_b = parse_size(v);
-        else if (!strcmp(a, "-e")) max_b = parse_size(v);
-        else if (!strcmp(a, "-f")) factor = parse_size(v);
-        else if (!strcmp(a, "-n")) iters = atoi(v);
-        else if (!strcmp(a, "-w")) warmup = atoi(v);
-        else if (!strcmp(a, "--hosts")) hosts = v;
-        else if (!strcmp(a, "--csv")) csv = v;
-        else { fprintf(stderr, "tcpring: unknown argument %s\n", a); return 2; }
-        i++;
+        if (!strcmp(a, "-b")) min_b = parse_size(v ? v : "");
+        else if (!strcmp(a, "-e")) max_b = parse_size(v ? v : "");
+        else if (!strcmp(a, "-f")) factor = (size_t)parse_int("-f", v, 2, 1024);
+        else if (!strcmp(a, "-n")) iters = (int)parse_int("-n", v, 1, 1000000);
+        else if (!strcmp(a, "-w")) warmup = (int)parse_int("-w", v, 1, 1000000);
+        else if (!strcmp(a, "--hosts") && v) hosts = v;
+        else if (!strcmp(a, "--csv") && v) csv = v;
+        else usage_error("unknown argument or missing value (-b -e -f -n -w --hosts --csv)", a);
     }
-    rank = env_int("RANK", -1);
-    world = env_int("WORLD_SIZE", -1);
-    int port0 = env_int("MASTER_PORT", 29500) + 1;
-    if (rank < 0 || world < 2 || rank >= world || factor < 2 || iters < 1 || warmup < 0) {
-        fprintf(stderr, "tcpring: needs RANK < WORLD_SIZE (>= 2) from a launcher, -f >= 2, -n >= 1\n");
+    world = (int)parse_int("WORLD_SIZE (from a launcher)", getenv("WORLD_SIZE"), 2, 4096);
+    rank = (int)parse_int("RANK (from a launcher)", getenv("RANK"), 0, world - 1);
+    int port0 = (int)parse_int("MASTER_PORT", getenv("MASTER_PORT") ? getenv("MASTER_PORT") : "29500", 1, 65534 - world) + 1;
+    if (min_b > max_b || min_b < (size_t)world) {
+        fprintf(stderr, "tcpring: needs W <= -b <= -e (got -b %zu, -e %zu, W %d)\n", min_b, max_b, world);
         return 2;
     }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    spin = cores > 0 && world <= cores;
+
+    // Where the next rank listens: --hosts gives all W addresses, default loopback.
     char next_host[64] = "127.0.0.1";
     if (hosts) {
+        int named = 1;
+        for (const char *c = hosts; *c; c++) named += *c == ',';
+        if (named != world) { fprintf(stderr, "tcpring: --hosts names %d addresses for %d ranks\n", named, world); return 2; }
         const char *h = hosts;
-        for (int r = 0; r < (rank + 1) % world && h; r++) h = strchr(h, ',') ? strchr(h, ',') + 1 : NULL;
-        if (!h) { fprintf(stderr, "tcpring: --hosts names fewer than %d addresses\n", world); return 2; }
+        for (int r = 0; r < (rank + 1) % world; r++) h = strchr(h, ',') + 1;
         size_t n = strcspn(h, ",");
-        if (n >= sizeof next_host) { fprintf(stderr, "tcpring: address too long\n"); return 2; }
+        if (n >= sizeof next_host) usage_error("address too long", h);
         memcpy(next_host, h, n);
         next_host[n] = 0;
     }
 
-    int listener = socket(AF_INET, SOCK_STREAM, 0);
-    int one = 1;
-    setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(port0 + rank), .sin_addr.s_addr = htonl(INADDR_ANY)};
-    if (bind(listener, (struct sockaddr *)&me, sizeof me) || listen(listener, 1)) die("listen");
-
-    struct sockaddr_in next = {.sin_family = AF_INET, .sin_port = htons(port0 + (rank + 1) % world)};
-    if (inet_pton(AF_INET, next_host, &next.sin_addr) != 1) { fprintf(stderr, "tcpring: bad address %s\n", next_host); return 2; }
-    double give_up = now() + 30;
-    for (;;) {
-        to_next = socket(AF_INET, SOCK_STREAM, 0);
-        if (!connect(to_next, (struct sockaddr *)&next, sizeof next)) break;
-        close(to_next);
-        if (now() > give_up) die("connect to next rank (30 s)");
-        usleep(20000);
-    }
-    // A deadline on the accept and on every read and write: a dead neighbour ends the probe.
+    // Rank r listens, connects to r+1 and accepts r-1. At W = 2 the two ranks share one
+    // connection both ways, as gradwire's, Open MPI's and Gloo's links do (acknowledgements
+    // ride on the data going back): rank 0 connects, rank 1 accepts.
+    int connects = world > 2 || rank == 0, accepts = world > 2 || rank == 1;
+    int listener = -1, one = 1;
     struct timeval limit = {.tv_sec = 120};
-    setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
-    from_prev = accept(listener, NULL, NULL);
-    if (from_prev < 0) die("accept from previous rank");
-    close(listener);
+    if (accepts) {
+        listener = socket(AF_INET, SOCK_STREAM, 0);
+        if (listener < 0) die("socket");
+        setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(port0 + rank), .sin_addr.s_addr = htonl(INADDR_ANY)};
+        if (bind(listener, (struct sockaddr *)&me, sizeof me) || listen(listener, 1)) die("listen");
+        // A deadline on the accept (and below on every read and write): a dead neighbour
+        // ends the probe.
+        setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+    }
+    if (connects) {
+        struct sockaddr_in next = {.sin_family = AF_INET, .sin_port = htons(port0 + (rank + 1) % world)};
+        if (inet_pton(AF_INET, next_host, &next.sin_addr) != 1) usage_error("bad address", next_host);
+        double give_up = now() + 30;
+        for (;;) {
+            to_next = socket(AF_INET, SOCK_STREAM, 0);
+            if (to_next < 0) die("socket");
+            if (!connect(to_next, (struct sockaddr *)&next, sizeof next)) break;
+            close(to_next);
+            if (now() > give_up) die("connect to next rank (30 s)");
+            usleep(20000);
+        }
+    }
+    if (accepts) {
+        from_prev = accept(listener, NULL, NULL);
+        if (from_prev < 0) die("accept from previous rank");
+        close(listener);
+    }
+    if (!connects) to_next = from_prev;
+    if (!accepts) from_prev = to_next;
     setsockopt(to_next, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
     setsockopt(from_prev, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
     setsockopt(to_next, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -203,7 +249,7 @@ int main(int argc, char **argv) {
             if (seen > slowest) slowest = seen;
             write_all(to_next, (char *)&slowest, sizeof slowest);
         }
-        double link_bytes = 2.0 * (world - 1) / world * (double)s;
+        double link_bytes = 2.0 * (world - 1) * (double)(s / (size_t)world); // what moved
         double busbw = link_bytes / slowest / 1e9, algbw = (double)s / slowest / 1e9;
         if (rank == 0) {
             printf("%12zu %12.1f %12.3f\n", s, slowest * 1e6, busbw);
