@@ -18,7 +18,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         env: "GRADWIRE_ALGO",
         default: "auto",
-        help: "Allreduce algorithm: auto, ring, rd (recursive doubling) or shm (one-host shared-buffer reduction).",
+        help: "Allreduce algorithm: auto, ring, rd (recursive doubling), hd (recursive halving then doubling) or shm (one-host shared-buffer reduction).",
     },
     Setting { env: "GRADWIRE_SMALL_BYTES", default: "65536", help: "Below this many bytes `auto` uses recursive doubling instead of the ring." },
     Setting {
@@ -133,6 +133,7 @@ pub enum Algo {
     Auto,
     Ring,
     RecursiveDoubling,
+    HalvingDoubling,
     SharedMemory,
 }
 
@@ -143,8 +144,9 @@ impl std::str::FromStr for Algo {
             "auto" => Ok(Self::Auto),
             "ring" => Ok(Self::Ring),
             "rd" => Ok(Self::RecursiveDoubling),
+            "hd" => Ok(Self::HalvingDoubling),
             "shm" => Ok(Self::SharedMemory),
-            other => Err(format!("unknown algorithm {other:?} (expected auto, ring, rd or shm)")),
+            other => Err(format!("unknown algorithm {other:?} (expected auto, ring, rd, hd or shm)")),
         }
     }
 }

@@ -193,6 +193,59 @@ pub fn recursive_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<
     Ok(())
 }
 
+/// Recursive halving then doubling (Rabenseifner): log2 W halving steps, in each of which
+/// partners r and r^m swap the half of their range the other keeps and reduce the half they
+/// keep, then log2 W doubling steps that swap the finished pieces back. The ring's bytes,
+/// (W−1)/W·S each way, in 2·log2 W steps instead of 2(W−1): a rank waits only on its
+/// partner, not on a chain of W−1 others, which matters when ranks time-share cores. W not
+/// a power of two: the extra ranks fold into partners first and get the result last (+2
+/// whole-buffer steps). Cost 2·log2 W·α + 2(W−1)/W·Sβ. Every element is finished by one
+/// rank and then copied, so every rank ends bit-identical.
+pub fn halving_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<()> {
+    let (w, r) = (cx.world, cx.rank);
+    let (dtype, op) = (cx.dtype, cx.op);
+    let elem = dtype.size();
+    let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
+    // The last halving step finishes each element: an average divides it there, once.
+    let red_last = move |d: &mut [u8], s: &[u8]| reduce_all(dtype, op, w, d, [s]);
+    let p2 = 1usize << (usize::BITS - 1 - w.leading_zeros());
+    if r >= p2 {
+        cx.exchange(&mut [SendOp::new(r - p2, 0, buf)], &mut [])?;
+        return cx.exchange(&mut [], &mut [RecvOp { peer: r - p2, step: 99, sink: Sink::Copy(buf.into()) }]);
+    }
+    if r < w - p2 {
+        cx.exchange(&mut [], &mut [RecvOp { peer: r + p2, step: 0, sink: Sink::Reduce { dst: buf.into(), elem, reduce: &red } }])?;
+    }
+    let base = buf.as_mut_ptr();
+    // SAFETY: every range lies in `buf`, borrowed by this function, and the two ranges of
+    // one exchange (the half kept, the half given) are disjoint.
+    let span = |(lo, hi): (usize, usize)| unsafe { Span::raw(base.add(lo * elem), (hi - lo) * elem) };
+    let (mut range, mut mask, mut step) = ((0, buf.len() / elem), p2 / 2, 1u32);
+    let mut swaps = Vec::new();
+    while mask > 0 {
+        let partner = r ^ mask;
+        let mid = range.0 + (range.1 - range.0) / 2;
+        let (keep, give) = if r & mask == 0 { ((range.0, mid), (mid, range.1)) } else { ((mid, range.1), (range.0, mid)) };
+        let reduce: &dyn Fn(&mut [u8], &[u8]) = if mask == 1 { &red_last } else { &red };
+        cx.exchange(
+            &mut [SendOp::forwarding(partner, step, span(give), None)],
+            &mut [RecvOp { peer: partner, step, sink: Sink::Reduce { dst: span(keep), elem, reduce } }],
+        )?;
+        swaps.push((partner, keep, give));
+        range = keep;
+        mask /= 2;
+        step += 1;
+    }
+    for (partner, mine, theirs) in swaps.into_iter().rev() {
+        cx.exchange(&mut [SendOp::forwarding(partner, step, span(mine), None)], &mut [RecvOp { peer: partner, step, sink: Sink::Copy(span(theirs)) }])?;
+        step += 1;
+    }
+    if r < w - p2 {
+        cx.exchange(&mut [SendOp::new(r + p2, 99, buf)], &mut [])?;
+    }
+    Ok(())
+}
+
 /// Binomial-tree broadcast: ⌈log2 W⌉ steps of the whole buffer. Cost ⌈log2 W⌉(α + Sβ).
 pub fn binomial_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     let w = cx.world;

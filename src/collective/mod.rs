@@ -315,6 +315,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                     shm_allreduce(&scx, &mut st.shm_stores, recv, req.dtype, req.redop)
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),
+                Algo::HalvingDoubling => algos::halving_doubling_allreduce(&mut cx, recv),
                 _ => algos::ring_allreduce(&mut cx, recv, tune.ring_chunk),
             }
         }

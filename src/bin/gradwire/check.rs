@@ -98,7 +98,7 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
     let (w, me) = (comm.size(), comm.rank());
     let seed = job_seed(comm)?;
     let single_shm = comm.link_kinds().iter().all(|k| *k == "self" || *k == "shm");
-    let mut allreduce_algos = vec![None, Some(Algo::Ring), Some(Algo::RecursiveDoubling)];
+    let mut allreduce_algos = vec![None, Some(Algo::Ring), Some(Algo::RecursiveDoubling), Some(Algo::HalvingDoubling)];
     if single_shm && w > 1 {
         allreduce_algos.push(Some(Algo::SharedMemory));
     }

@@ -111,7 +111,7 @@ enum Cmd {
         dtype: DType,
         #[arg(short = 'o', long = "op", default_value = "sum")]
         op: ReduceOp,
-        /// Allreduce algorithm: auto, ring, rd, shm.
+        /// Allreduce algorithm: auto, ring, rd, hd, shm.
         #[arg(long)]
         algo: Option<Algo>,
         /// auto, shm or tcp (sets GRADWIRE_TRANSPORT for this run).
