@@ -27,7 +27,8 @@
 #            from the previous at once, per "call" of size S exactly the
 #            per-link traffic of a ring allreduce of S (2(W-1) chunks of S/W),
 #            with no reduction, no framing and no step synchronisation, into
-#            a receive buffer that stays in cache.  Its payload rate is
+#            a receive buffer that stays in cache; timed as one stream and
+#            call by call, the faster kept.  Its payload rate is
 #            comparable with an allreduce's busbw (algbw*2(W-1)/W), and no
 #            ring allreduce over the same TCP path (gradwire's, Gloo's,
 #            Open MPI's) should beat it beyond noise.  Over TCP loopback for W in RANKS with

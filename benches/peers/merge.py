@@ -405,7 +405,8 @@ def spread(res, key, size):
 # benches/peers/tcpring.c: W processes in a ring, each streaming to the next and reading
 # from the previous at once, per "call" of S exactly a ring allreduce's per-link traffic
 # (2(W-1) chunks of S/W) with no reduction, no framing, no step synchronisation and a
-# receive buffer that stays in cache. Its payload rate per link is comparable with an
+# receive buffer that stays in cache; the faster of one stream across calls and call by
+# call. Its payload rate per link is comparable with an
 # allreduce's busbw (algbw·2(W−1)/W): the ceiling of any ring allreduce over the same
 # TCP path.
 
@@ -980,14 +981,15 @@ def main() -> int:
           "streaming to the next and reading from the previous at once from one thread, "
           "per call of size S exactly a ring allreduce's per-link traffic (2(W−1) chunks of "
           "S/W), with no reduction, no framing, no step synchronisation and a receive "
-          "buffer that stays in cache. Its payload rate per link (time = the slowest "
+          "buffer that stays in cache, timed both as one stream across calls and call by "
+          "call (less in flight, so more of it still in cache when read), the faster kept. Its payload rate per link (time = the slowest "
           "rank's time per call) is comparable with an allreduce's busbw "
           "(algbw · 2(W−1)/W): the rate the sockets sustain on this machine, the ceiling "
           "of any ring allreduce over the same TCP path, which moves the same bytes and "
           "must also reduce them. Medians across repeats; the allreduce columns repeat "
           "the medians of the tables above. A fraction above 100% is noise (W = 4 on 2 "
           "cores swings ±20%) or, on a tbf link, an allreduce call that starts on a bucket "
-          "refilled while it paused between calls, which the never-pausing stream does not "
+          "refilled while it paused between calls, which the stream does not "
           "get. Small sizes carry no per-call latency in the stream: there it is a loose "
           "ceiling.")
         w("")
