@@ -163,31 +163,41 @@ pub fn ring_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8], chunk: usize) -> Result<
 /// power of two) steps of whole-buffer exchanges. Cost ⌈log2 W⌉(α + Sβ). Partners combine
 /// the same two values, so every rank ends bit-identical.
 pub fn recursive_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<()> {
+    folded_to_power_of_two(cx, buf, |cx, buf, p2| {
+        let (dtype, op, r) = (cx.dtype, cx.op, cx.rank);
+        let mut tmp = vec![0u8; buf.len()];
+        let mut mask = 1;
+        let mut step = 1;
+        while mask < p2 {
+            let partner = r ^ mask;
+            cx.exchange(&mut [SendOp::new(partner, step, buf)], &mut [RecvOp { peer: partner, step, sink: Sink::Copy((&mut tmp[..]).into()) }])?;
+            reduce_bytes(dtype, op, buf, &tmp);
+            mask <<= 1;
+            step += 1;
+        }
+        finish(dtype, op, buf, cx.world);
+        Ok(())
+    })
+}
+
+/// Runs `allreduce` (given the power of two P it works on) over ranks 0..P, the largest
+/// power of two ≤ W: ranks P.. first hand their data to rank r−P, which reduces it in,
+/// and get the result from it at the end (+2 whole-buffer steps when W is not a power
+/// of two).
+fn folded_to_power_of_two(cx: &mut Ctx<'_>, buf: &mut [u8], allreduce: impl FnOnce(&mut Ctx<'_>, &mut [u8], usize) -> Result<()>) -> Result<()> {
     let (w, r) = (cx.world, cx.rank);
     let (dtype, op) = (cx.dtype, cx.op);
-    let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
     let p2 = 1usize << (usize::BITS - 1 - w.leading_zeros());
-    let extra = w - p2;
-    // Fold: ranks p2.. hand their data to rank r-p2 and wait for the result.
     if r >= p2 {
         cx.exchange(&mut [SendOp::new(r - p2, 0, buf)], &mut [])?;
         return cx.exchange(&mut [], &mut [RecvOp { peer: r - p2, step: 99, sink: Sink::Copy(buf.into()) }]);
     }
-    if r < extra {
+    if r < w - p2 {
+        let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
         cx.exchange(&mut [], &mut [RecvOp { peer: r + p2, step: 0, sink: Sink::Reduce { dst: buf.into(), elem: dtype.size(), reduce: &red } }])?;
     }
-    let mut tmp = vec![0u8; buf.len()];
-    let mut mask = 1;
-    let mut step = 1;
-    while mask < p2 {
-        let partner = r ^ mask;
-        cx.exchange(&mut [SendOp::new(partner, step, buf)], &mut [RecvOp { peer: partner, step, sink: Sink::Copy((&mut tmp[..]).into()) }])?;
-        reduce_bytes(dtype, op, buf, &tmp);
-        mask <<= 1;
-        step += 1;
-    }
-    finish(dtype, op, buf, w);
-    if r < extra {
+    allreduce(cx, buf, p2)?;
+    if r < w - p2 {
         cx.exchange(&mut [SendOp::new(r + p2, 99, buf)], &mut [])?;
     }
     Ok(())
@@ -202,48 +212,39 @@ pub fn recursive_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<
 /// whole-buffer steps). Cost 2·log2 W·α + 2(W−1)/W·Sβ. Every element is finished by one
 /// rank and then copied, so every rank ends bit-identical.
 pub fn halving_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<()> {
-    let (w, r) = (cx.world, cx.rank);
-    let (dtype, op) = (cx.dtype, cx.op);
-    let elem = dtype.size();
-    let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
-    // The last halving step finishes each element: an average divides it there, once.
-    let red_last = move |d: &mut [u8], s: &[u8]| reduce_all(dtype, op, w, d, [s]);
-    let p2 = 1usize << (usize::BITS - 1 - w.leading_zeros());
-    if r >= p2 {
-        cx.exchange(&mut [SendOp::new(r - p2, 0, buf)], &mut [])?;
-        return cx.exchange(&mut [], &mut [RecvOp { peer: r - p2, step: 99, sink: Sink::Copy(buf.into()) }]);
-    }
-    if r < w - p2 {
-        cx.exchange(&mut [], &mut [RecvOp { peer: r + p2, step: 0, sink: Sink::Reduce { dst: buf.into(), elem, reduce: &red } }])?;
-    }
-    let base = buf.as_mut_ptr();
-    // SAFETY: every range lies in `buf`, borrowed by this function, and the two ranges of
-    // one exchange (the half kept, the half given) are disjoint.
-    let span = |(lo, hi): (usize, usize)| unsafe { Span::raw(base.add(lo * elem), (hi - lo) * elem) };
-    let (mut range, mut mask, mut step) = ((0, buf.len() / elem), p2 / 2, 1u32);
-    let mut swaps = Vec::new();
-    while mask > 0 {
-        let partner = r ^ mask;
-        let mid = range.0 + (range.1 - range.0) / 2;
-        let (keep, give) = if r & mask == 0 { ((range.0, mid), (mid, range.1)) } else { ((mid, range.1), (range.0, mid)) };
-        let reduce: &dyn Fn(&mut [u8], &[u8]) = if mask == 1 { &red_last } else { &red };
-        cx.exchange(
-            &mut [SendOp::forwarding(partner, step, span(give), None)],
-            &mut [RecvOp { peer: partner, step, sink: Sink::Reduce { dst: span(keep), elem, reduce } }],
-        )?;
-        swaps.push((partner, keep, give));
-        range = keep;
-        mask /= 2;
-        step += 1;
-    }
-    for (partner, mine, theirs) in swaps.into_iter().rev() {
-        cx.exchange(&mut [SendOp::forwarding(partner, step, span(mine), None)], &mut [RecvOp { peer: partner, step, sink: Sink::Copy(span(theirs)) }])?;
-        step += 1;
-    }
-    if r < w - p2 {
-        cx.exchange(&mut [SendOp::new(r + p2, 99, buf)], &mut [])?;
-    }
-    Ok(())
+    folded_to_power_of_two(cx, buf, |cx, buf, p2| {
+        let (w, r) = (cx.world, cx.rank);
+        let (dtype, op) = (cx.dtype, cx.op);
+        let elem = dtype.size();
+        let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
+        // The last halving step finishes each element: an average divides it there, once.
+        let red_last = move |d: &mut [u8], s: &[u8]| reduce_all(dtype, op, w, d, [s]);
+        let base = buf.as_mut_ptr();
+        // SAFETY: every range lies in `buf`, borrowed by this closure, and the two ranges
+        // of one exchange (the half kept, the half given) are disjoint.
+        let span = |(lo, hi): (usize, usize)| unsafe { Span::raw(base.add(lo * elem), (hi - lo) * elem) };
+        let (mut range, mut mask, mut step) = ((0, buf.len() / elem), p2 / 2, 1u32);
+        let mut swaps = Vec::new();
+        while mask > 0 {
+            let partner = r ^ mask;
+            let mid = range.0 + (range.1 - range.0) / 2;
+            let (keep, give) = if r & mask == 0 { ((range.0, mid), (mid, range.1)) } else { ((mid, range.1), (range.0, mid)) };
+            let reduce: &dyn Fn(&mut [u8], &[u8]) = if mask == 1 { &red_last } else { &red };
+            cx.exchange(
+                &mut [SendOp::forwarding(partner, step, span(give), None)],
+                &mut [RecvOp { peer: partner, step, sink: Sink::Reduce { dst: span(keep), elem, reduce } }],
+            )?;
+            swaps.push((partner, keep, give));
+            range = keep;
+            mask /= 2;
+            step += 1;
+        }
+        for (partner, mine, theirs) in swaps.into_iter().rev() {
+            cx.exchange(&mut [SendOp::forwarding(partner, step, span(mine), None)], &mut [RecvOp { peer: partner, step, sink: Sink::Copy(span(theirs)) }])?;
+            step += 1;
+        }
+        Ok(())
+    })
 }
 
 /// Binomial-tree broadcast: ⌈log2 W⌉ steps of the whole buffer. Cost ⌈log2 W⌉(α + Sβ).
