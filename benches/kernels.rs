@@ -22,6 +22,25 @@ fn kernels(c: &mut Criterion) {
         }
     }
     g.finish();
+    // The transports' reduce-on-receive: a 256 KiB staging buffer (in L2) summed into a
+    // destination too large for the cache, so memory bandwidth counts as well as the loop.
+    let (big, staged) = (64 << 20, 256 << 10);
+    let mut g = c.benchmark_group("reduce_staged_into_64MiB");
+    g.throughput(Throughput::Bytes(big as u64));
+    g.sample_size(10);
+    let mut dst: Vec<f32> = (0..big / 4).map(|i| (i % 1000) as f32).collect();
+    let src: Vec<f32> = (0..staged / 4).map(|i| (i % 7) as f32).collect();
+    // SAFETY: f32 buffers viewed as bytes.
+    let d = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut u8, big) };
+    let s = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u8, staged) };
+    g.bench_function("float32_sum", |b| {
+        b.iter(|| {
+            for part in d.chunks_mut(staged) {
+                reduce_bytes(DType::F32, ReduceOp::Sum, black_box(part), black_box(s));
+            }
+        })
+    });
+    g.finish();
 }
 
 fn header(c: &mut Criterion) {
