@@ -24,6 +24,14 @@ pub fn wait_with_limit(mut child: Child, limit: Duration) -> Output {
             return child.wait_with_output().expect("collect output");
         }
         if start.elapsed() > limit {
+            // SIGTERM first, so a script's clean-up (the rxe harness stops its VMs) runs and
+            // its children let go of our pipes; SIGKILL if it is still there 10 s later.
+            // SAFETY: kill has no memory preconditions; the pid is our unreaped child.
+            unsafe { libc_kill(child.id() as i32, 15) };
+            let grace = Instant::now();
+            while grace.elapsed() < Duration::from_secs(10) && matches!(child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
             let _ = child.kill();
             let out = child.wait_with_output().expect("collect output");
             panic!("command exceeded {limit:?}\nstdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -60,6 +68,8 @@ pub fn can_netns(test: &str) -> bool {
 extern "C" {
     #[link_name = "geteuid"]
     fn libc_geteuid() -> u32;
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
 }
 
 /// Environment for one rank started directly (without the launcher).
