@@ -140,9 +140,10 @@ pub fn reduce_bytes(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     reduce_aligned(dtype, op, dst, src)
 }
 
-/// [`reduce_aligned`] compiled for AVX2. The baseline x86-64 target stops at SSE2: f32 sum
-/// into a 64 MiB destination from an L2-resident source ran at 6.6–8.8 GB/s as SSE2 and
-/// 10.8–11.2 as AVX2, and bf16, which needs a cheap 32-to-16-bit pack to vectorise at all,
+/// [`reduce_aligned`] compiled for AVX2. The baseline x86-64 target stops at SSE2: an f32
+/// sum from a 256 KiB staging buffer into 64 MiB (the transports' reduce-on-receive;
+/// `cargo bench --bench kernels -- reduce_staged`) ran at 9.8–16.4 GiB/s as SSE2 and
+/// 16.1–18.3 as AVX2, and bf16, which needs a cheap 32-to-16-bit pack to vectorise at all,
 /// at 2.5 against 8.4 GiB/s.
 ///
 /// # Safety
