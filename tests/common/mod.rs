@@ -18,26 +18,67 @@ pub fn run_with_limit(mut cmd: Command, limit: Duration) -> Output {
 }
 
 pub fn wait_with_limit(mut child: Child, limit: Duration) -> Output {
+    // Both pipes are read while the child runs: one that writes more than a pipe holds
+    // would otherwise block on us, and what it wrote before a kill would be lost.
+    let (stdout, stderr) = (drain(child.stdout.take()), drain(child.stderr.take()));
     let start = Instant::now();
-    loop {
-        if let Ok(Some(_)) = child.try_wait() {
-            return child.wait_with_output().expect("collect output");
+    let mut timed_out = false;
+    let status = loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            break status;
         }
         if start.elapsed() > limit {
+            timed_out = true;
             // SIGTERM first, so a script's clean-up (the rxe harness stops its VMs) runs and
             // its children let go of our pipes; SIGKILL if it is still there 10 s later.
-            // SAFETY: kill has no memory preconditions; the pid is our unreaped child.
+            // SAFETY: kill has no memory preconditions; the pid is our child, not yet reaped.
             unsafe { libc_kill(child.id() as i32, 15) };
             let grace = Instant::now();
             while grace.elapsed() < Duration::from_secs(10) && matches!(child.try_wait(), Ok(None)) {
                 std::thread::sleep(Duration::from_millis(50));
             }
             let _ = child.kill();
-            let out = child.wait_with_output().expect("collect output");
-            panic!("command exceeded {limit:?}\nstdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            break child.wait().expect("wait for the killed child");
         }
         std::thread::sleep(Duration::from_millis(20));
+    };
+    // The pipes close once everything the child started has gone too; a straggler that
+    // still holds them after 5 s is not waited for.
+    let collect = |(reader, bytes): Drained| {
+        let until = Instant::now() + Duration::from_secs(5);
+        while !reader.as_ref().is_none_or(|r| r.is_finished()) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let b = bytes.lock().unwrap();
+        b.clone()
+    };
+    let out = Output { status, stdout: collect(stdout), stderr: collect(stderr) };
+    if timed_out {
+        panic!("command exceeded {limit:?}\nstdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     }
+    out
+}
+
+type Drained = (Option<std::thread::JoinHandle<()>>, std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+/// Reads `pipe` to its end on a thread of its own, into the returned buffer.
+fn drain(pipe: Option<impl std::io::Read + Send + 'static>) -> Drained {
+    let bytes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = bytes.clone();
+    let reader = pipe.map(|mut pipe| {
+        std::thread::spawn(move || {
+            let mut chunk = [0u8; 8192];
+            loop {
+                match pipe.read(&mut chunk) {
+                    Ok(0) => break,
+                    Ok(n) => sink.lock().unwrap().extend_from_slice(&chunk[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(_) => break,
+                }
+            }
+        })
+    });
+    (reader, bytes)
 }
 
 /// `gradwire launch -n N [extra launch args] -- gradwire ARGS`.

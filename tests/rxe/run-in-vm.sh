@@ -315,23 +315,20 @@ for ((n = 0; n < NODES; n++)); do
       -accel tcg -cpu max -smp "$SMP" -m "$MEM" -kernel "$IMG/vmlinuz" -initrd "$initrd" -append "$args" \
       -netdev "$net" -device "virtio-net-pci,netdev=n0,romfile=,mac=52:54:00:12:34:5$n" \
       -serial "file:$W/console.$n" -serial stdio </dev/null 2>"$W/qemu.$n" &
-    echo $! >"$W/pid.$n"; rc=0; wait $! || rc=$?; echo $rc >"$W/exit.$n"; } | filter $n &
+    echo $! >"$W/pid.$n"; rc=0; wait $! || rc=$?; echo $rc >"$W/exit.$n"; } | { filter $n; touch "$W/drained.$n"; } &
 done
-# A guest that ends without running PROGRAM (setup failed, hung boot timed out) leaves its
-# peer nothing to talk to: stop the peer then, not after its own limit. A guest whose PROGRAM
-# ran and failed is left alone: the peer's PROGRAM has its own deadlines to report it.
+# A guest that ends without PROGRAM's exit status (its setup failed, e.g. no answer from the
+# peer; its kernel died) leaves the other guest nothing to finish with: stop that one now,
+# not at its own limit. A PROGRAM that exited, whatever its status, stops nothing: the
+# peer's PROGRAM has its own deadlines to report it. drained.N says that all of node N's
+# output, exit marker included, has been read.
 if [ "$NODES" = 2 ]; then
-  failed_since=()
-  while [ ! -f "$W/exit.0" ] || [ ! -f "$W/exit.1" ]; do
+  while [ ! -f "$W/drained.0" ] || [ ! -f "$W/drained.1" ]; do
     for n in 0 1; do
       m=$((1 - n))
-      if [ -f "$W/exit.$n" ] && [ ! -s "$W/rc.$n" ] && [ ! -f "$W/exit.$m" ]; then
-        # The marker may still be in the pipe: decide 3 s after the VM ended.
-        failed_since[n]=${failed_since[n]:-$SECONDS}
-        if ((SECONDS - failed_since[n] >= 3)) && [ ! -f "$W/stopped.$m" ]; then
-          log "node$n ended before its program ran: stopping node$m"
-          touch "$W/stopped.$m"; kill "$(cat "$W/pid.$m")" 2>/dev/null || true
-        fi
+      if [ -f "$W/drained.$n" ] && [ ! -s "$W/rc.$n" ] && [ ! -f "$W/exit.$m" ] && [ ! -f "$W/stopped.$m" ]; then
+        log "node$n ended without its program's exit status: stopping node$m"
+        touch "$W/stopped.$m"; kill "$(cat "$W/pid.$m")" 2>/dev/null || true
       fi
     done
     sleep 1
@@ -344,7 +341,7 @@ for ((n = 0; n < NODES; n++)); do
   rm -f "$W/pid.$n"
   if [ -s "$W/rc.$n" ]; then rc=$(cat "$W/rc.$n")
   else
-    if [ -f "$W/stopped.$n" ]; then rc=125; log "node$n: stopped because its peer failed (above)"
+    if [ -f "$W/stopped.$n" ]; then rc=125; log "node$n: stopped, its peer ended first (above)"
     elif [[ $(cat "$W/exit.$n" 2>/dev/null) =~ ^(124|137)$ ]]; then rc=124; log "node$n: VM timed out after ${TIMEOUT}s"
     else rc=125; log "node$n: setup failed (qemu: $(tail -n 3 "$W/qemu.$n" | tr '\n' ' '))"; fi
     log "node$n: last console lines:"
