@@ -20,6 +20,18 @@ pub struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// `dst = op(dst, src)` in this call's dtype and op: a reduce step.
+    fn combine(&self) -> impl Fn(&mut [u8], &[u8]) + 'static {
+        let (dtype, op) = (self.dtype, self.op);
+        move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s)
+    }
+
+    /// The reduce step that finishes each element: an average also divides there, once.
+    fn combine_last(&self) -> impl Fn(&mut [u8], &[u8]) + 'static {
+        let (dtype, op, w) = (self.dtype, self.op, self.world);
+        move |d: &mut [u8], s: &[u8]| reduce_all(dtype, op, w, d, [s])
+    }
+
     fn exchange(&mut self, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()> {
         self.links.exchange(&self.call, sends, recvs, self.deadline)
     }
@@ -66,11 +78,8 @@ pub struct RingSteps<'b> {
 pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: &RingSteps<'_>, chunk: usize) -> Result<()> {
     let (w, r) = (cx.world, cx.rank as isize);
     let (next, prev) = ((cx.rank + 1) % w, (cx.rank + w - 1) % w);
-    let (dtype, op) = (cx.dtype, cx.op);
-    let elem = dtype.size();
-    let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
-    // The last reduce step finishes each element: an average divides it there, once.
-    let red_last = move |d: &mut [u8], s: &[u8]| reduce_all(dtype, op, w, d, [s]);
+    let elem = cx.dtype.size();
+    let (red, red_last) = (cx.combine(), cx.combine_last());
     let bounds = ring.bounds;
     assert!(bounds.len() == w + 1 && bounds[w] <= buf.len(), "ring bounds must cover {w} parts of the buffer");
     // Both ends of a link derive the same chunking from the same bounds. Links with a
@@ -186,15 +195,14 @@ pub fn recursive_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<
 /// of two).
 fn folded_to_power_of_two(cx: &mut Ctx<'_>, buf: &mut [u8], allreduce: impl FnOnce(&mut Ctx<'_>, &mut [u8], usize) -> Result<()>) -> Result<()> {
     let (w, r) = (cx.world, cx.rank);
-    let (dtype, op) = (cx.dtype, cx.op);
     let p2 = 1usize << (usize::BITS - 1 - w.leading_zeros());
     if r >= p2 {
         cx.exchange(&mut [SendOp::new(r - p2, 0, buf)], &mut [])?;
         return cx.exchange(&mut [], &mut [RecvOp { peer: r - p2, step: 99, sink: Sink::Copy(buf.into()) }]);
     }
     if r < w - p2 {
-        let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
-        cx.exchange(&mut [], &mut [RecvOp { peer: r + p2, step: 0, sink: Sink::Reduce { dst: buf.into(), elem: dtype.size(), reduce: &red } }])?;
+        let (red, elem) = (cx.combine(), cx.dtype.size());
+        cx.exchange(&mut [], &mut [RecvOp { peer: r + p2, step: 0, sink: Sink::Reduce { dst: buf.into(), elem, reduce: &red } }])?;
     }
     allreduce(cx, buf, p2)?;
     if r < w - p2 {
@@ -213,12 +221,9 @@ fn folded_to_power_of_two(cx: &mut Ctx<'_>, buf: &mut [u8], allreduce: impl FnOn
 /// rank and then copied, so every rank ends bit-identical.
 pub fn halving_doubling_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8]) -> Result<()> {
     folded_to_power_of_two(cx, buf, |cx, buf, p2| {
-        let (w, r) = (cx.world, cx.rank);
-        let (dtype, op) = (cx.dtype, cx.op);
-        let elem = dtype.size();
-        let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
-        // The last halving step finishes each element: an average divides it there, once.
-        let red_last = move |d: &mut [u8], s: &[u8]| reduce_all(dtype, op, w, d, [s]);
+        let r = cx.rank;
+        let elem = cx.dtype.size();
+        let (red, red_last) = (cx.combine(), cx.combine_last());
         let base = buf.as_mut_ptr();
         // SAFETY: every range lies in `buf`, borrowed by this closure, and the two ranges
         // of one exchange (the half kept, the half given) are disjoint.
@@ -308,7 +313,7 @@ pub fn binomial_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Result<
     let v = (cx.rank + w - root) % w;
     let real = |x: usize| (x + root) % w;
     let (dtype, op) = (cx.dtype, cx.op);
-    let red = move |d: &mut [u8], s: &[u8]| reduce_bytes(dtype, op, d, s);
+    let red = cx.combine();
     let mut work = if v == 0 { Vec::new() } else { buf.to_vec() };
     let acc: &mut [u8] = if v == 0 { buf } else { &mut work };
     let mut mask = 1;
