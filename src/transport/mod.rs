@@ -604,6 +604,14 @@ impl Links {
             poll(&mut fds, 0);
             return Ok(());
         }
+        // Then yield for a while, as Open MPI does when oversubscribed: a rank sharing a
+        // core gives it to the peer it waits for, yet sees the data without a sleep and a
+        // wake-up (4 ranks on 2 cores, TCP loopback: 4 KiB 30-35 against 62-66 us, 1 MiB
+        // 1.54-1.79 against 1.02-1.31 GB/s busbw, 16-256 MiB +5-15 %; alternating runs).
+        if idle < self.spin + YIELD_FOR && poll(&mut fds, 0) == 0 {
+            std::thread::yield_now();
+            return Ok(());
+        }
         // Sockets only: sleep in poll, capped so a local abort is noticed promptly.
         let left = deadline.saturating_duration_since(Instant::now());
         poll(&mut fds, left.as_millis().clamp(1, 50) as i32);
@@ -635,9 +643,9 @@ impl Links {
     }
 }
 
-fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) {
+fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> i32 {
     // SAFETY: fds is a valid, exclusively borrowed array of pollfd for the call.
-    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) }
 }
 
 fn lost(rank: usize, peer: usize, call: &CallHeader, dir: &str, e: std::io::Error) -> Error {
