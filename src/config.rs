@@ -20,7 +20,7 @@ pub const SETTINGS: &[Setting] = &[
         default: "auto",
         help: "Allreduce algorithm: auto, ring, rd (recursive doubling), hd (recursive halving then doubling) or shm (one-host shared-buffer reduction).",
     },
-    Setting { env: "GRADWIRE_SMALL_BYTES", default: "65536", help: "Below this many bytes `auto` uses recursive doubling instead of the ring." },
+    Setting { env: "GRADWIRE_SMALL_BYTES", default: "262144", help: "Below this many bytes `auto` uses recursive doubling instead of the ring." },
     Setting {
         env: "GRADWIRE_RING_CHUNK_BYTES",
         default: "1048576",
@@ -233,7 +233,7 @@ impl Config {
             timeout: Duration::from_millis(timeout_ms),
             transport: env_parse("GRADWIRE_TRANSPORT", TransportChoice::Auto)?,
             algo: env_parse("GRADWIRE_ALGO", Algo::Auto)?,
-            small_bytes: env_u64("GRADWIRE_SMALL_BYTES", 64 << 10)? as usize,
+            small_bytes: env_u64("GRADWIRE_SMALL_BYTES", 256 << 10)? as usize,
             shm_ring_bytes: ring,
             shm_stage_bytes: stage,
             shm_stores: env_parse("GRADWIRE_SHM_STORES", StagedStores::Auto)?,
