@@ -66,6 +66,17 @@ fn shm_staged_segments_every_dtype_and_op() {
     }
 }
 
+/// An 8 KiB staging area: a hundred segments and more per call, a short last one, and
+/// calls back to back. The staged form has no barrier after its copy-out, so a rank
+/// starts its next segment or call while a slower peer may still copy out of the last
+/// one; with more ranks than cores that happens all the time.
+#[test]
+fn shm_staged_tiny_segments_back_to_back() {
+    for n in [3, 4] {
+        check_with_env(n, "shm", &[], &["--counts", "1,7919,100003", "--collectives", "allreduce"], &[("GRADWIRE_SHM_STAGE_BYTES", "8192")]);
+    }
+}
+
 /// The staged form times both kinds of stores and says which it keeps, on every rank,
 /// while the results stay right (`--check` after the timed calls).
 #[test]

@@ -6,7 +6,9 @@
 //!   the segments of all ranks stay in cache): (1) every rank copies the parts it does not
 //!   own into its staging area; (2) rank r reduces part r of the peers' staging areas into
 //!   its own buffer and copies the result into its staging area; (3) every rank copies the
-//!   other finished parts from their owners' staging areas. Three barriers per segment,
+//!   other finished parts from their owners' staging areas. Two barriers per segment
+//!   (part p always has slot p of a staging area, so the next segment's copy-in never
+//!   touches what peers may still be copying out),
 //!   made of per-rank phase counters (no shared contended line). What peers read is
 //!   written with plain or streaming stores, whichever [`StoreChooser`] has timed faster;
 //! - zero-copy (from [`ZERO_COPY_MIN`], when every rank's buffer comes from
@@ -173,7 +175,18 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, stores: &mut StoreChooser, buf: &mut [u8],
 fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, streaming: bool) -> Result<Duration> {
     let (w, me) = (cx.world, cx.rank);
     let elem = dtype.size();
-    let seg = cx.staged_capacity() / elem * elem;
+    // Part p of every segment has the same slot in the staging areas, whatever the
+    // segment's length: whole cache lines where there is room, and always a multiple of
+    // every element size.
+    let slot_len = match cx.staged_capacity() / w {
+        n if n >= 64 => n / 64 * 64,
+        n => n / 8 * 8,
+    };
+    if slot_len == 0 {
+        return Err(Error::InvalidArgument(format!("GRADWIRE_SHM_STAGE_BYTES={} leaves no staging room for {w} ranks", cx.dom.stage_len())));
+    }
+    let slot = |p: usize| p * slot_len;
+    let seg = slot_len * w;
     let mut base = cx.dom.phase(me).load(Ordering::Relaxed);
     let mut off = 0;
     let others = || (0..w).filter(move |&p| p != me);
@@ -187,9 +200,10 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         let part = |p: usize| bounds[p]..bounds[p + 1];
         // (1) Copy in the parts the peers reduce, publish.
         for p in others() {
-            // SAFETY: our own staging area, at least `seg` bytes; peers read it only after
-            // the Release store below and stop before our next write (barrier base+3).
-            unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[p]), &buf[off..][part(p)], streaming) };
+            // SAFETY: our own staging area, slot p (a part is at most a slot); peers read
+            // it only after the Release store below and stop before barrier base+2. What
+            // peers may still read of ours, from the segment or call before, is slot `me`.
+            unsafe { copy_for_peers(cx.dom.stage(me).add(slot(p)), &buf[off..][part(p)], streaming) };
         }
         if off == 0 {
             first_copy_in = started.elapsed();
@@ -205,25 +219,26 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         let mine = &mut buf[off..][part(me)];
         for b in (0..mine.len()).step_by(BLOCK) {
             let e = (b + BLOCK).min(mine.len());
-            // SAFETY: part `me` of every peer's staging area is only read, by us, until
+            // SAFETY: slot `me` of every peer's staging area is only read, by us, until
             // barrier base+2; the range lies in it.
-            let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.dom.stage(p).add(bounds[me] + b), e - b) });
+            let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.dom.stage(p).add(slot(me) + b), e - b) });
             reduce_all(dtype, op, w, &mut mine[b..e], theirs);
-            // SAFETY: part `me` of our staging area: only we write it, and peers read it
-            // only after barrier base+2.
-            unsafe { copy_for_peers(cx.dom.stage(me).add(bounds[me] + b), &mine[b..e], streaming) };
+            // SAFETY: slot `me` of our staging area: only we write it; peers read it only
+            // after barrier base+2, and have finished reading it for the segment (or call)
+            // before, since they have passed barrier base+1.
+            unsafe { copy_for_peers(cx.dom.stage(me).add(slot(me) + b), &mine[b..e], streaming) };
         }
         cx.advance(base + 2);
         cx.wait_all(base + 2)?;
-        // (3) Copy the peers' finished parts out of their staging areas.
+        // (3) Copy the peers' finished parts out of their staging areas. No barrier after
+        // it: p writes slot p again only in phase (2) of its next segment or call, after a
+        // barrier that we pass only once this copy is done.
         for p in others() {
-            // SAFETY: part p of p's staging area is final after barrier base+2 and is not
-            // written again before barrier base+3.
-            unsafe { std::ptr::copy_nonoverlapping(cx.dom.stage(p).add(bounds[p]), buf.as_mut_ptr().add(off + bounds[p]), part(p).len()) };
+            // SAFETY: slot p of p's staging area is final after barrier base+2 and is not
+            // written again before our next barrier (above).
+            unsafe { std::ptr::copy_nonoverlapping(cx.dom.stage(p).add(slot(p)), buf.as_mut_ptr().add(off + bounds[p]), part(p).len()) };
         }
-        cx.advance(base + 3);
-        cx.wait_all(base + 3)?;
-        base += 3;
+        base += 2;
         off += len;
         if off >= buf.len() {
             return Ok(first_copy_in + since.elapsed());
