@@ -82,9 +82,12 @@ def cores_bound_busbw(copy_all: float, w: int) -> float:
     return copy_all / (w * bound_k(w)) * 2.0 * (w - 1) / w
 
 
-def memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores):
+def memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores, zero_copy=None):
     """Context cells of targets 1a and 1b: which memory bound applies at W ranks and what
-    each target asks of it. cores = (online CPUs, memcpy GB/s of all of them at once)."""
+    each target asks of it. cores = (online CPUs, memcpy GB/s of all of them at once).
+    zero_copy (private-buffer rows): gradwire's busbw on gradwire_alloc buffers per size,
+    the same reduction with no copies at all, which a private-buffer allreduce (that work
+    plus a copy of every part) cannot outrun."""
     if not copy_bw:
         return {}
     ncores, copy_all = cores
@@ -114,6 +117,12 @@ def memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores):
                        + (f"; gradwire at {g / b:.0%}" if g is not None else "")
                        + (f", Open MPI at {m / b:.0%}" if m is not None else "")
                        + verdict_at(sz, need))
+            z = (zero_copy or {}).get(sz)
+            if z:
+                c1a.append(f"{human(sz)}, against the zero-copy form (gradwire_alloc buffers, "
+                           f"{num(z)} GB/s): the target needs {need / z:.0%} of it"
+                           + (" (**out of reach**: private buffers pay its work and a copy)"
+                              if need >= z else ""))
     need_b = T1_BOUND_FRAC * bound_busbw(copy_bw, w)
     if b < bound_busbw(copy_bw, w):
         c1b.append(f"the target ({T1_BOUND_FRAC:.0%} of the per-rank bound) needs {num(need_b)} GB/s "
@@ -559,7 +568,8 @@ def targets(res, meta, copy_bw, ranks_local, transports, cores=(0, None)):
         gw = {s: res.med(kg, s) for s in sizes}
         mp = {s: res.med(km, s) for s in sizes}
         rat = [(s, gw[s] / mp[s] if gw[s] is not None and mp[s] else None) for s in sizes]
-        for tid, cell in memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores).items():
+        zero_copy = {s: res.med(("gradwire", w, SHARED), s) for s in sizes} if kind == "shm" else None
+        for tid, cell in memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores, zero_copy).items():
             ceil[({"1a": name_1a, "1b": name_1b}[tid], where)] = cell
         rows.append((name_1a, where,
                      join([human(s) for s in sizes]),
@@ -808,7 +818,12 @@ def main() -> int:
           "once: bound busbw = (memcpy of all cores at once, measured by copybw in this run) "
           "/ (W·k) · 2(W−1)/W. Then what each target asks as a percentage of that bound "
           "(above 100%: out of reach on this machine, whatever the implementation). "
-          "Context only: the result column does not depend on it.")
+          "Where data stays in cache an allreduce can beat that bound; so the private-buffer "
+          "rows also set the target against gradwire's zero-copy form in the same run "
+          "(gradwire_alloc buffers): the same reduction with no copy at all, while a "
+          "private-buffer allreduce must also copy every part out of one process and the "
+          "result into the other (through shared staging, or the kernel's cross-memory "
+          "attach). Context only: the result column does not depend on it.")
     if "bound" in parts:
         w("- TCP ceiling (rows 3a, 3b, 4; from the bound part, see \"Transport ceilings\"): "
           "per size, the median payload rate of **tcpring** over the same TCP path "
