@@ -66,10 +66,11 @@ fn shm_staged_segments_every_dtype_and_op() {
     }
 }
 
-/// An 8 KiB staging area: a hundred segments and more per call, a short last one, and
-/// calls back to back. The staged form has no barrier after its copy-out, so a rank
-/// starts its next segment or call while a slower peer may still copy out of the last
-/// one; with more ranks than cores that happens all the time.
+/// An 8 KiB staging area: segments of 6 KiB (33 to 130 per call of 100003 elements) and a
+/// short last one. The staged form has no barrier after its copy-out, so a rank starts its
+/// next segment while a slower peer may still copy out of the last one; with more ranks
+/// than cores that happens all the time. (`check` syncs the ranks between calls; calls
+/// back to back: `tests/engine.rs`, `shm_allreduces_back_to_back_all_match`.)
 #[test]
 fn shm_staged_tiny_segments_back_to_back() {
     for n in [3, 4] {

@@ -85,9 +85,11 @@ def cores_bound_busbw(copy_all: float, w: int) -> float:
 def memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores, zero_copy=None):
     """Context cells of targets 1a and 1b: which memory bound applies at W ranks and what
     each target asks of it. cores = (online CPUs, memcpy GB/s of all of them at once).
-    zero_copy (private-buffer rows): gradwire's busbw on gradwire_alloc buffers per size,
-    the same reduction with no copies at all, which a private-buffer allreduce (that work
-    plus a copy of every part) cannot outrun."""
+    zero_copy (private-buffer rows): gradwire's busbw on gradwire_alloc buffers per size:
+    the same reduction with no staging (it reads the peers' buffers and writes each
+    finished part straight into them), to which a private-buffer allreduce adds a copy of
+    every part in and out. Context, not a strict ceiling (the host's cross-core hand-off
+    speed moves both)."""
     if not copy_bw:
         return {}
     ncores, copy_all = cores
@@ -121,7 +123,7 @@ def memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores, zero_copy=None):
             if z:
                 c1a.append(f"{human(sz)}, against the zero-copy form (gradwire_alloc buffers, "
                            f"{num(z)} GB/s): the target needs {need / z:.0%} of it"
-                           + (" (**out of reach**: private buffers pay its work and a copy)"
+                           + (" (**beyond the zero-copy form**, which does less work)"
                               if need >= z else ""))
     need_b = T1_BOUND_FRAC * bound_busbw(copy_bw, w)
     if b < bound_busbw(copy_bw, w):
@@ -820,10 +822,13 @@ def main() -> int:
           "(above 100%: out of reach on this machine, whatever the implementation). "
           "Where data stays in cache an allreduce can beat that bound; so the private-buffer "
           "rows also set the target against gradwire's zero-copy form in the same run "
-          "(gradwire_alloc buffers): the same reduction with no copy at all, while a "
+          "(gradwire_alloc buffers): the same reduction with no staging (each rank reads the "
+          "peers' buffers and writes its finished part straight into them), while a "
           "private-buffer allreduce must also copy every part out of one process and the "
           "result into the other (through shared staging, or the kernel's cross-memory "
-          "attach). Context only: the result column does not depend on it.")
+          "attach). Not a strict ceiling: the host's cross-core hand-off speed, which varies "
+          "from minute to minute here, moves both. Context only: the result column does not "
+          "depend on it.")
     if "bound" in parts:
         w("- TCP ceiling (rows 3a, 3b, 4; from the bound part, see \"Transport ceilings\"): "
           "per size, the median payload rate of **tcpring** over the same TCP path "

@@ -6,9 +6,9 @@
 //!   the segments of all ranks stay in cache): (1) every rank copies the parts it does not
 //!   own into its staging area; (2) rank r reduces part r of the peers' staging areas into
 //!   its own buffer and copies the result into its staging area; (3) every rank copies the
-//!   other finished parts from their owners' staging areas. Two barriers per segment
-//!   (part p always has slot p of a staging area, so the next segment's copy-in never
-//!   touches what peers may still be copying out),
+//!   other finished parts from their owners' staging areas. Two barriers per segment and
+//!   one more at the end of the call (part p always has slot p of a staging area, so the
+//!   next segment's copy-in never touches what peers may still be copying out),
 //!   made of per-rank phase counters (no shared contended line). What peers read is
 //!   written with plain or streaming stores, whichever [`StoreChooser`] has timed faster;
 //! - zero-copy (from [`ZERO_COPY_MIN`], when every rank's buffer comes from
@@ -199,10 +199,11 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         let bounds = super::algos::part_bounds(len / elem, w, elem);
         let part = |p: usize| bounds[p]..bounds[p + 1];
         // (1) Copy in the parts the peers reduce, publish.
+        debug_assert!((0..w).all(|p| part(p).len() <= slot_len));
         for p in others() {
             // SAFETY: our own staging area, slot p (a part is at most a slot); peers read
             // it only after the Release store below and stop before barrier base+2. What
-            // peers may still read of ours, from the segment or call before, is slot `me`.
+            // peers may still read of ours, from the segment before, is slot `me`.
             unsafe { copy_for_peers(cx.dom.stage(me).add(slot(p)), &buf[off..][part(p)], streaming) };
         }
         if off == 0 {
@@ -224,15 +225,15 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
             let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.dom.stage(p).add(slot(me) + b), e - b) });
             reduce_all(dtype, op, w, &mut mine[b..e], theirs);
             // SAFETY: slot `me` of our staging area: only we write it; peers read it only
-            // after barrier base+2, and have finished reading it for the segment (or call)
+            // after barrier base+2, and have finished reading it for the segment
             // before, since they have passed barrier base+1.
             unsafe { copy_for_peers(cx.dom.stage(me).add(slot(me) + b), &mine[b..e], streaming) };
         }
         cx.advance(base + 2);
         cx.wait_all(base + 2)?;
         // (3) Copy the peers' finished parts out of their staging areas. No barrier after
-        // it: p writes slot p again only in phase (2) of its next segment or call, after a
-        // barrier that we pass only once this copy is done.
+        // it between segments: p writes slot p again only in phase (2) of its next segment,
+        // after a barrier that we pass only once this copy is done.
         for p in others() {
             // SAFETY: slot p of p's staging area is final after barrier base+2 and is not
             // written again before our next barrier (above).
@@ -241,6 +242,12 @@ fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduc
         base += 2;
         off += len;
         if off >= buf.len() {
+            // The call ends with every copy-out done, as every other form ends: no later
+            // call needs to reason about this one, and the time [`StoreChooser`] compares
+            // ends at the same moment on every rank (without it, ranks timed differently
+            // and fell out of step on their choice: 4 ranks, 512 KiB, 213 against 324 us).
+            cx.advance(base + 1);
+            cx.wait_all(base + 1)?;
             return Ok(first_copy_in + since.elapsed());
         }
     }
@@ -440,7 +447,8 @@ impl ShmCtx<'_> {
     }
 }
 
-/// Latency-optimised one-host allreduce for small buffers: one barrier instead of three.
+/// Latency-optimised one-host allreduce for small buffers: one barrier instead of the
+/// staged form's three or more.
 /// Every rank copies its call header and its input into its small area, announces it,
 /// waits for all, then reduces all inputs itself, in rank order, so every rank gets
 /// bit-identical results. Consecutive calls alternate between the two halves of the small
