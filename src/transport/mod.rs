@@ -223,6 +223,25 @@ pub struct Backoff {
 /// How long waiting ranks yield, after their spin, before they sleep.
 const YIELD_FOR: Duration = Duration::from_millis(2);
 
+/// What a rank that has waited `idle` does next (see [`Backoff`]); sockets wait the same
+/// way, polling in each stage.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum WaitStage {
+    Spin,
+    Yield,
+    Sleep,
+}
+
+fn wait_stage(idle: Duration, spin: Duration) -> WaitStage {
+    if idle < spin {
+        WaitStage::Spin
+    } else if idle < spin + YIELD_FOR {
+        WaitStage::Yield
+    } else {
+        WaitStage::Sleep
+    }
+}
+
 impl Backoff {
     /// `spin` is zero when ranks outnumber cores (spinning would steal the core of the
     /// very peer we wait for).
@@ -236,13 +255,10 @@ impl Backoff {
 
     /// Waits a little, according to how long we have been waiting.
     pub fn pause(&self) {
-        let idle = self.idle();
-        if idle < self.spin {
-            std::hint::spin_loop();
-        } else if idle < self.spin + YIELD_FOR {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
+        match wait_stage(self.idle(), self.spin) {
+            WaitStage::Spin => std::hint::spin_loop(),
+            WaitStage::Yield => std::thread::yield_now(),
+            WaitStage::Sleep => std::thread::sleep(Duration::from_micros(50)),
         }
     }
 }
@@ -600,24 +616,26 @@ impl Links {
             Backoff { start: Instant::now() - idle, spin: self.spin }.pause();
             return Ok(());
         }
-        if idle < self.spin {
+        match wait_stage(idle, self.spin) {
             // A core of our own: look again at once rather than pay a sleep and a wake-up.
-            poll(&mut fds, 0);
-            return Ok(());
-        }
-        // Then yield for a while, as Open MPI does when oversubscribed: a rank sharing a
-        // core gives it to the peer it waits for, yet sees the data without a sleep and a
-        // wake-up (4 ranks on 2 cores, TCP loopback: 4 KiB 30-35 against 62-66 us, 1 MiB
-        // 1.54-1.79 against 1.02-1.31 GB/s busbw, 16-256 MiB +5-15 %; alternating runs).
-        if idle < self.spin + YIELD_FOR {
-            if poll(&mut fds, 0) == 0 {
-                std::thread::yield_now();
+            WaitStage::Spin => {
+                poll(&mut fds, 0);
             }
-            return Ok(());
+            // As Open MPI does when oversubscribed: a rank sharing a core gives it to the
+            // peer it waits for, yet sees the data without a sleep and a wake-up (4 ranks on
+            // 2 cores, TCP loopback: 4 KiB 30-35 against 62-66 us, 1 MiB 1.54-1.79 against
+            // 1.02-1.31 GB/s busbw, 16-256 MiB +5-15 %; alternating runs).
+            WaitStage::Yield => {
+                if poll(&mut fds, 0) == 0 {
+                    std::thread::yield_now();
+                }
+            }
+            // Sleep in poll, capped so a local abort is noticed promptly.
+            WaitStage::Sleep => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                poll(&mut fds, left.as_millis().clamp(1, 50) as i32);
+            }
         }
-        // Sockets only: sleep in poll, capped so a local abort is noticed promptly.
-        let left = deadline.saturating_duration_since(Instant::now());
-        poll(&mut fds, left.as_millis().clamp(1, 50) as i32);
         Ok(())
     }
 

@@ -32,7 +32,7 @@ pub fn wait_with_limit(mut child: Child, limit: Duration) -> Output {
             // SIGTERM first, so a script's clean-up (the rxe harness stops its VMs) runs and
             // its children let go of our pipes; SIGKILL if it is still there 10 s later.
             // SAFETY: kill has no memory preconditions; the pid is our child, not yet reaped.
-            unsafe { libc_kill(child.id() as i32, 15) };
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
             let grace = Instant::now();
             while grace.elapsed() < Duration::from_secs(10) && matches!(child.try_wait(), Ok(None)) {
                 std::thread::sleep(Duration::from_millis(50));
@@ -49,8 +49,7 @@ pub fn wait_with_limit(mut child: Child, limit: Duration) -> Output {
         while !reader.as_ref().is_none_or(|r| r.is_finished()) && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(20));
         }
-        let b = bytes.lock().unwrap();
-        b.clone()
+        std::mem::take(&mut *bytes.lock().unwrap())
     };
     let out = Output { status, stdout: collect(stdout), stderr: collect(stderr) };
     if timed_out {
@@ -98,19 +97,12 @@ pub fn text(o: &Output) -> String {
 /// Root with `ip netns` available; otherwise prints why the test is skipped.
 pub fn can_netns(test: &str) -> bool {
     // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc_geteuid() } == 0;
+    let root = unsafe { libc::geteuid() } == 0;
     let ip = Command::new("ip").arg("netns").arg("list").output().map(|o| o.status.success()).unwrap_or(false);
     if !(root && ip) {
         eprintln!("SKIP {test}: needs root and iproute2 for network namespaces (root={root}, ip netns works={ip})");
     }
     root && ip
-}
-
-extern "C" {
-    #[link_name = "geteuid"]
-    fn libc_geteuid() -> u32;
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
 }
 
 /// Environment for one rank started directly (without the launcher).
