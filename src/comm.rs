@@ -120,7 +120,7 @@ impl Communicator {
         let links = Links::new(rank, links, abort.clone(), spin);
         let state = EngineState::new(rank, size, links, shm, shm_all, spin, abort, global_ranks.clone())
             .with_store(store.clone(), &prefix)
-            .with_shm_stores(cfg.shm_stores);
+            .with_shm_allreduce(cfg.shm_stores, cfg.shm_cma);
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
         Ok(Communicator {
             rank,

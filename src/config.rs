@@ -38,6 +38,11 @@ pub const SETTINGS: &[Setting] = &[
         help: "How the one-host staged allreduce writes what peers read: plain or streaming (non-temporal) stores; auto times both per size class and keeps the faster.",
     },
     Setting {
+        env: "GRADWIRE_SHM_CMA",
+        default: "1",
+        help: "1: one-host allreduces of private buffers from 256 KiB reach the peers' buffers through cross-memory attach (process_vm_readv/writev: one copy) where the kernel allows it, else they stage; 0: always stage.",
+    },
+    Setting {
         env: "GRADWIRE_SPIN_US",
         default: "50",
         help: "How long a waiting rank spins before it yields and then sleeps; 0 wherever this host's ranks outnumber the CPUs its control group lets them use.",
@@ -193,6 +198,7 @@ pub struct Config {
     pub shm_ring_bytes: usize,
     pub shm_stage_bytes: usize,
     pub shm_stores: StagedStores,
+    pub shm_cma: bool,
     pub spin: Duration,
     pub hugepages: bool,
     pub ib_ring_bytes: usize,
@@ -237,6 +243,7 @@ impl Config {
             shm_ring_bytes: ring,
             shm_stage_bytes: stage,
             shm_stores: env_parse("GRADWIRE_SHM_STORES", StagedStores::Auto)?,
+            shm_cma: env_bool("GRADWIRE_SHM_CMA", true)?,
             spin: Duration::from_micros(env_u64("GRADWIRE_SPIN_US", 50)?),
             hugepages: env_bool("GRADWIRE_HUGEPAGES", false)?,
         })

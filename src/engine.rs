@@ -25,8 +25,8 @@ pub struct EngineState {
     /// True when `shm` covers every rank of the communicator.
     pub shm_all: bool,
     pub spin: Duration,
-    /// What the one-host staged allreduce has learned about this host's stores.
-    pub shm_stores: crate::collective::shm_allreduce::StoreChooser,
+    /// What the one-host allreduce keeps between calls.
+    pub shm_allreduce: crate::collective::shm_allreduce::ShmAllreduceState,
     pub abort: Arc<AtomicBool>,
     failed: Option<String>,
     /// Collectives executed so far: the sequence number in every message header.
@@ -231,12 +231,13 @@ impl EngineState {
     ) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        EngineState { rank, world, links, shm, shm_all, spin, shm_stores: Default::default(), abort, failed: None, seq: 0, global, id, store: None }
+        EngineState { rank, world, links, shm, shm_all, spin, shm_allreduce: Default::default(), abort, failed: None, seq: 0, global, id, store: None }
     }
 
-    /// How the one-host staged allreduce picks its stores (`GRADWIRE_SHM_STORES`).
-    pub fn with_shm_stores(mut self, setting: crate::config::StagedStores) -> Self {
-        self.shm_stores = crate::collective::shm_allreduce::StoreChooser::new(setting);
+    /// How the one-host allreduce picks its stores (`GRADWIRE_SHM_STORES`) and whether it
+    /// may use cross-memory attach (`GRADWIRE_SHM_CMA`).
+    pub fn with_shm_allreduce(mut self, stores: crate::config::StagedStores, cross_memory_attach: bool) -> Self {
+        self.shm_allreduce = crate::collective::shm_allreduce::ShmAllreduceState::new(stores, cross_memory_attach);
         self
     }
 

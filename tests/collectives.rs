@@ -53,28 +53,54 @@ fn shm_64mib() {
     check(4, "shm", &[], LARGE);
 }
 
-/// Large one-host allreduces on private buffers go staged in segments of about 1 MiB:
+/// Without cross-memory attach (`GRADWIRE_SHM_CMA=0`, or a kernel that refuses it),
+/// large one-host allreduces on private buffers go staged in segments of about 1 MiB:
 /// every dtype and op, an odd world (uneven parts) and an odd count (parts not a whole
 /// number of blocks, a last segment shorter than the others).
 #[test]
 fn shm_staged_segments_every_dtype_and_op() {
-    check(3, "shm", &[], &["--counts", "4500007", "--collectives", "allreduce"]);
+    let staged = ("GRADWIRE_SHM_CMA", "0");
+    check_with_env(3, "shm", &[], &["--counts", "4500007", "--collectives", "allreduce"], &[staged]);
     // Both kinds of stores the staged form can write with (auto picks per call).
     for stores in ["plain", "streaming"] {
         let args = ["--counts", "4500007", "--collectives", "allreduce", "--dtypes", "float32,bfloat16", "--ops", "sum,avg"];
-        check_with_env(2, "shm", &[], &args, &[("GRADWIRE_SHM_STORES", stores)]);
+        check_with_env(2, "shm", &[], &args, &[("GRADWIRE_SHM_STORES", stores), staged]);
     }
 }
 
-/// An 8 KiB staging area: segments of 6 KiB (33 to 130 per call of 100003 elements) and a
-/// short last one. The staged form has no barrier after its copy-out, so a rank starts its
+/// From 256 KiB, one-host allreduces on private buffers reach the peers' buffers through
+/// cross-memory attach: every dtype and op, uneven parts, a part that is not a whole number
+/// of blocks, at 2, 3 and 4 ranks; the log shows that every rank took that form.
+#[test]
+fn shm_cross_memory_attach_every_dtype_and_op() {
+    for (n, counts) in [(3, "1000003,65537"), (2, "1000003"), (4, "70001")] {
+        let args = ["check", "--transport", "shm", "--counts", counts, "--collectives", "allreduce"];
+        let out = launch(n, &[], &args, &[("GRADWIRE_LOG", "debug")]);
+        let t = text(&out);
+        assert!(out.status.success() && t.contains(", 0 failed") && !t.contains("panicked"), "{t}");
+        for rank in 0..n {
+            let attach = |l: &&str| l.contains(&format!("rank {rank}: ")) && l.contains("through cross-memory attach");
+            assert!(t.lines().any(|l| attach(&l)), "rank {rank} of {n} never took the cross-memory attach form:\n{t}");
+        }
+        assert!(!t.contains("zero-copy"), "private buffers are not mapped:\n{t}");
+    }
+}
+
+/// An 8 KiB staging area, no cross-memory attach: segments of 6 KiB (33 to 130 per call of
+/// 100003 elements) and a short last one. The staged form has no barrier after its copy-out, so a rank starts its
 /// next segment while a slower peer may still copy out of the last one; with more ranks
 /// than cores that happens all the time. (`check` syncs the ranks between calls; calls
 /// back to back: `tests/engine.rs`, `shm_allreduces_back_to_back_all_match`.)
 #[test]
 fn shm_staged_tiny_segments_back_to_back() {
     for n in [3, 4] {
-        check_with_env(n, "shm", &[], &["--counts", "1,7919,100003", "--collectives", "allreduce"], &[("GRADWIRE_SHM_STAGE_BYTES", "8192")]);
+        check_with_env(
+            n,
+            "shm",
+            &[],
+            &["--counts", "1,7919,100003", "--collectives", "allreduce"],
+            &[("GRADWIRE_SHM_STAGE_BYTES", "8192"), ("GRADWIRE_SHM_CMA", "0")],
+        );
     }
 }
 
@@ -82,8 +108,12 @@ fn shm_staged_tiny_segments_back_to_back() {
 /// while the results stay right (`--check` after the timed calls).
 #[test]
 fn shm_staged_form_chooses_its_stores_and_says_so() {
-    let out =
-        launch(3, &[], &["bench", "allreduce", "-b", "2M", "-e", "2M", "-n", "8", "-w", "2", "--transport", "shm", "--check"], &[("GRADWIRE_LOG", "debug")]);
+    let out = launch(
+        3,
+        &[],
+        &["bench", "allreduce", "-b", "2M", "-e", "2M", "-n", "8", "-w", "2", "--transport", "shm", "--check"],
+        &[("GRADWIRE_LOG", "debug"), ("GRADWIRE_SHM_CMA", "0")],
+    );
     let t = text(&out);
     assert!(out.status.success() && !t.contains("panicked"), "{t}");
     for rank in 0..3 {
@@ -96,10 +126,10 @@ fn shm_staged_form_chooses_its_stores_and_says_so() {
     }
 }
 
-/// Buffers from gradwire's allocator (`gradwire_alloc`): from 4 MiB the one-host
+/// Buffers from gradwire's allocator (`gradwire_alloc`): from 256 KiB the one-host
 /// allreduce maps the peers' buffers and works in them (zero-copy), every dtype and op;
 /// the log shows every rank mapped every peer. Mixed (shared on even ranks only): the
-/// ranks agree to stage instead, and nobody maps anything.
+/// ranks agree on cross-memory attach instead, and nobody maps anything.
 #[test]
 fn shm_shared_buffers() {
     let shared = ["check", "--transport", "shm", "--buffers", "shared", "--counts", "4500007,1003", "--collectives", "allreduce"];
@@ -131,7 +161,11 @@ fn shm_shared_buffers() {
     let out = launch(4, &[], &mixed, &[("GRADWIRE_LOG", "debug")]);
     let t = text(&out);
     assert!(out.status.success() && t.contains(", 0 failed"), "{t}");
-    assert!(!t.contains("mapped rank") && !t.contains("zero-copy"), "with a private buffer among them the ranks stage, mapping nothing:\n{t}");
+    assert!(!t.contains("mapped rank") && !t.contains("zero-copy"), "with a private buffer among them nobody maps anything:\n{t}");
+    for rank in 0..4 {
+        let attach = |l: &&str| l.contains(&format!("rank {rank}: ")) && l.contains("through cross-memory attach");
+        assert!(t.lines().any(|l| attach(&l)), "rank {rank} never took the cross-memory attach form:\n{t}");
+    }
 }
 
 #[test]

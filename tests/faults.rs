@@ -7,16 +7,24 @@ use common::*;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+/// 4 MiB of private buffers: the one-host allreduce through cross-memory attach, where the
+/// kernel reads and writes the peers' buffers (the dead rank's process is gone).
 #[test]
 fn killed_rank_shm() {
     killed_rank(3, 1, "shm", "4M", &LOCAL);
+}
+
+/// The same staged through shared memory.
+#[test]
+fn killed_rank_shm_staged() {
+    killed_rank_with(3, 1, "shm", "4M", &[], &[("GRADWIRE_SHM_CMA", "0")], &LOCAL);
 }
 
 /// 16 MiB on `gradwire_alloc` buffers: the zero-copy one-host allreduce, where the ranks
 /// work in each other's buffers (the dead rank's phase never comes).
 #[test]
 fn killed_rank_shm_zero_copy() {
-    killed_rank_with(3, 2, "shm", "16M", &["--buffers", "shared"], &LOCAL);
+    killed_rank_with(3, 2, "shm", "16M", &["--buffers", "shared"], &[], &LOCAL);
 }
 
 #[test]
@@ -42,13 +50,14 @@ fn mismatched_count() {
     }
 }
 
-/// The one-host allreduce takes a different form by size (one barrier; staged; from 4 MiB
-/// the zero-copy agreement, which then stages or not):
+/// The one-host allreduce takes a different form by size (one barrier; staged; from 256 KiB
+/// the agreement on a form that works in the peers' buffers, which then stages or not):
 /// ranks that disagree on the size run different forms and must still name both calls.
 #[test]
 fn mismatched_count_across_shm_forms() {
     let bench = |size: &'static str| vec!["bench", "allreduce", "-b", size, "-e", size, "-n", "3", "-w", "1"];
-    mismatch("shm", BASE, &bench("256K"), &["count 1024", "count 65536"]);
+    mismatch("shm", BASE, &bench("128K"), &["count 1024", "count 32768"]);
+    mismatch("shm", &bench("128K"), &bench("16M"), &["count 32768", "count 4194304"]);
     mismatch("shm", &bench("256K"), &bench("16M"), &["count 65536", "count 4194304"]);
 }
 
@@ -127,6 +136,7 @@ fn malformed_or_missing_environment() {
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SHM_RING_BYTES", "1000")], "GRADWIRE_SHM_RING_BYTES"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_RING_CHUNK_BYTES", "8")], "GRADWIRE_RING_CHUNK_BYTES"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SHM_STORES", "fast")], "GRADWIRE_SHM_STORES: unknown store kind \"fast\""),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SHM_CMA", "maybe")], "GRADWIRE_SHM_CMA=\"maybe\": expected 0 or 1"),
         (&[("RANK", "1"), ("WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_RANK", "0")], "contradicts"),
     ];
     for (env, expect) in cases {

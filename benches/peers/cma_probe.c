@@ -7,10 +7,12 @@
 // `gradwire bench allreduce --transport shm` (staged form) in the same minute:
 //   gcc -O3 -march=native benches/peers/cma_probe.c -o target/peers/cma_probe
 //   target/peers/cma_probe 2 16 20 256   # W, MiB, iterations, block KiB
-// Measured here (2 ranks, 16 and 64 MiB, alternating): 3.1-4.4 GB/s with 64 KiB-4 MiB
-// blocks against 6.4-7.0 for gradwire's staged form: the kernel pins and walks the peer's
-// pages for every call (follow_page_pte, __get_user_pages in `perf`) and copies slower
-// than user space, so gradwire keeps staging private buffers.
+// Measured here on an earlier host kernel (2 ranks, 16 and 64 MiB, alternating): 3.1-4.4
+// GB/s with 64 KiB-4 MiB blocks against 6.4-7.0 for gradwire's staged form: the kernel
+// pinned and walked the peer's pages for every call (follow_page_pte, __get_user_pages in
+// `perf`). On kernel 6.18 (2026-11-22), 256 KiB blocks: 4 and 16 MiB 12.1-12.3 GB/s, 64
+// MiB 6.9-7.0, 256 MiB 6.6-6.8, against 6.1-7.4, 5.7-5.9 and 5.4-5.6 staged; so gradwire
+// now takes this form for private buffers wherever the kernel allows it (GRADWIRE_SHM_CMA).
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdatomic.h>

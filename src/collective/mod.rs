@@ -312,7 +312,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                 Algo::SharedMemory => {
                     let dom = st.shm.as_ref().ok_or_else(|| invalid("no shared memory"))?;
                     let scx = ShmCtx { dom, rank, world, call, deadline, abort: &st.abort, spin: st.spin };
-                    shm_allreduce(&scx, &mut st.shm_stores, recv, req.dtype, req.redop)
+                    shm_allreduce(&scx, &mut st.shm_allreduce, recv, req.dtype, req.redop)
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),
                 Algo::HalvingDoubling => algos::halving_doubling_allreduce(&mut cx, recv),

@@ -1,5 +1,5 @@
-//! One-host allreduce through shared memory, in three forms chosen by size and by where
-//! the buffers live (see [`shm_allreduce`]):
+//! One-host allreduce through shared memory, in four forms chosen by size, by where the
+//! buffers live and by what the kernel allows (see [`shm_allreduce`]):
 //!
 //! - small (at most [`SMALL_MAX`]): one barrier; every rank reduces every input itself;
 //! - staged: per segment of the buffer (at most the staging size, about 1 MiB, so that
@@ -11,9 +11,13 @@
 //!   next segment's copy-in never touches what peers may still be copying out),
 //!   made of per-rank phase counters (no shared contended line). What peers read is
 //!   written with plain or streaming stores, whichever [`StoreChooser`] has timed faster;
-//! - zero-copy (from [`ZERO_COPY_MIN`], when every rank's buffer comes from
+//! - zero-copy (from [`LARGE_MIN`], when every rank's buffer comes from
 //!   `gradwire_alloc` and every rank maps every other's): rank r reduces part r straight
-//!   out of the peers' buffers and writes it straight into them.
+//!   out of the peers' buffers and writes it straight into them;
+//! - cross-memory attach (from [`LARGE_MIN`], private buffers, when the kernel lets every
+//!   rank read every peer's memory): the zero-copy form's pattern, with the kernel copying
+//!   part r of every peer's buffer into a scratch and each finished block into the peers'
+//!   buffers, once, where the staged form copies every byte in and out of shared memory.
 //!
 //! The small form reads its peers' staging after its only barrier, while they may have
 //! returned already; so it has an area of its own at the end of the staging area, which
@@ -24,7 +28,7 @@ use crate::config::StagedStores;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::transport::frame::{CallHeader, FrameHeader, FrameKind};
-use crate::transport::shm::ShmDomain;
+use crate::transport::shm::{Reach, ShmDomain};
 use crate::transport::Backoff;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -142,18 +146,36 @@ impl ShmCtx<'_> {
 /// Longest a failed zero-copy call waits for peers still writing into its buffer.
 const WRITERS_GRACE: Duration = Duration::from_secs(2);
 
+/// What the one-host allreduce keeps between calls.
+#[derive(Default)]
+pub struct ShmAllreduceState {
+    /// What the staged form has learned about this host's stores.
+    pub stores: StoreChooser,
+    /// Cross-memory attach for private buffers.
+    pub attach: Attach,
+}
+
+impl ShmAllreduceState {
+    pub fn new(stores: StagedStores, cross_memory_attach: bool) -> Self {
+        ShmAllreduceState { stores: StoreChooser::new(stores), attach: Attach { enabled: cross_memory_attach, scratch: Vec::new() } }
+    }
+}
+
 /// In-place allreduce of `buf` among all ranks of the domain (all on this host), in the
 /// form its size calls for. Every rank picks the same: the sizes match (checked), and
-/// whether the zero-copy form runs is agreed in its first two barriers.
-pub fn shm_allreduce(cx: &ShmCtx<'_>, stores: &mut StoreChooser, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+/// which large form runs is agreed in its first two barriers.
+pub fn shm_allreduce(cx: &ShmCtx<'_>, state: &mut ShmAllreduceState, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     if buf.len() <= cx.small_capacity() && buf.len() * cx.world <= SMALL_READ_MAX {
         return shm_allreduce_small(cx, buf, dtype, op);
     }
-    if buf.len() >= ZERO_COPY_MIN {
-        if let Some(peers) = map_peer_buffers(cx, buf)? {
-            return shm_allreduce_zero_copy(cx, buf, dtype, op, &peers);
+    if buf.len() >= LARGE_MIN {
+        match agree_on_form(cx, &mut state.attach, buf)? {
+            LargeForm::ZeroCopy(peers) => return shm_allreduce_zero_copy(cx, buf, dtype, op, &peers),
+            LargeForm::Attach => return shm_allreduce_attach(cx, &mut state.attach, buf, dtype, op),
+            LargeForm::Staged => {}
         }
     }
+    let stores = &mut state.stores;
     let streaming = stores.choose(buf.len(), dtype);
     let took = shm_allreduce_staged(cx, buf, dtype, op, streaming)?;
     if let Some(flip) = stores.record(buf.len(), dtype, streaming, took) {
@@ -496,49 +518,199 @@ fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduce
     Ok(())
 }
 
-/// From this size on, buffers that every rank maps take the zero-copy form. Agreeing on
-/// it costs private buffers one barrier before they go staged, about 5 % at 2-4 MiB and
-/// 4 ranks (30-40 % at 128-512 KiB), while mapped buffers gain 2-6x over staging at every
-/// size from 128 KiB (2 ranks, alternating runs).
-pub const ZERO_COPY_MIN: usize = 4 << 20;
+/// From this size on, the ranks agree on a form that works in the peers' buffers: buffers
+/// that every rank maps take the zero-copy form, private ones cross-memory attach where
+/// the kernel lets every rank reach every peer. Agreeing costs a call that stages anyway
+/// one barrier, about 5 % at 2-4 MiB and 4 ranks (30-40 % at 128-512 KiB), while mapped
+/// buffers gain 2-6x over staging at every size from 128 KiB (2 ranks, alternating runs),
+/// and private ones through cross-memory attach, against staged (3-4 alternating turns):
+/// 2 ranks 256 KiB 20-24 against 36-46 us, 512 KiB 38-40 against 78-89, 1-2 MiB 12.3-14.4
+/// against 6.4-7.9 GB/s busbw; 4 ranks on 2 cores, 256 KiB 79-85 against 83-96 us, 512 KiB
+/// 152-159 against 160-196, 1 MiB 353-376 against 385-424, 2 MiB 736-984 against 745-779.
+pub const LARGE_MIN: usize = 256 << 10;
 
 /// Bytes reduced and then written to the peers at a time: the block is still in L2 when
 /// it is written.
 const ZERO_COPY_BLOCK: usize = 256 << 10;
 
-/// The zero-copy form's agreement: every rank publishes where its buffer lies (barrier
-/// base+1); if every buffer is in a shared region, every rank maps all the peers' and
-/// says whether it could (barrier base+2). Returns the peers' buffers (ours: null) when
-/// all could, so that every rank takes the same form; otherwise the call goes on staged.
-fn map_peer_buffers(cx: &ShmCtx<'_>, buf: &[u8]) -> Result<Option<Vec<*mut u8>>> {
+/// The large forms, in the order the agreement prefers them.
+enum LargeForm {
+    /// Every rank mapped every peer's buffer: the peers' buffers, ours null.
+    ZeroCopy(Vec<*mut u8>),
+    /// Every rank reached every peer's buffer through cross-memory attach.
+    Attach,
+    Staged,
+}
+
+/// The large forms' agreement: every rank publishes where its buffer lies (barrier
+/// base+1); then maps every peer's buffer if all are in shared regions, tries to read a
+/// few bytes of every peer's buffer through cross-memory attach, and says what worked
+/// (barrier base+2). Every rank then takes the first form that worked for all: zero-copy,
+/// cross-memory attach, staged.
+fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8]) -> Result<LargeForm> {
     let (w, me) = (cx.world, cx.rank);
     let base = cx.dom.phase(me).load(Ordering::Relaxed);
     cx.dom.publish_buffer(buf);
     cx.advance(base + 1);
     cx.wait_all(base + 1)?;
     cx.check_calls()?;
-    if !(0..w).all(|p| cx.dom.buffer_is_shared(p)) {
-        return Ok(None);
-    }
-    let peers: Option<Vec<*mut u8>> = (0..w).map(|p| if p == me { Some(std::ptr::null_mut()) } else { cx.dom.peer_buffer(p, buf.len()) }).collect();
-    cx.dom.set_mapped_all(peers.is_some());
+    let peers: Option<Vec<*mut u8>> = if (0..w).all(|p| cx.dom.buffer_is_shared(p)) {
+        (0..w).map(|p| if p == me { Some(std::ptr::null_mut()) } else { cx.dom.peer_buffer(p, buf.len()) }).collect()
+    } else {
+        None
+    };
+    let reach = Reach { mapped: peers.is_some(), attach: attach.reaches_all(cx) };
+    cx.dom.set_reach(reach);
     cx.advance(base + 2);
-    // A peer that failed after announcing its mapping (it may be a step behind us) has
-    // set its abort flag; going on would write into a buffer it is about to hand back.
+    // A peer that failed after announcing its reach (it may be a step behind us) has set
+    // its abort flag; going on would write into a buffer it is about to hand back.
     let all = cx.wait_all(base + 2).and_then(|()| {
         (0..w).filter(|&p| p != me).try_for_each(|p| cx.check_peer(p, Duration::ZERO))?;
-        Ok((0..w).all(|p| cx.dom.mapped_all(p)))
+        let reaches: Vec<Reach> = (0..w).map(|p| cx.dom.reach(p)).collect();
+        Ok((reaches.iter().all(|r| r.mapped), reaches.iter().all(|r| r.attach)))
     });
     match (all, peers) {
-        (Ok(true), Some(peers)) => {
+        (Ok((true, _)), Some(peers)) => {
             log::debug!("rank {me}: {} zero-copy in the peers' buffers", cx.call);
-            Ok(Some(peers))
+            Ok(LargeForm::ZeroCopy(peers))
         }
-        (Ok(_), _) => Ok(None),
-        // Peers that saw us mapped may be writing into our buffer already.
-        (Err(e), Some(_)) => Err(cx.fail_zero_copy(e, base + 3)),
-        (Err(e), None) => Err(e),
+        (Ok((_, true)), _) => {
+            log::debug!("rank {me}: {} through cross-memory attach", cx.call);
+            Ok(LargeForm::Attach)
+        }
+        (Ok(_), _) => Ok(LargeForm::Staged),
+        // Peers that saw us reach them may be writing into our buffer already.
+        (Err(e), _) if reach != Reach::default() => Err(cx.fail_zero_copy(e, base + 3)),
+        (Err(e), _) => Err(e),
     }
+}
+
+/// Cross-memory attach (`process_vm_readv`/`process_vm_writev`): the kernel copies
+/// between this process's memory and a peer's, once, where staging copies every byte into
+/// shared memory and out again. 2 ranks, private buffers, alternating with the staged form
+/// (benches/peers/cma_probe.c, kernel 6.18): 4 and 16 MiB 12.1-12.3 against 6.1-7.4 GB/s
+/// busbw, 64 MiB 6.9-7.0 against 5.7-5.9, 256 MiB 6.6-6.8 against 5.4-5.6; 4 ranks on 2
+/// cores, 4-16 MiB 3.9-5.1 against 2.9-3.0, 64 MiB even.
+pub struct Attach {
+    /// `GRADWIRE_SHM_CMA`; cleared for good when the kernel refuses (permissions do not
+    /// come back within a job).
+    enabled: bool,
+    /// Where peers' blocks land to be reduced: W−1 blocks.
+    scratch: Vec<u64>,
+}
+
+impl Default for Attach {
+    fn default() -> Self {
+        Attach { enabled: true, scratch: Vec::new() }
+    }
+}
+
+impl Attach {
+    /// Whether a few bytes of every peer's published buffer can be read from here.
+    fn reaches_all(&mut self, cx: &ShmCtx<'_>) -> bool {
+        if !self.enabled {
+            return false;
+        }
+        let mut probe = [0u8; 8];
+        for p in (0..cx.world).filter(|&p| p != cx.rank) {
+            let (pid, addr) = cx.dom.peer_address(p);
+            // SAFETY: `probe` is ours and writable; the kernel checks the peer's side.
+            if let Err(e) = unsafe { cross_memory(pid, probe.as_mut_ptr(), addr, 1, Direction::Read) } {
+                let refused = matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES | libc::ENOSYS));
+                if refused {
+                    self.enabled = false;
+                    log::info!(
+                        "rank {}: cross-memory attach to rank {p} (pid {pid}) refused ({e}): large allreduces of private buffers stage through shared memory \
+                         (with Yama ptrace_scope 1 a process may read only its descendants; GRADWIRE_SHM_CMA=0 silences this)",
+                        cx.rank
+                    );
+                } else {
+                    log::debug!("rank {}: cross-memory attach to rank {p} (pid {pid}) failed ({e}); this allreduce stages", cx.rank);
+                }
+                return false;
+            }
+        }
+        true
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Direction {
+    Read,
+    Write,
+}
+
+/// Copies `len` bytes between `local` in this process and `remote` in process `pid`.
+///
+/// # Safety
+/// `local..local + len` is valid for writes (`Read`) or reads (`Write`).
+unsafe fn cross_memory(pid: u32, local: *mut u8, remote: u64, len: usize, dir: Direction) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let l = libc::iovec { iov_base: local.add(done).cast(), iov_len: len - done };
+        let r = libc::iovec { iov_base: (remote as usize + done) as *mut libc::c_void, iov_len: len - done };
+        let n = match dir {
+            Direction::Read => libc::process_vm_readv(pid as libc::pid_t, &l, 1, &r, 1, 0),
+            Direction::Write => libc::process_vm_writev(pid as libc::pid_t, &l, 1, &r, 1, 0),
+        };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "no bytes moved")),
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One-host allreduce of private buffers through cross-memory attach, after
+/// [`agree_on_form`]: the zero-copy form's pattern, with the kernel fetching each block of
+/// part r from every peer's buffer into a scratch and writing each finished block into
+/// every peer's buffer. One more barrier: all parts reduced and written.
+fn shm_allreduce_attach(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let (w, me) = (cx.world, cx.rank);
+    let base = cx.dom.phase(me).load(Ordering::Relaxed);
+    let elem = dtype.size();
+    let bounds = super::algos::part_bounds(buf.len() / elem, w, elem);
+    let peers: Vec<(usize, u32, u64)> = (0..w)
+        .filter(|&p| p != me)
+        .map(|p| {
+            let (pid, addr) = cx.dom.peer_address(p);
+            (p, pid, addr)
+        })
+        .collect();
+    attach.scratch.resize((w - 1) * ZERO_COPY_BLOCK / 8, 0);
+    let scratch = attach.scratch.as_mut_ptr() as *mut u8;
+    let failed = |p: usize, pid: u32, e: std::io::Error| {
+        let e = if e.raw_os_error() == Some(libc::ESRCH) {
+            Error::PeerLost { rank: me, peer: p, op: cx.call.to_string(), cause: format!("process {pid} exited") }
+        } else {
+            Error::io(format!("rank {me}: cross-memory attach to rank {p}'s buffer (pid {pid}) in {}", cx.call), e)
+        };
+        cx.fail_zero_copy(e, base + 1)
+    };
+    let (lo, hi) = (bounds[me], bounds[me + 1]);
+    for b in (lo..hi).step_by(ZERO_COPY_BLOCK) {
+        let len = (b + ZERO_COPY_BLOCK).min(hi) - b;
+        for (k, &(p, pid, addr)) in peers.iter().enumerate() {
+            // SAFETY: block k of the scratch, (w-1) blocks long; the peer's part `me` is
+            // only touched by us until the last barrier.
+            unsafe { cross_memory(pid, scratch.add(k * ZERO_COPY_BLOCK), addr + b as u64, len, Direction::Read) }.map_err(|e| failed(p, pid, e))?;
+        }
+        // SAFETY: the blocks just filled, inside the scratch.
+        let theirs = (0..w - 1).map(|k| unsafe { std::slice::from_raw_parts(scratch.add(k * ZERO_COPY_BLOCK), len) });
+        reduce_all(dtype, op, w, &mut buf[b..b + len], theirs);
+        for &(p, pid, addr) in &peers {
+            // SAFETY: our own bytes b..b+len, only read.
+            unsafe { cross_memory(pid, buf.as_mut_ptr().add(b), addr + b as u64, len, Direction::Write) }.map_err(|e| failed(p, pid, e))?;
+        }
+    }
+    cx.advance(base + 1);
+    cx.wait_all(base + 1).map_err(|e| cx.fail_zero_copy(e, base + 1))
 }
 
 /// Zero-copy one-host allreduce, after [`map_peer_buffers`]: rank r reduces part r

@@ -25,9 +25,10 @@ const REASON_AT: usize = 72;
 const REASON_MAX: usize = 1024;
 const PHASE_AT: usize = 1152;
 const CALL_AT: usize = 1216;
-/// Whether this rank mapped every peer's buffer of the current zero-copy allreduce (1) or
-/// not (0).
-const MAPPED_ALL_AT: usize = 1280;
+/// Which forms of the current large one-host allreduce this rank can take with every peer
+/// (`Reach`): bit 0, it mapped every peer's buffer; bit 1, it reached every peer's buffer
+/// through cross-memory attach.
+const REACH_AT: usize = 1280;
 /// The phase before which this rank writes nothing more into peers' buffers, set by a
 /// failed zero-copy allreduce (a finished one says so by its phase counter).
 const WRITES_DONE_AT: usize = 1344;
@@ -35,6 +36,8 @@ const WRITES_DONE_AT: usize = 1344;
 /// (`mem::shared_region_of`): region id (0: it does not), descriptor, region length, and
 /// the buffer's offset in it, 8 bytes each.
 const SHARED_AT: usize = 1408;
+/// The buffer's address in this process, for peers' cross-memory attach.
+const ADDRESS_AT: usize = 1440;
 /// Shared regions of one peer kept mapped; its oldest goes first.
 const MAX_PEER_MAPS: usize = 4;
 const RING_HEAD: usize = 0;
@@ -71,6 +74,15 @@ pub struct ShmDomain {
     pub members: Vec<usize>,
     /// Peers' shared regions mapped here, oldest first.
     peer_maps: std::sync::Mutex<Vec<PeerMap>>,
+}
+
+/// How a rank can reach every peer's buffer of the current large allreduce.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reach {
+    /// It mapped every peer's buffer (all of them come from `gradwire_alloc`).
+    pub mapped: bool,
+    /// It read every peer's buffer through cross-memory attach.
+    pub attach: bool,
 }
 
 /// A peer's shared region as this rank sees it.
@@ -139,15 +151,22 @@ impl ShmDomain {
         Ok(Arc::new(ShmDomain { rank, layout, segs, pids, members: members.to_vec(), peer_maps: Default::default() }))
     }
 
-    /// Publishes where this rank's buffer of the current zero-copy allreduce lies in a
-    /// shared region of ours (`gradwire_alloc`), so that peers can map it; or that it does
-    /// not.
+    /// Publishes where this rank's buffer of the current large allreduce lies: in a shared
+    /// region of ours (`gradwire_alloc`), so that peers can map it, or not; and its address
+    /// in this process, for peers' cross-memory attach.
     pub fn publish_buffer(&self, buf: &[u8]) {
         let base = self.base(self.rank);
         let shared = crate::mem::shared_region_of(buf).map_or([0; 4], |(r, off)| [r.id, r.fd as u64, r.len as u64, off as u64]);
         for (i, v) in shared.into_iter().enumerate() {
             atomic_u64(base, SHARED_AT + 8 * i).store(v, Ordering::Relaxed);
         }
+        atomic_u64(base, ADDRESS_AT).store(buf.as_ptr() as u64, Ordering::Relaxed);
+    }
+
+    /// Local rank `r`'s process and the address of its published buffer there (read after
+    /// its phase announcement).
+    pub fn peer_address(&self, r: usize) -> (u32, u64) {
+        (self.pids[r], atomic_u64(self.base(r), ADDRESS_AT).load(Ordering::Relaxed))
     }
 
     /// Whether local rank `r` published a buffer in a shared region (read after its phase
@@ -156,14 +175,16 @@ impl ShmDomain {
         atomic_u64(self.base(r), SHARED_AT).load(Ordering::Relaxed) != 0
     }
 
-    /// Publishes whether this rank mapped every peer's buffer (before a phase announcement).
-    pub fn set_mapped_all(&self, mapped: bool) {
-        atomic_u64(self.base(self.rank), MAPPED_ALL_AT).store(mapped as u64, Ordering::Relaxed);
+    /// Publishes how this rank can reach every peer's buffer (before a phase announcement).
+    pub fn set_reach(&self, reach: Reach) {
+        let bits = reach.mapped as u64 | (reach.attach as u64) << 1;
+        atomic_u64(self.base(self.rank), REACH_AT).store(bits, Ordering::Relaxed);
     }
 
-    /// Whether local rank `r` mapped every peer's buffer (read after its phase announcement).
-    pub fn mapped_all(&self, r: usize) -> bool {
-        atomic_u64(self.base(r), MAPPED_ALL_AT).load(Ordering::Relaxed) == 1
+    /// How local rank `r` can reach every peer's buffer (read after its phase announcement).
+    pub fn reach(&self, r: usize) -> Reach {
+        let bits = atomic_u64(self.base(r), REACH_AT).load(Ordering::Relaxed);
+        Reach { mapped: bits & 1 != 0, attach: bits & 2 != 0 }
     }
 
     /// Announces that this rank writes nothing more into peers' buffers before `phase`.

@@ -163,14 +163,14 @@ pub fn spawn_rank(rank: usize, world: usize, port: u16, secret: &str, env: &[(&s
 /// and checks every survivor fails within the deadline (plus process start/exit slack)
 /// with an error naming the victim.
 pub fn killed_rank(world: usize, victim: usize, transport: &str, bytes: &str, t: &FaultTiming) {
-    killed_rank_with(world, victim, transport, bytes, &[], t)
+    killed_rank_with(world, victim, transport, bytes, &[], &[], t)
 }
 
 /// [`killed_rank`] with more arguments for `gradwire bench`.
-pub fn killed_rank_with(world: usize, victim: usize, transport: &str, bytes: &str, extra: &[&str], t: &FaultTiming) {
+pub fn killed_rank_with(world: usize, victim: usize, transport: &str, bytes: &str, extra: &[&str], extra_env: &[(&str, &str)], t: &FaultTiming) {
     let port = free_port();
     let deadline = t.deadline_ms.to_string();
-    let env = [("GRADWIRE_TIMEOUT_MS", deadline.as_str()), ("GRADWIRE_TRANSPORT", transport)];
+    let env = [&[("GRADWIRE_TIMEOUT_MS", deadline.as_str()), ("GRADWIRE_TRANSPORT", transport)], extra_env].concat();
     let args = [&["bench", "allreduce", "-b", bytes, "-e", bytes, "-n", "1000000", "-w", "1"], extra].concat();
     let mut ranks: Vec<Child> = (0..world).map(|r| spawn_rank(r, world, port, "fault-test-secret", &env, &args)).collect();
     // Let them connect and get into the allreduce loop.

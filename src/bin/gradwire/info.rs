@@ -110,6 +110,14 @@ pub fn run(settings_only: bool) -> i32 {
                     gradwire::config::StagedStores::Streaming => "streaming, non-temporal (forced)",
                 }
             );
+            println!(
+                "  shm large calls  {}",
+                if c.shm_cma {
+                    "zero-copy for gradwire_alloc buffers; private ones through cross-memory attach where the kernel allows it, else staged"
+                } else {
+                    "zero-copy for gradwire_alloc buffers; private ones staged (GRADWIRE_SHM_CMA=0)"
+                }
+            );
             println!("  waiting          spin {} us, then yield, then sleep", c.spin.as_micros());
             println!("  huge pages       {}", if c.hugepages { "requested (falls back to normal pages with a logged reason)" } else { "off" });
         }
