@@ -95,8 +95,8 @@ int gradwire_reduce_scatter(gradwire_comm_t *comm, const void *sendbuf, void *re
 int gradwire_barrier(gradwire_comm_t *comm);
 
 /* Page-aligned memory shared with the ranks of this host (registered, zero-copy): an
- * allreduce of at least 4 MiB whose buffers all come from here reads and writes the
- * peers' buffers in place. */
+ * allreduce of at least 256 KiB (4 MiB where the kernel refuses cross-memory attach)
+ * whose buffers all come from here reads and writes the peers' buffers in place. */
 int gradwire_alloc(gradwire_comm_t *comm, size_t bytes, void **ptr);
 int gradwire_free(gradwire_comm_t *comm, void *ptr);
 /* Releases the communicator and every allocation made through it. */

@@ -86,9 +86,10 @@ def memory_ceiling_cells(gw, mp, sizes, w, copy_bw, cores, zero_copy=None):
     """Context cells of targets 1a and 1b: which memory bound applies at W ranks and what
     each target asks of it. cores = (online CPUs, memcpy GB/s of all of them at once).
     zero_copy (private-buffer rows): gradwire's busbw on gradwire_alloc buffers per size:
-    the same reduction with no staging (it reads the peers' buffers and writes each
+    the same reduction with no copies (it reads the peers' buffers and writes each
     finished part straight into them), to which a private-buffer allreduce adds a copy of
-    every part in and out. Context, not a strict ceiling (the host's cross-core hand-off
+    every part it fetches and every part it writes back (the kernel's, through cross-memory
+    attach; two, through staging). Context, not a strict ceiling (the host's cross-core hand-off
     speed moves both)."""
     if not copy_bw:
         return {}
@@ -822,11 +823,11 @@ def main() -> int:
           "(above 100%: out of reach on this machine, whatever the implementation). "
           "Where data stays in cache an allreduce can beat that bound; so the private-buffer "
           "rows also set the target against gradwire's zero-copy form in the same run "
-          "(gradwire_alloc buffers): the same reduction with no staging (each rank reads the "
+          "(gradwire_alloc buffers): the same reduction with no copies (each rank reads the "
           "peers' buffers and writes its finished part straight into them), while a "
           "private-buffer allreduce must also copy every part out of one process and the "
-          "result into the other (through shared staging, or the kernel's cross-memory "
-          "attach). Not a strict ceiling: the host's cross-core hand-off speed, which varies "
+          "result into the other (once, through the kernel's cross-memory attach, as "
+          "gradwire and Open MPI's vader do here; twice, through shared staging). Not a strict ceiling: the host's cross-core hand-off speed, which varies "
           "from minute to minute here, moves both. Context only: the result column does not "
           "depend on it.")
     if "bound" in parts:
@@ -894,11 +895,13 @@ def main() -> int:
       "on CPU tensors over TCP loopback (`GLOO_SOCKET_IFNAME=lo`), 1 torch thread per rank. "
       "Gloo has no shared-memory transport, so its TCP numbers appear in both the shm "
       "and tcp tables.")
-    w("- gradwire's buffers: private memory (an anonymous mapping, like the peers' `malloc`) "
+    w("- gradwire's buffers: private memory (an anonymous mapping, like the peers' `malloc`; "
+      "from 256 KiB the one-host allreduce reaches the peers' through cross-memory attach, "
+      "`process_vm_readv`/`process_vm_writev`, like Open MPI's vader single-copy path) "
       "unless the table or target says **gradwire_alloc buffers**: then the same run with "
       "`--buffers shared`, buffers from gradwire's allocator (`gradwire_alloc`, a memfd the "
-      "ranks of a host map), which the one-host allreduce reads and writes in place instead "
-      "of staging (the peers' columns there repeat their shm runs; Open "
+      "ranks of a host map), which the one-host allreduce reads and writes in place, with "
+      "no copy at all (the peers' columns there repeat their shm runs; Open "
       "MPI's `MPI_Alloc_mem` would not change its vader path). Targets 1a and 1b are judged "
       "for both.")
     if "netns" in parts:

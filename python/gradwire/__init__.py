@@ -213,8 +213,9 @@ class Comm:
 
     def empty(self, count, dtype="float32"):
         """A NumPy array of `count` elements (float32, float64 or float16) in memory from
-        gradwire_alloc, which the ranks of a host map: an allreduce of at least 4 MiB on such
-        arrays works in the peers' arrays in place instead of staging copies. Freed
+        gradwire_alloc, which the ranks of a host map: an allreduce of at least 256 KiB (4 MiB where
+        the kernel refuses cross-memory attach) on such arrays works in the peers' arrays in
+        place, with no copies. Freed
         when the array and every view of it are gone; finalize() waits for that (the
         communicator is closed at once, its memory outlives it)."""
         import numpy as np  # noqa: PLC0415 (NumPy is needed only here)

@@ -55,7 +55,7 @@ for case, (dt, op) in enumerate(itertools.product([np.float32, np.float64, np.fl
     comm.iallreduce(y, op=op).wait()
     expect(f"iallreduce {np.dtype(dt).name} {op}", y, ref, tol)
 
-# Arrays from gradwire's allocator: from 4 MiB the one-host allreduce works in them in place.
+# Arrays from gradwire's allocator: from 256 KiB the one-host allreduce works in them in place.
 big = 2_500_007
 for case, op in enumerate(["sum", "avg"], start=50):
     inputs = np.stack([inp(r, case, big, np.float32).astype(np.float64) for r in range(world)])

@@ -28,7 +28,7 @@ use crate::config::StagedStores;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::transport::frame::{CallHeader, FrameHeader, FrameKind};
-use crate::transport::shm::{Reach, ShmDomain};
+use crate::transport::shm::{process_gone, Reach, ShmDomain};
 use crate::transport::Backoff;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -115,26 +115,32 @@ impl ShmCtx<'_> {
         self.dom.phase(self.rank).store(to, Ordering::Release);
     }
 
-    /// A zero-copy call failed after peers may have started writing into our buffer: the
-    /// caller must not get it back before they write no more. We say that we write no more
-    /// (so that a peer doing the same does not wait for us) and fail the communicator now
-    /// rather than after returning (peers waiting for our phase fail at once).
-    fn fail_zero_copy(&self, e: Error, done: u64) -> Error {
+    /// A call in the peers' buffers (zero-copy or cross-memory attach) failed after peers
+    /// may have started writing into our buffer: the caller must not get it back before
+    /// they write no more. We say that we write no more (so that a peer doing the same does
+    /// not wait for us) and fail the communicator now rather than after returning (peers
+    /// waiting for our phase fail at once, and stop writing into our buffer).
+    fn fail_in_peer_buffers(&self, e: Error, done: u64) -> Error {
         self.dom.set_writes_done(done);
         self.dom.set_aborted(&e.to_string());
         self.let_writers_finish(done);
         e
     }
 
-    /// After a failed zero-copy call: waits until no peer writes into our buffer any more
-    /// before phase `done` (see `ShmDomain::writes_done`). A peer never waits for us on the
-    /// way there, so this ends; the bound is for a peer that is frozen.
+    /// After a failed call in the peers' buffers: waits until no peer writes into our buffer
+    /// any more before phase `done` (see `ShmDomain::writes_done`). A peer never waits for
+    /// us on the way there, so this ends; the bound is for a peer that is frozen (it checks
+    /// our abort flag before each block it writes, so at most one block may still land).
     fn let_writers_finish(&self, done: u64) {
         let until = Instant::now() + WRITERS_GRACE;
         for p in (0..self.world).filter(|&p| p != self.rank) {
             while !self.dom.writes_done(p, done) {
                 if Instant::now() >= until {
-                    log::warn!("rank {}: rank {p} neither finished nor failed its part of {} within {WRITERS_GRACE:?}", self.rank, self.call);
+                    log::error!(
+                        "rank {}: rank {p} neither finished nor failed its part of {} within {WRITERS_GRACE:?}; it may still write one block into this buffer",
+                        self.rank,
+                        self.call
+                    );
                     return;
                 }
                 std::thread::sleep(Duration::from_micros(100));
@@ -143,36 +149,56 @@ impl ShmCtx<'_> {
     }
 }
 
-/// Longest a failed zero-copy call waits for peers still writing into its buffer.
+/// Longest a failed call in the peers' buffers waits for peers still writing into its
+/// buffer.
 const WRITERS_GRACE: Duration = Duration::from_secs(2);
 
 /// What the one-host allreduce keeps between calls.
-#[derive(Default)]
 pub struct ShmAllreduceState {
     /// What the staged form has learned about this host's stores.
     pub stores: StoreChooser,
     /// Cross-memory attach for private buffers.
     pub attach: Attach,
+    /// Size from which the ranks agree on a large form: [`LARGE_MIN`], or
+    /// [`ZERO_COPY_MIN`] once some rank cannot attach (every rank learns it in the same
+    /// call, from the same published addresses).
+    agree_from: usize,
+}
+
+impl Default for ShmAllreduceState {
+    fn default() -> Self {
+        ShmAllreduceState::new(StagedStores::Auto, true)
+    }
 }
 
 impl ShmAllreduceState {
     pub fn new(stores: StagedStores, cross_memory_attach: bool) -> Self {
-        ShmAllreduceState { stores: StoreChooser::new(stores), attach: Attach { enabled: cross_memory_attach, scratch: Vec::new() } }
+        let attach = Attach { enabled: cross_memory_attach, scratch: Vec::new() };
+        ShmAllreduceState { stores: StoreChooser::new(stores), attach, agree_from: LARGE_MIN }
     }
 }
 
 /// In-place allreduce of `buf` among all ranks of the domain (all on this host), in the
 /// form its size calls for. Every rank picks the same: the sizes match (checked), and
-/// which large form runs is agreed in its first two barriers.
+/// which large form runs is agreed in its first one or two barriers.
 pub fn shm_allreduce(cx: &ShmCtx<'_>, state: &mut ShmAllreduceState, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     if buf.len() <= cx.small_capacity() && buf.len() * cx.world <= SMALL_READ_MAX {
         return shm_allreduce_small(cx, buf, dtype, op);
     }
-    if buf.len() >= LARGE_MIN {
-        match agree_on_form(cx, &mut state.attach, buf)? {
-            LargeForm::ZeroCopy(peers) => return shm_allreduce_zero_copy(cx, buf, dtype, op, &peers),
-            LargeForm::Attach => return shm_allreduce_attach(cx, &mut state.attach, buf, dtype, op),
-            LargeForm::Staged => {}
+    if buf.len() >= state.agree_from {
+        let access = match agree_on_form(cx, &mut state.attach, buf)? {
+            Agreed::Mapped(peers) => Some(PeerAccess::Mapped(peers)),
+            Agreed::Attach(peers) => Some(PeerAccess::Attach { peers, scratch: &mut state.attach.scratch }),
+            Agreed::Staged { someone_cannot_attach } => {
+                if someone_cannot_attach && state.agree_from < ZERO_COPY_MIN {
+                    state.agree_from = ZERO_COPY_MIN;
+                    log::debug!("rank {}: not every rank can attach; only calls from {ZERO_COPY_MIN} bytes look for mapped buffers from now on", cx.rank);
+                }
+                None
+            }
+        };
+        if let Some(access) = access {
+            return shm_allreduce_in_peer_buffers(cx, buf, dtype, op, access);
         }
     }
     let stores = &mut state.stores;
@@ -529,37 +555,56 @@ fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: Reduce
 /// 152-159 against 160-196, 1 MiB 353-376 against 385-424, 2 MiB 736-984 against 745-779.
 pub const LARGE_MIN: usize = 256 << 10;
 
-/// Bytes reduced and then written to the peers at a time: the block is still in L2 when
-/// it is written.
-const ZERO_COPY_BLOCK: usize = 256 << 10;
+/// Where some rank cannot attach, only calls from this size agree (on zero-copy or not):
+/// the agreement's barrier costs a call that stages more at smaller sizes than mapped
+/// buffers gain there.
+pub const ZERO_COPY_MIN: usize = 4 << 20;
 
-/// The large forms, in the order the agreement prefers them.
-enum LargeForm {
+/// Bytes of a part reduced and then written to the peers at a time: the block is still in
+/// L2 when it is written (and 256 KiB was the fastest block for cross-memory attach, 2
+/// ranks, 16 MiB: 9.2, 13.1, 10.8 and 10.2 GB/s with 64 KiB, 256 KiB, 1 and 4 MiB).
+const PEER_BLOCK: usize = 256 << 10;
+
+/// What the ranks agreed on for a large call.
+enum Agreed {
     /// Every rank mapped every peer's buffer: the peers' buffers, ours null.
-    ZeroCopy(Vec<*mut u8>),
-    /// Every rank reached every peer's buffer through cross-memory attach.
-    Attach,
-    Staged,
+    Mapped(Vec<*mut u8>),
+    /// Every rank reached every peer's buffer through cross-memory attach: each rank's
+    /// process and buffer address.
+    Attach(Vec<(u32, u64)>),
+    Staged {
+        someone_cannot_attach: bool,
+    },
 }
 
-/// The large forms' agreement: every rank publishes where its buffer lies (barrier
-/// base+1); then maps every peer's buffer if all are in shared regions, tries to read a
-/// few bytes of every peer's buffer through cross-memory attach, and says what worked
-/// (barrier base+2). Every rank then takes the first form that worked for all: zero-copy,
-/// cross-memory attach, staged.
-fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8]) -> Result<LargeForm> {
+/// The large forms' agreement: every rank publishes where its buffer lies, and its
+/// address unless it cannot attach (barrier base+1). Unless every buffer is shared or
+/// every rank can attach, that is all: staged. Otherwise each rank maps every peer's buffer
+/// if all are shared, reads a few bytes of every peer's buffer through cross-memory
+/// attach, and says what worked (barrier base+2). Every rank then takes the first form
+/// that worked for all: zero-copy, cross-memory attach, staged.
+fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8]) -> Result<Agreed> {
     let (w, me) = (cx.world, cx.rank);
     let base = cx.dom.phase(me).load(Ordering::Relaxed);
-    cx.dom.publish_buffer(buf);
-    cx.advance(base + 1);
-    cx.wait_all(base + 1)?;
-    cx.check_calls()?;
-    let peers: Option<Vec<*mut u8>> = if (0..w).all(|p| cx.dom.buffer_is_shared(p)) {
-        (0..w).map(|p| if p == me { Some(std::ptr::null_mut()) } else { cx.dom.peer_buffer(p, buf.len()) }).collect()
-    } else {
-        None
+    // The phase before which a rank that fails here writes nothing into peers' buffers.
+    let done = base + 3;
+    // A failing rank that never said it could reach its peers tells those that did (and
+    // wait for writers) that it will not write.
+    let never_wrote = |e: Error| {
+        cx.dom.set_writes_done(done);
+        e
     };
-    let reach = Reach { mapped: peers.is_some(), attach: attach.reaches_all(cx) };
+    cx.dom.publish_buffer(buf, attach.enabled);
+    cx.advance(base + 1);
+    cx.wait_all(base + 1).and_then(|()| cx.check_calls()).map_err(never_wrote)?;
+    let all_shared = (0..w).all(|p| cx.dom.buffer_is_shared(p));
+    let all_can_attach = (0..w).all(|p| cx.dom.peer_address(p).1 != 0);
+    if !all_shared && !all_can_attach {
+        return Ok(Agreed::Staged { someone_cannot_attach: true });
+    }
+    let peers: Option<Vec<*mut u8>> =
+        if all_shared { (0..w).map(|p| if p == me { Some(std::ptr::null_mut()) } else { cx.dom.peer_buffer(p, buf.len()) }).collect() } else { None };
+    let reach = Reach { mapped: peers.is_some(), attach: all_can_attach && attach.reaches_all(cx) };
     cx.dom.set_reach(reach);
     cx.advance(base + 2);
     // A peer that failed after announcing its reach (it may be a step behind us) has set
@@ -572,16 +617,16 @@ fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8]) -> Result<Lar
     match (all, peers) {
         (Ok((true, _)), Some(peers)) => {
             log::debug!("rank {me}: {} zero-copy in the peers' buffers", cx.call);
-            Ok(LargeForm::ZeroCopy(peers))
+            Ok(Agreed::Mapped(peers))
         }
         (Ok((_, true)), _) => {
             log::debug!("rank {me}: {} through cross-memory attach", cx.call);
-            Ok(LargeForm::Attach)
+            Ok(Agreed::Attach((0..w).map(|p| cx.dom.peer_address(p)).collect()))
         }
-        (Ok(_), _) => Ok(LargeForm::Staged),
+        (Ok(_), _) => Ok(Agreed::Staged { someone_cannot_attach: !all_can_attach }),
         // Peers that saw us reach them may be writing into our buffer already.
-        (Err(e), _) if reach != Reach::default() => Err(cx.fail_zero_copy(e, base + 3)),
-        (Err(e), _) => Err(e),
+        (Err(e), _) if reach != Reach::default() => Err(cx.fail_in_peer_buffers(e, done)),
+        (Err(e), _) => Err(never_wrote(e)),
     }
 }
 
@@ -599,25 +644,14 @@ pub struct Attach {
     scratch: Vec<u64>,
 }
 
-impl Default for Attach {
-    fn default() -> Self {
-        Attach { enabled: true, scratch: Vec::new() }
-    }
-}
-
 impl Attach {
-    /// Whether a few bytes of every peer's published buffer can be read from here.
+    /// Whether a byte of every peer's published buffer can be read from here.
     fn reaches_all(&mut self, cx: &ShmCtx<'_>) -> bool {
-        if !self.enabled {
-            return false;
-        }
-        let mut probe = [0u8; 8];
+        let mut probe = [0u8; 1];
         for p in (0..cx.world).filter(|&p| p != cx.rank) {
             let (pid, addr) = cx.dom.peer_address(p);
-            // SAFETY: `probe` is ours and writable; the kernel checks the peer's side.
-            if let Err(e) = unsafe { cross_memory(pid, probe.as_mut_ptr(), addr, 1, Direction::Read) } {
-                let refused = matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES | libc::ENOSYS));
-                if refused {
+            if let Err(e) = fetch(pid, addr, &mut probe) {
+                if matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES | libc::ENOSYS)) {
                     self.enabled = false;
                     log::info!(
                         "rank {}: cross-memory attach to rank {p} (pid {pid}) refused ({e}): large allreduces of private buffers stage through shared memory \
@@ -634,26 +668,32 @@ impl Attach {
     }
 }
 
-#[derive(Clone, Copy)]
-enum Direction {
-    Read,
-    Write,
+/// Copies `into.len()` bytes from address `remote` of process `pid` into `into`.
+fn fetch(pid: u32, remote: u64, into: &mut [u8]) -> std::io::Result<()> {
+    // SAFETY: `into` is writable for its length; the kernel checks the peer's side.
+    unsafe { cross_memory(pid, into.as_mut_ptr(), remote, into.len(), libc::process_vm_readv) }
 }
 
-/// Copies `len` bytes between `local` in this process and `remote` in process `pid`.
+/// Copies `from` to address `remote` of process `pid`.
+fn put(pid: u32, remote: u64, from: &[u8]) -> std::io::Result<()> {
+    // SAFETY: `from` is readable for its length and process_vm_writev only reads the local
+    // side; the kernel checks the peer's side.
+    unsafe { cross_memory(pid, from.as_ptr().cast_mut(), remote, from.len(), libc::process_vm_writev) }
+}
+
+type CrossMemoryCall = unsafe extern "C" fn(libc::pid_t, *const libc::iovec, libc::c_ulong, *const libc::iovec, libc::c_ulong, libc::c_ulong) -> isize;
+
+/// Moves `len` bytes between `local` and `remote` in process `pid` with `call`, resuming
+/// after partial transfers and interruptions.
 ///
 /// # Safety
-/// `local..local + len` is valid for writes (`Read`) or reads (`Write`).
-unsafe fn cross_memory(pid: u32, local: *mut u8, remote: u64, len: usize, dir: Direction) -> std::io::Result<()> {
+/// `local..local + len` is valid for what `call` does with it.
+unsafe fn cross_memory(pid: u32, local: *mut u8, remote: u64, len: usize, call: CrossMemoryCall) -> std::io::Result<()> {
     let mut done = 0;
     while done < len {
         let l = libc::iovec { iov_base: local.add(done).cast(), iov_len: len - done };
         let r = libc::iovec { iov_base: (remote as usize + done) as *mut libc::c_void, iov_len: len - done };
-        let n = match dir {
-            Direction::Read => libc::process_vm_readv(pid as libc::pid_t, &l, 1, &r, 1, 0),
-            Direction::Write => libc::process_vm_writev(pid as libc::pid_t, &l, 1, &r, 1, 0),
-        };
-        match n {
+        match call(pid as libc::pid_t, &l, 1, &r, 1, 0) {
             n if n > 0 => done += n as usize,
             0 => return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "no bytes moved")),
             _ => {
@@ -667,78 +707,77 @@ unsafe fn cross_memory(pid: u32, local: *mut u8, remote: u64, len: usize, dir: D
     Ok(())
 }
 
-/// One-host allreduce of private buffers through cross-memory attach, after
-/// [`agree_on_form`]: the zero-copy form's pattern, with the kernel fetching each block of
-/// part r from every peer's buffer into a scratch and writing each finished block into
-/// every peer's buffer. One more barrier: all parts reduced and written.
-fn shm_allreduce_attach(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let (w, me) = (cx.world, cx.rank);
-    let base = cx.dom.phase(me).load(Ordering::Relaxed);
-    let elem = dtype.size();
-    let bounds = super::algos::part_bounds(buf.len() / elem, w, elem);
-    let peers: Vec<(usize, u32, u64)> = (0..w)
-        .filter(|&p| p != me)
-        .map(|p| {
-            let (pid, addr) = cx.dom.peer_address(p);
-            (p, pid, addr)
-        })
-        .collect();
-    attach.scratch.resize((w - 1) * ZERO_COPY_BLOCK / 8, 0);
-    let scratch = attach.scratch.as_mut_ptr() as *mut u8;
-    let failed = |p: usize, pid: u32, e: std::io::Error| {
-        let e = if e.raw_os_error() == Some(libc::ESRCH) {
-            Error::PeerLost { rank: me, peer: p, op: cx.call.to_string(), cause: format!("process {pid} exited") }
-        } else {
-            Error::io(format!("rank {me}: cross-memory attach to rank {p}'s buffer (pid {pid}) in {}", cx.call), e)
-        };
-        cx.fail_zero_copy(e, base + 1)
-    };
-    let (lo, hi) = (bounds[me], bounds[me + 1]);
-    for b in (lo..hi).step_by(ZERO_COPY_BLOCK) {
-        let len = (b + ZERO_COPY_BLOCK).min(hi) - b;
-        for (k, &(p, pid, addr)) in peers.iter().enumerate() {
-            // SAFETY: block k of the scratch, (w-1) blocks long; the peer's part `me` is
-            // only touched by us until the last barrier.
-            unsafe { cross_memory(pid, scratch.add(k * ZERO_COPY_BLOCK), addr + b as u64, len, Direction::Read) }.map_err(|e| failed(p, pid, e))?;
-        }
-        // SAFETY: the blocks just filled, inside the scratch.
-        let theirs = (0..w - 1).map(|k| unsafe { std::slice::from_raw_parts(scratch.add(k * ZERO_COPY_BLOCK), len) });
-        reduce_all(dtype, op, w, &mut buf[b..b + len], theirs);
-        for &(p, pid, addr) in &peers {
-            // SAFETY: our own bytes b..b+len, only read.
-            unsafe { cross_memory(pid, buf.as_mut_ptr().add(b), addr + b as u64, len, Direction::Write) }.map_err(|e| failed(p, pid, e))?;
-        }
-    }
-    cx.advance(base + 1);
-    cx.wait_all(base + 1).map_err(|e| cx.fail_zero_copy(e, base + 1))
+/// How a rank reaches its peers' buffers in a call that works in them.
+enum PeerAccess<'s> {
+    /// Mapped here (zero-copy): every rank's buffer, ours null.
+    Mapped(Vec<*mut u8>),
+    /// Through cross-memory attach: every rank's process and buffer address, and where
+    /// fetched blocks land.
+    Attach { peers: Vec<(u32, u64)>, scratch: &'s mut Vec<u64> },
 }
 
-/// Zero-copy one-host allreduce, after [`map_peer_buffers`]: rank r reduces part r
-/// straight out of the peers' buffers and writes each finished block straight into
-/// every peer's buffer, while it is still in cache. Bytes moved per rank: S read (its
-/// part of every buffer), S written (its part of every buffer). Only rank r touches part
-/// r of any buffer, so nothing it writes is read by anyone else. One more barrier: all
-/// parts reduced and written (nobody reads or writes our buffer any more).
-fn shm_allreduce_zero_copy(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, peers: &[*mut u8]) -> Result<()> {
+/// One-host allreduce in the peers' buffers, after [`agree_on_form`]: rank r reduces part
+/// r of every buffer block by block into its own buffer, reading the peers' blocks where
+/// they are mapped or having the kernel fetch them into a scratch (cross-memory attach),
+/// and writes each finished block, still in cache, into every peer's buffer, directly or
+/// through the kernel. Bytes moved per rank: S read (its part of every buffer), S written
+/// (its part of every buffer), plus the kernel's copy of both halves when attached. Only
+/// rank r touches part r of any buffer, so nothing it writes is read by anyone else. One
+/// more barrier: all parts reduced and written (nobody reads or writes our buffer any
+/// more).
+fn shm_allreduce_in_peer_buffers(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, mut access: PeerAccess<'_>) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
-    let base = cx.dom.phase(me).load(Ordering::Relaxed);
+    let done = cx.dom.phase(me).load(Ordering::Relaxed) + 1;
     let elem = dtype.size();
     let bounds = super::algos::part_bounds(buf.len() / elem, w, elem);
     let others = || (0..w).filter(move |&p| p != me);
     let (lo, hi) = (bounds[me], bounds[me + 1]);
-    for b in (lo..hi).step_by(ZERO_COPY_BLOCK) {
-        let e = (b + ZERO_COPY_BLOCK).min(hi);
-        // SAFETY: bytes b..e of every peer's buffer (part `me`, inside its `buf.len()`
-        // bytes), which only we touch until the last barrier; the mappings outlive this call.
-        let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(peers[p].add(b), e - b) });
-        reduce_all(dtype, op, w, &mut buf[b..e], theirs);
+    if let PeerAccess::Attach { scratch, .. } = &mut access {
+        scratch.resize((w - 1) * PEER_BLOCK / 8, 0);
+    }
+    let attach_failed = |p: usize, pid: u32, e: std::io::Error| {
+        // A peer that exits while we copy can also show as a bad address.
+        let e = match process_gone(pid) {
+            Some(cause) => Error::PeerLost { rank: me, peer: p, op: cx.call.to_string(), cause },
+            None => Error::io(format!("rank {me}: cross-memory attach to rank {p}'s buffer (pid {pid}) in {}", cx.call), e),
+        };
+        cx.fail_in_peer_buffers(e, done)
+    };
+    for b in (lo..hi).step_by(PEER_BLOCK) {
+        let len = (b + PEER_BLOCK).min(hi) - b;
+        match &mut access {
+            PeerAccess::Mapped(peers) => {
+                // SAFETY: bytes b..b+len of every peer's buffer (part `me`, inside its
+                // `buf.len()` bytes), which only we touch until the last barrier; the
+                // mappings outlive this call.
+                let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(peers[p].add(b), len) });
+                reduce_all(dtype, op, w, &mut buf[b..b + len], theirs);
+            }
+            PeerAccess::Attach { peers, scratch } => {
+                let blocks = crate::transport::bytemuck_bytes(scratch);
+                for (block, p) in blocks.chunks_mut(PEER_BLOCK).zip(others()) {
+                    let (pid, addr) = peers[p];
+                    fetch(pid, addr + b as u64, &mut block[..len]).map_err(|e| attach_failed(p, pid, e))?;
+                }
+                reduce_all(dtype, op, w, &mut buf[b..b + len], blocks.chunks(PEER_BLOCK).map(|c| &c[..len]));
+            }
+        }
+        // A peer that failed hands its buffer back once we have stopped writing or a grace
+        // has passed: stop writing into anyone's.
+        others().try_for_each(|p| cx.check_peer(p, Duration::ZERO)).map_err(|e| cx.fail_in_peer_buffers(e, done))?;
         for p in others() {
-            // SAFETY: as above.
-            unsafe { std::ptr::copy_nonoverlapping(buf[b..e].as_ptr(), peers[p].add(b), e - b) };
+            match &access {
+                // SAFETY: as above.
+                PeerAccess::Mapped(peers) => unsafe { std::ptr::copy_nonoverlapping(buf[b..].as_ptr(), peers[p].add(b), len) },
+                PeerAccess::Attach { peers, .. } => {
+                    let (pid, addr) = peers[p];
+                    put(pid, addr + b as u64, &buf[b..b + len]).map_err(|e| attach_failed(p, pid, e))?;
+                }
+            }
         }
     }
-    cx.advance(base + 1);
-    cx.wait_all(base + 1).map_err(|e| cx.fail_zero_copy(e, base + 1))
+    cx.advance(done);
+    cx.wait_all(done).map_err(|e| cx.fail_in_peer_buffers(e, done))
 }
 
 #[cfg(test)]

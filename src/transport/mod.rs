@@ -680,7 +680,7 @@ fn lost(rank: usize, peer: usize, call: &CallHeader, dir: &str, e: std::io::Erro
 }
 
 /// The scratch buffer as bytes.
-fn bytemuck_bytes(v: &mut [u64]) -> &mut [u8] {
+pub(crate) fn bytemuck_bytes(v: &mut [u64]) -> &mut [u8] {
     // SAFETY: a u64 slice reinterpreted as bytes; u8 has no alignment needs.
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 8) }
 }

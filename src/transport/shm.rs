@@ -30,13 +30,14 @@ const CALL_AT: usize = 1216;
 /// through cross-memory attach.
 const REACH_AT: usize = 1280;
 /// The phase before which this rank writes nothing more into peers' buffers, set by a
-/// failed zero-copy allreduce (a finished one says so by its phase counter).
+/// large allreduce that failed (a finished one says so by its phase counter).
 const WRITES_DONE_AT: usize = 1344;
-/// Where the buffer of the current zero-copy allreduce lies in a shared region of ours
+/// Where the buffer of the current large allreduce lies in a shared region of ours
 /// (`mem::shared_region_of`): region id (0: it does not), descriptor, region length, and
 /// the buffer's offset in it, 8 bytes each.
 const SHARED_AT: usize = 1408;
-/// The buffer's address in this process, for peers' cross-memory attach.
+/// The buffer's address in this process, for peers' cross-memory attach (0: this rank
+/// cannot attach).
 const ADDRESS_AT: usize = 1440;
 /// Shared regions of one peer kept mapped; its oldest goes first.
 const MAX_PEER_MAPS: usize = 4;
@@ -152,19 +153,20 @@ impl ShmDomain {
     }
 
     /// Publishes where this rank's buffer of the current large allreduce lies: in a shared
-    /// region of ours (`gradwire_alloc`), so that peers can map it, or not; and its address
-    /// in this process, for peers' cross-memory attach.
-    pub fn publish_buffer(&self, buf: &[u8]) {
+    /// region of ours (`gradwire_alloc`), so that peers can map it, or not; and, when this
+    /// rank can attach, its address in this process, for peers' cross-memory attach (0:
+    /// it cannot).
+    pub fn publish_buffer(&self, buf: &[u8], can_attach: bool) {
         let base = self.base(self.rank);
         let shared = crate::mem::shared_region_of(buf).map_or([0; 4], |(r, off)| [r.id, r.fd as u64, r.len as u64, off as u64]);
         for (i, v) in shared.into_iter().enumerate() {
             atomic_u64(base, SHARED_AT + 8 * i).store(v, Ordering::Relaxed);
         }
-        atomic_u64(base, ADDRESS_AT).store(buf.as_ptr() as u64, Ordering::Relaxed);
+        atomic_u64(base, ADDRESS_AT).store(if can_attach { buf.as_ptr() as u64 } else { 0 }, Ordering::Relaxed);
     }
 
-    /// Local rank `r`'s process and the address of its published buffer there (read after
-    /// its phase announcement).
+    /// Local rank `r`'s process and the address of its published buffer there, 0 if it
+    /// cannot attach (read after its phase announcement).
     pub fn peer_address(&self, r: usize) -> (u32, u64) {
         (self.pids[r], atomic_u64(self.base(r), ADDRESS_AT).load(Ordering::Relaxed))
     }

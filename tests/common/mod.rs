@@ -105,6 +105,36 @@ pub fn can_netns(test: &str) -> bool {
     root && ip
 }
 
+/// Whether the kernel lets sibling processes of this user read each other's memory
+/// (cross-memory attach): no Yama, Yama `ptrace_scope` 0, or `ptrace_scope` 1-2 with
+/// CAP_SYS_PTRACE. Where it does not, gradwire stages instead, and tests of that form say
+/// so and accept staging.
+pub fn cross_memory_attach_allowed(test: &str) -> bool {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").ok().and_then(|s| s.trim().parse::<u32>().ok());
+    // CAP_SYS_PTRACE is capability 19 of the effective set.
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let cap_eff = status.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()).unwrap_or(0);
+    let sys_ptrace = cap_eff & (1 << 19) != 0;
+    let allowed = match scope {
+        None | Some(0) => true,
+        Some(1 | 2) => sys_ptrace,
+        Some(_) => false,
+    };
+    if !allowed {
+        eprintln!("NOTE {test}: Yama ptrace_scope {scope:?} without CAP_SYS_PTRACE: cross-memory attach is refused here, so the staged form is accepted");
+    }
+    allowed
+}
+
+/// Asserts that every one of `ranks` ranks logged a line containing `what` (its lines start
+/// with "rank R: ").
+pub fn every_rank_logged(t: &str, ranks: usize, what: &str) {
+    for rank in 0..ranks {
+        let said = |l: &&str| l.contains(&format!("rank {rank}: ")) && l.contains(what);
+        assert!(t.lines().any(|l| said(&l)), "rank {rank} of {ranks} never logged {what:?}:\n{t}");
+    }
+}
+
 /// Environment for one rank started directly (without the launcher).
 pub fn rank_env(cmd: &mut Command, rank: usize, world: usize, port: u16, secret: &str) {
     cmd.env("RANK", rank.to_string())
