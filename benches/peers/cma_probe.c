@@ -7,6 +7,11 @@
 // `gradwire bench allreduce --transport shm` (staged form) in the same minute:
 //   gcc -O3 -march=native benches/peers/cma_probe.c -o target/peers/cma_probe
 //   target/peers/cma_probe 2 16 20 256   # W, MiB, iterations, block KiB
+//   target/peers/cma_probe 2 16 20 256 copy
+// With `copy`, the reduction is left out: only the kernel's copies of what a private-buffer
+// allreduce must move between processes (each rank fetches its part of every peer's buffer
+// and writes it back into every peer's), the ceiling of any allreduce that moves private
+// buffers' bytes through cross-memory attach, as tcpring.c is for sockets.
 // Measured here on an earlier host kernel (2 ranks, 16 and 64 MiB, alternating): 3.1-4.4
 // GB/s with 64 KiB-4 MiB blocks against 6.4-7.0 for gradwire's staged form: the kernel
 // pinned and walked the peer's pages for every call (follow_page_pte, __get_user_pages in
@@ -18,6 +23,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -56,13 +62,14 @@ static void cross(int write, int peer, float *local, float *remote, size_t len) 
 
 int main(int argc, char **argv) {
     if (argc < 4) {
-        fprintf(stderr, "usage: %s W MiB iterations [block KiB (256)]\n", argv[0]);
+        fprintf(stderr, "usage: %s W MiB iterations [block KiB (256) [copy]]\n", argv[0]);
         return 2;
     }
     world = atoi(argv[1]);
     size_t bytes = (size_t)atol(argv[2]) << 20, block = (argc > 4 ? (size_t)atol(argv[4]) : 256) << 10;
     int iters = atoi(argv[3]);
-    if (world < 2 || world > 64 || bytes == 0 || block == 0 || iters <= 0) return 2;
+    int copy_only = argc > 5 && !strcmp(argv[5], "copy");
+    if (world < 2 || world > 64 || bytes == 0 || block == 0 || iters <= 0 || (argc > 5 && !copy_only)) return 2;
     sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (sh == MAP_FAILED) return 1;
     for (me = 0; me < world - 1; me++)
@@ -88,7 +95,7 @@ int main(int argc, char **argv) {
             size_t e = b + blk < hi ? b + blk : hi, len = (e - b) * 4;
             for (int p = 0, k = 0; p < world; p++)
                 if (p != me) cross(0, p, scratch + blk * k++, sh->addr[p] + b, len);
-            for (int k = 0; k < world - 1; k++)
+            for (int k = 0; k < world - 1 && !copy_only; k++)
                 for (size_t i = 0; i < e - b; i++) buf[b + i] += scratch[blk * k + i];
             for (int p = 0; p < world; p++)
                 if (p != me) cross(1, p, buf + b, sh->addr[p] + b, len);
@@ -96,7 +103,9 @@ int main(int argc, char **argv) {
         barrier(++phase);  // every part written
     }
     double t = (now() - started) / iters;
-    if (me == 0) printf("W=%d %zu MiB, %zu KiB blocks: busbw %.2f GB/s\n", world, bytes >> 20, block >> 10, (double)bytes / t / 1e9 * 2 * (world - 1) / world);
+    if (me == 0)
+        printf("W=%d %zu MiB, %zu KiB blocks%s: busbw %.2f GB/s\n", world, bytes >> 20, block >> 10, copy_only ? ", copies only" : "",
+               (double)bytes / t / 1e9 * 2 * (world - 1) / world);
     while (wait(NULL) > 0) {
     }
     return 0;
