@@ -126,6 +126,34 @@ fn shm_staged_form_chooses_its_stores_and_says_so() {
     }
 }
 
+/// Where the kernel refuses cross-memory attach (here a seccomp filter, as in a container;
+/// Yama refuses it the same way), every rank says so once, the call stages, and from then
+/// on the ranks agree on a form only from 4 MiB (a 4.4 MB call stages after that
+/// agreement's first barrier); every result stays right.
+#[test]
+fn shm_cross_memory_attach_refused_stages() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let deny = cdylib_dir().join("deny-cross-memory-attach");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let built = std::process::Command::new(&cc)
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&deny)
+        .arg(format!("{root}/tests/c/deny_cross_memory_attach.c"))
+        .output()
+        .expect("run the C compiler");
+    assert!(built.status.success(), "tests/c/deny_cross_memory_attach.c does not compile:\n{}", text(&built));
+    let mut cmd = std::process::Command::new(bin());
+    cmd.args(["launch", "-n", "3", "--"]).arg(&deny).arg(bin()).env("GRADWIRE_LOG", "debug");
+    cmd.args(["check", "--transport", "shm", "--counts", "1000003,70001,1100000", "--collectives", "allreduce", "--dtypes", "float32,float64"]);
+    let out = run_with_limit(cmd, std::time::Duration::from_secs(300));
+    let t = text(&out);
+    assert!(out.status.success() && t.contains(", 0 failed") && !t.contains("panicked"), "{t}");
+    every_rank_logged(&t, 3, "refused (Operation not permitted");
+    every_rank_logged(&t, 3, "only calls from 4194304 bytes look for mapped buffers");
+    assert!(!t.contains("through cross-memory attach"), "no rank may attach where the kernel refuses:\n{t}");
+    assert_eq!(t.matches("refused (Operation not permitted").count(), 3, "each rank says it once:\n{t}");
+}
+
 /// Buffers from gradwire's allocator (`gradwire_alloc`): from 256 KiB the one-host
 /// allreduce maps the peers' buffers and works in them (zero-copy), every dtype and op;
 /// the log shows every rank mapped every peer. Mixed (shared on even ranks only): the
