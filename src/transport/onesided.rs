@@ -210,6 +210,21 @@ pub struct Window {
     /// visible through a connection).
     pids: Vec<Option<u32>>,
     timeout: Duration,
+    /// This rank's atomics on its own region, through the NIC, when peers reach that region
+    /// through the NIC (see [`OwnLoop`]).
+    #[cfg(feature = "verbs")]
+    own_loop: Option<OwnLoop>,
+}
+
+/// A queue pair connected to another of this rank's own, for its fetch-adds on its own
+/// region while peers fetch-add there through RDMA: a NIC's atomics are atomic only with
+/// respect to the NIC's (`IBV_ATOMIC_HCA`; soft-RoCE applies them under a lock of its own
+/// with plain loads and stores), so a CPU atomic on the same word can be lost (seen: two
+/// ranks, 20 fetch-adds, one lost and one old value returned twice).
+#[cfg(feature = "verbs")]
+struct OwnLoop {
+    requester: Mutex<super::verbs::RmaPeer>,
+    _responder: super::verbs::RmaPeer,
 }
 
 /// What a window needs from its communicator to connect.
@@ -251,7 +266,7 @@ impl Window {
             store.set(&key(w.rank), format!("{} {fd} {} {svc_addr}", std::process::id(), region.len()).as_bytes())?;
         }
         #[cfg(feature = "verbs")]
-        let mut verbs = verbs_setup(&w, &region, deadline)?;
+        let (mut verbs, own_loop) = verbs_setup(&w, &region, deadline)?;
         for (p, peer_len) in lens.iter_mut().enumerate() {
             #[cfg(feature = "verbs")]
             if let Some(peer) = verbs[p].take() {
@@ -293,7 +308,17 @@ impl Window {
                 Target::Remote(Mutex::new(s))
             });
         }
-        Ok(Window { id: w.id, rank: w.rank, own: region, targets, lens, pids, timeout: w.timeout })
+        Ok(Window {
+            id: w.id,
+            rank: w.rank,
+            own: region,
+            targets,
+            lens,
+            pids,
+            timeout: w.timeout,
+            #[cfg(feature = "verbs")]
+            own_loop,
+        })
     }
 
     /// Why `peer` is gone, for peers whose death no connection reports (shared memory, and
@@ -504,6 +529,12 @@ impl Window {
         if let Some(r) = self.on_verbs(peer, "one-sided fetch-add", |rma, deadline| rma.fetch_add(off, value, deadline)) {
             return r;
         }
+        #[cfg(feature = "verbs")]
+        if let (true, Some(own)) = (peer == self.rank, &self.own_loop) {
+            let rma = own.requester.lock().unwrap_or_else(|p| p.into_inner());
+            let cause = |e: std::io::Error| Error::io(format!("rank {}: one-sided fetch-add on its own region through the NIC", self.rank), e);
+            return rma.fetch_add(off, value, Instant::now() + self.timeout).map_err(cause);
+        }
         match self.base(peer) {
             // SAFETY: aligned word inside the mapping; every access to it is atomic.
             Some(b) => Ok(unsafe { &*(b.add(off) as *const AtomicU64) }.fetch_add(value, Ordering::AcqRel)),
@@ -526,18 +557,29 @@ impl Window {
     }
 }
 
-/// Queue pairs to every verbs peer of a window, connected through the store.
+/// Queue pairs to every verbs peer of a window, connected through the store, and, when
+/// there are any, the loop for this rank's own atomics.
 #[cfg(feature = "verbs")]
-fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> Result<Vec<Option<super::verbs::RmaPeer>>> {
+fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> Result<(Vec<Option<super::verbs::RmaPeer>>, Option<OwnLoop>)> {
     use super::verbs::{Endpoint, RmaPeer};
     let mut out: Vec<Option<RmaPeer>> = (0..w.world).map(|_| None).collect();
-    let Some((dom, verbs_peer)) = w.verbs else { return Ok(out) };
-    let peers: Vec<usize> = (0..w.world).filter(|&p| verbs_peer.get(p).copied().unwrap_or(false)).collect();
+    let Some((dom, verbs_peer)) = w.verbs else { return Ok((out, None)) };
+    let peers: Vec<usize> = (0..w.world).filter(|&p| p != w.rank && verbs_peer.get(p).copied().unwrap_or(false)).collect();
     if peers.is_empty() {
-        return Ok(out);
+        return Ok((out, None));
     }
     let store = w.store.ok_or_else(|| invalid("no rendezvous store"))?;
     let mr = dom.register(region)?;
+    let own_loop = {
+        let ((qa, ca), (qb, cb)) = (RmaPeer::create(dom)?, RmaPeer::create(dom)?);
+        let (pa, pb) = (rand::random::<u32>() & 0xFF_FFFF, rand::random::<u32>() & 0xFF_FFFF);
+        let (ea, eb) = (qa.endpoint(pa, Some(&mr)), qb.endpoint(pb, Some(&mr)));
+        let looped =
+            |e: Error| Error::io(format!("rank {}: window {} setup: a queue pair to its own region", w.rank, w.id), std::io::Error::other(e.to_string()));
+        let requester = RmaPeer::connect(dom, qa, ca, pa, eb).map_err(looped)?;
+        let responder = RmaPeer::connect(dom, qb, cb, pb, ea).map_err(looped)?;
+        OwnLoop { requester: Mutex::new(requester), _responder: responder }
+    };
     let key = |a: usize, b: usize| format!("{}/win{}/ib/{a}>{b}", w.prefix, w.id);
     let mut made = Vec::new();
     for &p in &peers {
@@ -572,5 +614,5 @@ fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> 
             waited_ms: w.timeout.as_millis() as u64,
         })?;
     }
-    Ok(out)
+    Ok((out, Some(own_loop)))
 }
