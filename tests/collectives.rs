@@ -144,7 +144,7 @@ fn shm_cross_memory_attach_refused_stages() {
     assert!(built.status.success(), "tests/c/deny_cross_memory_attach.c does not compile:\n{}", text(&built));
     let mut cmd = std::process::Command::new(bin());
     cmd.args(["launch", "-n", "3", "--"]).arg(&deny).arg(bin()).env("GRADWIRE_LOG", "debug");
-    cmd.args(["check", "--transport", "shm", "--counts", "1000003,70001,1100000", "--collectives", "allreduce", "--dtypes", "float32,float64"]);
+    cmd.args(["check", "--transport", "shm", "--counts", "70001,1100000", "--collectives", "allreduce", "--dtypes", "float32", "--ops", "sum,max"]);
     let out = run_with_limit(cmd, std::time::Duration::from_secs(300));
     let t = text(&out);
     assert!(out.status.success() && t.contains(", 0 failed") && !t.contains("panicked"), "{t}");
