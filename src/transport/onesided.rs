@@ -561,7 +561,7 @@ impl Window {
 /// there are any, the loop for this rank's own atomics.
 #[cfg(feature = "verbs")]
 fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> Result<(Vec<Option<super::verbs::RmaPeer>>, Option<OwnLoop>)> {
-    use super::verbs::{Endpoint, RmaPeer};
+    use super::verbs::{fresh_psn, Endpoint, RmaPeer};
     let mut out: Vec<Option<RmaPeer>> = (0..w.world).map(|_| None).collect();
     let Some((dom, verbs_peer)) = w.verbs else { return Ok((out, None)) };
     let peers: Vec<usize> = (0..w.world).filter(|&p| p != w.rank && verbs_peer.get(p).copied().unwrap_or(false)).collect();
@@ -572,19 +572,17 @@ fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> 
     let mr = dom.register(region)?;
     let own_loop = {
         let ((qa, ca), (qb, cb)) = (RmaPeer::create(dom)?, RmaPeer::create(dom)?);
-        let (pa, pb) = (rand::random::<u32>() & 0xFF_FFFF, rand::random::<u32>() & 0xFF_FFFF);
+        let (pa, pb) = (fresh_psn(), fresh_psn());
         let (ea, eb) = (qa.endpoint(pa, Some(&mr)), qb.endpoint(pb, Some(&mr)));
-        let looped =
-            |e: Error| Error::io(format!("rank {}: window {} setup: a queue pair to its own region", w.rank, w.id), std::io::Error::other(e.to_string()));
-        let requester = RmaPeer::connect(dom, qa, ca, pa, eb).map_err(looped)?;
-        let responder = RmaPeer::connect(dom, qb, cb, pb, ea).map_err(looped)?;
+        let requester = RmaPeer::connect(dom, qa, ca, pa, eb)?;
+        let responder = RmaPeer::connect(dom, qb, cb, pb, ea)?;
         OwnLoop { requester: Mutex::new(requester), _responder: responder }
     };
     let key = |a: usize, b: usize| format!("{}/win{}/ib/{a}>{b}", w.prefix, w.id);
     let mut made = Vec::new();
     for &p in &peers {
         let (qp, cq) = RmaPeer::create(dom)?;
-        let psn = rand::random::<u32>() & 0xFF_FFFF;
+        let psn = fresh_psn();
         store.set(&key(w.rank, p), qp.endpoint(psn, Some(&mr)).encode().as_bytes())?;
         made.push((p, qp, cq, psn));
     }

@@ -627,7 +627,7 @@ pub fn connect_all(
         let rx = Region::anonymous(ring_bytes + MAILBOX)?;
         // SAFETY: both regions live in the link next to (and longer than) their registrations.
         let (tx_mr, rx_mr) = unsafe { (dom.register_raw(tx.as_ptr(), tx.len())?, dom.register_raw(rx.as_ptr(), rx.len())?) };
-        let psn = (rand::random::<u32>() & 0xFF_FFFF, rand::random::<u32>() & 0xFF_FFFF);
+        let psn = (super::fresh_psn(), super::fresh_psn());
         store.set(&format!("{prefix}/ib/{rank}>{p}/data"), data_qp.endpoint(psn.0, Some(&tx_mr)).encode().as_bytes())?;
         store.set(&format!("{prefix}/ib/{rank}>{p}/credit"), credit_qp.endpoint(psn.1, Some(&rx_mr)).encode().as_bytes())?;
         pending.push(Pending { peer: p, data_qp, credit_qp, cq, tx, rx, tx_mr, rx_mr, psn });

@@ -570,6 +570,11 @@ pub fn completion_error(wc: &sys::ibv_wc, op: &str, dom: &Domain) -> std::io::Er
     std::io::Error::other(format!("RDMA {op} failed: {name} (status {status}, vendor error {vendor:#x}){hint}"))
 }
 
+/// A random 24-bit packet sequence number to start a queue pair with.
+pub fn fresh_psn() -> u32 {
+    rand::random::<u32>() & 0xFF_FFFF
+}
+
 /// One-sided access to one peer's exposed region: its own queue pair and completion
 /// queue, and a registered bounce buffer for caller memory that is not registered.
 pub struct RmaPeer {
