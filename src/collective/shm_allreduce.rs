@@ -68,7 +68,13 @@ impl ShmCtx<'_> {
             while ph.load(Ordering::Acquire) < target {
                 iter += 1;
                 if iter % 64 == 0 {
-                    self.check_peer(p, backoff.idle())?;
+                    if let Err(e) = self.check_peer(p, backoff.idle()) {
+                        // The peer may have reached the phase, then exited, after our load.
+                        if ph.load(Ordering::Acquire) >= target {
+                            break;
+                        }
+                        return Err(e);
+                    }
                 }
                 backoff.pause();
             }

@@ -329,6 +329,9 @@ impl Links {
         let start = Instant::now();
         let mut idle_since: Option<Instant> = None;
         let mut last_liveness = start;
+        // A peer found gone: reported only after one more pass without progress, since its
+        // last message may have landed between our pass and the liveness check.
+        let mut gone: Option<(usize, String)> = None;
         loop {
             let mut progressed = false;
             // Sends waiting for room on a link; sends held back behind an earlier one to
@@ -375,7 +378,11 @@ impl Links {
             }
             if progressed {
                 idle_since = None;
+                gone = None;
                 continue;
+            }
+            if let Some((p, why)) = gone.take() {
+                return Err(Error::PeerLost { rank: self.rank, peer: p, op: call.to_string(), cause: why });
             }
             if self.abort_flag.load(Ordering::Acquire) {
                 return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted locally".into() });
@@ -396,9 +403,13 @@ impl Links {
                 for p in 0..self.world() {
                     if pending_send[p] || pending_recv[p] {
                         if let Some(why) = self.link(p)?.peer_gone() {
-                            return Err(Error::PeerLost { rank: self.rank, peer: p, op: call.to_string(), cause: why });
+                            gone = Some((p, why));
+                            break;
                         }
                     }
+                }
+                if gone.is_some() {
+                    continue;
                 }
             }
             let idle = *idle_since.get_or_insert(now);
