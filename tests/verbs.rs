@@ -147,22 +147,55 @@ fn device_info_explains_the_gid_choice_and_a_wrong_gid_is_refused() {
     assert!(!t.contains("panicked"), "{t}");
 }
 
-/// Runs in each of two guests (one rank per guest); `auto` must pick verbs between them.
+/// Runs in each of two guests: one rank per guest, where `auto` must pick verbs between
+/// them; then two ranks per guest, shared memory inside a guest and verbs between them.
+/// There a rank's window is reached through the NIC by the other guest and mapped by its
+/// neighbour, whose fetch-adds must then go through the NIC too (the one-sided check counts
+/// every add; the token ring passes its token across both kinds of link).
 #[test]
 fn device_two_nodes() {
     if std::env::var("RXE_NODES").as_deref() != Ok("2") {
         println!("skipped device_two_nodes: needs the two-guest harness (rxe_vm_two_guests)");
         return;
     }
-    let node = std::env::var("RXE_NODE").unwrap();
-    let mut cmd = Command::new(bin());
-    cmd.args(["check", "--counts", "1,7919,1003", "--large", "4M"]);
-    cmd.env("GRADWIRE_RANK", &node).env("GRADWIRE_WORLD_SIZE", "2").env("GRADWIRE_MASTER_ADDR", "10.0.3.1").env("GRADWIRE_MASTER_PORT", "29500");
-    cmd.env("GRADWIRE_JOB_SECRET", "two-guest-test-secret");
-    let t = ok(&run_with_limit(cmd, Duration::from_secs(400)), "two-node check");
+    let node: usize = std::env::var("RXE_NODE").unwrap().parse().unwrap();
+    let rank_cmd = |rank: usize, world: usize, port: &str, args: &[&str]| {
+        let mut cmd = Command::new(bin());
+        cmd.args(args).env("GRADWIRE_RANK", rank.to_string()).env("GRADWIRE_WORLD_SIZE", world.to_string());
+        cmd.env("GRADWIRE_MASTER_ADDR", "10.0.3.1").env("GRADWIRE_MASTER_PORT", port).env("GRADWIRE_JOB_SECRET", "two-guest-test-secret");
+        cmd
+    };
+    let t = ok(&run_with_limit(rank_cmd(node, 2, "29500", &["check", "--counts", "1,7919,1003", "--large", "4M"]), Duration::from_secs(400)), "two-node check");
     println!("{t}");
-    if node == "0" {
+    if node == 0 {
         assert!(t.contains(r#"2 host(s), links ["verbs"]"#) && t.contains(" 0 failed"), "{t}");
+    }
+    let two_per_node = |port: &str, args: &[&str], what: &str| -> Vec<String> {
+        let children: Vec<_> = (0..2)
+            .map(|i| {
+                let mut cmd = rank_cmd(2 * node + i, 4, port, args);
+                cmd.env("GRADWIRE_LOG", "debug");
+                cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("spawn a rank")
+            })
+            .collect();
+        children.into_iter().map(|c| ok(&wait_with_limit(c, Duration::from_secs(400)), what)).collect()
+    };
+    let small = ["check", "--collectives", "allreduce,broadcast", "--counts", "1003", "--dtypes", "float32", "--ops", "sum"];
+    let t = two_per_node("29501", &small, "check at two ranks per node");
+    println!("{}", t.concat());
+    if node == 0 {
+        assert!(t[0].contains(r#"4 ranks on 2 host(s), links ["shm", "verbs"]"#) && t[0].contains(" 0 failed"), "{}", t[0]);
+    }
+    for (i, t) in t.iter().enumerate() {
+        let (me, neighbour) = (2 * node + i, 2 * node + 1 - i);
+        let (a, b) = (me.min(neighbour), me.max(neighbour));
+        let line = format!("rank {me}: window 0: fetch-adds on the regions of ranks [{a}, {b}] (mapped here) go through the NIC");
+        assert!(t.contains(&line), "rank {me} did not say that its atomics on mapped regions go through the NIC:\n{t}");
+    }
+    let t = two_per_node("29502", &["check", "--token-ring", "20"], "token ring at two ranks per node");
+    println!("{}", t.concat());
+    if node == 0 {
+        assert!(t[0].contains("conservation exact"), "{}", t[0]);
     }
 }
 

@@ -210,21 +210,23 @@ pub struct Window {
     /// visible through a connection).
     pids: Vec<Option<u32>>,
     timeout: Duration,
-    /// This rank's atomics on its own region, through the NIC, when peers reach that region
-    /// through the NIC (see [`OwnLoop`]).
+    /// This rank's atomics on regions it maps, through the NIC, when other ranks reach
+    /// those regions through the NIC (see [`NicAtomics`]).
     #[cfg(feature = "verbs")]
-    own_loop: Option<OwnLoop>,
+    nic_atomics: Option<NicAtomics>,
 }
 
-/// A queue pair connected to another of this rank's own, for its fetch-adds on its own
-/// region while peers fetch-add there through RDMA: a NIC's atomics are atomic only with
-/// respect to the NIC's (`IBV_ATOMIC_HCA`; soft-RoCE applies them under a lock of its own
-/// with plain loads and stores), so a CPU atomic on the same word can be lost (seen: two
-/// ranks, 20 fetch-adds, one lost and one old value returned twice).
+/// Queue pairs for this rank's fetch-adds on the regions it maps (its own and those of its
+/// peers on this host) while ranks on other hosts fetch-add there through RDMA: a NIC's
+/// atomics are atomic only with respect to the NIC's (`IBV_ATOMIC_HCA`; soft-RoCE applies
+/// them under a lock of its own with plain loads and stores), so a CPU atomic on the same
+/// word can be lost (seen: two ranks, 20 fetch-adds, one lost and one old value returned
+/// twice). Plain reads and writes of mapped memory stay in place.
 #[cfg(feature = "verbs")]
-struct OwnLoop {
-    requester: Mutex<super::verbs::RmaPeer>,
-    _responder: super::verbs::RmaPeer,
+struct NicAtomics {
+    /// Per rank: the queue pair to its region (this rank's own: looped to `_loop_responder`).
+    to: Vec<Option<Mutex<super::verbs::RmaPeer>>>,
+    _loop_responder: super::verbs::RmaPeer,
 }
 
 /// What a window needs from its communicator to connect.
@@ -244,6 +246,19 @@ pub struct WindowSetup<'a> {
     pub timeout: Duration,
     /// How tcp peers' accumulates are applied to this rank's region (refused without).
     pub accumulate: Option<Arc<dyn Accumulate>>,
+}
+
+impl WindowSetup<'_> {
+    /// What `peer` published under `key` during this window's setup; a timeout names the
+    /// peer and what it never did.
+    fn published_by(&self, store: &StoreClient, key: &str, peer: usize, never: &str, deadline: Instant) -> Result<Vec<u8>> {
+        store.get(key, deadline)?.ok_or_else(|| Error::Timeout {
+            rank: self.rank,
+            peer,
+            op: format!("window {} setup (rank {peer} {never})", self.id),
+            waited_ms: self.timeout.as_millis() as u64,
+        })
+    }
 }
 
 impl Window {
@@ -266,7 +281,7 @@ impl Window {
             store.set(&key(w.rank), format!("{} {fd} {} {svc_addr}", std::process::id(), region.len()).as_bytes())?;
         }
         #[cfg(feature = "verbs")]
-        let (mut verbs, own_loop) = verbs_setup(&w, &region, deadline)?;
+        let (mut verbs, nic_atomics) = verbs_setup(&w, &region, deadline)?;
         for (p, peer_len) in lens.iter_mut().enumerate() {
             #[cfg(feature = "verbs")]
             if let Some(peer) = verbs[p].take() {
@@ -281,12 +296,7 @@ impl Window {
                 continue;
             }
             let store = w.store.ok_or_else(|| invalid("no rendezvous store"))?;
-            let v = store.get(&key(p), deadline)?.ok_or_else(|| Error::Timeout {
-                rank: w.rank,
-                peer: p,
-                op: format!("window {} setup (peer never exposed its region)", w.id),
-                waited_ms: w.timeout.as_millis() as u64,
-            })?;
+            let v = w.published_by(store, &key(p), p, "never exposed its region", deadline)?;
             let text = String::from_utf8_lossy(&v).into_owned();
             let f: Vec<&str> = text.split(' ').collect();
             let (Some(pid), Some(pfd), Some(len), Some(addr)) = (
@@ -317,7 +327,7 @@ impl Window {
             pids,
             timeout: w.timeout,
             #[cfg(feature = "verbs")]
-            own_loop,
+            nic_atomics,
         })
     }
 
@@ -530,10 +540,10 @@ impl Window {
             return r;
         }
         #[cfg(feature = "verbs")]
-        if let (true, Some(own)) = (peer == self.rank, &self.own_loop) {
-            let rma = own.requester.lock().unwrap_or_else(|p| p.into_inner());
-            let cause = |e: std::io::Error| Error::io(format!("rank {}: one-sided fetch-add on its own region through the NIC", self.rank), e);
-            return rma.fetch_add(off, value, Instant::now() + self.timeout).map_err(cause);
+        if let Some(rma) = self.nic_atomics.as_ref().and_then(|n| n.to[peer].as_ref()) {
+            let rma = rma.lock().unwrap_or_else(|p| p.into_inner());
+            let r = rma.fetch_add(off, value, Instant::now() + self.timeout);
+            return r.map_err(|e| Error::PeerLost { rank: self.rank, peer, op: "one-sided fetch-add through the NIC".into(), cause: e.to_string() });
         }
         match self.base(peer) {
             // SAFETY: aligned word inside the mapping; every access to it is atomic.
@@ -558,59 +568,81 @@ impl Window {
 }
 
 /// Queue pairs to every verbs peer of a window, connected through the store, and, when
-/// there are any, the loop for this rank's own atomics.
+/// there are any, those for this rank's atomics on the regions it maps (see [`NicAtomics`]).
 #[cfg(feature = "verbs")]
-fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> Result<(Vec<Option<super::verbs::RmaPeer>>, Option<OwnLoop>)> {
+fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> Result<(Vec<Option<super::verbs::RmaPeer>>, Option<NicAtomics>)> {
     use super::verbs::{fresh_psn, Endpoint, RmaPeer};
     let mut out: Vec<Option<RmaPeer>> = (0..w.world).map(|_| None).collect();
-    let Some((dom, verbs_peer)) = w.verbs else { return Ok((out, None)) };
-    let peers: Vec<usize> = (0..w.world).filter(|&p| p != w.rank && verbs_peer.get(p).copied().unwrap_or(false)).collect();
-    if peers.is_empty() {
-        return Ok((out, None));
-    }
+    let verbs_peer = |p: usize| p != w.rank && w.verbs.is_some_and(|(_, v)| v.get(p).copied().unwrap_or(false));
+    let peers: Vec<usize> = (0..w.world).filter(|&p| verbs_peer(p)).collect();
+    let mapped: Vec<usize> = (0..w.world).filter(|&p| p != w.rank && w.shm_peer.get(p).copied().unwrap_or(false)).collect();
+    agree_on_nic_atomics(w, !peers.is_empty(), &mapped, deadline)?;
+    let Some((dom, _)) = w.verbs.filter(|_| !peers.is_empty()) else { return Ok((out, None)) };
     let store = w.store.ok_or_else(|| invalid("no rendezvous store"))?;
     let mr = dom.register(region)?;
-    let own_loop = {
+    let mut to: Vec<Option<Mutex<RmaPeer>>> = (0..w.world).map(|_| None).collect();
+    let loop_responder = {
         let ((qa, ca), (qb, cb)) = (RmaPeer::create(dom)?, RmaPeer::create(dom)?);
         let (pa, pb) = (fresh_psn(), fresh_psn());
         let (ea, eb) = (qa.endpoint(pa, Some(&mr)), qb.endpoint(pb, Some(&mr)));
-        let requester = RmaPeer::connect(dom, qa, ca, pa, eb)?;
-        let responder = RmaPeer::connect(dom, qb, cb, pb, ea)?;
-        OwnLoop { requester: Mutex::new(requester), _responder: responder }
+        to[w.rank] = Some(Mutex::new(RmaPeer::connect(dom, qa, ca, pa, eb)?));
+        RmaPeer::connect(dom, qb, cb, pb, ea)?
     };
     let key = |a: usize, b: usize| format!("{}/win{}/ib/{a}>{b}", w.prefix, w.id);
     let mut made = Vec::new();
-    for &p in &peers {
+    for &p in peers.iter().chain(&mapped) {
         let (qp, cq) = RmaPeer::create(dom)?;
         let psn = fresh_psn();
         store.set(&key(w.rank, p), qp.endpoint(psn, Some(&mr)).encode().as_bytes())?;
         made.push((p, qp, cq, psn));
     }
     for (p, qp, cq, psn) in made {
-        let v = store.get(&key(p, w.rank), deadline)?.ok_or_else(|| Error::Timeout {
-            rank: w.rank,
-            peer: p,
-            op: format!("window {} setup (peer never published its queue pair)", w.id),
-            waited_ms: w.timeout.as_millis() as u64,
-        })?;
+        let v = w.published_by(store, &key(p, w.rank), p, "never published its queue pair", deadline)?;
         let remote = Endpoint::decode(&String::from_utf8_lossy(&v)).map_err(|e| Error::Protocol(format!("rank {p}: {e}")))?;
-        out[p] = Some(RmaPeer::connect(dom, qp, cq, psn, remote).map_err(|e| Error::PeerLost {
+        let rma = RmaPeer::connect(dom, qp, cq, psn, remote).map_err(|e| Error::PeerLost {
             rank: w.rank,
             peer: p,
             op: "one-sided window setup".into(),
             cause: e.to_string(),
-        })?);
+        })?;
+        if verbs_peer(p) {
+            out[p] = Some(rma);
+        } else {
+            to[p] = Some(Mutex::new(rma));
+        }
     }
     // A peer's first request must not reach a queue pair that is not connected yet.
     let ready = |r: usize| format!("{}/win{}/ib/ready/{r}", w.prefix, w.id);
     store.set(&ready(w.rank), b"1")?;
-    for &p in &peers {
-        store.get(&ready(p), deadline)?.ok_or_else(|| Error::Timeout {
-            rank: w.rank,
-            peer: p,
-            op: format!("window {} setup", w.id),
-            waited_ms: w.timeout.as_millis() as u64,
-        })?;
+    for &p in peers.iter().chain(&mapped) {
+        w.published_by(store, &ready(p), p, "never connected its queue pair", deadline)?;
     }
-    Ok((out, Some(own_loop)))
+    log::debug!(
+        "rank {}: window {}: fetch-adds on the regions of ranks {:?} (mapped here) go through the NIC",
+        w.rank,
+        w.id,
+        (0..w.world).filter(|&p| to[p].is_some()).collect::<Vec<_>>()
+    );
+    Ok((out, Some(NicAtomics { to, _loop_responder: loop_responder })))
+}
+
+/// Ranks that map each other's regions must agree on where their atomics run: a rank whose
+/// region other hosts reach through RDMA needs its peers on this host to use the NIC too.
+/// Differing settings (say `GRADWIRE_TRANSPORT` per rank) fail here, at once, naming the rank.
+#[cfg(feature = "verbs")]
+fn agree_on_nic_atomics(w: &WindowSetup<'_>, mine: bool, mapped: &[usize], deadline: Instant) -> Result<()> {
+    let Some(store) = w.store.filter(|_| !mapped.is_empty()) else { return Ok(()) };
+    let key = |r: usize| format!("{}/win{}/nic-atomics/{r}", w.prefix, w.id);
+    store.set(&key(w.rank), if mine { b"1" } else { b"0" })?;
+    for &p in mapped {
+        let theirs = w.published_by(store, &key(p), p, "never said where its atomics run", deadline)?;
+        if (theirs.as_slice() == b"1") != mine {
+            let (with, without) = if mine { (w.rank, p) } else { (p, w.rank) };
+            return Err(Error::Config(format!(
+                "window {}: rank {with} reaches ranks on other hosts through RDMA and rank {without}, on its host, does not: their atomics on each other's regions would not be atomic with each other (give every rank the same GRADWIRE_TRANSPORT)",
+                w.id
+            )));
+        }
+    }
+    Ok(())
 }
