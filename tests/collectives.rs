@@ -133,7 +133,7 @@ fn shm_staged_form_chooses_its_stores_and_says_so() {
 #[test]
 fn shm_cross_memory_attach_refused_stages() {
     let root = env!("CARGO_MANIFEST_DIR");
-    let deny = cdylib_dir().join("deny-cross-memory-attach");
+    let deny = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("deny-cross-memory-attach");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let built = std::process::Command::new(&cc)
         .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-o"])

@@ -149,19 +149,22 @@ pub fn free_port() -> u16 {
 }
 
 /// The folder holding an up-to-date `libgradwire.so` (the cdylib). `cargo nextest` builds
-/// the library only as an rlib for the tests, so the tests that link the shared library
-/// (C example, Python) build it here — a no-op when it is fresh.
+/// it but leaves it among the dependencies, so the tests that link the shared library
+/// (C example, Python) ask cargo for it here — a no-op when it is fresh.
 pub fn cdylib_dir() -> std::path::PathBuf {
     static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
         let dir = std::path::Path::new(bin()).parent().expect("target dir").to_path_buf();
+        // All targets, as the test command builds them: `--lib` alone resolves dependency
+        // features without the dev-dependencies and rebuilds the library and part of its
+        // dependencies (minutes on 2 cores, inside the first test that asks).
         let mut cmd = Command::new(option_env!("CARGO").unwrap_or("cargo"));
-        cmd.args(["build", "--lib", "--manifest-path", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")]);
+        cmd.args(["build", "--all-targets", "--manifest-path", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")]);
         if dir.ends_with("release") {
             cmd.arg("--release");
         }
-        let out = cmd.output().expect("run cargo build --lib");
-        assert!(out.status.success(), "cargo build --lib failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        let out = cmd.output().expect("run cargo build --all-targets");
+        assert!(out.status.success(), "cargo build --all-targets failed:\n{}", String::from_utf8_lossy(&out.stderr));
         assert!(dir.join("libgradwire.so").exists(), "no libgradwire.so in {}", dir.display());
         dir
     })
