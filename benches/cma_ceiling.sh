@@ -4,14 +4,16 @@
 # (cross-memory attach), benches/peers/cma_probe.c doing the same copies and reduction in plain
 # C (the algorithm without gradwire around it), cma_probe with the reduction left out (copies
 # only: the kernel moving what a private-buffer allreduce must move between processes), and
-# Open MPI's vader. Medians and ranges over the rounds.
+# Open MPI's vader. Medians and ranges over the rounds. cma_probe pins its processes round
+# robin to the online CPUs; gradwire's launcher pins only when ranks <= CPUs.
 #
 #   benches/cma_ceiling.sh [--record]    (ROUNDS=5 RANKS="2 4" SIZES="16 64 256", MiB)
 #
-# A private buffer is reached from another process only through the kernel (no mapping of it
-# is possible), and each rank must fetch its part of every peer's buffer and put the result
-# into every peer's: 2(W-1)/W S bytes per rank, the copies-only figure. An allreduce also
-# reduces, so it stays below that figure; a target that asks for more is out of reach here.
+# A private buffer is reached from another process only through the kernel (cross-memory
+# attach: one copy per byte moved) or through staging in shared memory (two copies, in user
+# space). Through the kernel, each rank must fetch its part of every peer's buffer and put
+# the result into every peer's: the copies-only figure. An allreduce also reduces, so it
+# stays below that figure; gradwire's staged form measured lower still (BENCHMARKS.md).
 # --record replaces this script's section of BENCHMARKS.md (after the part compare.sh writes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +30,8 @@ iters() { case $1 in 16) echo 30 ;; 64) echo 15 ;; *) echo 6 ;; esac; }
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 for r in $(seq "$rounds"); do
   # Target 1b's memory bound comes from the single-thread memcpy figure, as in compare.sh.
-  echo "copybw $(target/peers/copybw -H | awk -F, 'NR == 2 { print $2 }')" | tee -a "$tmp/out" >&2
+  memcpy=$(target/peers/copybw -H | awk -F, 'NR == 2 { print $2 }')
+  echo "copybw ${memcpy:?copybw gave no figure}" | tee -a "$tmp/out" >&2
   for w in $ranks; do
     for mib in $sizes; do
       n=$(iters "$mib") bytes=$((mib << 20))
@@ -37,6 +40,7 @@ for r in $(seq "$rounds"); do
       k=$(target/peers/cma_probe "$w" "$mib" "$n" 256 copy | sed 's/.*busbw \([0-9.]*\).*/\1/')
       m=$(mpirun --allow-run-as-root --oversubscribe -np "$w" --mca pml ob1 --mca btl self,vader target/peers/mpi_allreduce \
         -b "$bytes" -e "$bytes" -n "$n" -w 3 -d float32 -o sum --inplace --csv /dev/stdout | awk -F, -v s="$bytes" '$1 == s { print $7 }')
+      : "${g:?gradwire gave no figure}" "${c:?cma_probe gave no figure}" "${k:?cma_probe copy gave no figure}" "${m:?Open MPI gave no figure}"
       echo "$w $mib $g $c $k $m" | tee -a "$tmp/out" >&2
     done
   done
@@ -75,13 +79,16 @@ runs one after another). busbw in GB/s, f32 sum, in place: median (range). gradw
 one-host allreduce of private buffers (cross-memory attach). `benches/peers/cma_probe.c`: the
 same algorithm in plain C (rank r fetches part r of every peer's buffer through
 `process_vm_readv`, block by block, reduces, and puts each block into every peer's buffer
-with `process_vm_writev`), then the same with the reduction left out: the copies any
-allreduce of private buffers must have the kernel make (no process can map another's private
-memory), so no such allreduce reaches that figure. The targets: 1a from Open MPI's median
+with `process_vm_writev`), then the same with the reduction left out: the copies the kernel
+must make for any allreduce of private buffers through cross-memory attach (no process can
+map another's private memory; the other way, staging through shared memory, copies every
+byte twice and measured slower here), so no such allreduce reaches that figure. The targets: 1a from Open MPI's median
 here, 1b from the memcpy figure of `copybw` measured in each round (median {med(memcpy):.2f}
 GB/s; bound as in the targets table). The last columns: what each target asks as a share of
 the two cma_probe figures, of their median (over their range); above 100 % of copies only
-the target is out of reach on this machine. W = 4 runs on 2 cores.
+the target is out of reach of cross-memory attach on this machine. cma_probe pins its
+processes round robin to the CPUs (here W = 4 shares 2 cores); gradwire pins only when
+ranks <= CPUs.
 
 {table}
 """)

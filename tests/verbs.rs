@@ -171,14 +171,18 @@ fn device_two_nodes() {
         assert!(t.contains(r#"2 host(s), links ["verbs"]"#) && t.contains(" 0 failed"), "{t}");
     }
     let two_per_node = |port: &str, args: &[&str], what: &str| -> Vec<String> {
-        let children: Vec<_> = (0..2)
-            .map(|i| {
-                let mut cmd = rank_cmd(2 * node + i, 4, port, args);
-                cmd.env("GRADWIRE_LOG", "debug");
-                cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("spawn a rank")
-            })
-            .collect();
-        children.into_iter().map(|c| ok(&wait_with_limit(c, Duration::from_secs(400)), what)).collect()
+        // Both ranks' pipes are drained at once: a rank blocked on a full pipe would stall its peer.
+        let outputs: Vec<_> = std::thread::scope(|s| {
+            let waits: Vec<_> = (0..2)
+                .map(|i| {
+                    let mut cmd = rank_cmd(2 * node + i, 4, port, args);
+                    cmd.env("GRADWIRE_LOG", "debug");
+                    s.spawn(move || run_with_limit(cmd, Duration::from_secs(400)))
+                })
+                .collect();
+            waits.into_iter().map(|h| h.join().expect("a rank's waiter panicked")).collect()
+        });
+        outputs.iter().map(|out| ok(out, what)).collect()
     };
     let small = ["check", "--collectives", "allreduce,broadcast", "--counts", "1003", "--dtypes", "float32", "--ops", "sum"];
     let t = two_per_node("29501", &small, "check at two ranks per node");

@@ -76,7 +76,8 @@ int main(int argc, char **argv) {
         if (fork() == 0) break;
     cpu_set_t cpus;
     CPU_ZERO(&cpus);
-    CPU_SET(me % 2, &cpus);
+    long ncpus = sysconf(_SC_NPROCESSORS_ONLN);
+    CPU_SET(me % (ncpus > 0 ? ncpus : 1), &cpus);
     sched_setaffinity(0, sizeof cpus, &cpus);
     size_t n = bytes / 4, blk = block / 4;
     float *buf = malloc(bytes), *scratch = malloc(block * (world - 1));

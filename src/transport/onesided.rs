@@ -1,6 +1,7 @@
 //! One-sided operations — write, read, fetch-add into a peer's registered region — on
-//! every transport. On shm the peer's memfd region is mapped and accessed directly (atomics
-//! for fetch-add); on verbs they are RDMA WRITE, READ and atomic fetch-and-add on a queue
+//! every transport. On shm the peer's memfd region is mapped and accessed directly (CPU
+//! atomics for fetch-add, unless ranks on other hosts reach it over RDMA: see
+//! `NicAtomics`); on verbs they are RDMA WRITE, READ and atomic fetch-and-add on a queue
 //! pair of the window's own; on tcp a service thread on the target applies requests, so the
 //! target's application never takes part, as with RDMA. The remote-memory layer (token ring,
 //! parameter-server shards) is built on this.
@@ -62,7 +63,13 @@ struct ExposedRegion {
     region: Arc<Region>,
     accumulate: Option<Arc<dyn Accumulate>>,
     timeout: Duration,
+    /// Applies a fetch-add at an offset when the CPU may not (ranks on other hosts
+    /// fetch-add there through the NIC); `None`: a CPU atomic.
+    fetch_add: Option<FetchAdd>,
 }
+
+/// A fetch-add on a region that returns the old value (see [`ExposedRegion::fetch_add`]).
+type FetchAdd = Arc<dyn Fn(usize, u64) -> std::io::Result<u64> + Send + Sync>;
 
 /// Regions this rank exposes to tcp peers, by window id.
 type Exposed = Arc<RwLock<HashMap<u64, ExposedRegion>>>;
@@ -84,9 +91,10 @@ impl RmaService {
     }
 
     /// Serves window `id` from `region`; `accumulate` applies peers' accumulates (without
-    /// one they are refused); `timeout` bounds the wait for an accumulate's payload.
-    fn expose(&self, id: u64, region: Arc<Region>, accumulate: Option<Arc<dyn Accumulate>>, timeout: Duration) {
-        self.exposed.write().unwrap_or_else(|p| p.into_inner()).insert(id, ExposedRegion { region, accumulate, timeout });
+    /// one they are refused); `timeout` bounds the wait for an accumulate's payload;
+    /// `fetch_add` applies fetch-adds instead of a CPU atomic.
+    fn expose(&self, id: u64, region: Arc<Region>, accumulate: Option<Arc<dyn Accumulate>>, timeout: Duration, fetch_add: Option<FetchAdd>) {
+        self.exposed.write().unwrap_or_else(|p| p.into_inner()).insert(id, ExposedRegion { region, accumulate, timeout, fetch_add });
     }
 }
 
@@ -150,9 +158,18 @@ fn serve(s: &mut TcpStream, exposed: &Exposed) -> std::io::Result<()> {
                 write_all_vectored(s, &[1], data)?;
             }
             OP_FADD => {
-                // SAFETY: 8-aligned (checked) word inside the region; all accesses to it
-                // are atomic by protocol.
-                let old = unsafe { &*(region.as_ptr().add(off) as *const AtomicU64) }.fetch_add(arg, Ordering::AcqRel);
+                let old = match &ex.fetch_add {
+                    Some(through_nic) => match through_nic(off, arg) {
+                        Ok(old) => old,
+                        Err(e) => {
+                            refuse(s, &format!("fetch-add through the NIC failed: {e}"))?;
+                            continue;
+                        }
+                    },
+                    // SAFETY: 8-aligned (checked) word inside the region; all accesses to
+                    // it are atomic by protocol.
+                    None => unsafe { &*(region.as_ptr().add(off) as *const AtomicU64) }.fetch_add(arg, Ordering::AcqRel),
+                };
                 write_all_vectored(s, &[1], &old.to_le_bytes())?;
             }
             OP_ACCUMULATE => {
@@ -221,11 +238,12 @@ pub struct Window {
 /// atomics are atomic only with respect to the NIC's (`IBV_ATOMIC_HCA`; soft-RoCE applies
 /// them under a lock of its own with plain loads and stores), so a CPU atomic on the same
 /// word can be lost (seen: two ranks, 20 fetch-adds, one lost and one old value returned
-/// twice). Plain reads and writes of mapped memory stay in place.
+/// twice). The one-sided service applies tcp peers' fetch-adds through the same loop.
+/// Plain reads and writes of mapped memory stay in place.
 #[cfg(feature = "verbs")]
 struct NicAtomics {
     /// Per rank: the queue pair to its region (this rank's own: looped to `_loop_responder`).
-    to: Vec<Option<Mutex<super::verbs::RmaPeer>>>,
+    to: Vec<Option<Arc<Mutex<super::verbs::RmaPeer>>>>,
     _loop_responder: super::verbs::RmaPeer,
 }
 
@@ -270,7 +288,7 @@ impl Window {
             return Err(invalid("a window shared with ranks on this host needs a shared region (Region::shared / RegionKind::Shared)"));
         }
         if let Some(svc) = w.service {
-            svc.expose(w.id, region.clone(), w.accumulate.clone(), w.timeout);
+            svc.expose(w.id, region.clone(), w.accumulate.clone(), w.timeout, None);
         }
         let key = |r: usize| format!("{}/win{}/{r}", w.prefix, w.id);
         let svc_addr = w.service.map(|s| s.addr.clone()).unwrap_or_default();
@@ -543,7 +561,10 @@ impl Window {
         if let Some(rma) = self.nic_atomics.as_ref().and_then(|n| n.to[peer].as_ref()) {
             let rma = rma.lock().unwrap_or_else(|p| p.into_inner());
             let r = rma.fetch_add(off, value, Instant::now() + self.timeout);
-            return r.map_err(|e| Error::PeerLost { rank: self.rank, peer, op: "one-sided fetch-add through the NIC".into(), cause: e.to_string() });
+            return r.map_err(|e| match peer == self.rank {
+                true => Error::io(format!("rank {}: one-sided fetch-add on its own region through the NIC", self.rank), e),
+                false => Error::PeerLost { rank: self.rank, peer, op: "one-sided fetch-add through the NIC".into(), cause: e.to_string() },
+            });
         }
         match self.base(peer) {
             // SAFETY: aligned word inside the mapping; every access to it is atomic.
@@ -580,12 +601,19 @@ fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> 
     let Some((dom, _)) = w.verbs.filter(|_| !peers.is_empty()) else { return Ok((out, None)) };
     let store = w.store.ok_or_else(|| invalid("no rendezvous store"))?;
     let mr = dom.register(region)?;
-    let mut to: Vec<Option<Mutex<RmaPeer>>> = (0..w.world).map(|_| None).collect();
+    let mut to: Vec<Option<Arc<Mutex<RmaPeer>>>> = (0..w.world).map(|_| None).collect();
     let loop_responder = {
         let ((qa, ca), (qb, cb)) = (RmaPeer::create(dom)?, RmaPeer::create(dom)?);
         let (pa, pb) = (fresh_psn(), fresh_psn());
         let (ea, eb) = (qa.endpoint(pa, Some(&mr)), qb.endpoint(pb, Some(&mr)));
-        to[w.rank] = Some(Mutex::new(RmaPeer::connect(dom, qa, ca, pa, eb)?));
+        let own = Arc::new(Mutex::new(RmaPeer::connect(dom, qa, ca, pa, eb)?));
+        // Before any verbs peer can reach the region (they wait for our `ready` below).
+        if let Some(svc) = w.service {
+            let (own, timeout) = (own.clone(), w.timeout);
+            let through_nic: FetchAdd = Arc::new(move |off, add| own.lock().unwrap_or_else(|p| p.into_inner()).fetch_add(off, add, Instant::now() + timeout));
+            svc.expose(w.id, region.clone(), w.accumulate.clone(), w.timeout, Some(through_nic));
+        }
+        to[w.rank] = Some(own);
         RmaPeer::connect(dom, qb, cb, pb, ea)?
     };
     let key = |a: usize, b: usize| format!("{}/win{}/ib/{a}>{b}", w.prefix, w.id);
@@ -608,7 +636,7 @@ fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> 
         if verbs_peer(p) {
             out[p] = Some(rma);
         } else {
-            to[p] = Some(Mutex::new(rma));
+            to[p] = Some(Arc::new(Mutex::new(rma)));
         }
     }
     // A peer's first request must not reach a queue pair that is not connected yet.
@@ -628,7 +656,8 @@ fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> 
 
 /// Ranks that map each other's regions must agree on where their atomics run: a rank whose
 /// region other hosts reach through RDMA needs its peers on this host to use the NIC too.
-/// Differing settings (say `GRADWIRE_TRANSPORT` per rank) fail here, at once, naming the rank.
+/// Ranks of one host that differ in whether RDMA works for them (their RDMA settings, or a
+/// device one of them could not open) fail here, at once, naming both.
 #[cfg(feature = "verbs")]
 fn agree_on_nic_atomics(w: &WindowSetup<'_>, mine: bool, mapped: &[usize], deadline: Instant) -> Result<()> {
     let Some(store) = w.store.filter(|_| !mapped.is_empty()) else { return Ok(()) };
@@ -639,7 +668,7 @@ fn agree_on_nic_atomics(w: &WindowSetup<'_>, mine: bool, mapped: &[usize], deadl
         if (theirs.as_slice() == b"1") != mine {
             let (with, without) = if mine { (w.rank, p) } else { (p, w.rank) };
             return Err(Error::Config(format!(
-                "window {}: rank {with} reaches ranks on other hosts through RDMA and rank {without}, on its host, does not: their atomics on each other's regions would not be atomic with each other (give every rank the same GRADWIRE_TRANSPORT)",
+                "window {}: rank {with} reaches ranks on other hosts through RDMA and rank {without}, on its host, does not: their atomics on each other's regions would not be atomic with each other (every rank of a host needs the same RDMA device: GRADWIRE_IB_DEV, GRADWIRE_IB_PORT, GRADWIRE_GID_INDEX; see `gradwire info`)",
                 w.id
             )));
         }
