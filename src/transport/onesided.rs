@@ -491,7 +491,7 @@ impl Window {
     pub fn write(&self, peer: usize, off: usize, data: &[u8]) -> Result<()> {
         self.check(peer, off, data.len(), "one-sided write")?;
         #[cfg(feature = "verbs")]
-        if let Some(r) = self.on_verbs(peer, "one-sided write", |rma, deadline| rma.write(off, data, deadline)) {
+        if let Some(r) = self.on_verbs(peer, "one-sided write", false, |rma, deadline| rma.write(off, data, deadline)) {
             return r;
         }
         match self.base(peer) {
@@ -507,7 +507,7 @@ impl Window {
     pub fn read(&self, peer: usize, off: usize, buf: &mut [u8]) -> Result<()> {
         self.check(peer, off, buf.len(), "one-sided read")?;
         #[cfg(feature = "verbs")]
-        if let Some(r) = self.on_verbs(peer, "one-sided read", |rma, deadline| rma.read(off, buf, deadline)) {
+        if let Some(r) = self.on_verbs(peer, "one-sided read", false, |rma, deadline| rma.read(off, buf, deadline)) {
             return r;
         }
         std::sync::atomic::fence(Ordering::Acquire);
@@ -554,17 +554,8 @@ impl Window {
             return Err(invalid(format!("one-sided fetch-add: offset {off} is not 8-aligned")));
         }
         #[cfg(feature = "verbs")]
-        if let Some(r) = self.on_verbs(peer, "one-sided fetch-add", |rma, deadline| rma.fetch_add(off, value, deadline)) {
+        if let Some(r) = self.on_verbs(peer, "one-sided fetch-add", true, |rma, deadline| rma.fetch_add(off, value, deadline)) {
             return r;
-        }
-        #[cfg(feature = "verbs")]
-        if let Some(rma) = self.nic_atomics.as_ref().and_then(|n| n.to[peer].as_ref()) {
-            let rma = rma.lock().unwrap_or_else(|p| p.into_inner());
-            let r = rma.fetch_add(off, value, Instant::now() + self.timeout);
-            return r.map_err(|e| match peer == self.rank {
-                true => Error::io(format!("rank {}: one-sided fetch-add on its own region through the NIC", self.rank), e),
-                false => Error::PeerLost { rank: self.rank, peer, op: "one-sided fetch-add through the NIC".into(), cause: e.to_string() },
-            });
         }
         match self.base(peer) {
             // SAFETY: aligned word inside the mapping; every access to it is atomic.
@@ -580,11 +571,20 @@ impl Window {
 
 #[cfg(feature = "verbs")]
 impl Window {
-    /// Runs `op` on `peer`'s queue pair when `peer` is reached over RDMA (`None` otherwise).
-    fn on_verbs<T>(&self, peer: usize, what: &str, op: impl FnOnce(&super::verbs::RmaPeer, Instant) -> std::io::Result<T>) -> Option<Result<T>> {
-        let Target::Verbs(rma) = &self.targets[peer] else { return None };
-        let rma = rma.lock().unwrap_or_else(|p| p.into_inner());
-        Some(op(&rma, Instant::now() + self.timeout).map_err(|e| Error::PeerLost { rank: self.rank, peer, op: what.into(), cause: e.to_string() }))
+    /// Runs `op` on a queue pair to `peer`'s region: the one it is reached over when it is
+    /// a verbs peer and, for an `atomic` op, the one to a region mapped here whose atomics
+    /// go through the NIC (see [`NicAtomics`]); `None` when there is neither.
+    fn on_verbs<T>(&self, peer: usize, what: &str, atomic: bool, op: impl FnOnce(&super::verbs::RmaPeer, Instant) -> std::io::Result<T>) -> Option<Result<T>> {
+        let rma = match &self.targets[peer] {
+            Target::Verbs(rma) => rma,
+            _ if atomic => self.nic_atomics.as_ref()?.to[peer].as_deref()?,
+            _ => return None,
+        };
+        let r = op(&rma.lock().unwrap_or_else(|p| p.into_inner()), Instant::now() + self.timeout);
+        Some(r.map_err(|e| match peer == self.rank {
+            true => Error::io(format!("rank {}: {what} on its own region through the NIC", self.rank), e),
+            false => Error::PeerLost { rank: self.rank, peer, op: what.into(), cause: e.to_string() },
+        }))
     }
 }
 
