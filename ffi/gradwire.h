@@ -99,7 +99,19 @@ int gradwire_barrier(gradwire_comm_t *comm);
  * whose buffers all come from here reads and writes the peers' buffers in place. */
 int gradwire_alloc(gradwire_comm_t *comm, size_t bytes, void **ptr);
 int gradwire_free(gradwire_comm_t *comm, void *ptr);
-/* Releases the communicator and every allocation made through it. */
+/* Registers memory the caller allocated (a framework's tensor, malloc) for many
+ * collectives, as ncclCommRegister does: the whole pages inside ptr..ptr+bytes become
+ * shared in place (same address, same contents), so that an allreduce whose buffers are
+ * all registered or from gradwire_alloc works in the peers' buffers with no copy; the
+ * partial pages at either end stay private and go through a small exchange. The buffer
+ * must hold at least one whole page, stay allocated until gradwire_deregister (or
+ * gradwire_finalize), and not be written by other threads during either call; a child
+ * forked meanwhile shares those pages instead of copying them. A buffer freed without
+ * deregistering is noticed and treated as private. */
+int gradwire_register(gradwire_comm_t *comm, void *ptr, size_t bytes);
+/* Gives the pages back as private memory, contents kept. */
+int gradwire_deregister(gradwire_comm_t *comm, void *ptr);
+/* Releases the communicator and every allocation and registration made through it. */
 int gradwire_finalize(gradwire_comm_t *comm);
 
 /* Text of the last error on this thread ("" if none); valid until the next gradwire call

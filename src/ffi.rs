@@ -13,7 +13,7 @@ use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
 use crate::engine::Work;
 use crate::error::{invalid, Error, Result};
-use crate::mem::Region;
+use crate::mem::{Region, Registration};
 use crate::transport::frame::OpKind;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -42,6 +42,27 @@ struct Registry {
     works: HashMap<u64, Work>,
     /// Allocations by address, with the communicator that made them.
     allocs: HashMap<usize, (u64, Region)>,
+    /// Registered buffers by the address the caller gave, with the communicator that
+    /// registered them.
+    registered: HashMap<usize, (u64, Registration)>,
+}
+
+/// Removes and returns `ptr`'s entry in `map`, which communicator `id` must own.
+fn take_one<T>(map: &mut HashMap<usize, (u64, T)>, id: u64, ptr: *mut c_void, w: &str, unknown: &str) -> Result<T> {
+    match map.remove(&(ptr as usize)) {
+        Some((owner, value)) if owner == id => Ok(value),
+        Some(other) => {
+            map.insert(ptr as usize, other);
+            Err(invalid(format!("{w}: {ptr:p} belongs to another communicator")))
+        }
+        None => Err(invalid(format!("{w}: ptr {ptr:p} {unknown}"))),
+    }
+}
+
+/// Removes and returns the entries of `map` that communicator `id` owns.
+fn take_owned<T>(map: &mut HashMap<usize, (u64, T)>, id: u64) -> Vec<(u64, T)> {
+    let mine: Vec<usize> = map.iter().filter(|(_, (owner, _))| *owner == id).map(|(a, _)| *a).collect();
+    mine.into_iter().filter_map(|a| map.remove(&a)).collect()
 }
 
 fn registry() -> std::sync::MutexGuard<'static, Registry> {
@@ -383,15 +404,44 @@ pub extern "C" fn gradwire_free(comm_p: *mut gradwire_comm_t, ptr: *mut c_void) 
         if ptr.is_null() {
             return Err(invalid(format!("{w}: ptr is NULL")));
         }
-        let mut reg = registry();
-        match reg.allocs.get(&(ptr as usize)) {
-            Some((owner, _)) if *owner == id => {
-                reg.allocs.remove(&(ptr as usize));
-                Ok(())
-            }
-            Some(_) => Err(invalid(format!("{w}: ptr was allocated through another communicator"))),
-            None => Err(invalid(format!("{w}: ptr {ptr:p} did not come from gradwire_alloc (or was freed already)"))),
+        take_one(&mut registry().allocs, id, ptr, w, "did not come from gradwire_alloc (or was freed already)").map(drop)
+    })
+}
+
+/// # Safety
+/// `ptr..ptr + bytes` must be memory of this process that the caller may read and write,
+/// written by nobody during the call, and allocated until `gradwire_deregister`.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_register(comm_p: *mut gradwire_comm_t, ptr: *mut c_void, bytes: usize) -> c_int {
+    guard(|| {
+        let w = "gradwire_register";
+        let (id, _) = comm(comm_p, w)?;
+        if ptr.is_null() {
+            return Err(invalid(format!("{w}: ptr is NULL")));
         }
+        let mut reg = registry();
+        if reg.registered.contains_key(&(ptr as usize)) {
+            return Err(invalid(format!("{w}: {ptr:p} is registered already")));
+        }
+        // SAFETY: the caller's promise above.
+        let registration = Registration::new(ptr.cast(), bytes).map_err(|e| match e {
+            Error::InvalidArgument(why) => invalid(format!("{w}: {why}")),
+            other => other,
+        })?;
+        reg.registered.insert(ptr as usize, (id, registration));
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn gradwire_deregister(comm_p: *mut gradwire_comm_t, ptr: *mut c_void) -> c_int {
+    guard(|| {
+        let w = "gradwire_deregister";
+        let (id, _) = comm(comm_p, w)?;
+        // Dropped outside the registry lock: it copies the pages back.
+        let registration = take_one(&mut registry().registered, id, ptr, w, "is not registered (or was deregistered already)")?;
+        drop(registration);
+        Ok(())
     })
 }
 
@@ -402,13 +452,14 @@ pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
         let (c, regions) = {
             let mut reg = registry();
             let c = reg.comms.remove(&id);
-            let mine: Vec<usize> = reg.allocs.iter().filter(|(_, (owner, _))| *owner == id).map(|(a, _)| *a).collect();
-            let regions: Vec<_> = mine.into_iter().filter_map(|a| reg.allocs.remove(&a)).collect();
-            (c, regions)
+            let regions = take_owned(&mut reg.allocs, id);
+            let registrations = take_owned(&mut reg.registered, id);
+            (c, (regions, registrations))
         };
         // Dropped outside the registry lock: joining the progress thread may take until the
         // running operation's deadline. The communicator first: a non-blocking operation
-        // may still be working in these regions.
+        // may still be working in these regions (and registered buffers get their private
+        // pages back only once nobody writes them).
         drop(c);
         drop(regions);
         Ok(())

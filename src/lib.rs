@@ -36,5 +36,5 @@ pub use config::{Algo, Config, TransportChoice};
 pub use dtype::{DType, Element, ReduceOp};
 pub use engine::Work;
 pub use error::{Error, Result};
-pub use mem::{GradBuffer, Region, RegionKind};
+pub use mem::{GradBuffer, Region, RegionKind, Registration};
 pub use transport::frame::OpKind;

@@ -3,7 +3,8 @@
 //!
 //! A framework writes gradients straight into a slot and hands the slot to a collective,
 //! so nothing is copied between the framework's tensor and the wire except where an
-//! algorithm must.
+//! algorithm must. Memory the framework allocated itself can be made shared in place
+//! ([`Registration`]), so that it too needs no copy between ranks of a host.
 
 use crate::dtype::{DType, Element};
 use crate::error::{invalid, Error, Result};
@@ -42,6 +43,22 @@ pub struct SharedRegion {
     pub id: u64,
     pub fd: i32,
     pub len: usize,
+    /// Made by [`Registration::new`] over the caller's memory, which the caller may unmap
+    /// behind our back (freeing it without deregistering): checked before each use.
+    in_place: bool,
+}
+
+/// Where a buffer lies in a shared region of this process: all of it, or all but less
+/// than a page at either end (a registered buffer that does not start or end on a page
+/// boundary; see [`Registration`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedCover {
+    pub region: SharedRegion,
+    /// Offset in the region of the buffer's first covered byte.
+    pub offset: usize,
+    /// Bytes at the buffer's start and end outside the region.
+    pub head: usize,
+    pub tail: usize,
 }
 
 /// Shared regions this process created, by start address.
@@ -56,14 +73,55 @@ fn shared_regions() -> std::sync::MutexGuard<'static, BTreeMap<usize, SharedRegi
 /// all of `buf`, and `buf`'s offset in it: peers on this host can map it and reach `buf`
 /// without a copy.
 pub fn shared_region_of(buf: &[u8]) -> Option<(SharedRegion, usize)> {
-    shared_region_at(buf.as_ptr() as usize, buf.len())
+    shared_cover(buf).filter(|c| c.head == 0 && c.tail == 0).map(|c| (c.region, c.offset))
 }
 
-fn shared_region_at(start: usize, len: usize) -> Option<(SharedRegion, usize)> {
-    let regions = shared_regions();
-    let (&base, region) = regions.range(..=start).next_back()?;
-    let offset = start - base;
-    (offset.checked_add(len)? <= region.len).then_some((*region, offset))
+/// The shared region that holds `buf`, all of it or all but less than a page at either end
+/// (see [`SharedCover`]).
+pub fn shared_cover(buf: &[u8]) -> Option<SharedCover> {
+    shared_cover_at(buf.as_ptr() as usize, buf.len())
+}
+
+fn shared_cover_at(start: usize, len: usize) -> Option<SharedCover> {
+    let end = start.checked_add(len)?;
+    let mut regions = shared_regions();
+    let (&base, &region) = regions.range(..end).next_back()?;
+    let (first, last) = (start.max(base), end.min(base + region.len));
+    let (head, tail) = (first - start, end.checked_sub(last)?);
+    if first >= last || head >= page_size() || tail >= page_size() {
+        return None;
+    }
+    if region.in_place && !still_mapped(base, region) {
+        log::warn!(
+            "the registered buffer at {base:#x} ({} bytes) is no longer mapped there: it was freed or unmapped without gradwire_deregister; \
+             it is treated as private memory from now on",
+            region.len
+        );
+        regions.remove(&base);
+        return None;
+    }
+    Some(SharedCover { region, offset: first - base, head, tail })
+}
+
+/// Whether `base..base + region.len` is still the one mapping of `region`'s memfd that
+/// [`Registration::new`] made: the kernel names a mapping's file, and the name holds the
+/// region's id. A few microseconds, once per large call.
+fn still_mapped(base: usize, region: SharedRegion) -> bool {
+    let link = format!("/proc/self/map_files/{base:x}-{:x}", base + region.len);
+    std::fs::read_link(link).is_ok_and(|target| target.to_string_lossy().trim_end_matches(" (deleted)") == format!("/memfd:{}", registered_name(region.id)))
+}
+
+fn registered_name(id: u64) -> String {
+    format!("gradwire-registered-{id}")
+}
+
+/// Removes a shared region from the registry, unless another one has taken its address
+/// since (a stale registration removed by [`shared_cover`], then a new one there).
+fn unlist(base: usize, id: u64) {
+    let mut regions = shared_regions();
+    if regions.get(&base).is_some_and(|r| r.id == id) {
+        regions.remove(&base);
+    }
 }
 
 impl Drop for Region {
@@ -120,19 +178,11 @@ impl Region {
     /// [`Region::open_shared`].
     pub fn shared(name: &str, len: usize) -> Result<Self> {
         let len = len.max(1).next_multiple_of(page_size());
-        let cname = std::ffi::CString::new(name).map_err(|_| invalid("region name contains NUL"))?;
-        // SAFETY: cname is a valid NUL-terminated string; flags are valid.
-        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::io("memfd_create", std::io::Error::last_os_error()));
-        }
-        // SAFETY: fd was just returned by memfd_create and is owned by nobody else.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(len as u64).map_err(|e| Error::io(format!("ftruncate memfd to {len}"), e))?;
+        let file = memfd(name, len)?;
         // SAFETY: the memfd is ours; peers that map it agree (by protocol) on who writes where.
         let map = unsafe { MmapOptions::new().len(len).map_mut(&file) }.map_err(|e| Error::io("mmap memfd", e))?;
         let id = NEXT_SHARED_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        shared_regions().insert(map.as_ptr() as usize, SharedRegion { id, fd: file.as_raw_fd(), len });
+        shared_regions().insert(map.as_ptr() as usize, SharedRegion { id, fd: file.as_raw_fd(), len, in_place: false });
         Ok(Region { map, kind: RegionKind::Shared, file: Some(file), registered: true })
     }
 
@@ -179,6 +229,137 @@ impl Region {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         &mut self.map
     }
+}
+
+/// Memory the caller allocated (a framework's tensor, `malloc`), made shared in place so
+/// that the ranks of a host reach it without a copy, as if it came from `gradwire_alloc`
+/// (the C ABI's `gradwire_register`; the idea of `ncclCommRegister`, which registers a
+/// buffer once for many collectives). The whole pages inside the buffer are copied into a
+/// memfd, which is then mapped over them at the same address: the contents and the
+/// address stay, the pages become shared. Less than a page at either end stays private
+/// (it may hold other data, which another thread could write meanwhile); the one-host
+/// allreduce moves those few bytes through its small form. Dropping it puts private pages
+/// back, with the contents of the moment.
+///
+/// The caller's side, as with `ncclCommRegister`: the buffer stays allocated until the
+/// registration is dropped, and nothing else writes it while it is registered or dropped.
+/// A buffer freed without that is noticed (the mapping is no longer the memfd's) and
+/// treated as private from then on. A child forked meanwhile shares these pages instead of
+/// getting a copy.
+pub struct Registration {
+    /// The whole pages inside the buffer, now the memfd's.
+    start: usize,
+    len: usize,
+    id: u64,
+    _file: File,
+}
+
+impl Registration {
+    /// Makes the whole pages of `ptr..ptr + len` shared in place. Fails, changing nothing,
+    /// when the buffer holds no whole page or overlaps shared memory of ours already.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` is memory of this process that the caller may read and write, and
+    /// no other thread writes it during this call.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Result<Self> {
+        let page = page_size();
+        let (addr, end) = (ptr as usize, (ptr as usize).checked_add(len).ok_or_else(|| invalid("buffer wraps around the address space"))?);
+        let (start, stop) = (addr.next_multiple_of(page), end / page * page);
+        if stop <= start {
+            return Err(invalid(format!("{len} bytes at {ptr:p} hold no whole page: nothing to register (a buffer this small gains nothing from it)")));
+        }
+        let n = stop - start;
+        let mut regions = shared_regions();
+        if let Some((&base, r)) = regions.range(..stop).next_back() {
+            if base + r.len > start {
+                return Err(invalid(format!("{len} bytes at {ptr:p} overlap shared memory of gradwire's already (registered, or from gradwire_alloc)")));
+            }
+        }
+        let id = NEXT_SHARED_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let file = memfd(&registered_name(id), n)?;
+        // Fill a mapping of the memfd elsewhere, then move it over the pages: the address
+        // never goes unmapped, so other threads reading the buffer's neighbours never fault.
+        let fresh = map_at_any(n, libc::MAP_SHARED, file.as_raw_fd())?;
+        // SAFETY: both ranges are n bytes, mapped and disjoint; the caller lets us read ours.
+        std::ptr::copy_nonoverlapping(start as *const u8, fresh, n);
+        // SAFETY: `fresh` is our own mapping of n bytes; start..stop is the caller's memory.
+        move_over(fresh, start, n)?;
+        regions.insert(start, SharedRegion { id, fd: file.as_raw_fd(), len: n, in_place: true });
+        log::debug!("registered {len} bytes at {ptr:p}: {n} bytes shared in place from {start:#x} (region {id})");
+        Ok(Registration { start, len: n, id, _file: file })
+    }
+
+    /// The shared part: first address and length (whole pages).
+    pub fn shared_range(&self) -> (usize, usize) {
+        (self.start, self.len)
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let region = shared_regions().get(&self.start).copied().filter(|r| r.id == self.id);
+        // Put private pages back only where our mapping still is: a buffer freed without
+        // deregistering may be someone else's memory now.
+        if region.is_some_and(|r| still_mapped(self.start, r)) {
+            let restored = map_at_any(self.len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1).and_then(|private| {
+                // SAFETY: disjoint mappings of len bytes each; the caller writes nothing
+                // meanwhile (the contract above).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.start as *const u8, private, self.len);
+                    move_over(private, self.start, self.len)
+                }
+            });
+            if let Err(e) = restored {
+                log::error!("deregistering {:#x} ({} bytes): could not put private pages back ({e}); the buffer stays shared memory", self.start, self.len);
+            }
+        }
+        unlist(self.start, self.id);
+    }
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration").field("start", &format_args!("{:#x}", self.start)).field("len", &self.len).field("id", &self.id).finish()
+    }
+}
+
+/// A memfd of `len` bytes named `name`.
+fn memfd(name: &str, len: usize) -> Result<File> {
+    let cname = std::ffi::CString::new(name).map_err(|_| invalid("region name contains NUL"))?;
+    // SAFETY: cname is a valid NUL-terminated string; flags are valid.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::io("memfd_create", std::io::Error::last_os_error()));
+    }
+    // SAFETY: fd was just returned by memfd_create and is owned by nobody else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len as u64).map_err(|e| Error::io(format!("ftruncate memfd to {len}"), e))?;
+    Ok(file)
+}
+
+/// A fresh read-write mapping of `len` bytes wherever the kernel puts it.
+fn map_at_any(len: usize, flags: libc::c_int, fd: libc::c_int) -> Result<*mut u8> {
+    // SAFETY: no address is given, so nothing existing is replaced.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(Error::io(format!("mmap {len} bytes"), std::io::Error::last_os_error()));
+    }
+    Ok(p.cast())
+}
+
+/// Moves our mapping at `from` over `to..to + len`, replacing what was mapped there in one
+/// step; `from` is unmapped, also when it fails.
+///
+/// # Safety
+/// `from` is a mapping of ours of `len` bytes; `to..to + len` may be replaced.
+unsafe fn move_over(from: *mut u8, to: usize, len: usize) -> Result<()> {
+    let moved = libc::mremap(from.cast(), len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, to as *mut libc::c_void);
+    if moved == libc::MAP_FAILED {
+        let e = std::io::Error::last_os_error();
+        libc::munmap(from.cast(), len);
+        return Err(Error::io(format!("mremap {len} bytes over {to:#x}"), e));
+    }
+    Ok(())
 }
 
 /// A named slot inside a [`GradBuffer`].
@@ -321,13 +502,81 @@ mod tests {
         assert_eq!(shared_region_of(all).map(|(_, off)| off), Some(0));
         let anon = Region::anonymous(4096).unwrap();
         assert!(shared_region_of(anon.as_slice()).is_none(), "private memory is not shared");
-        assert!(shared_region_at(all.as_ptr() as usize + 4096, all.len()).is_none(), "a buffer running past the region's end");
+        assert!(shared_cover_at(all.as_ptr() as usize + page_size(), all.len()).is_none(), "a buffer running a page past the region's end");
         let (id, ptr) = (found.id, all.as_ptr());
         drop(r);
         let again = Region::shared("t", page_size()).unwrap();
         if let Some((r2, _)) = shared_region_of(again.as_slice()) {
             assert_ne!(r2.id, id, "a new region gets a new id even at the old address ({ptr:p})");
         }
+    }
+
+    /// A buffer that starts and ends inside pages, its data not zero (a `Vec`, as a
+    /// framework's tensor would be).
+    fn unaligned_buffer(pages: usize) -> (Vec<u8>, std::ops::Range<usize>) {
+        let p = page_size();
+        let mut v: Vec<u8> = (0..(pages + 2) * p).map(|i| (i * 7 % 251) as u8).collect();
+        let skip = p - (v.as_ptr() as usize % p) + 100;
+        let range = skip..skip + pages * p - 300;
+        v[range.start - 1] = 1;
+        (v, range)
+    }
+
+    #[test]
+    fn registration_shares_the_whole_pages_in_place_and_gives_them_back() {
+        let (mut v, range) = unaligned_buffer(5);
+        let before = v.clone();
+        let buf = &mut v[range.clone()];
+        let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+        // SAFETY: the Vec's memory, which nothing else touches during the test.
+        let reg = unsafe { Registration::new(ptr, len) }.unwrap();
+        assert_eq!(v, before, "registering keeps every byte, in the buffer and around it");
+        let cover = shared_cover(&v[range.clone()]).expect("a registered buffer is covered");
+        let (start, n) = reg.shared_range();
+        assert_eq!((cover.head, cover.tail, cover.offset), (start - (v.as_ptr() as usize + range.start), v.as_ptr() as usize + range.end - start - n, 0));
+        assert!(cover.head < page_size() && cover.tail < page_size() && n == 3 * page_size(), "{cover:?}, {n}");
+        assert!(shared_region_of(&v[range.clone()]).is_none(), "the ends are not in the region");
+        // A peer maps the memfd and sees and changes what the buffer holds.
+        let mut peer = Region::open_shared(std::process::id(), cover.region.fd, cover.region.len).unwrap();
+        let at = start - v.as_ptr() as usize;
+        assert_eq!(&peer.as_slice()[..64], &v[at..at + 64]);
+        peer.as_mut_slice()[10] ^= 0xff;
+        assert_eq!(v[at + 10], before[at + 10] ^ 0xff, "the buffer is the shared pages");
+        drop(reg);
+        assert!(shared_cover(&v[range.clone()]).is_none(), "deregistered");
+        assert_eq!(v[at + 10], before[at + 10] ^ 0xff, "deregistering keeps the contents");
+        peer.as_mut_slice()[11] ^= 0xff;
+        assert_eq!(v[at + 11], before[at + 11], "the pages are private again");
+    }
+
+    #[test]
+    fn registration_refuses_small_and_overlapping_buffers() {
+        let (mut v, range) = unaligned_buffer(5);
+        let p = page_size();
+        let buf = v[range.clone()].as_mut_ptr();
+        // SAFETY (all): the Vec's memory, which nothing else touches during the test.
+        let small = unsafe { Registration::new(buf, p) }.unwrap_err().to_string();
+        assert!(small.contains("no whole page"), "{small}");
+        let reg = unsafe { Registration::new(buf, range.len()) }.unwrap();
+        let twice = unsafe { Registration::new(buf.add(p), range.len() - p) }.unwrap_err().to_string();
+        assert!(twice.contains("overlap"), "{twice}");
+        drop(reg);
+        drop(unsafe { Registration::new(buf, range.len()) }.expect("free again after deregistering"));
+    }
+
+    #[test]
+    fn a_registered_buffer_freed_without_deregistering_is_private_from_then_on() {
+        let region = Region::anonymous(8 * page_size()).unwrap();
+        // SAFETY: our own mapping, which nothing else touches.
+        let reg = unsafe { Registration::new(region.as_ptr(), region.len()) }.unwrap();
+        let (start, n) = reg.shared_range();
+        assert!(shared_cover_at(start, n).is_some());
+        drop(region);
+        assert!(shared_cover_at(start, n).is_none(), "the mapping is gone: not shared any more");
+        // Replace what now lies there (nothing, or someone else's memory) must not happen.
+        let other = Region::anonymous(8 * page_size()).unwrap();
+        drop(reg);
+        assert!(other.as_slice().iter().all(|&b| b == 0));
     }
 
     #[test]

@@ -132,11 +132,30 @@ unsafe fn bad_inputs() {
     assert_eq!(gradwire_free(comm, mem), 0, "{}", last_error());
     expect(gradwire_free(comm, mem), INVALID, "freed already");
 
+    // Registration: bad input, then a round trip that keeps the contents.
+    let mut big = vec![7u8; 5 * 4096 + 100];
+    let bp = big[100..].as_mut_ptr() as *mut c_void;
+    expect(gradwire_register(comm, std::ptr::null_mut(), 4096), INVALID, "ptr is NULL");
+    expect(gradwire_register(bogus, bp, 4096), INVALID, "not a live communicator");
+    expect(gradwire_register(comm, xp, 32), INVALID, "no whole page");
+    expect(gradwire_register(comm, bp, usize::MAX), INVALID, "wraps around");
+    expect(gradwire_deregister(comm, bp), INVALID, "is not registered");
+    assert_eq!(gradwire_register(comm, bp, 5 * 4096), 0, "{}", last_error());
+    expect(gradwire_register(comm, bp, 5 * 4096), INVALID, "registered already");
+    // SAFETY: inside `big`, one page on.
+    expect(gradwire_register(comm, unsafe { bp.add(4096) }, 3 * 4096), INVALID, "overlap");
+    assert_eq!(gradwire_allreduce(comm, bp, bp, 4096, 0, 0), 0, "{}", last_error());
+    assert_eq!(gradwire_deregister(comm, bp), 0, "{}", last_error());
+    expect(gradwire_deregister(comm, bp), INVALID, "deregistered already");
+    assert!(big.iter().all(|&b| b == 7), "registering and deregistering keep the contents");
+    assert_eq!(gradwire_register(comm, bp, 5 * 4096), 0, "{}", last_error());
+
     // The happy path still works after all that, then use after finalize is refused.
     assert_eq!(gradwire_allreduce(comm, xp, xp, 8, 0, 1), 0, "{}", last_error());
     assert_eq!(gradwire_alloc(comm, 4096, &mut mem), 0, "{}", last_error());
     assert_eq!(gradwire_finalize(comm), 0, "{}", last_error());
     expect(gradwire_finalize(comm), INVALID, "finalized");
+    assert!(gradwire::mem::shared_cover(&big[100..]).is_none(), "finalize deregisters what the communicator registered");
     expect(gradwire_barrier(comm), INVALID, "finalized");
     expect(gradwire_allreduce(comm, xp, xp, 8, 0, 0), INVALID, "finalized");
     expect(gradwire_free(comm, mem), INVALID, "finalized");

@@ -80,6 +80,8 @@ def load_library():
         "gradwire_barrier": [p],
         "gradwire_alloc": [p, sz, pp],
         "gradwire_free": [p, p],
+        "gradwire_register": [p, p, sz],
+        "gradwire_deregister": [p, p],
         "gradwire_finalize": [p],
     }
     for name, args in sigs.items():
@@ -231,6 +233,21 @@ class Comm:
         self._arrays += 1
         weakref.finalize(raw, self._release, ptr.value)
         return np.frombuffer(raw, dtype=dt, count=count)
+
+    def register(self, x):
+        """Registers `x` (a NumPy array or CPU tensor, at least a page) for many collectives, as
+        ncclCommRegister does: its whole pages become memory the ranks of a host map (same
+        address, same contents), so an allreduce of registered or empty() arrays works in
+        the peers' arrays with no copies. `x` must stay alive until deregister(x) or
+        finalize()."""
+        p, _, _ = _buffer(x, "register")
+        _check(load_library().gradwire_register(self._live(), p, x.nbytes))
+        return x
+
+    def deregister(self, x):
+        """Gives `x`'s pages back as private memory, contents kept."""
+        p, _, _ = _buffer(x, "deregister")
+        _check(load_library().gradwire_deregister(self._live(), p))
 
     def _release(self, ptr):
         lib = load_library()

@@ -67,6 +67,18 @@ for case, op in enumerate(["sum", "avg"], start=50):
     expect(f"allreduce on comm.empty {op}", x, ref, tol if op == "sum" else tol / world)
     del x
 
+# Ordinary arrays registered in place: the same, twice over each registration.
+for case, op in enumerate(["sum", "max"], start=60):
+    x = np.empty(big, dtype=np.float32)
+    comm.register(x)
+    for again in range(2):
+        inputs = np.stack([inp(r, case + 10 * again, big, np.float32).astype(np.float64) for r in range(world)])
+        tol = (world + 1) * np.finfo(np.float32).eps * np.abs(inputs).sum(axis=0)
+        x[:] = inp(rank, case + 10 * again, big, np.float32)
+        comm.allreduce(x, op=op)
+        expect(f"allreduce on a registered array {op}", x, inputs.sum(0) if op == "sum" else inputs.max(0), tol if op == "sum" else 0.0)
+    comm.deregister(x)
+
 case = 100
 root = world - 1
 b = inp(rank, case, n, np.float32)
@@ -91,6 +103,8 @@ for bad_call, exc in [
     (lambda: comm.allreduce([1.0, 2.0]), TypeError),
     (lambda: comm.empty(4, "int32"), TypeError),
     (lambda: comm.empty(-1), ValueError),
+    (lambda: comm.register(np.zeros(4, dtype=np.float32)), GradwireError),
+    (lambda: comm.deregister(np.zeros(4096, dtype=np.float32)), GradwireError),
 ]:
     cases += 1
     try:

@@ -12,8 +12,10 @@
 //!   made of per-rank phase counters (no shared contended line). What peers read is
 //!   written with plain or streaming stores, whichever [`StoreChooser`] has timed faster;
 //! - zero-copy (from [`LARGE_MIN`], when every rank's buffer comes from
-//!   `gradwire_alloc` and every rank maps every other's): rank r reduces part r straight
-//!   out of the peers' buffers and writes it straight into them;
+//!   `gradwire_alloc` or is registered in place, and every rank maps every other's): rank
+//!   r reduces part r straight out of the peers' buffers and writes it straight into them
+//!   (a registered buffer's partial first and last pages, which stay private, go through
+//!   the small form after);
 //! - cross-memory attach (from [`LARGE_MIN`], private buffers, when the kernel lets every
 //!   rank read every peer's memory): the zero-copy form's pattern, with the kernel copying
 //!   part r of every peer's buffer into a scratch and each finished block into the peers'
@@ -192,8 +194,11 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, state: &mut ShmAllreduceState, buf: &mut [
         return shm_allreduce_small(cx, buf, dtype, op);
     }
     if buf.len() >= state.agree_from {
-        let access = match agree_on_form(cx, &mut state.attach, buf)? {
-            Agreed::Mapped(peers) => Some(PeerAccess::Mapped(peers)),
+        let access = match agree_on_form(cx, &mut state.attach, buf, dtype.size())? {
+            Agreed::Mapped { peers, body } => {
+                shm_allreduce_in_peer_buffers(cx, &mut buf[body.clone()], dtype, op, PeerAccess::Mapped(peers))?;
+                return shm_allreduce_ends(cx, buf, body, dtype, op);
+            }
             Agreed::Attach(peers) => Some(PeerAccess::Attach { peers, scratch: &mut state.attach.scratch }),
             Agreed::Staged { someone_cannot_attach } => {
                 if someone_cannot_attach && state.agree_from < ZERO_COPY_MIN {
@@ -573,8 +578,13 @@ const PEER_BLOCK: usize = 256 << 10;
 
 /// What the ranks agreed on for a large call.
 enum Agreed {
-    /// Every rank mapped every peer's buffer: the peers' buffers, ours null.
-    Mapped(Vec<*mut u8>),
+    /// Every rank mapped every peer's buffer, all but its registered buffer's partial pages
+    /// (see [`crate::mem::Registration`]): the bytes of every buffer that all can reach,
+    /// and where they start in the peers' buffers (ours null).
+    Mapped {
+        peers: Vec<*mut u8>,
+        body: std::ops::Range<usize>,
+    },
     /// Every rank reached every peer's buffer through cross-memory attach: each rank's
     /// process and buffer address.
     Attach(Vec<(u32, u64)>),
@@ -589,7 +599,7 @@ enum Agreed {
 /// if all are shared, reads a few bytes of every peer's buffer through cross-memory
 /// attach, and says what worked (barrier base+2). Every rank then takes the first form
 /// that worked for all: zero-copy, cross-memory attach, staged.
-fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8]) -> Result<Agreed> {
+fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8], elem: usize) -> Result<Agreed> {
     let (w, me) = (cx.world, cx.rank);
     let base = cx.dom.phase(me).load(Ordering::Relaxed);
     // The phase before which a rank that fails here writes nothing into peers' buffers.
@@ -608,8 +618,15 @@ fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8]) -> Result<Agr
     if !all_shared && !all_can_attach {
         return Ok(Agreed::Staged { someone_cannot_attach: true });
     }
-    let peers: Option<Vec<*mut u8>> =
-        if all_shared { (0..w).map(|p| if p == me { Some(std::ptr::null_mut()) } else { cx.dom.peer_buffer(p, buf.len()) }).collect() } else { None };
+    // What every rank's region holds: all but the largest uncovered start and end, in
+    // whole elements.
+    let (head, tail) = (0..w).map(|p| cx.dom.uncovered(p)).fold((0, 0), |(h, t), (hp, tp)| (h.max(hp), t.max(tp)));
+    let body = head.next_multiple_of(elem)..buf.len().saturating_sub(tail.next_multiple_of(elem));
+    let peers: Option<Vec<*mut u8>> = if all_shared && body.len() >= buf.len() / 2 {
+        (0..w).map(|p| if p == me { Some(std::ptr::null_mut()) } else { cx.dom.peer_buffer(p, body.start, body.len()) }).collect()
+    } else {
+        None
+    };
     let reach = Reach { mapped: peers.is_some(), attach: all_can_attach && attach.reaches_all(cx) };
     cx.dom.set_reach(reach);
     cx.advance(base + 2);
@@ -622,8 +639,8 @@ fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8]) -> Result<Agr
     });
     match (all, peers) {
         (Ok((true, _)), Some(peers)) => {
-            log::debug!("rank {me}: {} zero-copy in the peers' buffers", cx.call);
-            Ok(Agreed::Mapped(peers))
+            log::debug!("rank {me}: {} zero-copy in the peers' buffers ({} of {} bytes)", cx.call, body.len(), buf.len());
+            Ok(Agreed::Mapped { peers, body })
         }
         (Ok((_, true)), _) => {
             log::debug!("rank {me}: {} through cross-memory attach", cx.call);
@@ -784,6 +801,30 @@ fn shm_allreduce_in_peer_buffers(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, 
     }
     cx.advance(done);
     cx.wait_all(done).map_err(|e| cx.fail_in_peer_buffers(e, done))
+}
+
+/// After the zero-copy form did `body`: the bytes of the buffer before and after it (less
+/// than a page each, at the partial pages of registered buffers), reduced together in one
+/// call of the small form (or, with a staging area too small for it, the staged one).
+/// Every rank knows `body` from the same published figures, so all make this call or none.
+fn shm_allreduce_ends(cx: &ShmCtx<'_>, buf: &mut [u8], body: std::ops::Range<usize>, dtype: DType, op: ReduceOp) -> Result<()> {
+    let (head, tail) = (body.start, buf.len() - body.end);
+    if head + tail == 0 {
+        return Ok(());
+    }
+    // A u64 scratch keeps every dtype's elements aligned.
+    let mut scratch = vec![0u64; (head + tail).div_ceil(8)];
+    let ends = &mut crate::transport::bytemuck_bytes(&mut scratch)[..head + tail];
+    ends[..head].copy_from_slice(&buf[..head]);
+    ends[head..].copy_from_slice(&buf[body.end..]);
+    if ends.len() <= cx.small_capacity() {
+        shm_allreduce_small(cx, ends, dtype, op)?;
+    } else {
+        shm_allreduce_staged(cx, ends, dtype, op, false)?;
+    }
+    buf[..head].copy_from_slice(&ends[..head]);
+    buf[body.end..].copy_from_slice(&ends[head..]);
+    Ok(())
 }
 
 #[cfg(test)]

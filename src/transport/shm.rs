@@ -33,12 +33,13 @@ const REACH_AT: usize = 1280;
 /// large allreduce that failed (a finished one says so by its phase counter).
 const WRITES_DONE_AT: usize = 1344;
 /// Where the buffer of the current large allreduce lies in a shared region of ours
-/// (`mem::shared_region_of`): region id (0: it does not), descriptor, region length, and
-/// the buffer's offset in it, 8 bytes each.
+/// (`mem::shared_cover`): region id (0: it does not), descriptor, region length, the
+/// offset in it of the buffer's first covered byte, and the bytes at the buffer's start
+/// and end outside it (a registered buffer's partial pages), 8 bytes each.
 const SHARED_AT: usize = 1408;
 /// The buffer's address in this process, for peers' cross-memory attach (0: this rank
 /// cannot attach).
-const ADDRESS_AT: usize = 1440;
+const ADDRESS_AT: usize = 1456;
 /// Shared regions of one peer kept mapped; its oldest goes first.
 const MAX_PEER_MAPS: usize = 4;
 const RING_HEAD: usize = 0;
@@ -158,7 +159,8 @@ impl ShmDomain {
     /// it cannot).
     pub fn publish_buffer(&self, buf: &[u8], can_attach: bool) {
         let base = self.base(self.rank);
-        let shared = crate::mem::shared_region_of(buf).map_or([0; 4], |(r, off)| [r.id, r.fd as u64, r.len as u64, off as u64]);
+        let shared = crate::mem::shared_cover(buf)
+            .map_or([0; 6], |c| [c.region.id, c.region.fd as u64, c.region.len as u64, c.offset as u64, c.head as u64, c.tail as u64]);
         for (i, v) in shared.into_iter().enumerate() {
             atomic_u64(base, SHARED_AT + 8 * i).store(v, Ordering::Relaxed);
         }
@@ -175,6 +177,13 @@ impl ShmDomain {
     /// announcement).
     pub fn buffer_is_shared(&self, r: usize) -> bool {
         atomic_u64(self.base(r), SHARED_AT).load(Ordering::Relaxed) != 0
+    }
+
+    /// Bytes at the start and end of local rank `r`'s published buffer that lie outside its
+    /// shared region (read after its phase announcement).
+    pub fn uncovered(&self, r: usize) -> (usize, usize) {
+        let at = |i: usize| atomic_u64(self.base(r), SHARED_AT + 8 * i).load(Ordering::Relaxed) as usize;
+        (at(4), at(5))
     }
 
     /// Publishes how this rank can reach every peer's buffer (before a phase announcement).
@@ -204,17 +213,20 @@ impl ShmDomain {
             || process_gone(self.pids[r]).is_some()
     }
 
-    /// Local rank `r`'s published buffer of `len` bytes mapped into this process, when it
-    /// lies in a shared region that we can map (read after its phase announcement). The
+    /// Bytes `from..from + len` of local rank `r`'s published buffer (counted from its start,
+    /// and lying in its shared region) mapped into this process, when we can map that
+    /// region (read after its phase announcement). The
     /// mapping stays until the peer publishes another region under the same descriptor
     /// (it closed this one) or `MAX_PEER_MAPS` newer ones of the same peer push it out
     /// (so looking up another peer never unmaps what an earlier lookup returned).
-    pub fn peer_buffer(&self, r: usize, len: usize) -> Option<*mut u8> {
+    pub fn peer_buffer(&self, r: usize, from: usize, len: usize) -> Option<*mut u8> {
         let base = self.base(r);
-        let [id, fd, region_len, off] = [0, 1, 2, 3].map(|i| atomic_u64(base, SHARED_AT + 8 * i).load(Ordering::Relaxed));
-        if id == 0 || off.checked_add(len as u64).is_none_or(|end| end > region_len) {
+        let [id, fd, region_len, covered_at, head] = [0, 1, 2, 3, 4].map(|i| atomic_u64(base, SHARED_AT + 8 * i).load(Ordering::Relaxed));
+        let off = (from as u64).checked_sub(head).and_then(|skip| covered_at.checked_add(skip));
+        if id == 0 || off.and_then(|o| o.checked_add(len as u64)).is_none_or(|end| end > region_len) {
             return None;
         }
+        let off = off.unwrap_or_default();
         let mut maps = self.peer_maps.lock().unwrap_or_else(|e| e.into_inner());
         let at = match maps.iter().position(|m| m.peer == r && m.id == id) {
             // Most recently used last: eviction takes the peer's least recently used.

@@ -2,7 +2,7 @@
 //! #wrong), run under `gradwire launch`; CSV and JSON output for scripts.
 
 use crate::check::{job_seed, run_bytes, run_case};
-use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, Region, RegionKind, Request, Result};
+use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, Region, RegionKind, Registration, Request, Result};
 use std::io::Write;
 use std::time::Instant;
 
@@ -68,13 +68,25 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             RegionKind::Anonymous => Region::anonymous(len),
         }
     };
-    let mut send = region_of(a.max.max(es))?;
-    let mut recv = region_of(a.max.max(es))?;
+    // Registered buffers start 64 bytes into a page, where `malloc` and framework
+    // allocators put large ones: their partial pages take the small form's exchange.
+    let skew = if a.buffers == crate::check::Buffers::Registered { 64 } else { 0 };
+    let mut send = region_of(a.max.max(es) + skew)?;
+    let mut recv = region_of(a.max.max(es) + skew)?;
     // Touch every page before timing, with non-trivial values.
     for (i, b) in send.as_mut_slice().iter_mut().enumerate() {
         *b = (i % 251) as u8 & 0x3f;
     }
     recv.as_mut_slice().copy_from_slice(send.as_slice());
+    // Registered once, for every size, as a framework registers its gradient buckets;
+    // dropped before the regions (declared after them).
+    let _registrations = if skew > 0 {
+        // SAFETY: both regions are ours and outlive the registrations; only this thread
+        // writes them.
+        Some(unsafe { [Registration::new(send.as_ptr().add(skew), send.len() - skew)?, Registration::new(recv.as_ptr().add(skew), recv.len() - skew)?] })
+    } else {
+        None
+    };
     let kinds: Vec<&str> = {
         let mut k: Vec<&str> = comm.link_kinds().iter().copied().filter(|k| *k != "self").collect();
         k.sort();
@@ -127,12 +139,13 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
         let req = Request { algo: a.algo, ..Request::new(a.op, a.dtype, a.redop, count) };
         let inplace = matches!(a.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
         let mut once = || -> Result<()> {
+            let recv = &mut recv.as_mut_slice()[skew..];
             if let Some((h, algo)) = &hierarchy {
-                h.allreduce_bytes(a.dtype, &mut recv.as_mut_slice()[..count * es], a.redop, *algo)
+                h.allreduce_bytes(a.dtype, &mut recv[..count * es], a.redop, *algo)
             } else if inplace {
-                run_bytes(comm, req, &[], recv.as_mut_slice())
+                run_bytes(comm, req, &[], recv)
             } else {
-                run_bytes(comm, req, send.as_slice(), recv.as_mut_slice())
+                run_bytes(comm, req, &send.as_slice()[skew..], recv)
             }
         };
         for _ in 0..a.warmup {

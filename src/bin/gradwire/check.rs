@@ -31,12 +31,15 @@ pub enum Buffers {
     Shared,
     /// Shared on even ranks, private on odd ones (checks the mix).
     Mixed,
+    /// Private memory registered in place (`gradwire_register`), starting inside a page as
+    /// `malloc`'s does: 64 bytes in for a bench, a different offset per rank for a check.
+    Registered,
 }
 
 impl Buffers {
     pub fn shared_on(self, rank: usize) -> bool {
         match self {
-            Buffers::Private => false,
+            Buffers::Private | Buffers::Registered => false,
             Buffers::Shared => true,
             Buffers::Mixed => rank % 2 == 0,
         }
@@ -50,7 +53,8 @@ impl std::str::FromStr for Buffers {
             "private" => Ok(Buffers::Private),
             "shared" => Ok(Buffers::Shared),
             "mixed" => Ok(Buffers::Mixed),
-            _ => Err(format!("unknown buffers {s:?} (private, shared or mixed)")),
+            "registered" => Ok(Buffers::Registered),
+            _ => Err(format!("unknown buffers {s:?} (private, shared, mixed or registered)")),
         }
     }
 }
@@ -241,6 +245,12 @@ pub fn run_case(
             let buf: &mut [u8] = if buffers.shared_on(me) {
                 shared = gradwire::Region::shared("gradwire-check", n * es)?;
                 &mut shared.as_mut_slice()[..n * es]
+            } else if buffers == Buffers::Registered {
+                // Starts a different way into a page on each rank, so that the ranks' partial
+                // pages differ.
+                private = vec![0u8; n * es + 3 * gradwire::mem::page_size()];
+                let skip = gradwire::mem::page_size() - private.as_ptr() as usize % gradwire::mem::page_size() + 8 * es * (me + 1);
+                &mut private[skip..skip + n * es]
             } else {
                 private = vec![0u8; n * es];
                 &mut private
@@ -251,10 +261,16 @@ pub fn run_case(
                 debug_assert!(i * BLOCK * es < n * es || n == 0);
                 encode(dtype, &vals, c);
             }
+            // Registered once the data is in, as a framework registers a filled tensor (too
+            // small a buffer stays private).
+            // SAFETY: `buf` is ours, stays allocated past the registration, and only this
+            // thread writes it.
+            let registration = (buffers == Buffers::Registered).then(|| unsafe { gradwire::Registration::new(buf.as_mut_ptr(), buf.len()) }.ok()).flatten();
             match hier {
                 Some((h, algo)) => h.allreduce_bytes(dtype, buf, redop, algo)?,
                 None => run_bytes(comm, req, &[], buf)?,
             }
+            drop(registration);
             if op == OpKind::Allreduce {
                 let fp = fingerprint(buf);
                 let mut all = vec![0f64; 2 * w];

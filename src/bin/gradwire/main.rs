@@ -128,7 +128,8 @@ enum Cmd {
         #[arg(long)]
         hierarchical: Option<gradwire::HierarchicalAlgo>,
         /// private, shared (gradwire's allocator, `gradwire_alloc`: ranks on one host reach
-        /// these buffers without a copy) or mixed (shared on even ranks).
+        /// these buffers without a copy), registered (private, made shared in place by
+        /// `gradwire_register`) or mixed (shared on even ranks).
         #[arg(long, default_value = "private")]
         buffers: check::Buffers,
     },
@@ -170,8 +171,8 @@ enum Cmd {
         /// With --token-ring: RANK:STEP — that rank SIGKILLs itself holding the token.
         #[arg(long)]
         kill: Option<String>,
-        /// Allreduce buffers: private, shared (gradwire's allocator) or mixed (shared on
-        /// even ranks).
+        /// Allreduce buffers: private, shared (gradwire's allocator), registered (private,
+        /// made shared in place) or mixed (shared on even ranks).
         #[arg(long, default_value = "private")]
         buffers: check::Buffers,
         #[arg(short, long)]
