@@ -512,6 +512,11 @@ part_local() {  # part_local REPEAT
                         "$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" -- \
                         "$GW" bench allreduce "${BENCH_ARGS[@]}" -d float32 -o sum \
                         --transport shm --buffers shared --check --csv CSV
+                    # And on private buffers registered in place (gradwire_register).
+                    run_one gradwire "$w" shm-registered "$rep" \
+                        "$GW" launch -n "$w" --timeout "$RUN_TIMEOUT" -- \
+                        "$GW" bench allreduce "${BENCH_ARGS[@]}" -d float32 -o sum \
+                        --transport shm --buffers registered --check --csv CSV
                 fi
             else
                 record_na gradwire "$w" "$tr" "$rep" "$GW_STATUS"

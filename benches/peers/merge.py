@@ -291,12 +291,18 @@ class Results:
 
 
 SHARED = "shm-shared"  # gradwire on buffers from its allocator; the peers' shm runs beside
+REGISTERED = "shm-registered"  # gradwire on private buffers registered in place; likewise
+GW_SHM_KINDS = (SHARED, REGISTERED)
+GW_SHM_HEADINGS = {
+    SHARED: "gradwire's buffers from gradwire_alloc (`--buffers shared`)",
+    REGISTERED: "gradwire's private buffers registered in place (`--buffers registered`)",
+}
 
 
 def local_key(tool, w, transport):
     if tool == "gloo":
         return (tool, w, "tcp")
-    return (tool, w, "shm" if transport == SHARED and tool != "gradwire" else transport)
+    return (tool, w, "shm" if transport in GW_SHM_KINDS and tool != "gradwire" else transport)
 
 
 def busbw_cells(res, keys, absent, size, ratios):
@@ -329,7 +335,7 @@ def table_local(res, w, transport, copy_bw):
     keys = {t: local_key(t, w, transport) for t, _ in TOOLS}
     absent = {t: res.why_absent(keys[t]) for t, _ in TOOLS}
     sizes = res.sizes(*keys.values())
-    bound = bound_busbw(copy_bw, w) if (transport in ("shm", SHARED) and copy_bw) else None
+    bound = bound_busbw(copy_bw, w) if (transport in ("shm",) + GW_SHM_KINDS and copy_bw) else None
 
     def label(t, n):
         return f"{n} (tcp)" if t == "gloo" and transport != "tcp" else n
@@ -551,10 +557,12 @@ def targets(res, meta, copy_bw, ranks_local, transports, cores=(0, None)):
         return [s for s in res.sizes(*keys) if s >= lo and (hi is None or s <= hi)]
 
     # 1. one host, shm, W=2 and 4, 16..256 MiB: vs Open MPI and vs the memory bound;
-    # gradwire on private buffers, and (where run) on buffers from its allocator
+    # gradwire on private buffers, and (where run) on the same registered in place and on
+    # buffers from its allocator
     kinds = [("shm", ", private buffers")]
-    if res.sizes(("gradwire", 2, SHARED)) or res.sizes(("gradwire", 4, SHARED)):
-        kinds.append((SHARED, ", gradwire_alloc buffers"))
+    for kind, which in ((REGISTERED, ", private buffers registered in place"), (SHARED, ", gradwire_alloc buffers")):
+        if res.sizes(("gradwire", 2, kind)) or res.sizes(("gradwire", 4, kind)):
+            kinds.append((kind, which))
     for (kind, which), w in ((k, w) for k in kinds for w in (2, 4)):
         kg, km = ("gradwire", w, kind), ("mpi", w, "shm")
         sizes = in_range([kg, km], *T1_SIZES)
@@ -902,8 +910,13 @@ def main() -> int:
       "`--buffers shared`, buffers from gradwire's allocator (`gradwire_alloc`, a memfd the "
       "ranks of a host map), which the one-host allreduce reads and writes in place, with "
       "no copy at all (the peers' columns there repeat their shm runs; Open "
-      "MPI's `MPI_Alloc_mem` would not change its vader path). Targets 1a and 1b are judged "
-      "for both.")
+      "MPI's `MPI_Alloc_mem` would not change its vader path); or **registered in place**: "
+      "then `--buffers registered`, private buffers starting 64 bytes into a page (where "
+      "`malloc` puts large ones) that the bench registers once before its sizes with "
+      "`gradwire_register` (as a framework registers its gradient buckets, the way "
+      "`ncclCommRegister` works): their whole pages become shared in place and take the "
+      "zero-copy path, the partial first and last pages go through the small form. Targets 1a "
+      "and 1b are judged for all three.")
     if "netns" in parts:
         w("- Network namespaces: all three tools run under the same "
           "`gradwire launch -n W --netns --link-gbit R` (one namespace per rank on a private "
@@ -951,11 +964,11 @@ def main() -> int:
     summary = []
     if "local" in parts:
         for wsz in ranks:
-            shared = [SHARED] if "shm" in transports and res.sizes(("gradwire", wsz, SHARED)) else []
-            for tr in transports + shared:
+            extra = [k for k in GW_SHM_KINDS if "shm" in transports and res.sizes(("gradwire", wsz, k))]
+            for tr in transports + extra:
                 lines, ratios = table_local(res, wsz, tr, copy_bw)
-                w(f"## W = {wsz}, transport = {tr}" if tr != SHARED else
-                  f"## W = {wsz}, transport = shm, gradwire's buffers from gradwire_alloc (`--buffers shared`)")
+                w(f"## W = {wsz}, transport = {tr}" if tr not in GW_SHM_KINDS else
+                  f"## W = {wsz}, transport = shm, {GW_SHM_HEADINGS[tr]}")
                 w("")
                 if len(lines) <= 2:
                     w("_No data._")
