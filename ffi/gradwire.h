@@ -104,10 +104,13 @@ int gradwire_free(gradwire_comm_t *comm, void *ptr);
  * shared in place (same address, same contents), so that an allreduce whose buffers are
  * all registered or from gradwire_alloc works in the peers' buffers with no copy; the
  * partial pages at either end stay private and go through a small exchange. The buffer
- * must hold at least one whole page, stay allocated until gradwire_deregister (or
- * gradwire_finalize), and not be written by other threads during either call; a child
- * forked meanwhile shares those pages instead of copying them. A buffer freed without
- * deregistering is noticed and treated as private. */
+ * must hold at least one whole page of private anonymous memory (heap, malloc; not a
+ * file's or a shared mapping, not huge pages, not pinned for a device's DMA), stay
+ * allocated until gradwire_deregister, and not be written by other threads during either
+ * call; a child forked meanwhile shares those pages instead of copying them. A buffer
+ * unmapped without deregistering is noticed and treated as private. gradwire_finalize ends
+ * the communicator's registrations but leaves their pages shared (contents kept): it
+ * cannot know whether a buffer is still the caller's. */
 int gradwire_register(gradwire_comm_t *comm, void *ptr, size_t bytes);
 /* Gives the pages back as private memory, contents kept. */
 int gradwire_deregister(gradwire_comm_t *comm, void *ptr);

@@ -419,16 +419,17 @@ pub unsafe extern "C" fn gradwire_register(comm_p: *mut gradwire_comm_t, ptr: *m
         if ptr.is_null() {
             return Err(invalid(format!("{w}: ptr is NULL")));
         }
-        let mut reg = registry();
-        if reg.registered.contains_key(&(ptr as usize)) {
+        if registry().registered.contains_key(&(ptr as usize)) {
             return Err(invalid(format!("{w}: {ptr:p} is registered already")));
         }
+        // Outside the registry lock, which every call takes: this copies the buffer. Two
+        // threads registering the same buffer at once cannot both succeed (the overlap).
         // SAFETY: the caller's promise above.
         let registration = Registration::new(ptr.cast(), bytes).map_err(|e| match e {
             Error::InvalidArgument(why) => invalid(format!("{w}: {why}")),
             other => other,
         })?;
-        reg.registered.insert(ptr as usize, (id, registration));
+        registry().registered.insert(ptr as usize, (id, registration));
         Ok(())
     })
 }
@@ -461,7 +462,11 @@ pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
         // may still be working in these regions (and registered buffers get their private
         // pages back only once nobody writes them).
         drop(c);
+        let (regions, registrations) = regions;
         drop(regions);
+        // Not given back as private pages: the buffers may have been freed and hold other
+        // objects now, which other threads may be writing (see `Registration::forget`).
+        registrations.into_iter().for_each(|(_, r)| r.forget());
         Ok(())
     })
 }

@@ -93,7 +93,7 @@ fn shared_cover_at(start: usize, len: usize) -> Option<SharedCover> {
     }
     if region.in_place && !still_mapped(base, region) {
         log::warn!(
-            "the registered buffer at {base:#x} ({} bytes) is no longer mapped there: it was freed or unmapped without gradwire_deregister; \
+            "the registered buffer at {base:#x} ({} bytes) is no longer mapped there (freed or unmapped without gradwire_deregister?): \
              it is treated as private memory from now on",
             region.len
         );
@@ -108,7 +108,15 @@ fn shared_cover_at(start: usize, len: usize) -> Option<SharedCover> {
 /// region's id. A few microseconds, once per large call.
 fn still_mapped(base: usize, region: SharedRegion) -> bool {
     let link = format!("/proc/self/map_files/{base:x}-{:x}", base + region.len);
-    std::fs::read_link(link).is_ok_and(|target| target.to_string_lossy().trim_end_matches(" (deleted)") == format!("/memfd:{}", registered_name(region.id)))
+    match std::fs::read_link(&link) {
+        Ok(target) => target.to_string_lossy().trim_end_matches(" (deleted)") == format!("/memfd:{}", registered_name(region.id)),
+        // Not one mapping from base to its end any more.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => {
+            log::warn!("cannot check that {link} is still the registered buffer ({e})");
+            false
+        }
+    }
 }
 
 fn registered_name(id: u64) -> String {
@@ -251,16 +259,20 @@ pub struct Registration {
     start: usize,
     len: usize,
     id: u64,
-    _file: File,
+    /// None once forgotten.
+    file: Option<File>,
 }
 
 impl Registration {
     /// Makes the whole pages of `ptr..ptr + len` shared in place. Fails, changing nothing,
-    /// when the buffer holds no whole page or overlaps shared memory of ours already.
+    /// when the buffer holds no whole page, overlaps shared memory of ours already, or
+    /// lies in anything but private anonymous read-write memory (a file's, a shared or a
+    /// huge-page mapping would lose what it is).
     ///
     /// # Safety
     /// `ptr..ptr + len` is memory of this process that the caller may read and write, and
-    /// no other thread writes it during this call.
+    /// no other thread writes it during this call. It must not be pinned for a device's
+    /// DMA (`ibv_reg_mr`, `cudaHostRegister`): the device would keep the old pages.
     pub unsafe fn new(ptr: *mut u8, len: usize) -> Result<Self> {
         let page = page_size();
         let (addr, end) = (ptr as usize, (ptr as usize).checked_add(len).ok_or_else(|| invalid("buffer wraps around the address space"))?);
@@ -269,12 +281,20 @@ impl Registration {
             return Err(invalid(format!("{len} bytes at {ptr:p} hold no whole page: nothing to register (a buffer this small gains nothing from it)")));
         }
         let n = stop - start;
+        // Held through the copy: a registration is rare, and nobody may see the region
+        // before its pages are in place.
         let mut regions = shared_regions();
-        if let Some((&base, r)) = regions.range(..stop).next_back() {
+        if let Some((&base, &r)) = regions.range(..stop).next_back() {
             if base + r.len > start {
-                return Err(invalid(format!("{len} bytes at {ptr:p} overlap shared memory of gradwire's already (registered, or from gradwire_alloc)")));
+                // A registration freed without deregistering, whose pages came back to the
+                // caller: forget it.
+                if !r.in_place || still_mapped(base, r) {
+                    return Err(invalid(format!("{len} bytes at {ptr:p} overlap shared memory of gradwire's already (registered, or from gradwire_alloc)")));
+                }
+                regions.remove(&base);
             }
         }
+        private_anonymous(start, stop).map_err(|why| invalid(format!("{len} bytes at {ptr:p}: {why}; only private anonymous memory can be registered")))?;
         let id = NEXT_SHARED_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let file = memfd(&registered_name(id), n)?;
         // Fill a mapping of the memfd elsewhere, then move it over the pages: the address
@@ -283,21 +303,34 @@ impl Registration {
         // SAFETY: both ranges are n bytes, mapped and disjoint; the caller lets us read ours.
         std::ptr::copy_nonoverlapping(start as *const u8, fresh, n);
         // SAFETY: `fresh` is our own mapping of n bytes; start..stop is the caller's memory.
-        move_over(fresh, start, n)?;
+        move_over(fresh, start, n, &file)?;
         regions.insert(start, SharedRegion { id, fd: file.as_raw_fd(), len: n, in_place: true });
         log::debug!("registered {len} bytes at {ptr:p}: {n} bytes shared in place from {start:#x} (region {id})");
-        Ok(Registration { start, len: n, id, _file: file })
+        Ok(Registration { start, len: n, id, file: Some(file) })
     }
 
     /// The shared part: first address and length (whole pages).
     pub fn shared_range(&self) -> (usize, usize) {
         (self.start, self.len)
     }
+
+    /// Ends the registration without giving private pages back: the pages stay this
+    /// process's shared memory, contents kept (what `gradwire_finalize` does, which cannot
+    /// know whether the buffer is still the caller's or was freed and now holds other
+    /// objects that other threads write).
+    pub fn forget(mut self) {
+        unlist(self.start, self.id);
+        drop(self.file.take());
+    }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
+        let Some(file) = self.file.take() else { return };
         let region = shared_regions().get(&self.start).copied().filter(|r| r.id == self.id);
+        // Out of the registry first, so that no allreduce takes the pages for shared ones
+        // while they are being made private.
+        unlist(self.start, self.id);
         // Put private pages back only where our mapping still is: a buffer freed without
         // deregistering may be someone else's memory now.
         if region.is_some_and(|r| still_mapped(self.start, r)) {
@@ -306,15 +339,43 @@ impl Drop for Registration {
                 // meanwhile (the contract above).
                 unsafe {
                     std::ptr::copy_nonoverlapping(self.start as *const u8, private, self.len);
-                    move_over(private, self.start, self.len)
+                    move_over(private, self.start, self.len, &file)
                 }
             });
             if let Err(e) = restored {
                 log::error!("deregistering {:#x} ({} bytes): could not put private pages back ({e}); the buffer stays shared memory", self.start, self.len);
             }
         }
-        unlist(self.start, self.id);
     }
+}
+
+/// Whether every page of `start..stop` is private anonymous read-write memory (the heap,
+/// `malloc`'s or a framework's own mappings), from `/proc/self/maps`; else why not.
+fn private_anonymous(start: usize, stop: usize) -> std::result::Result<(), String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").map_err(|e| format!("cannot read /proc/self/maps ({e})"))?;
+    let mut covered = start;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms), Some(_), Some(_), Some(inode)) = (f.next(), f.next(), f.next(), f.next(), f.next()) else { continue };
+        let path = f.collect::<Vec<_>>().join(" ");
+        let Some((lo, hi)) = range.split_once('-').and_then(|(a, b)| Some((usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?))) else {
+            continue;
+        };
+        if hi <= start || lo >= stop {
+            continue;
+        }
+        if lo > covered {
+            return Err(format!("{covered:#x}..{lo:#x} is not mapped"));
+        }
+        if !perms.starts_with("rw") || !perms.ends_with('p') || inode != "0" || !(path.is_empty() || path == "[heap]") {
+            return Err(format!("it lies in a mapping {perms} {path:?} (inode {inode})"));
+        }
+        covered = hi;
+    }
+    if covered < stop {
+        return Err(format!("{covered:#x}..{stop:#x} is not mapped"));
+    }
+    Ok(())
 }
 
 impl std::fmt::Debug for Registration {
@@ -348,18 +409,23 @@ fn map_at_any(len: usize, flags: libc::c_int, fd: libc::c_int) -> Result<*mut u8
 }
 
 /// Moves our mapping at `from` over `to..to + len`, replacing what was mapped there in one
-/// step; `from` is unmapped, also when it fails.
+/// step; `from` is unmapped, also when it fails. `memfd` holds what `to` must hold
+/// whichever way it goes (the copy being registered, or the registered pages): where the
+/// move fails, possibly after the kernel unmapped `to`, it is mapped there instead, so
+/// that the buffer's contents are never lost.
 ///
 /// # Safety
 /// `from` is a mapping of ours of `len` bytes; `to..to + len` may be replaced.
-unsafe fn move_over(from: *mut u8, to: usize, len: usize) -> Result<()> {
+unsafe fn move_over(from: *mut u8, to: usize, len: usize, memfd: &File) -> Result<()> {
     let moved = libc::mremap(from.cast(), len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, to as *mut libc::c_void);
-    if moved == libc::MAP_FAILED {
-        let e = std::io::Error::last_os_error();
-        libc::munmap(from.cast(), len);
-        return Err(Error::io(format!("mremap {len} bytes over {to:#x}"), e));
+    if moved != libc::MAP_FAILED {
+        return Ok(());
     }
-    Ok(())
+    let e = std::io::Error::last_os_error();
+    libc::munmap(from.cast(), len);
+    let back = libc::mmap(to as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, memfd.as_raw_fd(), 0);
+    let what = if back == libc::MAP_FAILED { "and mapping the memfd there failed too: the buffer is lost" } else { "the memfd is mapped there" };
+    Err(Error::io(format!("mremap {len} bytes over {to:#x} ({what})"), e))
 }
 
 /// A named slot inside a [`GradBuffer`].
@@ -566,17 +632,47 @@ mod tests {
 
     #[test]
     fn a_registered_buffer_freed_without_deregistering_is_private_from_then_on() {
-        let region = Region::anonymous(8 * page_size()).unwrap();
+        let n = 8 * page_size();
+        let region = Region::anonymous(n).unwrap();
         // SAFETY: our own mapping, which nothing else touches.
-        let reg = unsafe { Registration::new(region.as_ptr(), region.len()) }.unwrap();
-        let (start, n) = reg.shared_range();
-        assert!(shared_cover_at(start, n).is_some());
+        let reg = unsafe { Registration::new(region.as_ptr(), n) }.unwrap();
+        let (start, len) = reg.shared_range();
+        assert!(shared_cover_at(start, len).is_some());
         drop(region);
-        assert!(shared_cover_at(start, n).is_none(), "the mapping is gone: not shared any more");
-        // Replace what now lies there (nothing, or someone else's memory) must not happen.
-        let other = Region::anonymous(8 * page_size()).unwrap();
+        // Someone else's memory comes to lie there: another memfd's, so that we can see
+        // whether that mapping stays.
+        let other = memfd("someone-else", n).unwrap();
+        // SAFETY: MAP_FIXED_NOREPLACE replaces nothing (start..start+n was just unmapped).
+        let at = unsafe {
+            libc::mmap(start as *mut libc::c_void, n, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED_NOREPLACE, other.as_raw_fd(), 0)
+        };
+        assert_eq!(at as usize, start, "the range was taken meanwhile");
+        // SAFETY (all writes and reads below): start..start+n is that mapping.
+        unsafe { *(start as *mut u8) = 0xab };
         drop(reg);
-        assert!(other.as_slice().iter().all(|&b| b == 0));
+        // SAFETY: a second mapping of our own memfd.
+        let mut view = unsafe { MmapOptions::new().len(n).map_mut(&other) }.unwrap();
+        view[1] = 0xcd;
+        assert_eq!(unsafe { (*(start as *const u8), *((start + 1) as *const u8)) }, (0xab, 0xcd), "deregistering replaced someone else's mapping");
+        assert!(shared_cover_at(start, len).is_none(), "the mapping is not ours: not shared any more");
+        // SAFETY: our mapping at start.
+        unsafe { libc::munmap(start as *mut libc::c_void, n) };
+    }
+
+    #[test]
+    fn only_private_anonymous_memory_is_registered() {
+        let n = 4 * page_size();
+        let file = memfd("a-file", n).unwrap();
+        // SAFETY (all): mappings of our own memfd, which nothing else touches.
+        let mut shared = unsafe { MmapOptions::new().len(n).map_mut(&file) }.unwrap();
+        let mut private = unsafe { MmapOptions::new().len(n).map_copy(&file) }.unwrap();
+        for map in [&mut shared, &mut private] {
+            let e = unsafe { Registration::new(map.as_mut_ptr(), n) }.unwrap_err().to_string();
+            assert!(e.contains("only private anonymous memory") && e.contains("memfd:a-file"), "{e}");
+        }
+        let alloc = Region::shared("t", n).unwrap();
+        let e = unsafe { Registration::new(alloc.as_ptr(), n) }.unwrap_err().to_string();
+        assert!(e.contains("overlap"), "{e}");
     }
 
     #[test]

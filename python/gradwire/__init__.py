@@ -238,8 +238,9 @@ class Comm:
         """Registers `x` (a NumPy array or CPU tensor, at least a page) for many collectives, as
         ncclCommRegister does: its whole pages become memory the ranks of a host map (same
         address, same contents), so an allreduce of registered or empty() arrays works in
-        the peers' arrays with no copies. `x` must stay alive until deregister(x) or
-        finalize()."""
+        the peers' arrays with no copies. `x` must be ordinary (heap) memory and stay alive
+        until deregister(x); a process forked meanwhile shares its pages instead of copying
+        them."""
         p, _, _ = _buffer(x, "register")
         _check(load_library().gradwire_register(self._live(), p, x.nbytes))
         return x

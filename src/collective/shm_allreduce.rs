@@ -817,7 +817,9 @@ fn shm_allreduce_ends(cx: &ShmCtx<'_>, buf: &mut [u8], body: std::ops::Range<usi
     let ends = &mut crate::transport::bytemuck_bytes(&mut scratch)[..head + tail];
     ends[..head].copy_from_slice(&buf[..head]);
     ends[head..].copy_from_slice(&buf[body.end..]);
-    if ends.len() <= cx.small_capacity() {
+    let small = ends.len() <= cx.small_capacity();
+    log::debug!("rank {}: {}: the {} bytes outside the shared pages through the {} form", cx.rank, cx.call, ends.len(), if small { "small" } else { "staged" });
+    if small {
         shm_allreduce_small(cx, ends, dtype, op)?;
     } else {
         shm_allreduce_staged(cx, ends, dtype, op, false)?;

@@ -58,8 +58,9 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
     }
     let kind = match (a.buffers.shared_on(me), comm.config().hugepages) {
         (true, _) => RegionKind::Shared,
-        (false, true) => RegionKind::HugePages,
-        (false, false) => RegionKind::Anonymous,
+        // Only normal pages can be registered in place.
+        (false, true) if a.buffers != crate::check::Buffers::Registered => RegionKind::HugePages,
+        (false, _) => RegionKind::Anonymous,
     };
     let region_of = |len: usize| -> Result<Region> {
         match kind {

@@ -261,11 +261,15 @@ pub fn run_case(
                 debug_assert!(i * BLOCK * es < n * es || n == 0);
                 encode(dtype, &vals, c);
             }
-            // Registered once the data is in, as a framework registers a filled tensor (too
-            // small a buffer stays private).
-            // SAFETY: `buf` is ours, stays allocated past the registration, and only this
-            // thread writes it.
-            let registration = (buffers == Buffers::Registered).then(|| unsafe { gradwire::Registration::new(buf.as_mut_ptr(), buf.len()) }.ok()).flatten();
+            // Registered once the data is in, as a framework registers a filled tensor (a
+            // buffer without a whole page stays private).
+            let whole_page = buf.len() >= 2 * gradwire::mem::page_size();
+            let registration = match buffers == Buffers::Registered && whole_page {
+                // SAFETY: `buf` is ours, stays allocated past the registration, and only this
+                // thread writes it.
+                true => Some(unsafe { gradwire::Registration::new(buf.as_mut_ptr(), buf.len()) }?),
+                false => None,
+            };
             match hier {
                 Some((h, algo)) => h.allreduce_bytes(dtype, buf, redop, algo)?,
                 None => run_bytes(comm, req, &[], buf)?,
