@@ -90,6 +90,10 @@ the target is out of reach of cross-memory attach on this machine. cma_probe pin
 processes round robin to the CPUs (here W = 4 shares 2 cores); gradwire pins only when
 ranks <= CPUs.
 
+Registering the buffers in place (`gradwire_register`, `--buffers registered`) lifts this
+ceiling: their pages become shared, and the allreduce reads and writes the peers' buffers
+with no kernel copy (the targets table judges 1a and 1b on registered buffers too).
+
 {table}
 """)
 PY

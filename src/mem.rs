@@ -246,7 +246,7 @@ impl Region {
 /// memfd, which is then mapped over them at the same address: the contents and the
 /// address stay, the pages become shared. Less than a page at either end stays private
 /// (it may hold other data, which another thread could write meanwhile); the one-host
-/// allreduce moves those few bytes through its small form. Dropping it puts private pages
+/// allreduce has every rank reduce those few bytes itself, from copies all ranks stage. Dropping it puts private pages
 /// back, with the contents of the moment.
 ///
 /// The caller's side, as with `ncclCommRegister`: the buffer stays allocated until the

@@ -915,7 +915,7 @@ def main() -> int:
       "`malloc` puts large ones) that the bench registers once before its sizes with "
       "`gradwire_register` (as a framework registers its gradient buckets, the way "
       "`ncclCommRegister` works): their whole pages become shared in place and take the "
-      "zero-copy path, the partial first and last pages go through the small form. Targets 1a "
+      "zero-copy path, every rank reduces the partial first and last pages itself from copies all ranks stage. Targets 1a "
       "and 1b are judged for all three.")
     if "netns" in parts:
         w("- Network namespaces: all three tools run under the same "

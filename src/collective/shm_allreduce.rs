@@ -14,8 +14,8 @@
 //! - zero-copy (from [`LARGE_MIN`], when every rank's buffer comes from
 //!   `gradwire_alloc` or is registered in place, and every rank maps every other's): rank
 //!   r reduces part r straight out of the peers' buffers and writes it straight into them
-//!   (a registered buffer's partial first and last pages, which stay private, go through
-//!   the small form after);
+//!   (a registered buffer's partial first and last pages, which stay private, every rank
+//!   reduces itself from copies all ranks staged);
 //! - cross-memory attach (from [`LARGE_MIN`], private buffers, when the kernel lets every
 //!   rank read every peer's memory): the zero-copy form's pattern, with the kernel copying
 //!   part r of every peer's buffer into a scratch and each finished block into the peers'
@@ -29,9 +29,11 @@ use super::reduce::reduce_all;
 use crate::config::StagedStores;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
+use crate::mem::page_size;
 use crate::transport::frame::{CallHeader, FrameHeader, FrameKind};
 use crate::transport::shm::{process_gone, Reach, ShmDomain};
 use crate::transport::Backoff;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -195,11 +197,8 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, state: &mut ShmAllreduceState, buf: &mut [
     }
     if buf.len() >= state.agree_from {
         let access = match agree_on_form(cx, &mut state.attach, buf, dtype.size())? {
-            Agreed::Mapped { peers, body } => {
-                shm_allreduce_in_peer_buffers(cx, &mut buf[body.clone()], dtype, op, PeerAccess::Mapped(peers))?;
-                return shm_allreduce_ends(cx, buf, body, dtype, op);
-            }
-            Agreed::Attach(peers) => Some(PeerAccess::Attach { peers, scratch: &mut state.attach.scratch }),
+            Agreed::Mapped { peers, body } => Some((PeerAccess::Mapped(peers), body)),
+            Agreed::Attach(peers) => Some((PeerAccess::Attach { peers, scratch: &mut state.attach.scratch }, 0..buf.len())),
             Agreed::Staged { someone_cannot_attach } => {
                 if someone_cannot_attach && state.agree_from < ZERO_COPY_MIN {
                     state.agree_from = ZERO_COPY_MIN;
@@ -208,8 +207,8 @@ pub fn shm_allreduce(cx: &ShmCtx<'_>, state: &mut ShmAllreduceState, buf: &mut [
                 None
             }
         };
-        if let Some(access) = access {
-            return shm_allreduce_in_peer_buffers(cx, buf, dtype, op, access);
+        if let Some((access, body)) = access {
+            return shm_allreduce_in_peer_buffers(cx, buf, body, dtype, op, access);
         }
     }
     let stores = &mut state.stores;
@@ -583,7 +582,7 @@ enum Agreed {
     /// and where they start in the peers' buffers (ours null).
     Mapped {
         peers: Vec<*mut u8>,
-        body: std::ops::Range<usize>,
+        body: Range<usize>,
     },
     /// Every rank reached every peer's buffer through cross-memory attach: each rank's
     /// process and buffer address.
@@ -611,6 +610,7 @@ fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8], elem: usize) 
         e
     };
     cx.dom.publish_buffer(buf, attach.enabled);
+    let ends_staged = cx.dom.buffer_is_shared(me) && stage_ends(cx, buf);
     cx.advance(base + 1);
     cx.wait_all(base + 1).and_then(|()| cx.check_calls()).map_err(never_wrote)?;
     let all_shared = (0..w).all(|p| cx.dom.buffer_is_shared(p));
@@ -622,7 +622,9 @@ fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8], elem: usize) 
     // whole elements.
     let (head, tail) = (0..w).map(|p| cx.dom.uncovered(p)).fold((0, 0), |(h, t), (hp, tp)| (h.max(hp), t.max(tp)));
     let body = head.next_multiple_of(elem)..buf.len().saturating_sub(tail.next_multiple_of(elem));
-    let peers: Option<Vec<*mut u8>> = if all_shared && body.len() >= buf.len() / 2 {
+    // Every rank staged its ends, or none (same settings, and all buffers are shared).
+    let ends_fit = body.start <= page_size() && buf.len() - body.end <= page_size() && (body.len() == buf.len() || ends_staged);
+    let peers: Option<Vec<*mut u8>> = if all_shared && ends_fit && body.len() >= buf.len() / 2 {
         (0..w).map(|p| if p == me { Some(std::ptr::null_mut()) } else { cx.dom.peer_buffer(p, body.start, body.len()) }).collect()
     } else {
         None
@@ -748,7 +750,8 @@ enum PeerAccess<'s> {
 /// rank r touches part r of any buffer, so nothing it writes is read by anyone else. One
 /// more barrier: all parts reduced and written (nobody reads or writes our buffer any
 /// more).
-fn shm_allreduce_in_peer_buffers(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, mut access: PeerAccess<'_>) -> Result<()> {
+fn shm_allreduce_in_peer_buffers(cx: &ShmCtx<'_>, whole: &mut [u8], body: Range<usize>, dtype: DType, op: ReduceOp, mut access: PeerAccess<'_>) -> Result<()> {
+    let buf = &mut whole[body.clone()];
     let (w, me) = (cx.world, cx.rank);
     let done = cx.dom.phase(me).load(Ordering::Relaxed) + 1;
     let elem = dtype.size();
@@ -799,34 +802,55 @@ fn shm_allreduce_in_peer_buffers(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, 
             }
         }
     }
+    if body.len() < whole.len() {
+        reduce_staged_ends(cx, whole, body, dtype, op);
+    }
     cx.advance(done);
     cx.wait_all(done).map_err(|e| cx.fail_in_peer_buffers(e, done))
 }
 
-/// After the zero-copy form did `body`: the bytes of the buffer before and after it (less
-/// than a page each, at the partial pages of registered buffers), reduced together in one
-/// call of the small form (or, with a staging area too small for it, the staged one).
-/// Every rank knows `body` from the same published figures, so all make this call or none.
-fn shm_allreduce_ends(cx: &ShmCtx<'_>, buf: &mut [u8], body: std::ops::Range<usize>, dtype: DType, op: ReduceOp) -> Result<()> {
+/// Copies the first and last page of `buf` to the start of our staging area (before the
+/// agreement's first barrier), where peers read them if the zero-copy form leaves them out
+/// (see [`reduce_staged_ends`]); false where the staging area has no room for them. Nobody
+/// reads that area now: every form's calls end after everyone has read it.
+fn stage_ends(cx: &ShmCtx<'_>, buf: &[u8]) -> bool {
+    let page = page_size();
+    if cx.staged_capacity() < 2 * page || buf.len() < 2 * page {
+        return false;
+    }
+    // SAFETY: two pages at the start of our own staging area, which fit (checked).
+    unsafe {
+        std::ptr::copy_nonoverlapping(buf.as_ptr(), cx.dom.stage(cx.rank), page);
+        std::ptr::copy_nonoverlapping(buf[buf.len() - page..].as_ptr(), cx.dom.stage(cx.rank).add(page), page);
+    }
+    true
+}
+
+/// The bytes of a registered buffer outside `body` (its partial first and last pages, less
+/// than a page each, which no peer maps): every rank reduces them itself from the copies
+/// all ranks staged (see [`stage_ends`]), in rank order, so that all get bit-identical
+/// results, before the zero-copy form's last barrier (after it, a rank's staging area may
+/// be written again).
+fn reduce_staged_ends(cx: &ShmCtx<'_>, buf: &mut [u8], body: Range<usize>, dtype: DType, op: ReduceOp) {
+    let (page, w) = (page_size(), cx.world);
     let (head, tail) = (body.start, buf.len() - body.end);
-    if head + tail == 0 {
-        return Ok(());
+    // Where each end lies in a staging area: the head at its start, the tail at the end of
+    // the second page.
+    for (range, staged_at) in [(0..head, 0), (body.end..buf.len(), 2 * page - tail)] {
+        if range.is_empty() {
+            continue;
+        }
+        // SAFETY: every rank staged two pages before barrier base+1 (we are past it) and
+        // writes them again only after the last barrier of this call.
+        let staged = |p: usize| unsafe { std::slice::from_raw_parts(cx.dom.stage(p).add(staged_at), range.len()) };
+        // A u64 scratch keeps every dtype's elements aligned.
+        let mut scratch = vec![0u64; range.len().div_ceil(8)];
+        let acc = &mut crate::transport::bytemuck_bytes(&mut scratch)[..range.len()];
+        acc.copy_from_slice(staged(0));
+        reduce_all(dtype, op, w, acc, (1..w).map(staged));
+        buf[range].copy_from_slice(acc);
     }
-    // A u64 scratch keeps every dtype's elements aligned.
-    let mut scratch = vec![0u64; (head + tail).div_ceil(8)];
-    let ends = &mut crate::transport::bytemuck_bytes(&mut scratch)[..head + tail];
-    ends[..head].copy_from_slice(&buf[..head]);
-    ends[head..].copy_from_slice(&buf[body.end..]);
-    let small = ends.len() <= cx.small_capacity();
-    log::debug!("rank {}: {}: the {} bytes outside the shared pages through the {} form", cx.rank, cx.call, ends.len(), if small { "small" } else { "staged" });
-    if small {
-        shm_allreduce_small(cx, ends, dtype, op)?;
-    } else {
-        shm_allreduce_staged(cx, ends, dtype, op, false)?;
-    }
-    buf[..head].copy_from_slice(&ends[..head]);
-    buf[body.end..].copy_from_slice(&ends[head..]);
-    Ok(())
+    log::debug!("rank {}: {}: the {} bytes outside the shared pages reduced from the staged copies", cx.rank, cx.call, head + tail);
 }
 
 #[cfg(test)]
