@@ -103,7 +103,8 @@ int gradwire_free(gradwire_comm_t *comm, void *ptr);
  * collectives, as ncclCommRegister does: the whole pages inside ptr..ptr+bytes become
  * shared in place (same address, same contents), so that an allreduce whose buffers are
  * all registered or from gradwire_alloc works in the peers' buffers with no copy; the
- * partial pages at either end stay private and go through a small exchange. The buffer
+ * partial pages at either end stay private and every rank reduces them from copies all
+ * ranks stage (this needs room for two pages in GRADWIRE_SHM_STAGE_BYTES). The buffer
  * must hold at least one whole page of private anonymous memory (heap, malloc; not a
  * file's or a shared mapping, not huge pages, not pinned for a device's DMA), stay
  * allocated until gradwire_deregister, and not be written by other threads during either

@@ -30,7 +30,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         env: "GRADWIRE_SHM_STAGE_BYTES",
         default: "1179776",
-        help: "Per-rank shared staging area of the one-host allreduce: 131200 bytes for small calls, the rest for the segments larger buffers go through (1 MiB keeps every rank's segment in cache).",
+        help: "Per-rank shared staging area of the one-host allreduce: 131200 bytes for small calls, the rest for the segments larger buffers go through (1 MiB keeps every rank's segment in cache) and for copies of registered buffers' partial pages (2 pages).",
     },
     Setting {
         env: "GRADWIRE_SHM_STORES",

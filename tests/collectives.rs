@@ -195,9 +195,9 @@ fn shm_shared_buffers() {
 
 /// Private buffers registered in place (`gradwire_register`), each rank's starting a
 /// different way into a page: from 256 KiB the one-host allreduce works in the peers'
-/// buffers as with `gradwire_alloc` ones, all but the partial pages at the ends, which go
-/// reduced by every rank from copies all ranks staged; elements of 2, 4 and 8 bytes,
-/// against the reference. With a staging area too small for those copies, no zero-copy.
+/// buffers as with `gradwire_alloc` ones, all but the partial pages at the ends, which
+/// every rank reduces from copies all ranks staged; elements of 2, 4 and 8 bytes, against
+/// the reference. With a staging area too small for those copies, no zero-copy.
 #[test]
 fn shm_registered_buffers() {
     let args = [
@@ -220,7 +220,7 @@ fn shm_registered_buffers() {
     assert!(out.status.success() && t.contains(", 0 failed"), "{t}");
     every_rank_logged(&t, 3, "zero-copy in the peers' buffers (");
     // 4500007 elements of 2 bytes: all but the partial pages.
-    assert!(t.contains("of 9000014 bytes)") && !t.contains("(9000014 of 9000014 bytes)"), "the ends were not left to the small form:\n{t}");
+    assert!(t.contains("of 9000014 bytes)") && !t.contains("(9000014 of 9000014 bytes)"), "the partial pages were not left out of the zero-copy body:\n{t}");
     every_rank_logged(&t, 3, "outside the shared pages reduced from the staged copies");
     // A staging area without room for two pages per rank: the other forms take over.
     let small = [&args[..9], &["--dtypes", "float16", "--ops", "sum"]].concat();

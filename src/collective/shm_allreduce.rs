@@ -622,7 +622,8 @@ fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8], elem: usize) 
     // whole elements.
     let (head, tail) = (0..w).map(|p| cx.dom.uncovered(p)).fold((0, 0), |(h, t), (hp, tp)| (h.max(hp), t.max(tp)));
     let body = head.next_multiple_of(elem)..buf.len().saturating_sub(tail.next_multiple_of(elem));
-    // Every rank staged its ends, or none (same settings, and all buffers are shared).
+    // Ranks with the same settings all staged their ends (all buffers are shared); one that
+    // did not and needs them says so at barrier base+2 (no mapped reach), and nobody maps.
     let ends_fit = body.start <= page_size() && buf.len() - body.end <= page_size() && (body.len() == buf.len() || ends_staged);
     let peers: Option<Vec<*mut u8>> = if all_shared && ends_fit && body.len() >= buf.len() / 2 {
         (0..w).map(|p| if p == me { Some(std::ptr::null_mut()) } else { cx.dom.peer_buffer(p, body.start, body.len()) }).collect()
@@ -812,7 +813,8 @@ fn shm_allreduce_in_peer_buffers(cx: &ShmCtx<'_>, whole: &mut [u8], body: Range<
 /// Copies the first and last page of `buf` to the start of our staging area (before the
 /// agreement's first barrier), where peers read them if the zero-copy form leaves them out
 /// (see [`reduce_staged_ends`]); false where the staging area has no room for them. Nobody
-/// reads that area now: every form's calls end after everyone has read it.
+/// reads that part of it now: the forms that read it (staged, and this one) end with a
+/// barrier after the last read, and the small form's area lies past `staged_capacity()`.
 fn stage_ends(cx: &ShmCtx<'_>, buf: &[u8]) -> bool {
     let page = page_size();
     if cx.staged_capacity() < 2 * page || buf.len() < 2 * page {
