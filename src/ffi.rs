@@ -450,19 +450,17 @@ pub extern "C" fn gradwire_deregister(comm_p: *mut gradwire_comm_t, ptr: *mut c_
 pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
     guard(|| {
         let (id, _) = comm(comm_p, "gradwire_finalize")?;
-        let (c, regions) = {
+        let (c, regions, registrations) = {
             let mut reg = registry();
             let c = reg.comms.remove(&id);
             let regions = take_owned(&mut reg.allocs, id);
             let registrations = take_owned(&mut reg.registered, id);
-            (c, (regions, registrations))
+            (c, regions, registrations)
         };
         // Dropped outside the registry lock: joining the progress thread may take until the
         // running operation's deadline. The communicator first: a non-blocking operation
-        // may still be working in these regions (and registered buffers get their private
-        // pages back only once nobody writes them).
+        // may still be working in these regions.
         drop(c);
-        let (regions, registrations) = regions;
         drop(regions);
         // Not given back as private pages: the buffers may have been freed and hold other
         // objects now, which other threads may be writing (see `Registration::forget`).

@@ -123,13 +123,12 @@ fn registered_name(id: u64) -> String {
     format!("gradwire-registered-{id}")
 }
 
-/// Removes a shared region from the registry, unless another one has taken its address
-/// since (a stale registration removed by [`shared_cover`], then a new one there).
-fn unlist(base: usize, id: u64) {
+/// Removes a shared region from the registry and returns it, unless another one has taken
+/// its address since (a stale registration removed by [`shared_cover`], then a new one
+/// there).
+fn unlist(base: usize, id: u64) -> Option<SharedRegion> {
     let mut regions = shared_regions();
-    if regions.get(&base).is_some_and(|r| r.id == id) {
-        regions.remove(&base);
-    }
+    regions.get(&base).is_some_and(|r| r.id == id).then(|| regions.remove(&base)).flatten()
 }
 
 impl Drop for Region {
@@ -246,8 +245,8 @@ impl Region {
 /// memfd, which is then mapped over them at the same address: the contents and the
 /// address stay, the pages become shared. Less than a page at either end stays private
 /// (it may hold other data, which another thread could write meanwhile); the one-host
-/// allreduce has every rank reduce those few bytes itself, from copies all ranks stage. Dropping it puts private pages
-/// back, with the contents of the moment.
+/// allreduce has every rank reduce those few bytes itself, from copies all ranks stage.
+/// Dropping it puts private pages back, with the contents of the moment.
 ///
 /// The caller's side, as with `ncclCommRegister`: the buffer stays allocated until the
 /// registration is dropped, and nothing else writes it while it is registered or dropped.
@@ -327,10 +326,9 @@ impl Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         let Some(file) = self.file.take() else { return };
-        let region = shared_regions().get(&self.start).copied().filter(|r| r.id == self.id);
         // Out of the registry first, so that no allreduce takes the pages for shared ones
         // while they are being made private.
-        unlist(self.start, self.id);
+        let region = unlist(self.start, self.id);
         // Put private pages back only where our mapping still is: a buffer freed without
         // deregistering may be someone else's memory now.
         if region.is_some_and(|r| still_mapped(self.start, r)) {

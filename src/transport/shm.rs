@@ -176,14 +176,19 @@ impl ShmDomain {
     /// Whether local rank `r` published a buffer in a shared region (read after its phase
     /// announcement).
     pub fn buffer_is_shared(&self, r: usize) -> bool {
-        atomic_u64(self.base(r), SHARED_AT).load(Ordering::Relaxed) != 0
+        self.published_cover(r)[0] != 0
+    }
+
+    /// What local rank `r` published at `SHARED_AT` (read after its phase announcement).
+    fn published_cover(&self, r: usize) -> [u64; 6] {
+        std::array::from_fn(|i| atomic_u64(self.base(r), SHARED_AT + 8 * i).load(Ordering::Relaxed))
     }
 
     /// Bytes at the start and end of local rank `r`'s published buffer that lie outside its
     /// shared region (read after its phase announcement).
     pub fn uncovered(&self, r: usize) -> (usize, usize) {
-        let at = |i: usize| atomic_u64(self.base(r), SHARED_AT + 8 * i).load(Ordering::Relaxed) as usize;
-        (at(4), at(5))
+        let [.., head, tail] = self.published_cover(r);
+        (head as usize, tail as usize)
     }
 
     /// Publishes how this rank can reach every peer's buffer (before a phase announcement).
@@ -215,18 +220,14 @@ impl ShmDomain {
 
     /// Bytes `from..from + len` of local rank `r`'s published buffer (counted from its start,
     /// and lying in its shared region) mapped into this process, when we can map that
-    /// region (read after its phase announcement). The
-    /// mapping stays until the peer publishes another region under the same descriptor
-    /// (it closed this one) or `MAX_PEER_MAPS` newer ones of the same peer push it out
+    /// region (read after its phase announcement). The mapping stays until the peer
+    /// publishes another region under the same descriptor (it closed this one) or
+    /// `MAX_PEER_MAPS` newer ones of the same peer push it out
     /// (so looking up another peer never unmaps what an earlier lookup returned).
     pub fn peer_buffer(&self, r: usize, from: usize, len: usize) -> Option<*mut u8> {
-        let base = self.base(r);
-        let [id, fd, region_len, covered_at, head] = [0, 1, 2, 3, 4].map(|i| atomic_u64(base, SHARED_AT + 8 * i).load(Ordering::Relaxed));
+        let [id, fd, region_len, covered_at, head, _] = self.published_cover(r);
         let off = (from as u64).checked_sub(head).and_then(|skip| covered_at.checked_add(skip));
-        if id == 0 || off.and_then(|o| o.checked_add(len as u64)).is_none_or(|end| end > region_len) {
-            return None;
-        }
-        let off = off.unwrap_or_default();
+        let off = off.filter(|o| id != 0 && o.checked_add(len as u64).is_some_and(|end| end <= region_len))?;
         let mut maps = self.peer_maps.lock().unwrap_or_else(|e| e.into_inner());
         let at = match maps.iter().position(|m| m.peer == r && m.id == id) {
             // Most recently used last: eviction takes the peer's least recently used.

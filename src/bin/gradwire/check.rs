@@ -248,8 +248,9 @@ pub fn run_case(
             } else if buffers == Buffers::Registered {
                 // Starts a different way into a page on each rank, so that the ranks' partial
                 // pages differ.
-                private = vec![0u8; n * es + 3 * gradwire::mem::page_size()];
-                let skip = gradwire::mem::page_size() - private.as_ptr() as usize % gradwire::mem::page_size() + 8 * es * (me + 1);
+                let page = gradwire::mem::page_size();
+                private = vec![0u8; n * es + 3 * page];
+                let skip = page - private.as_ptr() as usize % page + 8 * es * (me + 1);
                 &mut private[skip..skip + n * es]
             } else {
                 private = vec![0u8; n * es];
