@@ -59,7 +59,7 @@ criterion_main!(benches);
 /// Two ranks as threads of this process, joined by real links of one transport.
 fn pair(transport: gradwire::TransportChoice) -> (gradwire::Communicator, gradwire::Communicator) {
     use gradwire::bootstrap::RankEnv;
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = gradwire::bootstrap::store::unused_ports(1).unwrap();
     let env = move |rank| RankEnv {
         rank,
         world: 2,

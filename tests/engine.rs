@@ -17,7 +17,7 @@ fn cfg(timeout_ms: u64) -> Config {
 }
 
 fn port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    gradwire::bootstrap::store::unused_ports(1).unwrap()
 }
 
 fn pair(timeout_ms: u64) -> (Communicator, Communicator) {

@@ -38,6 +38,37 @@ pub struct StoreServer {
     clients: Arc<AtomicUsize>,
 }
 
+/// A port `p` such that `p .. p + count` can all be bound now on every address, picked at
+/// random below the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`).
+///
+/// Why not bind port 0 and reuse what it gave: that port lies inside the ephemeral range,
+/// so until the rank binds it again any outgoing connection or `bind(0)` on the machine may
+/// be handed it (gloo's pair sockets once took `MASTER_PORT + 1` that way). Below the range
+/// a port is only ever taken by a process that names it.
+pub fn unused_ports(count: u16) -> Result<u16> {
+    use rand::Rng;
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|w| w.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let count = count.max(1);
+    // Start above the well-known and torchrun's default (29500) neighbourhood where the
+    // range allows; otherwise anywhere unprivileged.
+    let (low, high) = match ephemeral_start.checked_sub(count) {
+        Some(h) if h > 30000 => (30000, h),
+        _ => (1024, u16::MAX - count),
+    };
+    let mut rng = rand::rng();
+    for _ in 0..1000 {
+        let first = rng.random_range(low..=high);
+        if (first..first + count).all(|p| TcpListener::bind(("0.0.0.0", p)).is_ok()) {
+            return Ok(first);
+        }
+    }
+    let what = format!("find {count} consecutive free TCP ports between {low} and {} (1000 tries)", high + count - 1);
+    Err(Error::io(what, std::io::ErrorKind::AddrInUse.into()))
+}
+
 /// Counts one open client connection while it lives.
 struct Connected(Arc<AtomicUsize>);
 
@@ -224,6 +255,21 @@ impl StoreClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unused_ports_lie_below_the_ephemeral_range_and_can_be_bound() {
+        let ephemeral_start: u16 =
+            std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap().split_whitespace().next().unwrap().parse().unwrap();
+        for _ in 0..20 {
+            let first = unused_ports(3).unwrap();
+            assert!(first + 3 <= ephemeral_start, "{first}+3 reaches the ephemeral range at {ephemeral_start}");
+            let held: Vec<_> = (first..first + 3).map(|p| TcpListener::bind(("0.0.0.0", p)).unwrap()).collect();
+            // While held, a fresh pick never returns any of them.
+            let other = unused_ports(3).unwrap();
+            assert!(other + 3 <= first || other >= first + 3, "{other} overlaps the held {first}..{}", first + 3);
+            drop(held);
+        }
+    }
 
     #[test]
     fn set_get_add_and_refusal() {

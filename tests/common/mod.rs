@@ -145,7 +145,7 @@ pub fn rank_env(cmd: &mut Command, rank: usize, world: usize, port: u16, secret:
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    gradwire::bootstrap::store::unused_ports(1).unwrap()
 }
 
 /// The folder holding an up-to-date `libgradwire.so` (the cdylib). `cargo nextest` builds

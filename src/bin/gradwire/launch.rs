@@ -160,10 +160,6 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29500)
-}
-
 fn stop_all(children: &mut [Option<Child>], sig: i32) {
     for c in children.iter().flatten() {
         // SAFETY: sending a signal to our own child's pid.
@@ -220,7 +216,15 @@ pub fn run(a: &LaunchArgs) -> i32 {
         Ok(old) if !old.is_empty() => format!("{}:{old}", d.display()),
         _ => d.display().to_string(),
     });
-    let port = free_port().to_string();
+    // MASTER_PORT for the store, and the next port for gradwire's own store when the
+    // ranks run torch.distributed, whose store takes MASTER_PORT (python/gradwire).
+    let port = match gradwire::bootstrap::store::unused_ports(2) {
+        Ok(p) => p.to_string(),
+        Err(e) => {
+            eprintln!("gradwire launch: {e}");
+            return 1;
+        }
+    };
     let secret = format!("{:032x}", rand::random::<u128>());
     // All ranks run on this machine's CPUs, namespaces or not: bind only when each gets
     // a CPU of its own (oversubscribed ranks are better left to the scheduler).
