@@ -52,10 +52,11 @@ pub fn unused_ports(count: u16) -> Result<u16> {
         .and_then(|s| s.split_whitespace().next().and_then(|w| w.parse::<u16>().ok()))
         .unwrap_or(32768);
     let count = count.max(1);
-    // Start above the well-known and torchrun's default (29500) neighbourhood where the
-    // range allows; otherwise anywhere unprivileged.
+    // A wide range keeps two jobs started at once (tests in parallel) from picking the same
+    // port; above 10000 it misses the common services. With no room below the ephemeral
+    // range, anywhere unprivileged.
     let (low, high) = match ephemeral_start.checked_sub(count) {
-        Some(h) if h > 30000 => (30000, h),
+        Some(h) if h > 20000 => (10000, h),
         _ => (1024, u16::MAX - count),
     };
     let mut rng = rand::rng();
