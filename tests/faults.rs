@@ -124,6 +124,23 @@ fn wrong_job_secret_is_refused() {
     assert!(!(tb + &tg).contains("panicked"));
 }
 
+/// Rank 0 whose rendezvous port is already in use says so, names the variables that choose
+/// the port, and does not wait for its deadline.
+#[test]
+fn taken_rendezvous_port_is_explained() {
+    let port = free_port();
+    let _squatter = std::net::TcpListener::bind(("0.0.0.0", port)).unwrap();
+    let start = Instant::now();
+    let out =
+        wait_with_limit(spawn_rank(0, 2, port, "fault-test-secret", &[("GRADWIRE_TIMEOUT_MS", "30000")], &["check", "--counts", "1"]), Duration::from_secs(60));
+    let t = text(&out);
+    println!("{t}");
+    assert!(!out.status.success(), "{t}");
+    assert!(t.contains(&format!("0.0.0.0:{port}")) && t.contains("port taken") && t.contains("GRADWIRE_MASTER_PORT"), "{t}");
+    assert!(start.elapsed() < Duration::from_secs(20), "took {:?}: waited for the deadline", start.elapsed());
+    assert!(!t.contains("panicked"), "{t}");
+}
+
 #[test]
 fn malformed_or_missing_environment() {
     let cases: &[(&[(&str, &str)], &str)] = &[

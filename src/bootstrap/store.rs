@@ -89,7 +89,7 @@ impl Drop for Connected {
 impl StoreServer {
     /// Listens on `bind` (e.g. `0.0.0.0:29500`) and serves until the process exits.
     pub fn start(bind: &str, secret: &str) -> Result<Self> {
-        let listener = TcpListener::bind(bind).map_err(|e| Error::io(format!("bind rendezvous store on {bind} (port taken?)"), e))?;
+        let listener = TcpListener::bind(bind).map_err(|e| Error::io(format!("bind rendezvous store on {bind} (port taken? it is GRADWIRE_MASTER_PORT, else MASTER_PORT; the Python Comm beside torch.distributed takes MASTER_PORT + 1)"), e))?;
         let addr = listener.local_addr().map_err(|e| Error::io("store address", e))?;
         let table: Table = Arc::new((Mutex::new(HashMap::new()), Condvar::new()));
         let clients = Arc::new(AtomicUsize::new(0));
