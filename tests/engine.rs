@@ -52,11 +52,11 @@ fn abort_wakes_every_waiter() {
 
 #[test]
 fn deadline_names_the_silent_rank() {
-    let (c0, _c1) = pair(500);
+    let (c0, _c1) = pair(2000);
     let start = Instant::now();
     let e = c0.allreduce(&mut [1f64; 4], ReduceOp::Max).unwrap_err().to_string();
     assert!(e.contains("timed out") && e.contains("rank 1") && e.contains("allreduce#0"), "{e}");
-    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
 }
 
 #[test]

@@ -226,11 +226,14 @@ fn payload() -> (PathBuf, PathBuf) {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("rxe-payload");
     std::fs::create_dir_all(&dir).unwrap();
     let copy = |from: &Path, name: &str| {
-        let to = dir.join(name);
-        let stripped = Command::new("strip").arg("-o").arg(&to).arg(from).status().is_ok_and(|s| s.success());
+        // Written under a name of this process's, then renamed over the payload: another VM
+        // test copying the payload into its guest meanwhile keeps reading a whole file.
+        let (to, partial) = (dir.join(name), dir.join(format!("{name}.{}", std::process::id())));
+        let stripped = Command::new("strip").arg("-o").arg(&partial).arg(from).status().is_ok_and(|s| s.success());
         if !stripped {
-            std::fs::copy(from, &to).unwrap();
+            std::fs::copy(from, &partial).unwrap();
         }
+        std::fs::rename(&partial, &to).unwrap();
         to
     };
     (copy(&std::env::current_exe().unwrap(), "verbs-tests"), copy(Path::new(bin()), "gradwire"))

@@ -123,6 +123,6 @@ if kept.sum() != 500.0:  # memory from empty() outlives finalize()
     failures.append(f"rank {rank}: comm.empty array changed across finalize")
 del kept
 for f in failures:
-    print("FAIL", f, file=sys.stderr)
-print(f"rank {rank}: numpy binding: {cases - len(failures)} passed, {len(failures)} failed")
+    print("FAIL", f, f"(seed {seed})", file=sys.stderr)
+print(f"rank {rank}: numpy binding: {cases - len(failures)} passed, {len(failures)} failed (seed {seed})")
 sys.exit(1 if failures else 0)

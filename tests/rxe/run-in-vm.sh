@@ -295,7 +295,14 @@ filter() { # node: show PROGRAM's output (prefixed for 2 nodes), pick out the ex
   done
 }
 
-PORT=$((20000 + RANDOM % 20000 * 2))
+# Two UDP ports for the VMs' link: below the kernel's ephemeral range (never handed out
+# unasked) and not in use now, as far as ss tells.
+EPHEMERAL_START=$(awk '{print $1}' /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+[ "${EPHEMERAL_START:-0}" -gt 12000 ] 2>/dev/null || EPHEMERAL_START=32768
+for _ in $(seq 50); do
+  PORT=$((10000 + RANDOM % ((EPHEMERAL_START - 10002) / 2) * 2))
+  ss -Huan "( sport = :$PORT or sport = :$((PORT + 1)) )" 2>/dev/null | grep -q . || break
+done
 for ((n = 0; n < NODES; n++)); do
   # cryptomgr.notests: the kernel's crypto self-tests once hung a TCG guest's boot for good
   # (soft lockup in cryptomgr_test) while its peer waited; gradwire needs none of them.
