@@ -213,5 +213,14 @@ fn launcher_names_the_failed_rank_and_cleans_up() {
         // are named after the launcher's pid, which has exited — so none of these may be
         // ours unless cleanup failed. We check the launcher printed no cleanup error.
         assert!(!text(&out).contains("cleanup"), "cleanup failed: {} (namespaces now: {left:?})", text(&out));
+
+        // A launcher killed with SIGKILL leaves its namespaces behind, named after its pid; a
+        // later launcher given the same pid (`exec` keeps the shell's) removes them and runs.
+        let script = format!("ip netns add gw$$n0 && ip link add gwb$$ type bridge && exec {} launch -n 2 --netns -- sh -c 'exit 6'", bin());
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", &script]);
+        let out = run_with_limit(cmd, Duration::from_secs(60));
+        assert_eq!(out.status.code(), Some(6), "a launcher stopped at the names a killed one left: {}", text(&out));
+        assert!(!text(&out).contains("cleanup"), "{}", text(&out));
     }
 }

@@ -84,6 +84,13 @@ impl Netns {
         }
         let id = std::process::id();
         let mut me = Netns { bridge: format!("gwb{id}"), namespaces: vec![] };
+        // Names hold our pid, so any already there were left by a launcher that was killed
+        // (no cleanup) and had this pid before us: remove them rather than fail on them.
+        for i in 0..nodes {
+            let _ = ip(&["link", "del", &format!("gw{id}h{i}")]);
+            let _ = ip(&["netns", "del", &format!("gw{id}n{i}")]);
+        }
+        let _ = ip(&["link", "del", &me.bridge]);
         ip(&["link", "add", &me.bridge, "type", "bridge"])?;
         ip(&["link", "set", &me.bridge, "up"])?;
         for i in 0..nodes {
