@@ -1,7 +1,7 @@
 //! `gradwire bench`: nccl-tests style tables (size, count, type, redop, time, algbw, busbw,
 //! #wrong), run under `gradwire launch`; CSV and JSON output for scripts.
 
-use crate::check::{job_seed, run_bytes, run_case};
+use crate::check::{job_seed, run_bytes, run_case, Buffers};
 use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, Region, RegionKind, Registration, Request, Result};
 use std::io::Write;
 use std::time::Instant;
@@ -22,7 +22,7 @@ pub struct BenchArgs {
     /// Allreduce through the node-local + cross-node hierarchy.
     pub hierarchical: Option<gradwire::HierarchicalAlgo>,
     /// Where the buffers come from (shared: what `gradwire_alloc` hands out).
-    pub buffers: crate::check::Buffers,
+    pub buffers: Buffers,
 }
 
 /// nccl-tests' bus-bandwidth factor: what each rank's link carries relative to S/t.
@@ -59,7 +59,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
     let kind = match (a.buffers.shared_on(me), comm.config().hugepages) {
         (true, _) => RegionKind::Shared,
         // Only normal pages can be registered in place.
-        (false, true) if a.buffers != crate::check::Buffers::Registered => RegionKind::HugePages,
+        (false, true) if a.buffers != Buffers::Registered => RegionKind::HugePages,
         (false, _) => RegionKind::Anonymous,
     };
     let region_of = |len: usize| -> Result<Region> {
@@ -71,7 +71,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
     };
     // Registered buffers start 64 bytes into a page, where `malloc` and framework
     // allocators put large ones: every rank reduces their partial pages from staged copies.
-    let skew = if a.buffers == crate::check::Buffers::Registered { 64 } else { 0 };
+    let skew = if a.buffers == Buffers::Registered { 64 } else { 0 };
     let mut send = region_of(a.max.max(es) + skew)?;
     let mut recv = region_of(a.max.max(es) + skew)?;
     // Touch every page before timing, with non-trivial values.
