@@ -2,16 +2,22 @@
 //! counter. Built from the environment (`Communicator::init`) or by splitting another.
 
 use crate::bootstrap::{Bootstrap, StoreClient, Topology};
+use crate::collective::algos::{dissemination_barrier, Ctx};
 use crate::config::{Config, TransportChoice};
+use crate::dtype::{DType, ReduceOp};
 use crate::engine::{Engine, EngineState, Job, Work};
-use crate::error::{config, Result};
+use crate::error::{config, Error, Result};
 use crate::mem::Region;
+use crate::transport::frame::{CallHeader, OpKind};
 use crate::transport::onesided::{RmaService, Window, WindowSetup};
 use crate::transport::shm::{ShmDomain, ShmLink};
 use crate::transport::{tcp, LinkTable, Links};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// The sequence number of the closing agreement's messages: never a collective's.
+const SETUP_SEQ: u64 = u64::MAX - 1;
 
 /// A group of ranks that run collectives together.
 pub struct Communicator {
@@ -64,7 +70,8 @@ impl Communicator {
         let topo = boot.topology.clone();
         let store = boot.store.clone();
         let secret = boot.env.secret.clone();
-        Self::build(rank, size, topo, cfg, store, secret, "w".into(), deadline, Some(boot), (0..size).collect())
+        let prefix = format!("w{}", boot.generation);
+        Self::build(rank, size, topo, cfg, store, secret, prefix, deadline, Some(boot), (0..size).collect())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -122,7 +129,7 @@ impl Communicator {
             .with_store(store.clone(), &prefix)
             .with_shm_allreduce(cfg.shm_stores, cfg.shm_cma);
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
-        Ok(Communicator {
+        let comm = Communicator {
             rank,
             size,
             topology,
@@ -140,7 +147,32 @@ impl Communicator {
             p2p_sent: (0..size).map(|_| AtomicU64::new(0)).collect(),
             p2p_received: (0..size).map(|_| AtomicU64::new(0)).collect(),
             _bootstrap: boot,
-        })
+        };
+        comm.closing_agreement(deadline)?;
+        Ok(comm)
+    }
+
+    /// The last step of setup: returns once every rank has finished its own, so that a
+    /// rank may exit as soon as init returns without a peer still opening its shared
+    /// memory or asking its store (rank 0) for something. A barrier over the new links
+    /// (proving them too), outside the collectives' sequence numbers.
+    fn closing_agreement(&self, deadline: Instant) -> Result<()> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        let job = Box::new(move |st: &mut EngineState, _: Instant| {
+            let call = CallHeader { op: OpKind::Barrier, dtype: DType::F32, redop: ReduceOp::Sum, root: 0, count: 0, seq: SETUP_SEQ };
+            let (rank, world) = (st.rank, st.world);
+            let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: DType::F32, op: ReduceOp::Sum };
+            dissemination_barrier(&mut cx).map_err(|e| match e {
+                Error::Timeout { rank, peer, waited_ms, .. } => {
+                    Error::Timeout { rank, peer, op: "communicator setup (waiting for every rank to finish it)".into(), waited_ms }
+                }
+                Error::PeerLost { rank, peer, cause, .. } => Error::PeerLost { rank, peer, op: "communicator setup".into(), cause },
+                other => other,
+            })
+        });
+        self.run_blocking(|| "communicator setup".into(), job)
     }
 
     pub fn rank(&self) -> usize {

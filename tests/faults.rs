@@ -84,6 +84,30 @@ fn mismatched_order() {
     }
 }
 
+/// Ranks that disagree on the root of a broadcast or reduce: every rank fails, naming
+/// both roots, at every size (they used to return success with different data; a root
+/// only sends, so it never read a header, and at 16 MiB it was a timeout).
+#[test]
+fn mismatched_root() {
+    for t in ["shm", "tcp"] {
+        for coll in ["broadcast", "reduce"] {
+            for size in ["4K", "16M"] {
+                let call = |root| vec!["bench", coll, "-b", size, "-e", size, "-n", "3", "-w", "1", "-r", root];
+                mismatch(t, &call("0"), &call("1"), &["root 0", "root 1", "disagree on the root"]);
+            }
+        }
+    }
+}
+
+/// A root that disagrees with the others on the count, where the root only sends.
+#[test]
+fn mismatched_count_at_the_root() {
+    for t in ["shm", "tcp"] {
+        let call = |size| vec!["bench", "broadcast", "-b", size, "-e", size, "-n", "3", "-w", "1", "-r", "1"];
+        mismatch(t, &call("4K"), &call("8K"), &["count 1024", "count 2048", "disagree on the count"]);
+    }
+}
+
 /// Ranks that cut ring parts into different chunks send the same call in different
 /// messages: each rank fails fast, and the error points at the setting.
 #[test]
@@ -136,7 +160,7 @@ fn taken_rendezvous_port_is_explained() {
     let t = text(&out);
     println!("{t}");
     assert!(!out.status.success(), "{t}");
-    assert!(t.contains(&format!("0.0.0.0:{port}")) && t.contains("port taken") && t.contains("GRADWIRE_MASTER_PORT"), "{t}");
+    assert!(t.contains(&format!("127.0.0.1:{port}")) && t.contains("port taken") && t.contains("GRADWIRE_MASTER_PORT"), "{t}");
     assert!(start.elapsed() < Duration::from_secs(20), "took {:?}: waited for the deadline", start.elapsed());
     assert!(!t.contains("panicked"), "{t}");
 }

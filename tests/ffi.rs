@@ -10,23 +10,7 @@ use std::time::Duration;
 
 #[test]
 fn c_example_with_four_ranks() {
-    let dir = cdylib_dir();
-    let root = env!("CARGO_MANIFEST_DIR");
-    let exe = dir.join("collectives-c-example");
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let out = Command::new(&cc)
-        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-I"])
-        .arg(format!("{root}/ffi"))
-        .arg(format!("{root}/ffi/examples/collectives.c"))
-        .arg("-L")
-        .arg(&dir)
-        .arg("-lgradwire")
-        .arg(format!("-Wl,-rpath,{}", dir.display()))
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .expect("run the C compiler");
-    assert!(out.status.success(), "C example does not compile:\n{}", text(&out));
+    let exe = c_program("ffi/examples/collectives.c", "collectives-c-example");
     for transport in ["shm", "tcp"] {
         let mut cmd = Command::new(bin());
         cmd.args(["launch", "-n", "4", "--"]).arg(&exe).env("GRADWIRE_TRANSPORT", transport);

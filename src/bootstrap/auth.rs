@@ -168,41 +168,114 @@ pub fn dial(addr: &str, secret: &str, context: &[u8], deadline: std::time::Insta
     }
 }
 
+/// Most connections that may be proving the job secret at once on one listener: a new one
+/// past it cuts off the oldest still unproven, so strangers cannot make a process spawn
+/// threads without bound, yet a rank arriving after a crowd of them still gets in (its
+/// own handshake takes milliseconds). Each handshake also has its own deadline.
+pub const MAX_PENDING_HANDSHAKES: usize = 64;
+
+/// The handshakes in progress on one listener, oldest first.
+#[derive(Default)]
+pub struct Handshakes {
+    pending: std::sync::Mutex<std::collections::VecDeque<(u64, TcpStream)>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Handshakes {
+    /// Counts `s` in (cutting off the oldest handshake when [`MAX_PENDING_HANDSHAKES`] are
+    /// already running); pass the id to [`Handshakes::done`] when its handshake ends.
+    pub fn admit(&self, s: &TcpStream) -> u64 {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        while pending.len() >= MAX_PENDING_HANDSHAKES {
+            if let Some((_, oldest)) = pending.pop_front() {
+                log::warn!(
+                    "{MAX_PENDING_HANDSHAKES} connections are proving the job secret at once; cutting off the oldest, from {:?}",
+                    oldest.peer_addr().ok()
+                );
+                let _ = oldest.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        if let Ok(clone) = s.try_clone() {
+            pending.push_back((id, clone));
+        }
+        id
+    }
+
+    pub fn done(&self, id: u64) {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _)| *i != id);
+    }
+}
+
+/// How long a connection has to prove the job secret.
+pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// A listener served by [`serve_authenticated`]; dropping it stops accepting (and frees the
+/// port within [`ACCEPT_POLL`]). Connections already accepted are served on.
+pub struct Listening(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Listening {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// How often an idle accept loop looks whether its [`Listening`] was dropped.
+const ACCEPT_POLL: i32 = 100;
+
 /// Serves `listener` on a background thread: every connection gets its own thread, must
-/// prove the job secret (bound to `context`) within 10 s, and is then handed to `serve`.
-/// Refused connections are logged with the peer's address.
-pub fn serve_authenticated<F>(listener: std::net::TcpListener, secret: &str, context: &str, name: &str, serve: F) -> crate::error::Result<()>
+/// prove the job secret (bound to `context`) within [`HANDSHAKE_DEADLINE`], and is then
+/// handed to `serve`. Handshakes run concurrently, at most [`MAX_PENDING_HANDSHAKES`] at a
+/// time (see [`Handshakes`]). Refused connections are logged with the peer's address.
+pub fn serve_authenticated<F>(listener: std::net::TcpListener, secret: &str, context: &str, name: &str, serve: F) -> crate::error::Result<Listening>
 where
     F: Fn(&mut TcpStream) -> std::io::Result<()> + Send + Sync + 'static,
 {
-    let serve = std::sync::Arc::new(serve);
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let serve = Arc::new(serve);
     let (secret, context, who) = (secret.to_string(), context.to_string(), name.to_string());
+    let stop = Arc::new(AtomicBool::new(false));
+    let stopped = stop.clone();
+    let handshakes = Arc::new(Handshakes::default());
     std::thread::Builder::new()
         .name(name.to_string())
-        .spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(mut s) = conn else {
-                    // Out of descriptors, say: retrying at once would only spin.
-                    std::thread::sleep(Duration::from_millis(50));
-                    continue;
-                };
-                let (serve, secret, context, who) = (serve.clone(), secret.clone(), context.clone(), who.clone());
-                let _ = std::thread::Builder::new().name(format!("{who}-conn")).spawn(move || {
-                    s.set_nodelay(true).ok();
-                    // A client that never finishes the handshake must not hold a thread forever.
-                    if let Err(e) = accept(&mut s, &secret, context.as_bytes(), Instant::now() + Duration::from_secs(10)) {
-                        log::warn!("{who}: {e}");
-                        return;
-                    }
-                    s.set_read_timeout(None).ok();
-                    if let Err(e) = serve(&mut s) {
-                        log::debug!("{who}: client left: {e}");
-                    }
-                });
+        .spawn(move || loop {
+            if stopped.load(Ordering::Acquire) {
+                return;
+            }
+            let mut fd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd, exclusively borrowed for the call.
+            if unsafe { libc::poll(&mut fd, 1, ACCEPT_POLL) } <= 0 {
+                continue;
+            }
+            let Ok((mut s, peer)) = listener.accept() else {
+                // Out of descriptors, say: retrying at once would only spin.
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            };
+            let id = handshakes.admit(&s);
+            let (serve, secret, context, who, in_handshake) = (serve.clone(), secret.clone(), context.clone(), who.clone(), handshakes.clone());
+            let spawned = std::thread::Builder::new().name(format!("{who}-conn")).spawn(move || {
+                s.set_nodelay(true).ok();
+                let proven = accept(&mut s, &secret, context.as_bytes(), Instant::now() + HANDSHAKE_DEADLINE);
+                in_handshake.done(id);
+                if let Err(e) = proven {
+                    log::warn!("{who}: {e} (from {peer})");
+                    return;
+                }
+                s.set_read_timeout(None).ok();
+                if let Err(e) = serve(&mut s) {
+                    log::debug!("{who}: client left: {e}");
+                }
+            });
+            if spawned.is_err() {
+                handshakes.done(id);
             }
         })
         .map_err(|e| Error::io(format!("spawn {name}"), e))?;
-    Ok(())
+    Ok(Listening(stop))
 }
 
 #[cfg(test)]

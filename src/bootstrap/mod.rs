@@ -8,9 +8,9 @@ pub mod store;
 pub use env::RankEnv;
 pub use store::{StoreClient, StoreServer};
 
-use crate::error::{Error, Result};
-use std::sync::Arc;
-use std::time::Instant;
+use crate::error::{config, Error, Result};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Which ranks share a host (memory; hosts numbered in order of their lowest rank), and
 /// how many ranks of the whole job share each rank's machine (cores: namespaces of one
@@ -107,7 +107,58 @@ pub struct Bootstrap {
     pub env: RankEnv,
     pub store: Option<Arc<StoreClient>>,
     pub topology: Topology,
-    _server: Option<StoreServer>,
+    /// This rank's how-manieth communicator of the job in this process (0 for the first): every rendezvous key and handshake of the communicator carries it, so two
+    /// communicators of one job never read each other's entries.
+    pub generation: u64,
+    _server: Option<Arc<StoreServer>>,
+}
+
+/// Communicators made so far in this process, per job (rendezvous address) and rank: ranks
+/// of one job may be threads of one process (tests, benches), each counting its own.
+static GENERATIONS: Mutex<Vec<((String, u16, usize), u64)>> = Mutex::new(Vec::new());
+
+/// The generation of the next communicator of `env`'s rank of its job in this process.
+fn next_generation(env: &RankEnv) -> u64 {
+    let key = (env.master_addr.clone(), env.master_port, env.rank);
+    let mut all = GENERATIONS.lock().unwrap_or_else(|p| p.into_inner());
+    match all.iter_mut().find(|(k, _)| *k == key) {
+        Some((_, n)) => {
+            *n += 1;
+            *n
+        }
+        None => {
+            all.push((key, 0));
+            0
+        }
+    }
+}
+
+/// How often a rank waiting for the others looks whether one of them has failed setup.
+const FAILURE_POLL: Duration = Duration::from_millis(200);
+
+/// The store key under which the first rank to find setup impossible leaves the reason (a
+/// failure key: rank 0's store stays up a while for the others to read it).
+fn setup_failed_key(generation: u64) -> String {
+    store::failure_key(&format!("g{generation}"), usize::MAX)
+}
+
+/// What each rank says of itself at rendezvous: world size, process and host identity.
+struct Joined {
+    world: usize,
+    pid: u32,
+    host: String,
+}
+
+impl Joined {
+    fn encode(&self) -> Vec<u8> {
+        format!("{} {} {}", self.world, self.pid, self.host).into_bytes()
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        let s = std::str::from_utf8(b).ok()?;
+        let mut it = s.splitn(3, ' ');
+        Some(Joined { world: it.next()?.parse().ok()?, pid: it.next()?.parse().ok()?, host: it.next()?.to_string() })
+    }
 }
 
 impl Bootstrap {
@@ -121,31 +172,61 @@ impl Bootstrap {
     pub fn new(env: RankEnv, deadline: Instant) -> Result<Self> {
         let started = Instant::now();
         if env.world == 1 {
-            return Ok(Bootstrap { env, store: None, topology: Topology::single_rank(), _server: None });
+            return Ok(Bootstrap { env, store: None, topology: Topology::single_rank(), generation: 0, _server: None });
         }
+        let generation = next_generation(&env);
         let addr = format!("{}:{}", env.master_addr, env.master_port);
-        let server = if env.rank == 0 {
-            let specific = StoreServer::start(&addr, &env.secret);
-            Some(match specific {
-                Ok(s) => s,
-                // MASTER_ADDR may name this host by an address we cannot bind (a NAT or a
-                // hostname resolving elsewhere): listen on every interface instead.
-                Err(_) => StoreServer::start(&format!("0.0.0.0:{}", env.master_port), &env.secret)?,
-            })
-        } else {
-            None
-        };
+        let server = if env.rank == 0 { Some(StoreServer::shared(&env.master_addr, env.master_port, &env.secret)?) } else { None };
         let store = Arc::new(StoreClient::connect(&addr, &env.secret, deadline)?);
-        store.set(&format!("host/{}", env.rank), host_id().as_bytes())?;
+        let me = Joined { world: env.world, pid: std::process::id(), host: host_id() };
+        let failed_key = setup_failed_key(generation);
+        // Tells every rank why setup cannot work, and fails with the same reason here.
+        let fail = |why: String| -> Error {
+            let _ = store.set_within(&failed_key, why.as_bytes(), Duration::from_secs(1));
+            config(why)
+        };
+        // A rank number taken twice: two processes were started with the same RANK (and some
+        // rank is missing). The second to come says so, and every rank fails with it.
+        let key = |r: usize| format!("g{generation}/rank/{r}");
+        if store.add(&format!("g{generation}/joined/{}", env.rank), 1)? > 1 {
+            let first = store.get(&key(env.rank), Instant::now() + Duration::from_secs(1))?.and_then(|b| Joined::decode(&b));
+            let who = first.map(|j| format!(" (pid {} on {})", j.pid, j.host)).unwrap_or_default();
+            return Err(fail(format!(
+                "two processes were started with rank {}: pid {} on {} and another one{who}; every rank needs its own RANK from 0 to WORLD_SIZE-1",
+                env.rank, me.pid, me.host
+            )));
+        }
+        store.set(&key(env.rank), &me.encode())?;
         let mut ids = Vec::with_capacity(env.world);
         for r in 0..env.world {
-            let v = store.get(&format!("host/{r}"), deadline)?.ok_or_else(|| Error::Timeout {
-                rank: env.rank,
-                peer: r,
-                op: "bootstrap (rank never joined the rendezvous store)".into(),
-                waited_ms: started.elapsed().as_millis() as u64,
-            })?;
-            ids.push(String::from_utf8_lossy(&v).into_owned());
+            let entry = loop {
+                let slice = deadline.min(Instant::now() + FAILURE_POLL);
+                if let Some(v) = store.get(&key(r), slice)? {
+                    break v;
+                }
+                if let Some(why) = store.get(&failed_key, Instant::now())? {
+                    return Err(config(format!("rank {}: setup failed: {}", env.rank, String::from_utf8_lossy(&why))));
+                }
+                if Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        rank: env.rank,
+                        peer: r,
+                        op: format!(
+                            "bootstrap (rank never joined the rendezvous store; this is communicator #{} of this rank in this process, and every rank must make its communicators in the same order)",
+                            generation + 1
+                        ),
+                        waited_ms: started.elapsed().as_millis() as u64,
+                    });
+                }
+            };
+            let theirs = Joined::decode(&entry).ok_or_else(|| Error::Protocol(format!("rendezvous entry of rank {r} is malformed")))?;
+            if theirs.world != env.world {
+                return Err(fail(format!(
+                    "the ranks disagree on the world size: rank {r} (pid {}) has WORLD_SIZE={}, rank {} (pid {}) has WORLD_SIZE={}",
+                    theirs.pid, theirs.world, env.rank, me.pid, env.world
+                )));
+            }
+            ids.push(theirs.host);
         }
         let topology = Topology::from_host_ids(&ids);
         let local = topology.local_ranks(env.rank);
@@ -155,7 +236,7 @@ impl Bootstrap {
                 log::info!("launcher says local rank {lr}, host identity gives {computed}; using the host identity");
             }
         }
-        Ok(Bootstrap { env, store: Some(store), topology, _server: server })
+        Ok(Bootstrap { env, store: Some(store), topology, generation, _server: server })
     }
 }
 

@@ -3,7 +3,7 @@
 //! handles and (later) QP numbers and rkeys. Only peers proving the job secret get in.
 
 use super::auth::{self, read_frame, write_frame};
-use crate::error::{Error, Result};
+use crate::error::{config, Error, Result};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,6 +18,9 @@ const ADD: u8 = b'A';
 /// How long a store whose job has failed outlives its communicator, waiting for the other
 /// ranks to read the failure reasons and leave.
 const LINGER_AFTER_FAILURE: Duration = Duration::from_secs(3);
+
+/// The least a failed job's store stays up, for ranks still connecting.
+const LINGER_AT_LEAST: Duration = Duration::from_millis(500);
 
 /// The key segment under which ranks leave the reason they failed (see [`failure_key`]).
 const FAILED: &str = "/failed/";
@@ -36,6 +39,11 @@ pub struct StoreServer {
     table: Table,
     /// Authenticated connections now open.
     clients: Arc<AtomicUsize>,
+    /// Stops the listener when the store goes (so the port is free for a later job).
+    _listening: auth::Listening,
+    secret: String,
+    /// Why it listens on every interface rather than where asked, if it does.
+    pub fallback: Option<String>,
 }
 
 /// A port `p` such that `p .. p + count` can all be bound now on every address, picked at
@@ -88,19 +96,62 @@ impl Drop for Connected {
     }
 }
 
+fn taken(bind: &str) -> String {
+    format!("bind rendezvous store on {bind} (port taken? it is GRADWIRE_MASTER_PORT, else MASTER_PORT; the Python Comm beside torch.distributed takes MASTER_PORT + 1)")
+}
+
+/// Stores this process hosts, by listening address: a later communicator of the same job
+/// (same `MASTER_ADDR:MASTER_PORT`) shares the live one instead of failing to bind.
+static HOSTED: Mutex<Vec<(String, std::sync::Weak<StoreServer>)>> = Mutex::new(Vec::new());
+
 impl StoreServer {
-    /// Listens on `bind` (e.g. `0.0.0.0:29500`) and serves until the process exits.
+    /// Listens on `bind` (e.g. `0.0.0.0:29500`) until dropped.
     pub fn start(bind: &str, secret: &str) -> Result<Self> {
-        let listener = TcpListener::bind(bind).map_err(|e| Error::io(format!("bind rendezvous store on {bind} (port taken? it is GRADWIRE_MASTER_PORT, else MASTER_PORT; the Python Comm beside torch.distributed takes MASTER_PORT + 1)"), e))?;
+        let listener = TcpListener::bind(bind).map_err(|e| Error::io(taken(bind), e))?;
+        Self::serve_on(listener, secret)
+    }
+
+    fn serve_on(listener: TcpListener, secret: &str) -> Result<Self> {
         let addr = listener.local_addr().map_err(|e| Error::io("store address", e))?;
         let table: Table = Arc::new((Mutex::new(HashMap::new()), Condvar::new()));
         let clients = Arc::new(AtomicUsize::new(0));
         let (served, counted) = (table.clone(), clients.clone());
-        auth::serve_authenticated(listener, secret, CONTEXT, "rendezvous store", move |s| {
+        let stop = auth::serve_authenticated(listener, secret, CONTEXT, "rendezvous store", move |s| {
             let _open = Connected::new(&counted);
             serve(s, &served)
         })?;
-        Ok(StoreServer { addr, table, clients })
+        Ok(StoreServer { addr, table, clients, _listening: stop, secret: secret.to_string(), fallback: None })
+    }
+
+    /// The store for rank 0 at `host:port`: the one this process already hosts there (a
+    /// second communicator of the same job), else a new one. Binds where asked; only when
+    /// `host` is not an address of this machine (a NAT, a name resolving elsewhere) does it
+    /// listen on every interface, and it says so.
+    pub fn shared(host: &str, port: u16, secret: &str) -> Result<Arc<Self>> {
+        let wanted = format!("{host}:{port}");
+        let mut hosted = HOSTED.lock().unwrap_or_else(|p| p.into_inner());
+        hosted.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(live) = hosted.iter().find(|(a, _)| *a == wanted).and_then(|(_, w)| w.upgrade()) {
+            if live.secret != secret {
+                return Err(config(format!("this process already hosts a rendezvous store on {wanted} for a job with another GRADWIRE_JOB_SECRET")));
+            }
+            return Ok(live);
+        }
+        let server = match TcpListener::bind(&wanted) {
+            Ok(l) => Self::serve_on(l, secret)?,
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => return Err(Error::io(taken(&wanted), e)),
+            Err(e) => {
+                let any = format!("0.0.0.0:{port}");
+                let mut s = Self::start(&any, secret)?;
+                let why = format!("MASTER_ADDR={host} is not an address of this machine (rank 0's): binding {wanted} failed ({e}); the rendezvous store listens on every interface ({any}) instead");
+                log::warn!("{why}");
+                s.fallback = Some(why);
+                s
+            }
+        };
+        let server = Arc::new(server);
+        hosted.push((wanted, Arc::downgrade(&server)));
+        Ok(server)
     }
 
     fn holds_a_failure(&self) -> bool {
@@ -112,13 +163,15 @@ impl Drop for StoreServer {
     /// When some rank has left a failure reason, the host of the store (rank 0) may be about
     /// to exit first; its peers would then lose the store with the reason in it and could
     /// only report "lost rank 0", not the rank whose death started it. So it waits, at most
-    /// 3 s, until every other client has gone.
+    /// 3 s, until every other client has gone, and at least [`LINGER_AT_LEAST`] for a rank
+    /// that is still starting (a setup failure comes before all have connected).
     fn drop(&mut self) {
         if !self.holds_a_failure() {
             return;
         }
-        let until = Instant::now() + LINGER_AFTER_FAILURE;
-        while self.clients.load(Ordering::Acquire) > 0 && Instant::now() < until {
+        let started = Instant::now();
+        let until = started + LINGER_AFTER_FAILURE;
+        while (self.clients.load(Ordering::Acquire) > 0 || started.elapsed() < LINGER_AT_LEAST) && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
         }
         log::debug!("rendezvous store: closing with {} clients still connected", self.clients.load(Ordering::Acquire));
@@ -272,6 +325,56 @@ mod tests {
             assert!(other + 3 <= first || other >= first + 3, "{other} overlaps the held {first}..{}", first + 3);
             drop(held);
         }
+    }
+
+    /// Rank 0 binds MASTER_ADDR itself; where that is not an address of this machine it
+    /// listens on every interface and says why (it used to do so silently). A second
+    /// communicator of the job shares the live store; once that is gone the port is free.
+    #[test]
+    fn the_store_binds_where_asked_or_says_why_not() {
+        let port = unused_ports(1).unwrap();
+        let here = StoreServer::shared("127.0.0.1", port, "secret-123").unwrap();
+        assert_eq!(here.addr.to_string(), format!("127.0.0.1:{port}"));
+        assert!(here.fallback.is_none());
+        let again = StoreServer::shared("127.0.0.1", port, "secret-123").unwrap();
+        assert!(Arc::ptr_eq(&here, &again), "a second communicator must share the live store");
+        let other_job = StoreServer::shared("127.0.0.1", port, "another-secret").err().expect("another job's secret must be refused");
+        assert!(other_job.to_string().contains("another GRADWIRE_JOB_SECRET"), "{other_job}");
+        drop((here, again));
+        // The listener goes with the store (within its accept poll).
+        let rebind = Instant::now();
+        while TcpListener::bind(("127.0.0.1", port)).is_err() {
+            assert!(rebind.elapsed() < Duration::from_secs(2), "port {port} still taken after the store went");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // 192.0.2.1 (TEST-NET-1) is no address of this machine; binding sends nothing.
+        let port = unused_ports(1).unwrap();
+        let elsewhere = StoreServer::shared("192.0.2.1", port, "secret-123").unwrap();
+        assert_eq!(elsewhere.addr.to_string(), format!("0.0.0.0:{port}"));
+        let why = elsewhere.fallback.clone().unwrap_or_default();
+        assert!(why.contains("MASTER_ADDR=192.0.2.1 is not an address of this machine") && why.contains("every interface"), "{why}");
+    }
+
+    /// The process's threads, from the kernel.
+    fn threads() -> usize {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        status.lines().find_map(|l| l.strip_prefix("Threads:")).unwrap().trim().parse().unwrap()
+    }
+
+    /// Silent connections by the hundred cost a bounded number of threads, and the ranks
+    /// still get in (2000 of them used to spawn 1425 threads).
+    #[test]
+    fn silent_connections_are_bounded() {
+        let srv = StoreServer::start("127.0.0.1:0", "secret-123").unwrap();
+        let before = threads();
+        let silent: Vec<TcpStream> = (0..400).filter_map(|_| TcpStream::connect(srv.addr).ok()).collect();
+        std::thread::sleep(Duration::from_millis(500));
+        let during = threads();
+        let c = StoreClient::connect(&srv.addr.to_string(), "secret-123", Instant::now() + Duration::from_secs(5));
+        let c = c.expect("a rank must still get in");
+        c.set("k", b"v").unwrap();
+        assert!(during <= before + auth::MAX_PENDING_HANDSHAKES + 8, "{} silent connections made {} threads", silent.len(), during - before);
+        drop(silent);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! the shared-buffer reduction ([`shm_allreduce()`]); otherwise recursive doubling below
 //! `GRADWIRE_SMALL_BYTES` and the ring above it.
 
+pub mod agree;
 pub mod algos;
 pub mod hierarchical;
 pub mod reduce;
@@ -334,15 +335,22 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         }
         OpKind::Broadcast => {
             if world == 1 {
-                Ok(())
-            } else if recv.len() < tune.small {
+                return Ok(());
+            }
+            agree::agree_on_call(&mut cx)?;
+            if recv.len() < tune.small {
                 algos::binomial_broadcast(&mut cx, recv, req.root)
             } else {
                 let piece = (recv.len() / 8).clamp(64 << 10, 1 << 20);
                 algos::chain_broadcast(&mut cx, recv, req.root, piece)
             }
         }
-        OpKind::Reduce => algos::binomial_reduce(&mut cx, recv, req.root),
+        OpKind::Reduce => {
+            if world > 1 {
+                agree::agree_on_call(&mut cx)?;
+            }
+            algos::binomial_reduce(&mut cx, recv, req.root)
+        }
         OpKind::Barrier => algos::dissemination_barrier(&mut cx),
         OpKind::Send => Err(invalid("send/recv is not a collective")),
     }

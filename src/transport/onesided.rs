@@ -78,6 +78,7 @@ type Exposed = Arc<RwLock<HashMap<u64, ExposedRegion>>>;
 pub struct RmaService {
     pub addr: String,
     exposed: Exposed,
+    _listening: auth::Listening,
 }
 
 impl RmaService {
@@ -86,8 +87,8 @@ impl RmaService {
         let addr = listener.local_addr().map_err(|e| Error::io("one-sided service address", e))?.to_string();
         let exposed: Exposed = Arc::default();
         let ex = exposed.clone();
-        auth::serve_authenticated(listener, secret, context, &format!("rank {rank}: one-sided service"), move |s| serve(s, &ex))?;
-        Ok(RmaService { addr, exposed })
+        let listening = auth::serve_authenticated(listener, secret, context, &format!("rank {rank}: one-sided service"), move |s| serve(s, &ex))?;
+        Ok(RmaService { addr, exposed, _listening: listening })
     }
 
     /// Serves window `id` from `region`; `accumulate` applies peers' accumulates (without

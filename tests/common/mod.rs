@@ -171,6 +171,33 @@ pub fn cdylib_dir() -> std::path::PathBuf {
     .clone()
 }
 
+/// Compiles the C program `src` (a path under the repository) against `ffi/gradwire.h`
+/// and the cdylib, to `name` beside the library, and returns its path.
+pub fn c_program(src: &str, name: &str) -> std::path::PathBuf {
+    let dir = cdylib_dir();
+    let root = env!("CARGO_MANIFEST_DIR");
+    let exe = dir.join(name);
+    // Built under a name of this process's and renamed: another test binary may be running
+    // the program while this one builds it.
+    let building = dir.join(format!("{name}.{}", std::process::id()));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let out = Command::new(&cc)
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-I"])
+        .arg(format!("{root}/ffi"))
+        .arg(format!("{root}/{src}"))
+        .arg("-L")
+        .arg(&dir)
+        .arg("-lgradwire")
+        .arg(format!("-Wl,-rpath,{}", dir.display()))
+        .arg("-o")
+        .arg(&building)
+        .output()
+        .expect("run the C compiler");
+    assert!(out.status.success(), "{src} does not compile:\n{}", text(&out));
+    std::fs::rename(&building, &exe).expect("rename the built program");
+    exe
+}
+
 /// How long a killed-rank test lets ranks settle, the deadline it sets, and how soon each
 /// survivor must have reported (deadline plus process start/exit slack).
 pub struct FaultTiming {

@@ -15,6 +15,8 @@ pub struct BenchArgs {
     pub warmup: usize,
     pub dtype: DType,
     pub redop: ReduceOp,
+    /// Root of broadcast and reduce.
+    pub root: usize,
     pub algo: Option<Algo>,
     pub check: bool,
     pub csv: Option<String>,
@@ -137,7 +139,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             OpKind::ReduceScatter | OpKind::Allgather => total / w,
             _ => total,
         };
-        let req = Request { algo: a.algo, ..Request::new(a.op, a.dtype, a.redop, count) };
+        let req = Request { algo: a.algo, root: a.root, ..Request::new(a.op, a.dtype, a.redop, count) };
         let inplace = matches!(a.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
         let mut once = || -> Result<()> {
             let recv = &mut recv.as_mut_slice()[skew..];

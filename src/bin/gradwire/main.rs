@@ -111,6 +111,9 @@ enum Cmd {
         dtype: DType,
         #[arg(short = 'o', long = "op", default_value = "sum")]
         op: ReduceOp,
+        /// Root rank of broadcast and reduce.
+        #[arg(short = 'r', long = "root", default_value_t = 0)]
+        root: usize,
         /// Allreduce algorithm: auto, ring, rd, hd, shm.
         #[arg(long)]
         algo: Option<Algo>,
@@ -306,6 +309,7 @@ fn main() {
             warmup,
             dtype,
             op,
+            root,
             algo,
             transport,
             check,
@@ -315,7 +319,8 @@ fn main() {
             buffers,
         } => {
             set_transport(transport);
-            let args = bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, algo, check, csv, json, hierarchical, buffers };
+            let args =
+                bench::BenchArgs { op: collective, min, max, factor, iters, warmup, dtype, redop: op, root, algo, check, csv, json, hierarchical, buffers };
             let all_right = Communicator::init().and_then(|c| bench::run(&c, &args)).map(|rows| rows.iter().all(|r| r.wrong.unwrap_or(0) == 0));
             exit_code("bench", all_right)
         }
