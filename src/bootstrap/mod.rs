@@ -115,7 +115,10 @@ pub struct Bootstrap {
 
 /// Communicators made so far in this process, per job (rendezvous address) and rank: ranks
 /// of one job may be threads of one process (tests, benches), each counting its own.
-static GENERATIONS: Mutex<Vec<((String, u16, usize), u64)>> = Mutex::new(Vec::new());
+static GENERATIONS: Mutex<Vec<(RankOfJob, u64)>> = Mutex::new(Vec::new());
+
+/// A rank of a job: rendezvous address, port and rank.
+type RankOfJob = (String, u16, usize);
 
 /// The generation of the next communicator of `env`'s rank of its job in this process.
 fn next_generation(env: &RankEnv) -> u64 {
