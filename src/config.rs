@@ -187,6 +187,13 @@ fn env_parse<T: std::str::FromStr<Err = String>>(env: &str, default: T) -> Resul
     }
 }
 
+/// Longest deadline accepted: a wait must end (a larger value once meant a stalled peer was
+/// never detected, and `now + timeout` can overflow).
+pub const MAX_TIMEOUT_MS: u64 = 7 * 24 * 3600 * 1000;
+
+/// Longest spin before a waiting rank yields.
+pub const MAX_SPIN_US: u64 = 1_000_000;
+
 /// The settings a communicator runs with, read once from the environment.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -209,8 +216,12 @@ impl Config {
     /// Reads every `GRADWIRE_*` tunable; a malformed value is an error naming the variable.
     pub fn from_env() -> Result<Self> {
         let timeout_ms = env_u64("GRADWIRE_TIMEOUT_MS", 60_000)?;
-        if timeout_ms == 0 {
-            return Err(config("GRADWIRE_TIMEOUT_MS must be > 0"));
+        if !(1..=MAX_TIMEOUT_MS).contains(&timeout_ms) {
+            return Err(config(format!("GRADWIRE_TIMEOUT_MS={timeout_ms}: must be between 1 and {MAX_TIMEOUT_MS} (7 days)")));
+        }
+        let spin_us = env_u64("GRADWIRE_SPIN_US", 50)?;
+        if spin_us > MAX_SPIN_US {
+            return Err(config(format!("GRADWIRE_SPIN_US={spin_us}: must be at most {MAX_SPIN_US} (1 s)")));
         }
         let ring = env_u64("GRADWIRE_SHM_RING_BYTES", 4 << 20)? as usize;
         if !(4096..=(1 << 30)).contains(&ring) || !ring.is_power_of_two() {
@@ -244,7 +255,7 @@ impl Config {
             shm_stage_bytes: stage,
             shm_stores: env_parse("GRADWIRE_SHM_STORES", StagedStores::Auto)?,
             shm_cma: env_bool("GRADWIRE_SHM_CMA", true)?,
-            spin: Duration::from_micros(env_u64("GRADWIRE_SPIN_US", 50)?),
+            spin: Duration::from_micros(spin_us),
             hugepages: env_bool("GRADWIRE_HUGEPAGES", false)?,
         })
     }

@@ -37,7 +37,6 @@ pub const GRADWIRE_ERR_INTERNAL: c_int = -1;
 
 #[derive(Default)]
 struct Registry {
-    next: u64,
     comms: HashMap<u64, Arc<Communicator>>,
     works: HashMap<u64, Work>,
     /// Allocations by address, with the communicator that made them.
@@ -71,19 +70,25 @@ fn registry() -> std::sync::MutexGuard<'static, Registry> {
 }
 
 impl Registry {
+    /// A fresh handle id: random, so that no small integer, stale handle or pointer that
+    /// never came from gradwire names a live object (1 in 2^60 by chance), and with the low
+    /// bits clear, so that it looks like an aligned pointer.
     fn id(&mut self) -> u64 {
-        self.next += 1;
-        self.next
+        loop {
+            let id = rand::random::<u64>() & !0xf & (usize::MAX as u64);
+            if id != 0 && !self.comms.contains_key(&id) && !self.works.contains_key(&id) {
+                return id;
+            }
+        }
     }
 }
 
-/// Ids become pointer values with the low bits clear, so they look like aligned pointers.
 fn to_handle<T>(id: u64) -> *mut T {
-    (id << 4) as usize as *mut T
+    id as usize as *mut T
 }
 
 fn handle_id<T>(p: *const T) -> u64 {
-    (p as usize as u64) >> 4
+    p as usize as u64
 }
 
 thread_local! {
@@ -419,8 +424,19 @@ pub unsafe extern "C" fn gradwire_register(comm_p: *mut gradwire_comm_t, ptr: *m
         if ptr.is_null() {
             return Err(invalid(format!("{w}: ptr is NULL")));
         }
-        if registry().registered.contains_key(&(ptr as usize)) {
-            return Err(invalid(format!("{w}: {ptr:p} is registered already")));
+        {
+            let mut reg = registry();
+            match reg.registered.get(&(ptr as usize)) {
+                Some((_, r)) if r.is_live() => return Err(invalid(format!("{w}: {ptr:p} is registered already"))),
+                // Freed or unmapped without gradwire_deregister: the address may be
+                // registered again (the old registration keeps nothing of it).
+                Some(_) => {
+                    if let Some((_, stale)) = reg.registered.remove(&(ptr as usize)) {
+                        stale.forget();
+                    }
+                }
+                None => {}
+            }
         }
         // Outside the registry lock, which every call takes: this copies the buffer. Two
         // threads registering the same buffer at once cannot both succeed (the overlap).

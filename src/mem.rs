@@ -145,6 +145,16 @@ impl std::fmt::Debug for Region {
     }
 }
 
+/// RAM plus swap of this host in bytes (0 if unknown).
+pub fn host_memory() -> u64 {
+    // SAFETY: a zeroed sysinfo is valid, and sysinfo writes only into it.
+    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    if unsafe { libc::sysinfo(&mut info) } != 0 {
+        return 0;
+    }
+    (info.totalram as u64).saturating_add(info.totalswap as u64).saturating_mul(u64::from(info.mem_unit))
+}
+
 /// The system page size.
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.
@@ -184,6 +194,12 @@ impl Region {
     /// A memfd-backed region that other processes of this host can map with
     /// [`Region::open_shared`].
     pub fn shared(name: &str, len: usize) -> Result<Self> {
+        let memory = host_memory();
+        if memory > 0 && len as u64 > memory {
+            // The memfd would be created sparse and the first touch past memory would kill
+            // the process (SIGBUS or the OOM killer) instead of failing here.
+            return Err(invalid(format!("{len} bytes of shared memory is more than this host has ({memory} bytes of RAM and swap)")));
+        }
         let len = len.max(1).next_multiple_of(page_size());
         let file = memfd(name, len)?;
         // SAFETY: the memfd is ours; peers that map it agree (by protocol) on who writes where.
@@ -200,6 +216,10 @@ impl Region {
         let actual = file.metadata().map_err(|e| Error::io(format!("stat {path}"), e))?.len() as usize;
         if actual < len {
             return Err(Error::Protocol(format!("peer region {path} has {actual} bytes, expected {len}")));
+        }
+        // Mapping a file anyone may shrink would let them kill this rank with SIGBUS.
+        if !size_sealed(&file) {
+            return Err(Error::Protocol(format!("peer region {path} is not a size-sealed gradwire memfd; refusing to map it")));
         }
         // SAFETY: shared mapping of a peer's memfd; concurrent access is coordinated by the
         // shm transport's protocol (atomics with acquire/release ordering).
@@ -308,6 +328,13 @@ impl Registration {
         Ok(Registration { start, len: n, id, file: Some(file) })
     }
 
+    /// Whether the buffer is still registered: not freed or unmapped without deregistering
+    /// (after which its address may hold other memory, even a new registration).
+    pub fn is_live(&self) -> bool {
+        let region = shared_regions().get(&self.start).copied().filter(|r| r.id == self.id);
+        region.is_some_and(|r| still_mapped(self.start, r))
+    }
+
     /// The shared part: first address and length (whole pages).
     pub fn shared_range(&self) -> (usize, usize) {
         (self.start, self.len)
@@ -382,18 +409,37 @@ impl std::fmt::Debug for Registration {
     }
 }
 
-/// A memfd of `len` bytes named `name`.
+/// The seals every gradwire memfd carries: its size is fixed, so no process that can open
+/// it (the same user's) can shrink it under the ranks that map it (a SIGBUS in every rank)
+/// or grow it.
+const SIZE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// A memfd of `len` bytes named `name`, readable and writable by its owner only, its size
+/// sealed.
 fn memfd(name: &str, len: usize) -> Result<File> {
     let cname = std::ffi::CString::new(name).map_err(|_| invalid("region name contains NUL"))?;
     // SAFETY: cname is a valid NUL-terminated string; flags are valid.
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(Error::io("memfd_create", std::io::Error::last_os_error()));
     }
     // SAFETY: fd was just returned by memfd_create and is owned by nobody else.
     let file = unsafe { File::from_raw_fd(fd) };
+    // A memfd is created 0777: only its owner's processes are peers.
+    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600)).map_err(|e| Error::io("chmod memfd 0600", e))?;
     file.set_len(len as u64).map_err(|e| Error::io(format!("ftruncate memfd to {len}"), e))?;
+    // SAFETY: F_ADD_SEALS on our own memfd.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS) } != 0 {
+        return Err(Error::io("seal memfd's size", std::io::Error::last_os_error()));
+    }
     Ok(file)
+}
+
+/// Whether `file` is a memfd whose size is sealed (one gradwire made).
+fn size_sealed(file: &File) -> bool {
+    // SAFETY: F_GET_SEALS only reads the seals of a descriptor we own.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) == libc::F_SEAL_SHRINK | libc::F_SEAL_GROW
 }
 
 /// A fresh read-write mapping of `len` bytes wherever the kernel puts it.
@@ -555,6 +601,30 @@ mod tests {
         r.as_mut_slice()[100] = 42;
         let peer = Region::open_shared(std::process::id(), r.shared_fd().unwrap(), 8192).unwrap();
         assert_eq!(peer.as_slice()[100], 42);
+    }
+
+    /// A shared region is the owner's alone (0600) and its size is sealed: nobody can shrink
+    /// it under the ranks that map it (an ftruncate used to kill every rank with SIGBUS),
+    /// and a peer refuses to map a file that is not sealed so.
+    #[test]
+    fn shared_regions_are_private_to_their_user_and_cannot_shrink() {
+        use std::os::unix::fs::PermissionsExt;
+        let r = Region::shared("t", 8192).unwrap();
+        let path = format!("/proc/{}/fd/{}", std::process::id(), r.shared_fd().unwrap());
+        let tamper = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        assert_eq!(tamper.metadata().unwrap().permissions().mode() & 0o777, 0o600);
+        let shrink = tamper.set_len(0).unwrap_err();
+        assert_eq!(shrink.raw_os_error(), Some(libc::EPERM), "{shrink}");
+        assert!(tamper.set_len(1 << 20).is_err(), "growing must be refused too");
+        assert_eq!(tamper.metadata().unwrap().len(), 8192);
+        // A plain memfd (no seals) offered as a peer region.
+        // SAFETY: a valid name and flags.
+        let fd = unsafe { libc::memfd_create(c"plain".as_ptr(), libc::MFD_CLOEXEC) };
+        // SAFETY: the fd was just made and is owned by nobody else.
+        let plain = unsafe { File::from_raw_fd(fd) };
+        plain.set_len(8192).unwrap();
+        let e = Region::open_shared(std::process::id(), fd, 8192).err().expect("an unsealed file must be refused").to_string();
+        assert!(e.contains("not a size-sealed gradwire memfd"), "{e}");
     }
 
     #[test]

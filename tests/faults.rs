@@ -175,6 +175,12 @@ fn malformed_or_missing_environment() {
         (&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "70000"), ("GRADWIRE_JOB_SECRET", "0123456789")], "MASTER_PORT"),
         (&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1234")], "GRADWIRE_JOB_SECRET"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TIMEOUT_MS", "soon")], "GRADWIRE_TIMEOUT_MS"),
+        (
+            &[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TIMEOUT_MS", "18446744073709551615")],
+            "GRADWIRE_TIMEOUT_MS=18446744073709551615: must be between 1 and",
+        ),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TIMEOUT_MS", "0")], "GRADWIRE_TIMEOUT_MS=0: must be between 1 and"),
+        (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SPIN_US", "18446744073709551615")], "GRADWIRE_SPIN_US=18446744073709551615: must be at most"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_TRANSPORT", "carrier-pigeon")], "GRADWIRE_TRANSPORT"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_SHM_RING_BYTES", "1000")], "GRADWIRE_SHM_RING_BYTES"),
         (&[("RANK", "0"), ("WORLD_SIZE", "1"), ("GRADWIRE_RING_CHUNK_BYTES", "8")], "GRADWIRE_RING_CHUNK_BYTES"),

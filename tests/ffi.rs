@@ -60,6 +60,14 @@ unsafe fn bad_inputs() {
     expect(gradwire_init(std::ptr::null_mut()), INVALID, "comm is NULL");
     assert_eq!(gradwire_init(&mut comm), 0, "{}", last_error());
     let (mut rank, mut size) = (-1, -1);
+    // Handles are not small integers: none of the first sixteen aligned values is live
+    // (0x10-0x1f used to be communicator #1).
+    for guess in 1..=0x20usize {
+        expect(gradwire_comm_rank((guess << 4) as *mut gradwire_comm_t, &mut rank), INVALID, "not a live communicator");
+    }
+    for guess in 0x10..0x20usize {
+        expect(gradwire_comm_rank(guess as *mut gradwire_comm_t, &mut rank), INVALID, "not a live communicator");
+    }
 
     expect(gradwire_comm_rank(null, &mut rank), INVALID, "comm is NULL");
     expect(gradwire_comm_rank(bogus, &mut rank), INVALID, "not a live communicator");
@@ -109,6 +117,8 @@ unsafe fn bad_inputs() {
     let mut mem: *mut c_void = std::ptr::null_mut();
     expect(gradwire_alloc(comm, 0, &mut mem), INVALID, "bytes is 0");
     expect(gradwire_alloc(comm, usize::MAX, &mut mem), INVALID, "more than this process can map");
+    // 64 TiB: a sparse memfd would "succeed" and the first touch past memory would kill us.
+    expect(gradwire_alloc(comm, 64 << 40, &mut mem), INVALID, "more than this host has");
     expect(gradwire_alloc(comm, 64, std::ptr::null_mut()), INVALID, "ptr is NULL");
     expect(gradwire_free(comm, xp), INVALID, "did not come from gradwire_alloc");
     expect(gradwire_free(comm, std::ptr::null_mut()), INVALID, "ptr is NULL");
@@ -133,6 +143,23 @@ unsafe fn bad_inputs() {
     expect(gradwire_deregister(comm, bp), INVALID, "deregistered already");
     assert!(big.iter().all(|&b| b == 7), "registering and deregistering keep the contents");
     assert_eq!(gradwire_register(comm, bp, 5 * 4096), 0, "{}", last_error());
+
+    // A buffer unmapped without deregistering, and new memory mapped at its address: that
+    // address can be registered again (it used to say "registered already" for ever).
+    let pages = 4 * 4096;
+    // SAFETY (all below): our own fresh anonymous mappings, which nothing else uses.
+    let anon =
+        |at: *mut c_void, flags| unsafe { libc::mmap(at, pages, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags, -1, 0) };
+    let first = anon(std::ptr::null_mut(), 0);
+    assert_ne!(first, libc::MAP_FAILED);
+    assert_eq!(gradwire_register(comm, first, pages), 0, "{}", last_error());
+    assert_eq!(unsafe { libc::munmap(first, pages) }, 0);
+    let again = anon(first, libc::MAP_FIXED_NOREPLACE);
+    assert_eq!(again, first, "the address was taken meanwhile");
+    assert_eq!(gradwire_register(comm, again, pages), 0, "re-registering a reused address: {}", last_error());
+    assert_eq!(gradwire_allreduce(comm, again, again, pages / 4, 0, 0), 0, "{}", last_error());
+    assert_eq!(gradwire_deregister(comm, again), 0, "{}", last_error());
+    assert_eq!(unsafe { libc::munmap(again, pages) }, 0);
 
     // The happy path still works after all that, then use after finalize is refused.
     assert_eq!(gradwire_allreduce(comm, xp, xp, 8, 0, 1), 0, "{}", last_error());
