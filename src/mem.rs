@@ -623,7 +623,7 @@ mod tests {
         // SAFETY: the fd was just made and is owned by nobody else.
         let plain = unsafe { File::from_raw_fd(fd) };
         plain.set_len(8192).unwrap();
-        let e = Region::open_shared(std::process::id(), fd, 8192).err().expect("an unsealed file must be refused").to_string();
+        let e = Region::open_shared(std::process::id(), fd, 8192).expect_err("an unsealed file must be refused").to_string();
         assert!(e.contains("not a size-sealed gradwire memfd"), "{e}");
     }
 
