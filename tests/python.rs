@@ -42,6 +42,19 @@ fn numpy_buffers() {
     run_py(3, "numpy_collectives.py", &[("GRADWIRE_TRANSPORT", "tcp")]);
 }
 
+/// Every integer that crosses ctypes is range-checked in Python: out of range is a
+/// ValueError, not a silently wrapped value (`broadcast(root=2**40)` used to broadcast from
+/// root 0, `split(2**31)` to return None).
+#[test]
+fn integers_crossing_ctypes_are_range_checked() {
+    if !python_has("numpy") {
+        eprintln!("SKIP integers_crossing_ctypes_are_range_checked: numpy is not importable (pip install numpy; .ci/run does)");
+        return;
+    }
+    let t = run_py(3, "bad_input.py", &[]);
+    assert_eq!(t.matches("bad input: 30 passed, 0 failed").count(), 3, "{t}");
+}
+
 #[test]
 fn torch_ddp_hook_matches_gloo() {
     if !python_has("torch") {

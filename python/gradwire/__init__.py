@@ -13,6 +13,7 @@ repository's target/release or target/debug, then on the system library path.
 
 import ctypes
 import ctypes.util
+import numbers
 import os
 import weakref
 
@@ -20,6 +21,10 @@ __all__ = ["Comm", "Work", "GradwireError", "load_library"]
 
 _DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
 _OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3}
+# Ranges of the C types integers cross ctypes as (ffi/gradwire.h).
+_INT = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+_SIZE_MAX = 2**64 - 1
 
 
 class GradwireError(RuntimeError):
@@ -117,6 +122,17 @@ def _buffer(x, what):
     raise TypeError(f"{what}: expected a NumPy array or a torch tensor, got {type(x).__name__}")
 
 
+def _int_arg(value, name, lo, hi, why=None):
+    """`value` as an int in lo..hi, else TypeError/ValueError naming `name`. Checked here
+    because ctypes wraps an integer that does not fit the C type (2**40 as a C int is 0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)  # NumPy integers too
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} {value} is {why or f'out of range {lo}..{hi}'}")
+    return value
+
+
 def _dtype(name, what):
     if name not in _DTYPES:
         raise TypeError(f"{what}: dtype {name} is not supported (float32, float64, float16, bfloat16)")
@@ -139,6 +155,8 @@ class Work:
         """Waits (timeout_ms < 0: until done). Raises GradwireError on failure or timeout."""
         if self._h is None:
             raise RuntimeError("work already waited for")
+        # Any negative int64 means "until done" in C; a bad value leaves the work valid.
+        timeout_ms = _int_arg(timeout_ms, "wait: timeout_ms", *_INT64, f"out of range for an int64 ({_INT64[0]}..{_INT64[1]}; < 0 waits until done)")
         code = load_library().gradwire_wait(self._h, timeout_ms)
         if code != -4 or timeout_ms < 0:
             self._h = None
@@ -188,6 +206,8 @@ class Comm:
         return Work(w, [x])
 
     def broadcast(self, x, root=0):
+        """Sends `x` of rank `root` to every rank's `x`; returns `x`."""
+        root = _int_arg(root, "broadcast: root", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
         p, n, dt = _buffer(x, "broadcast")
         _check(load_library().gradwire_broadcast(self._live(), p, n, dt, root))
         return x
@@ -224,8 +244,9 @@ class Comm:
 
         dt = np.dtype(dtype)
         _dtype(dt.name, "empty")
-        if count < 0:
-            raise ValueError(f"empty: count {count} is negative")
+        # The byte count crosses as a size_t, so the bound is in bytes.
+        most = _SIZE_MAX // dt.itemsize
+        count = _int_arg(count, "empty: count", 0, most, f"out of range 0..{most} ({dt.name} elements whose bytes fit a size_t)")
         nbytes = max(count * dt.itemsize, 1)
         ptr = ctypes.c_void_p()
         _check(load_library().gradwire_alloc(self._live(), nbytes, ctypes.byref(ptr)))
@@ -260,6 +281,8 @@ class Comm:
 
     def split(self, color, key=0):
         """Sub-communicator of the ranks with the same color (None for a negative color)."""
+        color = _int_arg(color, "split: color", *_INT, f"out of range for a C int ({_INT[0]}..{_INT[1]}; negative joins no group)")
+        key = _int_arg(key, "split: key", *_INT, f"out of range for a C int ({_INT[0]}..{_INT[1]})")
         h = ctypes.c_void_p()
         _check(load_library().gradwire_comm_split(self._live(), color, key, ctypes.byref(h)))
         return Comm(h) if h.value else None
