@@ -97,6 +97,11 @@ pub struct RemoteMemory {
     timeout: Duration,
     /// Times this rank has taken the token.
     taken: u64,
+    /// The token's passes counted over every rank at the last look, and when they last
+    /// changed: a token that stops moving for the deadline is a stalled ring.
+    token_moves: (u64, Instant),
+    /// When [`RemoteMemory::poll_token`] last counted the passes.
+    token_counted: Instant,
     /// Per shard: pushes sent through the inbox (in-place pushes are complete on return).
     sent: Vec<u64>,
     /// Per shard: the last acknowledged count we saw, and its update count at our last pull.
@@ -179,6 +184,8 @@ impl RemoteMemory {
             rank,
             timeout: comm.config().timeout,
             taken: 0,
+            token_moves: (0, Instant::now()),
+            token_counted: Instant::now(),
             sent: vec![0; servers.len()],
             acked: vec![0; servers.len()],
             pulled_at: vec![0; servers.len()],
@@ -349,14 +356,43 @@ impl RemoteMemory {
         Ok(())
     }
 
+    /// Whether the token is here (the dynamic-delay schedule, which never waits for it);
+    /// fails when it has not moved anywhere in the ring for the deadline (its holder
+    /// stopped or died), naming the holder. Counts the passes at most every 1/8 deadline.
+    pub fn poll_token(&mut self) -> Result<bool> {
+        if self.has_token() {
+            return Ok(true);
+        }
+        let now = Instant::now();
+        if now.duration_since(self.token_counted) < (self.timeout / 8).max(Duration::from_millis(10)) {
+            return Ok(false);
+        }
+        self.token_counted = now;
+        let passes = (0..self.world).try_fold(0u64, |sum, r| self.read_word(r, TOKEN_AT).map(|c| sum.wrapping_add(c)));
+        let passes = self.noted(passes)?;
+        if passes != self.token_moves.0 {
+            self.token_moves = (passes, now);
+        } else if now.duration_since(self.token_moves.1) > self.timeout {
+            return self.noted(Err(self.diagnose_token(now.duration_since(self.token_moves.1))));
+        }
+        Ok(false)
+    }
+
     /// Waits until the token arrives (fixed cyclic schedule). On the deadline, names the
     /// rank that holds it — the last in ring order to have received it — and whether that
-    /// process is gone.
+    /// process is gone; a peer that dies meanwhile is noticed within 20 ms.
     pub fn wait_token(&self) -> Result<()> {
         let start = Instant::now();
+        let mut looked = start;
         while !self.has_token() {
             if start.elapsed() > self.timeout {
                 return self.noted(Err(self.diagnose_token(start.elapsed())));
+            }
+            if looked.elapsed() > crate::transport::onesided::LIVENESS_EVERY {
+                looked = Instant::now();
+                if let Some((peer, cause)) = (0..self.world).find_map(|p| self.win.peer_gone(p).map(|c| (p, c))) {
+                    return self.noted(Err(Error::PeerLost { rank: self.rank, peer, op: "token ring: waiting for the token".into(), cause }));
+                }
             }
             std::thread::yield_now();
         }

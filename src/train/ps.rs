@@ -164,7 +164,7 @@ impl<'c> TokenRing<'c> {
     /// Keeps the token moving (pushing what is left) while waiting for the other ranks.
     fn settle(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
         let comm = self.ps.comm;
-        gather_loss(comm, loss, || if self.ps.rm.has_token() { self.take_turn(params) } else { Ok(()) })
+        gather_loss(comm, loss, || if self.ps.rm.poll_token()? { self.take_turn(params) } else { Ok(()) })
     }
 }
 
@@ -184,7 +184,7 @@ impl Strategy for TokenRing<'_> {
         self.acc.iter_mut().zip(grads).for_each(|(a, g)| *a += g);
         self.count += 1;
         match self.turn {
-            Turn::DynamicDelay if self.ps.rm.has_token() => self.take_turn(params),
+            Turn::DynamicDelay if self.ps.rm.poll_token()? => self.take_turn(params),
             Turn::DynamicDelay => Ok(()),
             Turn::FixedCyclic => {
                 self.ps.rm.wait_token()?;

@@ -227,6 +227,11 @@ pub struct Window {
     /// Process ids of the peers mapped through shared memory (their liveness is not
     /// visible through a connection).
     pids: Vec<Option<u32>>,
+    /// Per peer: when its process was last seen alive (ms since `born`), so that an access
+    /// to a dead peer's mapped region fails naming it (its memory stays mapped and would
+    /// answer for ever) at the cost of one look at /proc per peer per [`LIVENESS_EVERY`].
+    seen_alive: Vec<AtomicU64>,
+    born: Instant,
     timeout: Duration,
     /// This rank's atomics on regions it maps, through the NIC, when other ranks reach
     /// those regions through the NIC (see [`NicAtomics`]).
@@ -247,6 +252,9 @@ struct NicAtomics {
     to: Vec<Option<Arc<Mutex<super::verbs::RmaPeer>>>>,
     _loop_responder: super::verbs::RmaPeer,
 }
+
+/// How often an access to a mapped peer's region looks whether the peer is still alive.
+pub const LIVENESS_EVERY: Duration = Duration::from_millis(20);
 
 /// What a window needs from its communicator to connect.
 pub struct WindowSetup<'a> {
@@ -343,6 +351,8 @@ impl Window {
             own: region,
             targets,
             lens,
+            seen_alive: (0..w.world).map(|_| AtomicU64::new(0)).collect(),
+            born: Instant::now(),
             pids,
             timeout: w.timeout,
             #[cfg(feature = "verbs")]
@@ -383,7 +393,27 @@ impl Window {
         if off.checked_add(len).is_none_or(|e| e > self.lens[peer]) {
             return Err(invalid(format!("{what}: [{off}, {off}+{len}) is outside rank {peer}'s {} bytes", self.lens[peer])));
         }
-        Ok(())
+        self.alive(peer, what)
+    }
+
+    /// Fails naming `peer` when its process, whose region is mapped here, has exited
+    /// (looked at once per [`LIVENESS_EVERY`] per peer).
+    fn alive(&self, peer: usize, what: &str) -> Result<()> {
+        if self.pids.get(peer).copied().flatten().is_none() {
+            return Ok(());
+        }
+        let now = self.born.elapsed().as_millis() as u64;
+        let seen = &self.seen_alive[peer];
+        if now.saturating_sub(seen.load(Ordering::Relaxed)) < LIVENESS_EVERY.as_millis() as u64 {
+            return Ok(());
+        }
+        match self.peer_gone(peer) {
+            Some(cause) => Err(Error::PeerLost { rank: self.rank, peer, op: what.into(), cause }),
+            None => {
+                seen.store(now, Ordering::Relaxed);
+                Ok(())
+            }
+        }
     }
 
     /// Where `peer`'s region is mapped into this process (this rank, and peers on shared

@@ -574,14 +574,14 @@ pub fn token_ring(comm: &Communicator, steps: usize, cyclic: bool, kill: Option<
         if cyclic {
             rm.wait_token()?;
             turn(&mut rm, &mut acc, &mut count, step)?;
-        } else if rm.has_token() {
+        } else if rm.poll_token()? {
             turn(&mut rm, &mut acc, &mut count, step)?;
         }
     }
     // Keep the token moving until every rank has finished computing.
     let done = comm.ibarrier()?;
     while !done.test() {
-        if rm.has_token() {
+        if rm.poll_token()? {
             turn(&mut rm, &mut acc, &mut count, usize::MAX)?;
         }
         std::thread::yield_now();

@@ -2,6 +2,12 @@
 //! secret; optionally one "node" per network namespace on a bridge with tbf-shaped links.
 //! Forwards SIGINT/SIGTERM; when a rank fails it stops the others and names the rank;
 //! removes every namespace and link it made, also on failure.
+//!
+//! Every rank runs in a process group of its own, so a signal reaches a rank's descendants
+//! too (`-- bash -c "..."`). Ranks die with the launcher even when it is SIGKILLed: each
+//! gets a parent-death signal, and a guard process (`gradwire launch-guard`, in a session
+//! of its own) that the launcher feeds the groups and namespaces through a pipe stops
+//! every group and removes the namespaces when that pipe closes without a "done".
 
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -82,6 +88,7 @@ impl Netns {
         if unsafe { libc::geteuid() } != 0 {
             return Err("--netns needs root (network namespaces, veth pairs, tc)".into());
         }
+        sweep_stale_netns();
         let id = std::process::id();
         let mut me = Netns { bridge: format!("gwb{id}"), namespaces: vec![] };
         // Names hold our pid, so any already there were left by a launcher that was killed
@@ -145,16 +152,43 @@ fn node_addr(i: usize) -> String {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let id = std::process::id();
-        for (i, ns) in self.namespaces.iter().enumerate() {
-            // Deleting the namespace frees its veth end only asynchronously: remove our end
-            // now so nothing is left when we exit.
-            let _ = ip(&["link", "del", &format!("gw{id}h{i}")]);
-            if let Err(e) = ip(&["netns", "del", ns]) {
-                eprintln!("gradwire launch: cleanup: {e}");
+        remove_netns(std::process::id(), self.namespaces.len());
+    }
+}
+
+/// Removes the namespaces, veths and bridge that the launcher with pid `id` made for
+/// `nodes` nodes.
+fn remove_netns(id: u32, nodes: usize) {
+    for i in 0..nodes {
+        // Deleting the namespace frees its veth end only asynchronously: remove our end
+        // now so nothing is left when we exit.
+        let _ = ip(&["link", "del", &format!("gw{id}h{i}")]);
+        if let Err(e) = ip(&["netns", "del", &format!("gw{id}n{i}")]) {
+            eprintln!("gradwire launch: cleanup: {e}");
+        }
+    }
+    let _ = ip(&["link", "del", &format!("gwb{id}")]);
+}
+
+/// Removes what launchers that are gone left behind (killed before they or their guard
+/// could clean up): namespaces `gw<pid>n<i>` whose pid is no running process.
+fn sweep_stale_netns() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else { return };
+    let mut stale: Vec<(u32, usize)> = vec![];
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let Some((pid, node)) = name.strip_prefix("gw").and_then(|r| r.split_once('n')) else { continue };
+        let (Ok(pid), Ok(node)) = (pid.parse::<u32>(), node.parse::<usize>()) else { continue };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            match stale.iter_mut().find(|(p, _)| *p == pid) {
+                Some((_, n)) => *n = (*n).max(node + 1),
+                None => stale.push((pid, node + 1)),
             }
         }
-        let _ = ip(&["link", "del", &self.bridge]);
+    }
+    for (pid, nodes) in stale {
+        eprintln!("gradwire launch: removing {nodes} network namespace(s) left by launcher {pid}, which is gone");
+        remove_netns(pid, nodes);
     }
 }
 
@@ -167,21 +201,150 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-fn stop_all(children: &mut [Option<Child>], sig: i32) {
-    for c in children.iter().flatten() {
-        // SAFETY: sending a signal to our own child's pid.
-        unsafe { libc::kill(c.id() as i32, sig) };
-    }
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < deadline && children.iter_mut().flatten().any(|c| matches!(c.try_wait(), Ok(None))) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for c in children.iter_mut().flatten() {
-        if matches!(c.try_wait(), Ok(None)) {
-            let _ = c.kill();
-            let _ = c.wait();
+/// Sends `sig` to every process of a rank's group (the rank and all it started), and
+/// SIGCONT after it, so that a stopped rank can act on it.
+fn signal_group(pgid: u32, sig: i32) {
+    // SAFETY: kill with a negative pid signals that process group; no memory is involved.
+    unsafe {
+        libc::kill(-(pgid as i32), sig);
+        if sig != libc::SIGKILL && sig != libc::SIGCONT {
+            libc::kill(-(pgid as i32), libc::SIGCONT);
         }
     }
+}
+
+/// Whether any process of group `pgid` is left (a rank's descendants may outlive it).
+fn group_alive(pgid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the group exists.
+    unsafe { libc::kill(-(pgid as i32), 0) == 0 }
+}
+
+/// Stops every rank and everything it started: `sig` to each rank's process group, then
+/// SIGKILL to the groups still there after 3 s.
+fn stop_all(children: &mut [Option<Child>], groups: &[u32], sig: i32) {
+    for &g in groups {
+        signal_group(g, sig);
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline && (children.iter_mut().flatten().any(|c| matches!(c.try_wait(), Ok(None))) || groups.iter().any(|&g| group_alive(g))) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for &g in groups {
+        signal_group(g, libc::SIGKILL);
+    }
+    for c in children.iter_mut().flatten() {
+        let _ = c.wait();
+    }
+}
+
+/// Whether some process of group `pgid` is stopped (SIGSTOP, SIGTSTP, a debugger): a rank
+/// that stopped answering without exiting.
+fn group_stopped(pgid: u32) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return false };
+    dir.flatten().any(|e| {
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        // pid (comm) state ppid pgrp ...: comm may hold spaces, so parse after the last ')'.
+        let mut fields = stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace()).into_iter().flatten();
+        let state = fields.next().unwrap_or("");
+        let pgrp = fields.nth(1).and_then(|p| p.parse::<u32>().ok());
+        pgrp == Some(pgid) && (state == "T" || state == "t")
+    })
+}
+
+/// Makes the (child) process a process group of its own and has the kernel kill it when
+/// the launcher dies, however it dies.
+fn own_group_dying_with(cmd: &mut Command, launcher: libc::pid_t) {
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The launcher died before the line above: nobody would signal us.
+            if libc::getppid() != launcher {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+}
+
+/// The launcher's guard: a process of its own that the launcher tells, through a pipe, the
+/// rank groups and namespaces it makes. When the pipe closes without "done" the launcher
+/// died without cleaning up (SIGKILL, the OOM killer), and the guard does it.
+struct Guard {
+    pipe: Option<std::process::ChildStdin>,
+    process: Child,
+}
+
+impl Guard {
+    fn start() -> Result<Self, String> {
+        use std::os::unix::process::CommandExt;
+        let exe = std::env::current_exe().map_err(|e| format!("cannot find this program to start its guard: {e}"))?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("launch-guard").stdin(std::process::Stdio::piped()).process_group(0);
+        let mut process = cmd.spawn().map_err(|e| format!("cannot start the launch guard: {e}"))?;
+        Ok(Guard { pipe: process.stdin.take(), process })
+    }
+
+    fn tell(&mut self, line: &str) {
+        use std::io::Write;
+        if let Some(p) = &mut self.pipe {
+            let _ = writeln!(p, "{line}");
+        }
+    }
+
+    /// The launcher cleaned up itself: the guard may go.
+    fn done(mut self) {
+        self.tell("done");
+        drop(self.pipe.take());
+        let _ = self.process.wait();
+    }
+}
+
+/// `gradwire launch-guard`: reads `group PGID`, `netns PID NODES` and `done` lines until
+/// its input closes; without `done`, stops every group (SIGTERM, then SIGKILL after 2 s)
+/// and removes the namespaces. Returns the exit code.
+pub fn guard() -> i32 {
+    use std::io::BufRead;
+    // The terminal's Ctrl-C or a hang-up is the launcher's to handle; the guard waits.
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: ignoring a signal involves no handler code.
+        unsafe { libc::signal(sig, libc::SIG_IGN) };
+    }
+    let (mut groups, mut netns, mut done) = (Vec::<u32>::new(), None::<(u32, usize)>, false);
+    for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["group", g] => groups.extend(g.parse::<u32>().ok()),
+            ["netns", id, n] => netns = id.parse().ok().zip(n.parse().ok()),
+            ["done"] => done = true,
+            _ => {}
+        }
+    }
+    if done {
+        return 0;
+    }
+    let alive: Vec<u32> = groups.into_iter().filter(|&g| group_alive(g)).collect();
+    if !alive.is_empty() {
+        eprintln!("gradwire launch: the launcher died; stopping its {} rank(s) and everything they started", alive.len());
+    }
+    for &g in &alive {
+        signal_group(g, libc::SIGTERM);
+    }
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until && alive.iter().any(|&g| group_alive(g)) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for &g in &alive {
+        signal_group(g, libc::SIGKILL);
+    }
+    if let Some((id, nodes)) = netns {
+        remove_netns(id, nodes);
+    }
+    0
 }
 
 /// Runs the job; returns the launcher's exit code.
@@ -195,9 +358,24 @@ pub fn run(a: &LaunchArgs) -> i32 {
         return 2;
     }
     install_handlers();
+    let mut guard = match Guard::start() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("gradwire launch: {e}");
+            return 1;
+        }
+    };
+    let code = launch_guarded(a, &mut guard);
+    guard.done();
+    code
+}
+
+/// [`run`] once the guard is up: everything it makes, it tells the guard first.
+fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
     let nodes = if a.netns { a.nprocs / a.ranks_per_node } else { 1 };
     let per_node = if a.netns { a.ranks_per_node } else { a.nprocs };
     let netns = if a.netns {
+        guard.tell(&format!("netns {} {nodes}", std::process::id()));
         match Netns::create(nodes, a.link_gbit) {
             Ok(n) => Some(n),
             Err(e) => {
@@ -237,7 +415,10 @@ pub fn run(a: &LaunchArgs) -> i32 {
     // a CPU of its own (oversubscribed ranks are better left to the scheduler).
     let cpus = allowed_cpus();
     let binding = a.bind && !cpus.is_empty() && a.nprocs <= cpus.len();
+    // SAFETY: getpid has no preconditions.
+    let launcher = unsafe { libc::getpid() };
     let mut children: Vec<Option<Child>> = Vec::new();
+    let mut groups: Vec<u32> = Vec::new();
     for r in 0..a.nprocs {
         let mut cmd = match &netns {
             Some(n) => {
@@ -262,26 +443,32 @@ pub fn run(a: &LaunchArgs) -> i32 {
         if let Some(p) = &ld_path {
             cmd.env("LD_LIBRARY_PATH", p);
         }
+        own_group_dying_with(&mut cmd, launcher);
         if let Some(&cpu) = cpus.get(r).filter(|_| binding) {
             bind_to(&mut cmd, cpu);
         }
         match cmd.spawn() {
-            Ok(c) => children.push(Some(c)),
+            Ok(c) => {
+                guard.tell(&format!("group {}", c.id()));
+                groups.push(c.id());
+                children.push(Some(c));
+            }
             Err(e) => {
                 eprintln!("gradwire launch: cannot start rank {r} ({}): {e}", a.cmd[0]);
-                stop_all(&mut children, libc::SIGTERM);
+                stop_all(&mut children, &groups, libc::SIGTERM);
                 return 1;
             }
         }
     }
     let start = Instant::now();
-    let mut failed: Option<(usize, String)> = None;
     let mut code = 0;
+    // Ranks that have ended, with their status, in the order they were seen to end.
+    let mut ended: Vec<(usize, ExitStatus)> = vec![];
     loop {
         let sig = SIGNAL.load(Ordering::SeqCst);
         if sig != 0 {
             eprintln!("gradwire launch: got signal {sig}; stopping all ranks");
-            stop_all(&mut children, sig);
+            stop_all(&mut children, &groups, sig);
             code = 128 + sig;
             break;
         }
@@ -290,59 +477,85 @@ pub fn run(a: &LaunchArgs) -> i32 {
                 let running: Vec<usize> =
                     children.iter_mut().enumerate().filter_map(|(r, c)| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None))).then_some(r)).collect();
                 eprintln!("gradwire launch: timed out after {} s; ranks still running: {running:?}; stopping them", t.as_secs());
-                stop_all(&mut children, libc::SIGTERM);
+                stop_all(&mut children, &groups, libc::SIGTERM);
                 code = 124;
                 break;
             }
         }
-        let mut all_done = true;
-        // Ranks that ended in this poll. When several fail at once, one killed by a signal
-        // is the likelier root cause than one that exited with an error after seeing it.
-        let mut ended: Vec<(usize, ExitStatus)> = vec![];
-        for (r, slot) in children.iter_mut().enumerate() {
-            let Some(c) = slot else { continue };
-            match c.try_wait() {
-                Ok(Some(st)) => {
-                    *slot = None;
-                    ended.push((r, st));
-                }
-                Ok(None) => all_done = false,
-                Err(e) => {
-                    eprintln!("gradwire launch: waiting for rank {r}: {e}");
-                    *slot = None;
-                }
+        reap(&mut children, &mut ended);
+        if ended.iter().any(|(_, st)| !st.success()) {
+            // The first failure seen is often not the cause: a rank killed by a signal is
+            // reaped only after its memory is torn down, by which time its peers may have
+            // noticed and exited with an error. Let the statuses settle before blaming.
+            let settle = Instant::now() + Duration::from_millis(300);
+            while Instant::now() < settle && children.iter().any(|c| c.is_some()) {
+                std::thread::sleep(Duration::from_millis(10));
+                reap(&mut children, &mut ended);
             }
-        }
-        if failed.is_none() {
-            use std::os::unix::process::ExitStatusExt;
-            let culprit = ended.iter().find(|(_, st)| st.signal().is_some()).or_else(|| ended.iter().find(|(_, st)| !st.success()));
-            if let Some((r, st)) = culprit {
-                failed = Some((*r, describe(*st)));
-                code = st.code().filter(|&c| c != 0).unwrap_or(1);
-            }
-        }
-        if let Some((r, why)) = &failed {
+            let (r, why) = culprit(&ended, &children, &groups);
+            code = ended.iter().find(|(e, _)| *e == r).and_then(|(_, st)| st.code()).filter(|&c| c != 0).unwrap_or(1);
             if children.iter().any(|c| c.is_some()) {
                 eprintln!("gradwire launch: rank {r} failed ({why}); stopping the other ranks");
-                // Give the survivors a moment to report their own view of the failure.
-                let grace = Instant::now() + Duration::from_secs(10);
-                while Instant::now() < grace && children.iter_mut().flatten().any(|c| matches!(c.try_wait(), Ok(None))) {
-                    std::thread::sleep(Duration::from_millis(20));
+                // A stopped rank will never report, and its open connections keep its peers
+                // (rank 0's store among them) waiting for it to leave: it goes first.
+                for (_, &g) in children.iter().zip(&groups).filter(|(c, &g)| c.is_some() && group_stopped(g)) {
+                    signal_group(g, libc::SIGKILL);
                 }
-                stop_all(&mut children, libc::SIGTERM);
+                // Give the survivors a moment to report their own view of the failure; a
+                // stopped rank will not, so it is not waited for.
+                let grace = Instant::now() + Duration::from_secs(10);
+                while Instant::now() < grace && children.iter().zip(&groups).any(|(c, &g)| c.is_some() && !group_stopped(g)) {
+                    std::thread::sleep(Duration::from_millis(20));
+                    reap(&mut children, &mut ended);
+                }
+                stop_all(&mut children, &groups, libc::SIGTERM);
             } else {
                 eprintln!("gradwire launch: rank {r} failed ({why})");
             }
             break;
         }
-        if all_done {
+        if children.iter().all(|c| c.is_none()) {
             break;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    // Whatever a rank started and left behind (a shell's background job) goes with the job.
+    stop_all(&mut children, &groups, libc::SIGTERM);
     drop(netns);
     if let Some(d) = nccl_dir {
         let _ = std::fs::remove_dir_all(d);
     }
     code
+}
+
+/// Moves the ranks that have ended into `ended`.
+fn reap(children: &mut [Option<Child>], ended: &mut Vec<(usize, ExitStatus)>) {
+    for (r, slot) in children.iter_mut().enumerate() {
+        let Some(c) = slot else { continue };
+        match c.try_wait() {
+            Ok(Some(st)) => {
+                *slot = None;
+                ended.push((r, st));
+            }
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("gradwire launch: waiting for rank {r}: {e}");
+                *slot = None;
+            }
+        }
+    }
+}
+
+/// The rank to blame and why: one killed by a signal, else one that is stopped (its peers
+/// time out waiting for it and exit with an error), else the first that failed.
+fn culprit(ended: &[(usize, ExitStatus)], children: &[Option<Child>], groups: &[u32]) -> (usize, String) {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some((r, st)) = ended.iter().find(|(_, st)| st.signal().is_some()) {
+        return (*r, describe(*st));
+    }
+    if let Some(r) = (0..children.len()).find(|&r| children[r].is_some() && group_stopped(groups[r])) {
+        return (r, "stopped (SIGSTOP?) and not answering".into());
+    }
+    let (r, st) = ended.iter().find(|(_, st)| !st.success()).copied().unwrap_or((0, ExitStatus::from_raw(256)));
+    (r, describe(st))
 }

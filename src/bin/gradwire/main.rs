@@ -88,6 +88,10 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         cmd: Vec<String>,
     },
+    /// Internal: the guard `gradwire launch` starts to stop its ranks (and remove its
+    /// namespaces) should the launcher die without doing so.
+    #[command(hide = true, name = "launch-guard")]
+    LaunchGuard,
     /// nccl-tests style benchmark of one collective (run under `gradwire launch`).
     Bench {
         /// allreduce, reduce_scatter, allgather, broadcast, reduce, barrier; or write
@@ -259,6 +263,7 @@ fn main() {
             bind: bind == "core",
             cmd,
         }),
+        Cmd::LaunchGuard => launch::guard(),
         Cmd::Train { args, transport } => {
             set_transport(transport);
             exit_code("train", Communicator::init().and_then(|c| train::run(&c, &args)))
