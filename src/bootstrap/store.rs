@@ -192,8 +192,9 @@ fn serve(s: &mut TcpStream, table: &Table) -> std::io::Result<()> {
                 write_frame(s, b"K")?;
             }
             GET => {
-                let wait = Duration::from_millis(u64::from_le_bytes(arg.try_into().map_err(|_| bad("bad timeout"))?));
-                let deadline = Instant::now() + wait;
+                // No client holds a server thread longer than any deadline may be.
+                let wait = u64::from_le_bytes(arg.try_into().map_err(|_| bad("bad timeout"))?).min(crate::config::MAX_TIMEOUT_MS);
+                let deadline = Instant::now() + Duration::from_millis(wait);
                 let mut map = lock.lock().unwrap_or_else(|p| p.into_inner());
                 let reply = loop {
                     if let Some(v) = map.get(&key) {
@@ -229,8 +230,9 @@ fn serve(s: &mut TcpStream, table: &Table) -> std::io::Result<()> {
 
 fn split_key(b: &[u8]) -> Option<(String, &[u8])> {
     let len = u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize;
-    let key = std::str::from_utf8(b.get(4..4 + len)?).ok()?.to_string();
-    Some((key, &b[4 + len..]))
+    let end = len.checked_add(4)?;
+    let key = std::str::from_utf8(b.get(4..end)?).ok()?.to_string();
+    Some((key, &b[end..]))
 }
 
 fn request(cmd: u8, key: &str, arg: &[u8]) -> Vec<u8> {

@@ -706,3 +706,68 @@ fn agree_on_nic_atomics(w: &WindowSetup<'_>, mine: bool, mapped: &[usize], deadl
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::sync::atomic::AtomicUsize;
+
+    static PANICS: AtomicUsize = AtomicUsize::new(0);
+
+    /// A request as a peer that proved the job secret might send anything: any op, the
+    /// real window or another, offsets and lengths at and past the region's ends, and a
+    /// payload shorter than announced.
+    fn request() -> impl Strategy<Value = Vec<u8>> {
+        let op = prop_oneof![Just(OP_WRITE), Just(OP_READ), Just(OP_FADD), Just(OP_ACCUMULATE), any::<u8>()];
+        let window = prop_oneof![4 => Just(7u64), 1 => any::<u64>()];
+        let edge = prop_oneof![0u64..4200, Just(u64::MAX), Just(u64::MAX - 7), Just(1 << 63), any::<u64>()];
+        (op, window, edge.clone(), edge, any::<u64>(), proptest::collection::vec(any::<u8>(), 0..64)).prop_map(|(op, win, off, arg, tag, payload)| {
+            let mut r = vec![op];
+            for v in [win, off, arg, tag] {
+                r.extend_from_slice(&v.to_le_bytes());
+            }
+            r.extend_from_slice(&payload);
+            r
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Nothing a peer sends makes the service panic or stop serving the next
+        /// connection (an announced length is never allocated: payloads go straight into
+        /// the region, bounds checked, or are skipped).
+        #[test]
+        fn the_one_sided_service_survives_any_request(reqs in proptest::collection::vec(request(), 1..6)) {
+            static HOOK: std::sync::Once = std::sync::Once::new();
+            HOOK.call_once(|| {
+                let default = std::panic::take_hook();
+                std::panic::set_hook(Box::new(move |info| {
+                    PANICS.fetch_add(1, Ordering::SeqCst);
+                    default(info);
+                }));
+            });
+            let svc = RmaService::start("127.0.0.1".parse().unwrap(), "fuzz-secret", "rma:fuzz", 0).unwrap();
+            let region = Arc::new(Region::anonymous(4096).unwrap());
+            svc.expose(7, region.clone(), None, Duration::from_millis(200), None);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut c = auth::dial(&svc.addr, "fuzz-secret", b"rma:fuzz", deadline, "service").unwrap();
+            for r in &reqs {
+                if c.write_all(r).is_err() {
+                    break;
+                }
+            }
+            drop(c);
+            let mut c = auth::dial(&svc.addr, "fuzz-secret", b"rma:fuzz", deadline, "service").unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut read = Window::request(OP_READ, 0, 8);
+            read[1..9].copy_from_slice(&7u64.to_le_bytes());
+            c.write_all(&read).unwrap();
+            let mut reply = [0u8; 9];
+            c.read_exact(&mut reply).unwrap();
+            prop_assert_eq!(reply[0], 1, "a valid read after the fuzzed connection was refused");
+            prop_assert_eq!(PANICS.load(Ordering::SeqCst), 0);
+        }
+    }
+}
