@@ -13,7 +13,7 @@ pub struct Setting {
 
 /// All `GRADWIRE_*` settings (rank discovery variables are in `bootstrap`).
 pub const SETTINGS: &[Setting] = &[
-    Setting { env: "GRADWIRE_TIMEOUT_MS", default: "60000", help: "Deadline of every wait (collective, connect, store lookup), in ms." },
+    Setting { env: "GRADWIRE_TIMEOUT_MS", default: "60000", help: "Deadline of every wait (collective, connect, store lookup), in ms: 1 to 604800000 (7 days)." },
     Setting { env: "GRADWIRE_TRANSPORT", default: "auto", help: "auto (shm inside a host; between hosts verbs when an RDMA port is up, else tcp), shm (error if ranks span hosts), tcp, or verbs (every peer, also inside a host)." },
     Setting {
         env: "GRADWIRE_ALGO",
@@ -45,7 +45,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         env: "GRADWIRE_SPIN_US",
         default: "50",
-        help: "How long a waiting rank spins before it yields and then sleeps; 0 wherever this host's ranks outnumber the CPUs its control group lets them use.",
+        help: "How long a waiting rank spins before it yields and then sleeps (at most 1000000 us); 0 wherever this host's ranks outnumber the CPUs its control group lets them use.",
     },
     Setting { env: "GRADWIRE_IB_DEV", default: "(automatic)", help: "RDMA device to use (see `gradwire info` for the list and the automatic choice)." },
     Setting { env: "GRADWIRE_IB_PORT", default: "(first ACTIVE port)", help: "RDMA port number on that device." },
