@@ -26,6 +26,8 @@ pub mod ffi;
 pub mod gpu;
 pub mod mem;
 pub mod rma;
+#[cfg(test)]
+mod test_support;
 pub mod train;
 pub mod transport;
 

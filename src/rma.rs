@@ -357,8 +357,9 @@ impl RemoteMemory {
     }
 
     /// Whether the token is here (the dynamic-delay schedule, which never waits for it);
-    /// fails when it has not moved anywhere in the ring for the deadline (its holder
-    /// stopped or died), naming the holder. Counts the passes at most every 1/8 deadline.
+    /// fails when it has not moved anywhere in the ring for the deadline (its holder died,
+    /// stopped, or did not take its turn for that long), naming the holder. Counts the
+    /// passes at most every 1/8 deadline.
     pub fn poll_token(&mut self) -> Result<bool> {
         if self.has_token() {
             return Ok(true);

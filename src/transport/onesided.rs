@@ -710,10 +710,8 @@ fn agree_on_nic_atomics(w: &WindowSetup<'_>, mine: bool, mapped: &[usize], deadl
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::panics_so_far;
     use proptest::prelude::*;
-    use std::sync::atomic::AtomicUsize;
-
-    static PANICS: AtomicUsize = AtomicUsize::new(0);
 
     /// A request as a peer that proved the job secret might send anything: any op, the
     /// real window or another, offsets and lengths at and past the region's ends, and a
@@ -740,14 +738,7 @@ mod tests {
         /// the region, bounds checked, or are skipped).
         #[test]
         fn the_one_sided_service_survives_any_request(reqs in proptest::collection::vec(request(), 1..6)) {
-            static HOOK: std::sync::Once = std::sync::Once::new();
-            HOOK.call_once(|| {
-                let default = std::panic::take_hook();
-                std::panic::set_hook(Box::new(move |info| {
-                    PANICS.fetch_add(1, Ordering::SeqCst);
-                    default(info);
-                }));
-            });
+            let panics = panics_so_far();
             let svc = RmaService::start("127.0.0.1".parse().unwrap(), "fuzz-secret", "rma:fuzz", 0).unwrap();
             let region = Arc::new(Region::anonymous(4096).unwrap());
             svc.expose(7, region.clone(), None, Duration::from_millis(200), None);
@@ -767,7 +758,7 @@ mod tests {
             let mut reply = [0u8; 9];
             c.read_exact(&mut reply).unwrap();
             prop_assert_eq!(reply[0], 1, "a valid read after the fuzzed connection was refused");
-            prop_assert_eq!(PANICS.load(Ordering::SeqCst), 0);
+            prop_assert_eq!(panics_so_far(), panics);
         }
     }
 }
