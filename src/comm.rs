@@ -71,7 +71,11 @@ impl Communicator {
         let store = boot.store.clone();
         let secret = boot.env.secret.clone();
         let prefix = format!("w{}", boot.generation);
-        Self::build(rank, size, topo, cfg, store, secret, prefix, deadline, Some(boot), (0..size).collect())
+        let comm = Self::build(rank, size, topo, cfg, store, secret, prefix, deadline, Some(boot.clone()), (0..size).collect())?;
+        // Before the closing barrier: after it a rank may exit, rank 0's store with it.
+        boot.check_setup()?;
+        comm.closing_agreement(deadline)?;
+        Ok(comm)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -148,7 +152,6 @@ impl Communicator {
             p2p_received: (0..size).map(|_| AtomicU64::new(0)).collect(),
             _bootstrap: boot,
         };
-        comm.closing_agreement(deadline)?;
         Ok(comm)
     }
 
@@ -236,7 +239,9 @@ impl Communicator {
         let deadline = Instant::now() + self.config.timeout;
         let store = if ranks.len() > 1 { self.store.clone() } else { None };
         let global = ranks.iter().map(|&r| self.global_ranks[r]).collect();
-        Self::build(new_rank, ranks.len(), topo, self.config.clone(), store, self.secret.clone(), prefix, deadline, self._bootstrap.clone(), global).map(Some)
+        let sub = Self::build(new_rank, ranks.len(), topo, self.config.clone(), store, self.secret.clone(), prefix, deadline, self._bootstrap.clone(), global)?;
+        sub.closing_agreement(deadline)?;
+        Ok(Some(sub))
     }
 
     /// Exposes `region` for one-sided write/read/fetch-add by every rank and connects to

@@ -381,7 +381,8 @@ impl RemoteMemory {
 
     /// Waits until the token arrives (fixed cyclic schedule). On the deadline, names the
     /// rank that holds it — the last in ring order to have received it — and whether that
-    /// process is gone; a peer that dies meanwhile is noticed within 20 ms.
+    /// process is gone; a peer on this host that dies meanwhile is noticed within 20 ms
+    /// (one behind a network, when a one-sided operation to it fails).
     pub fn wait_token(&self) -> Result<()> {
         let start = Instant::now();
         let mut looked = start;

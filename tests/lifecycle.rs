@@ -71,10 +71,13 @@ fn all_fail_fast(children: Vec<Child>, expect: &str) {
 }
 
 /// Two processes with RANK=1 (none with 2): every process fails, naming the duplicate
-/// (they used to run and report success).
+/// (they used to run and report success). Two with RANK=0 too: the second finds the port
+/// taken by a store that knows the job's secret, and fails every rank the same way rather
+/// than alone.
 #[test]
 fn a_duplicate_rank_fails_every_rank() {
     all_fail_fast(spawn_ranks(&[(0, 3), (1, 3), (1, 3)], free_port()), "two processes were started with rank 1");
+    all_fail_fast(spawn_ranks(&[(0, 3), (0, 3), (1, 3)], free_port()), "two processes were started with rank 0");
 }
 
 /// Ranks that disagree on WORLD_SIZE are told so (it used to read "GRADWIRE_SHM_*

@@ -153,9 +153,18 @@ pub fn dial(addr: &str, secret: &str, context: &[u8], deadline: std::time::Insta
                 Ok(mut s) => {
                     s.set_nodelay(true).ok();
                     s.set_read_timeout(Some(left.max(std::time::Duration::from_millis(100)))).ok();
-                    connect(&mut s, secret, context)?;
-                    s.set_read_timeout(None).ok();
-                    return Ok(s);
+                    match connect(&mut s, secret, context) {
+                        Ok(()) => {
+                            s.set_read_timeout(None).ok();
+                            return Ok(s);
+                        }
+                        // Closed before the greeting: a listener going away (a store being
+                        // replaced) or one turning connections away while full. Try again.
+                        Err(Error::Io { source, .. }) if matches!(source.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof) => {
+                            last_err = Some(source)
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
                 Err(e) => last_err = Some(e),
             }
@@ -168,27 +177,35 @@ pub fn dial(addr: &str, secret: &str, context: &[u8], deadline: std::time::Insta
     }
 }
 
-/// Most connections that may be proving the job secret at once on one listener: a new one
-/// past it cuts off the oldest still unproven, so strangers cannot make a process spawn
-/// threads without bound, yet a rank arriving after a crowd of them still gets in (its
-/// own handshake takes milliseconds). Each handshake also has its own deadline.
+/// Most connections that may be proving the job secret at once on one listener, so that
+/// strangers cannot make a process spawn threads without bound. Past it, a new connection
+/// cuts off the oldest unproven one if that has had [`STALE_HANDSHAKE`] (a rank's own
+/// handshake takes milliseconds), else it is closed at once and a rank dialling retries:
+/// either way a rank arriving after a crowd of silent connections still gets in.
 pub const MAX_PENDING_HANDSHAKES: usize = 64;
+
+/// How long an unproven connection is safe from being cut off for a newer one.
+pub const STALE_HANDSHAKE: Duration = Duration::from_millis(500);
 
 /// The handshakes in progress on one listener, oldest first.
 #[derive(Default)]
 pub struct Handshakes {
-    pending: std::sync::Mutex<std::collections::VecDeque<(u64, TcpStream)>>,
+    pending: std::sync::Mutex<std::collections::VecDeque<(u64, Instant, TcpStream)>>,
     next: std::sync::atomic::AtomicU64,
 }
 
 impl Handshakes {
-    /// Counts `s` in (cutting off the oldest handshake when [`MAX_PENDING_HANDSHAKES`] are
-    /// already running); pass the id to [`Handshakes::done`] when its handshake ends.
-    pub fn admit(&self, s: &TcpStream) -> u64 {
-        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    /// Counts `s` in and returns the id to pass to [`Handshakes::done`] when its
+    /// handshake ends; `None` (and `s` closed) when the table is full of fresh handshakes.
+    pub fn admit(&self, s: &TcpStream) -> Option<u64> {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        while pending.len() >= MAX_PENDING_HANDSHAKES {
-            if let Some((_, oldest)) = pending.pop_front() {
+        if pending.len() >= MAX_PENDING_HANDSHAKES {
+            let stale = pending.front().is_some_and(|(_, since, _)| since.elapsed() >= STALE_HANDSHAKE);
+            if !stale {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+                return None;
+            }
+            if let Some((_, _, oldest)) = pending.pop_front() {
                 log::warn!(
                     "{MAX_PENDING_HANDSHAKES} connections are proving the job secret at once; cutting off the oldest, from {:?}",
                     oldest.peer_addr().ok()
@@ -196,31 +213,43 @@ impl Handshakes {
                 let _ = oldest.shutdown(std::net::Shutdown::Both);
             }
         }
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Ok(clone) = s.try_clone() {
-            pending.push_back((id, clone));
+            pending.push_back((id, Instant::now(), clone));
         }
-        id
+        Some(id)
     }
 
     pub fn done(&self, id: u64) {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _)| *i != id);
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _, _)| *i != id);
     }
 }
 
 /// How long a connection has to prove the job secret.
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 
-/// A listener served by [`serve_authenticated`]; dropping it stops accepting (and frees the
-/// port within [`ACCEPT_POLL`]). Connections already accepted are served on.
-pub struct Listening(std::sync::Arc<std::sync::atomic::AtomicBool>);
+/// A listener served by [`serve_authenticated`]; dropping it stops accepting and returns
+/// once the port is free. Connections already accepted are served on.
+pub struct Listening {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    fd: std::os::fd::RawFd,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
 
 impl Drop for Listening {
     fn drop(&mut self) {
-        self.0.store(true, std::sync::atomic::Ordering::Release);
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        // Wakes the accept loop's poll at once. SAFETY: the accept thread owns the fd
+        // until it is joined below, so it is still this listener's.
+        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
-/// How often an idle accept loop looks whether its [`Listening`] was dropped.
+/// How often an idle accept loop looks whether its [`Listening`] was dropped (a dropped
+/// one also wakes it at once).
 const ACCEPT_POLL: i32 = 100;
 
 /// Serves `listener` on a background thread: every connection gets its own thread, must
@@ -239,23 +268,34 @@ where
     let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
     let handshakes = Arc::new(Handshakes::default());
-    std::thread::Builder::new()
+    // Non-blocking: a connection reset between poll and accept must not block the loop.
+    listener.set_nonblocking(true).map_err(|e| Error::io(format!("{name}: nonblocking listener"), e))?;
+    let fd = listener.as_raw_fd();
+    let thread = std::thread::Builder::new()
         .name(name.to_string())
         .spawn(move || loop {
             if stopped.load(Ordering::Acquire) {
                 return;
             }
-            let mut fd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            let mut pfd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
             // SAFETY: one valid pollfd, exclusively borrowed for the call.
-            if unsafe { libc::poll(&mut fd, 1, ACCEPT_POLL) } <= 0 {
+            if unsafe { libc::poll(&mut pfd, 1, ACCEPT_POLL) } <= 0 || stopped.load(Ordering::Acquire) {
                 continue;
             }
-            let Ok((mut s, peer)) = listener.accept() else {
-                // Out of descriptors, say: retrying at once would only spin.
-                std::thread::sleep(Duration::from_millis(50));
+            let (mut s, peer) = match listener.accept() {
+                Ok(c) => c,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(_) => {
+                    // Out of descriptors, say: retrying at once would only spin.
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            s.set_nonblocking(false).ok();
+            let Some(id) = handshakes.admit(&s) else {
+                log::warn!("{who}: {MAX_PENDING_HANDSHAKES} connections are proving the job secret at once; closed the one from {peer}");
                 continue;
             };
-            let id = handshakes.admit(&s);
             let (serve, secret, context, who, in_handshake) = (serve.clone(), secret.clone(), context.clone(), who.clone(), handshakes.clone());
             let spawned = std::thread::Builder::new().name(format!("{who}-conn")).spawn(move || {
                 s.set_nodelay(true).ok();
@@ -275,7 +315,7 @@ where
             }
         })
         .map_err(|e| Error::io(format!("spawn {name}"), e))?;
-    Ok(Listening(stop))
+    Ok(Listening { stop, fd, thread: Some(thread) })
 }
 
 #[cfg(test)]

@@ -177,10 +177,12 @@ impl Bootstrap {
         if env.world == 1 {
             return Ok(Bootstrap { env, store: None, topology: Topology::single_rank(), generation: 0, _server: None });
         }
-        let generation = next_generation(&env);
         let addr = format!("{}:{}", env.master_addr, env.master_port);
-        let server = if env.rank == 0 { Some(StoreServer::shared(&env.master_addr, env.master_port, &env.secret)?) } else { None };
+        let server = if env.rank == 0 { host_store(&env, &addr)? } else { None };
         let store = Arc::new(StoreClient::connect(&addr, &env.secret, deadline)?);
+        // Counted only once the store answers: a rank that fails before it must not be a
+        // generation ahead of the others when it tries again.
+        let generation = next_generation(&env);
         let me = Joined { world: env.world, pid: std::process::id(), host: host_id() };
         let failed_key = setup_failed_key(generation);
         // Tells every rank why setup cannot work, and fails with the same reason here.
@@ -231,6 +233,11 @@ impl Bootstrap {
             }
             ids.push(theirs.host);
         }
+        // A rank that found what this one could not (a rank beyond our world size with
+        // another one) may have said so after we read every entry we need.
+        if let Some(why) = store.get(&failed_key, Instant::now())? {
+            return Err(config(format!("rank {}: setup failed: {}", env.rank, String::from_utf8_lossy(&why))));
+        }
         let topology = Topology::from_host_ids(&ids);
         let local = topology.local_ranks(env.rank);
         if let Some(lr) = env.local_rank {
@@ -240,6 +247,33 @@ impl Bootstrap {
             }
         }
         Ok(Bootstrap { env, store: Some(store), topology, generation, _server: server })
+    }
+
+    /// Fails if some rank has found the job's setup impossible (see [`Bootstrap::new`]):
+    /// asked once more when the communicator is otherwise complete.
+    pub fn check_setup(&self) -> Result<()> {
+        let Some(store) = &self.store else { return Ok(()) };
+        match store.get(&setup_failed_key(self.generation), Instant::now())? {
+            Some(why) => Err(config(format!("rank {}: setup failed: {}", self.env.rank, String::from_utf8_lossy(&why)))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Rank 0's store: the one it hosts already, a new one, or — when the port is taken by a
+/// store that accepts this job's secret — none: then another process was started as rank
+/// 0 too, and the duplicate check that follows fails every rank with that reason instead
+/// of this one failing alone.
+fn host_store(env: &RankEnv, addr: &str) -> Result<Option<Arc<StoreServer>>> {
+    match StoreServer::shared(&env.master_addr, env.master_port, &env.secret) {
+        Ok(s) => Ok(Some(s)),
+        Err(Error::Io { what, source }) if source.kind() == std::io::ErrorKind::AddrInUse => {
+            match StoreClient::connect(addr, &env.secret, Instant::now() + Duration::from_secs(1)) {
+                Ok(_) => Ok(None),
+                Err(_) => Err(Error::Io { what, source }),
+            }
+        }
+        Err(e) => Err(e),
     }
 }
 

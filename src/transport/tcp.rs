@@ -99,7 +99,13 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
         match listener.accept() {
             Ok((mut s, from)) => {
                 busy = true;
-                let id = handshakes.admit(&s);
+                let Some(id) = handshakes.admit(&s) else {
+                    log::warn!(
+                        "rank {rank}: tcp transport: {} connections are proving the job secret at once; closed the one from {from}",
+                        auth::MAX_PENDING_HANDSHAKES
+                    );
+                    continue;
+                };
                 let (secret, context, tx, in_handshake) = (secret.to_string(), context.clone(), proven_tx.clone(), handshakes.clone());
                 let until = deadline.min(Instant::now() + auth::HANDSHAKE_DEADLINE);
                 let spawned = std::thread::Builder::new().name(format!("gradwire-r{rank}-handshake")).spawn(move || {

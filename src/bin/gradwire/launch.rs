@@ -4,10 +4,12 @@
 //! removes every namespace and link it made, also on failure.
 //!
 //! Every rank runs in a process group of its own, so a signal reaches a rank's descendants
-//! too (`-- bash -c "..."`). Ranks die with the launcher even when it is SIGKILLed: each
-//! gets a parent-death signal, and a guard process (`gradwire launch-guard`, in a session
-//! of its own) that the launcher feeds the groups and namespaces through a pipe stops
-//! every group and removes the namespaces when that pipe closes without a "done".
+//! too (`-- bash -c "..."`); ranks are reaped only at the very end, so no group id can be
+//! reused by another process while the launcher may signal it. Ranks die with the launcher
+//! even when it is SIGKILLed: each gets a parent-death signal, and a guard process
+//! (`gradwire launch-guard`, in a session of its own) that the launcher feeds the groups
+//! and namespaces through a pipe stops every group and removes the namespaces when that
+//! pipe closes without a "done". Ranks read end-of-file, not the terminal.
 
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -213,41 +215,70 @@ fn signal_group(pgid: u32, sig: i32) {
     }
 }
 
-/// Whether any process of group `pgid` is left (a rank's descendants may outlive it).
-fn group_alive(pgid: u32) -> bool {
-    // SAFETY: signal 0 only checks that the group exists.
-    unsafe { libc::kill(-(pgid as i32), 0) == 0 }
+/// What is left of each process group: whether any member is alive (not a zombie), and
+/// whether any is stopped (SIGSTOP, SIGTSTP, SIGTTIN from reading the terminal, a
+/// debugger). One pass over /proc for all groups.
+#[derive(Clone, Copy, Default)]
+struct GroupState {
+    live: bool,
+    stopped: bool,
+}
+
+fn scan_groups() -> std::collections::HashMap<u32, GroupState> {
+    let mut groups: std::collections::HashMap<u32, GroupState> = Default::default();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return groups };
+    for e in dir.flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        // pid (comm) state ppid pgrp ...: comm may hold spaces, so parse after the last ')'.
+        let mut fields = stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace()).into_iter().flatten();
+        let state = fields.next().unwrap_or("");
+        let Some(pgrp) = fields.nth(1).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let g = groups.entry(pgrp).or_default();
+        g.live |= !matches!(state, "Z" | "X");
+        g.stopped |= matches!(state, "T" | "t");
+    }
+    groups
 }
 
 /// Stops every rank and everything it started: `sig` to each rank's process group, then
-/// SIGKILL to the groups still there after 3 s.
-fn stop_all(children: &mut [Option<Child>], groups: &[u32], sig: i32) {
+/// SIGKILL to the groups with members left after 3 s. The ranks themselves are reaped only
+/// at the end of the launch (see [`exit_status`]), so no group id can have been handed to
+/// another process meanwhile.
+fn stop_all(groups: &[u32], sig: i32) {
     for &g in groups {
         signal_group(g, sig);
     }
     let deadline = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < deadline && (children.iter_mut().flatten().any(|c| matches!(c.try_wait(), Ok(None))) || groups.iter().any(|&g| group_alive(g))) {
+    while Instant::now() < deadline {
+        let now = scan_groups();
+        if !groups.iter().any(|g| now.get(g).is_some_and(|s| s.live)) {
+            return;
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
     for &g in groups {
         signal_group(g, libc::SIGKILL);
     }
-    for c in children.iter_mut().flatten() {
-        let _ = c.wait();
-    }
 }
 
-/// Whether some process of group `pgid` is stopped (SIGSTOP, SIGTSTP, a debugger): a rank
-/// that stopped answering without exiting.
-fn group_stopped(pgid: u32) -> bool {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return false };
-    dir.flatten().any(|e| {
-        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-        // pid (comm) state ppid pgrp ...: comm may hold spaces, so parse after the last ')'.
-        let mut fields = stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace()).into_iter().flatten();
-        let state = fields.next().unwrap_or("");
-        let pgrp = fields.nth(1).and_then(|p| p.parse::<u32>().ok());
-        pgrp == Some(pgid) && (state == "T" || state == "t")
+/// A rank's exit status once it has ended, leaving it unreaped (a zombie keeps its pid,
+/// and so its process group's id, from being reused while the launcher may still signal
+/// that group).
+fn exit_status(c: &Child) -> Option<ExitStatus> {
+    use std::os::unix::process::ExitStatusExt;
+    // SAFETY: a zeroed siginfo_t is valid; waitid writes at most one into it.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid on our own child, without reaping it (WNOWAIT).
+    let r = unsafe { libc::waitid(libc::P_PID, c.id(), &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) };
+    // SAFETY: si_pid and si_status are set for the SIGCHLD-style siginfo waitid returns.
+    let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
+    if r != 0 || pid == 0 {
+        return None;
+    }
+    Some(match info.si_code {
+        libc::CLD_EXITED => ExitStatus::from_raw((status & 0xff) << 8),
+        libc::CLD_DUMPED => ExitStatus::from_raw(status | 0x80),
+        _ => ExitStatus::from_raw(status),
     })
 }
 
@@ -284,7 +315,17 @@ impl Guard {
         use std::os::unix::process::CommandExt;
         let exe = std::env::current_exe().map_err(|e| format!("cannot find this program to start its guard: {e}"))?;
         let mut cmd = Command::new(exe);
-        cmd.arg("launch-guard").stdin(std::process::Stdio::piped()).process_group(0);
+        cmd.arg("launch-guard").stdin(std::process::Stdio::piped());
+        // SAFETY: setsid is async-signal-safe. A session of its own: no terminal hang-up or
+        // signal to the launcher's process group reaches the guard.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         let mut process = cmd.spawn().map_err(|e| format!("cannot start the launch guard: {e}"))?;
         Ok(Guard { pipe: process.stdin.take(), process })
     }
@@ -327,7 +368,8 @@ pub fn guard() -> i32 {
     if done {
         return 0;
     }
-    let alive: Vec<u32> = groups.into_iter().filter(|&g| group_alive(g)).collect();
+    let now = scan_groups();
+    let alive: Vec<u32> = groups.into_iter().filter(|g| now.get(g).is_some_and(|s| s.live)).collect();
     if !alive.is_empty() {
         eprintln!("gradwire launch: the launcher died; stopping its {} rank(s) and everything they started", alive.len());
     }
@@ -335,7 +377,7 @@ pub fn guard() -> i32 {
         signal_group(g, libc::SIGTERM);
     }
     let until = Instant::now() + Duration::from_secs(2);
-    while Instant::now() < until && alive.iter().any(|&g| group_alive(g)) {
+    while Instant::now() < until && alive.iter().any(|g| scan_groups().get(g).is_some_and(|s| s.live)) {
         std::thread::sleep(Duration::from_millis(20));
     }
     for &g in &alive {
@@ -415,8 +457,8 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
     // a CPU of its own (oversubscribed ranks are better left to the scheduler).
     let cpus = allowed_cpus();
     let binding = a.bind && !cpus.is_empty() && a.nprocs <= cpus.len();
-    // SAFETY: getpid has no preconditions.
-    let launcher = unsafe { libc::getpid() };
+    // SAFETY: getpid and isatty have no preconditions.
+    let (launcher, stdin_is_terminal) = unsafe { (libc::getpid(), libc::isatty(0) == 1) };
     let mut children: Vec<Option<Child>> = Vec::new();
     let mut groups: Vec<u32> = Vec::new();
     for r in 0..a.nprocs {
@@ -444,6 +486,12 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
             cmd.env("LD_LIBRARY_PATH", p);
         }
         own_group_dying_with(&mut cmd, launcher);
+        if stdin_is_terminal {
+            // In a process group of its own a rank reading the terminal would be stopped
+            // (SIGTTIN) and hang the job: it reads end-of-file instead, as all ranks but
+            // rank 0 do under mpirun.
+            cmd.stdin(std::process::Stdio::null());
+        }
         if let Some(&cpu) = cpus.get(r).filter(|_| binding) {
             bind_to(&mut cmd, cpu);
         }
@@ -455,60 +503,71 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
             }
             Err(e) => {
                 eprintln!("gradwire launch: cannot start rank {r} ({}): {e}", a.cmd[0]);
-                stop_all(&mut children, &groups, libc::SIGTERM);
+                stop_all(&groups, libc::SIGTERM);
+                children.iter_mut().flatten().for_each(|c| drop(c.wait()));
                 return 1;
             }
         }
     }
     let start = Instant::now();
     let mut code = 0;
-    // Ranks that have ended, with their status, in the order they were seen to end.
+    // Ranks that have ended, with their status, in the order they were seen to end; and
+    // those processes, reaped only at the end (see `exit_status`).
     let mut ended: Vec<(usize, ExitStatus)> = vec![];
+    let mut unreaped: Vec<Child> = vec![];
     loop {
         let sig = SIGNAL.load(Ordering::SeqCst);
         if sig != 0 {
             eprintln!("gradwire launch: got signal {sig}; stopping all ranks");
-            stop_all(&mut children, &groups, sig);
+            stop_all(&groups, sig);
             code = 128 + sig;
             break;
         }
         if let Some(t) = a.timeout {
             if start.elapsed() > t {
-                let running: Vec<usize> =
-                    children.iter_mut().enumerate().filter_map(|(r, c)| c.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None))).then_some(r)).collect();
+                note_ended(&mut children, &mut ended, &mut unreaped);
+                let running: Vec<usize> = (0..children.len()).filter(|&r| children[r].is_some()).collect();
                 eprintln!("gradwire launch: timed out after {} s; ranks still running: {running:?}; stopping them", t.as_secs());
-                stop_all(&mut children, &groups, libc::SIGTERM);
+                stop_all(&groups, libc::SIGTERM);
                 code = 124;
                 break;
             }
         }
-        reap(&mut children, &mut ended);
+        note_ended(&mut children, &mut ended, &mut unreaped);
         if ended.iter().any(|(_, st)| !st.success()) {
-            // The first failure seen is often not the cause: a rank killed by a signal is
-            // reaped only after its memory is torn down, by which time its peers may have
-            // noticed and exited with an error. Let the statuses settle before blaming.
+            // The first failure seen is often not the cause: a rank killed by a signal ends
+            // only after its memory is torn down, by which time its peers may have noticed
+            // and exited with an error. Let the statuses settle before blaming.
             let settle = Instant::now() + Duration::from_millis(300);
             while Instant::now() < settle && children.iter().any(|c| c.is_some()) {
                 std::thread::sleep(Duration::from_millis(10));
-                reap(&mut children, &mut ended);
+                note_ended(&mut children, &mut ended, &mut unreaped);
             }
-            let (r, why) = culprit(&ended, &children, &groups);
+            let stopped = |children: &[Option<Child>]| {
+                let now = scan_groups();
+                (0..children.len()).map(|r| children[r].is_some() && now.get(&groups[r]).is_some_and(|s| s.stopped)).collect::<Vec<bool>>()
+            };
+            let (r, why) = culprit(&ended, &stopped(&children));
             code = ended.iter().find(|(e, _)| *e == r).and_then(|(_, st)| st.code()).filter(|&c| c != 0).unwrap_or(1);
             if children.iter().any(|c| c.is_some()) {
                 eprintln!("gradwire launch: rank {r} failed ({why}); stopping the other ranks");
                 // A stopped rank will never report, and its open connections keep its peers
                 // (rank 0's store among them) waiting for it to leave: it goes first.
-                for (_, &g) in children.iter().zip(&groups).filter(|(c, &g)| c.is_some() && group_stopped(g)) {
-                    signal_group(g, libc::SIGKILL);
+                for (r, _) in stopped(&children).iter().enumerate().filter(|(_, &s)| s) {
+                    signal_group(groups[r], libc::SIGKILL);
                 }
                 // Give the survivors a moment to report their own view of the failure; a
                 // stopped rank will not, so it is not waited for.
                 let grace = Instant::now() + Duration::from_secs(10);
-                while Instant::now() < grace && children.iter().zip(&groups).any(|(c, &g)| c.is_some() && !group_stopped(g)) {
+                while Instant::now() < grace {
+                    let stopped_now = stopped(&children);
+                    if !(0..children.len()).any(|r| children[r].is_some() && !stopped_now[r]) {
+                        break;
+                    }
                     std::thread::sleep(Duration::from_millis(20));
-                    reap(&mut children, &mut ended);
+                    note_ended(&mut children, &mut ended, &mut unreaped);
                 }
-                stop_all(&mut children, &groups, libc::SIGTERM);
+                stop_all(&groups, libc::SIGTERM);
             } else {
                 eprintln!("gradwire launch: rank {r} failed ({why})");
             }
@@ -519,8 +578,12 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    // Whatever a rank started and left behind (a shell's background job) goes with the job.
-    stop_all(&mut children, &groups, libc::SIGTERM);
+    // Whatever a rank started and left behind (a shell's background job) goes with the job;
+    // only then are the ranks reaped, freeing their group ids.
+    stop_all(&groups, libc::SIGTERM);
+    for c in children.iter_mut().flatten().chain(unreaped.iter_mut()) {
+        let _ = c.wait();
+    }
     drop(netns);
     if let Some(d) = nccl_dir {
         let _ = std::fs::remove_dir_all(d);
@@ -528,33 +591,25 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
     code
 }
 
-/// Moves the ranks that have ended into `ended`.
-fn reap(children: &mut [Option<Child>], ended: &mut Vec<(usize, ExitStatus)>) {
+/// Moves the ranks that have ended into `ended` (their processes, unreaped, into
+/// `unreaped`).
+fn note_ended(children: &mut [Option<Child>], ended: &mut Vec<(usize, ExitStatus)>, unreaped: &mut Vec<Child>) {
     for (r, slot) in children.iter_mut().enumerate() {
-        let Some(c) = slot else { continue };
-        match c.try_wait() {
-            Ok(Some(st)) => {
-                *slot = None;
-                ended.push((r, st));
-            }
-            Ok(None) => {}
-            Err(e) => {
-                eprintln!("gradwire launch: waiting for rank {r}: {e}");
-                *slot = None;
-            }
-        }
+        let Some(st) = slot.as_ref().and_then(exit_status) else { continue };
+        ended.push((r, st));
+        unreaped.extend(slot.take());
     }
 }
 
 /// The rank to blame and why: one killed by a signal, else one that is stopped (its peers
 /// time out waiting for it and exit with an error), else the first that failed.
-fn culprit(ended: &[(usize, ExitStatus)], children: &[Option<Child>], groups: &[u32]) -> (usize, String) {
+fn culprit(ended: &[(usize, ExitStatus)], stopped: &[bool]) -> (usize, String) {
     use std::os::unix::process::ExitStatusExt;
     if let Some((r, st)) = ended.iter().find(|(_, st)| st.signal().is_some()) {
         return (*r, describe(*st));
     }
-    if let Some(r) = (0..children.len()).find(|&r| children[r].is_some() && group_stopped(groups[r])) {
-        return (r, "stopped (SIGSTOP?) and not answering".into());
+    if let Some(r) = stopped.iter().position(|&s| s) {
+        return (r, "stopped and not answering: SIGSTOP, or SIGTTIN from reading the terminal?".into());
     }
     let (r, st) = ended.iter().find(|(_, st)| !st.success()).copied().unwrap_or((0, ExitStatus::from_raw(256)));
     (r, describe(st))
