@@ -163,7 +163,7 @@ impl Drop for StoreServer {
     /// When some rank has left a failure reason, the host of the store (rank 0) may be about
     /// to exit first; its peers would then lose the store with the reason in it and could
     /// only report "lost rank 0", not the rank whose death started it. So it waits, at most
-    /// 3 s, until every other client has gone, and at least [`LINGER_AT_LEAST`] for a rank
+    /// 3 s, until every other client has gone, and at least half a second for a rank
     /// that is still starting (a setup failure comes before all have connected).
     fn drop(&mut self) {
         if !self.holds_a_failure() {
