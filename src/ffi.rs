@@ -426,16 +426,13 @@ pub unsafe extern "C" fn gradwire_register(comm_p: *mut gradwire_comm_t, ptr: *m
         }
         {
             let mut reg = registry();
-            match reg.registered.get(&(ptr as usize)) {
-                Some((_, r)) if r.is_live() => return Err(invalid(format!("{w}: {ptr:p} is registered already"))),
-                // Freed or unmapped without gradwire_deregister: the address may be
-                // registered again (the old registration keeps nothing of it).
-                Some(_) => {
-                    if let Some((_, stale)) = reg.registered.remove(&(ptr as usize)) {
-                        stale.forget();
-                    }
-                }
-                None => {}
+            if reg.registered.get(&(ptr as usize)).is_some_and(|(_, r)| r.is_live()) {
+                return Err(invalid(format!("{w}: {ptr:p} is registered already")));
+            }
+            // Freed or unmapped without gradwire_deregister: the address may be registered
+            // again (the old registration keeps nothing of it).
+            if let Some((_, stale)) = reg.registered.remove(&(ptr as usize)) {
+                stale.forget();
             }
         }
         // Outside the registry lock, which every call takes: this copies the buffer. Two

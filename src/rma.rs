@@ -385,17 +385,12 @@ impl RemoteMemory {
     /// (one behind a network, when a one-sided operation to it fails).
     pub fn wait_token(&self) -> Result<()> {
         let start = Instant::now();
-        let mut looked = start;
         while !self.has_token() {
             if start.elapsed() > self.timeout {
                 return self.noted(Err(self.diagnose_token(start.elapsed())));
             }
-            if looked.elapsed() > crate::transport::onesided::LIVENESS_EVERY {
-                looked = Instant::now();
-                if let Some((peer, cause)) = (0..self.world).find_map(|p| self.win.peer_gone(p).map(|c| (p, c))) {
-                    return self.noted(Err(Error::PeerLost { rank: self.rank, peer, op: "token ring: waiting for the token".into(), cause }));
-                }
-            }
+            let alive = (0..self.world).try_for_each(|p| self.win.alive(p, "token ring: waiting for the token"));
+            self.noted(alive)?;
             std::thread::yield_now();
         }
         Ok(())

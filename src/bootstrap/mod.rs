@@ -107,7 +107,8 @@ pub struct Bootstrap {
     pub env: RankEnv,
     pub store: Option<Arc<StoreClient>>,
     pub topology: Topology,
-    /// This rank's how-manieth communicator of the job in this process (0 for the first): every rendezvous key and handshake of the communicator carries it, so two
+    /// This rank's how-manieth communicator of the job in this process (0 for the first):
+    /// every rendezvous key and handshake of the communicator carries it, so two
     /// communicators of one job never read each other's entries.
     pub generation: u64,
     _server: Option<Arc<StoreServer>>,
@@ -209,9 +210,7 @@ impl Bootstrap {
                 if let Some(v) = store.get(&key(r), slice)? {
                     break v;
                 }
-                if let Some(why) = store.get(&failed_key, Instant::now())? {
-                    return Err(config(format!("rank {}: setup failed: {}", env.rank, String::from_utf8_lossy(&why))));
-                }
+                setup_not_failed(&store, generation, env.rank)?;
                 if Instant::now() >= deadline {
                     return Err(Error::Timeout {
                         rank: env.rank,
@@ -235,9 +234,7 @@ impl Bootstrap {
         }
         // A rank that found what this one could not (a rank beyond our world size with
         // another one) may have said so after we read every entry we need.
-        if let Some(why) = store.get(&failed_key, Instant::now())? {
-            return Err(config(format!("rank {}: setup failed: {}", env.rank, String::from_utf8_lossy(&why))));
-        }
+        setup_not_failed(&store, generation, env.rank)?;
         let topology = Topology::from_host_ids(&ids);
         let local = topology.local_ranks(env.rank);
         if let Some(lr) = env.local_rank {
@@ -252,11 +249,18 @@ impl Bootstrap {
     /// Fails if some rank has found the job's setup impossible (see [`Bootstrap::new`]):
     /// asked once more when the communicator is otherwise complete.
     pub fn check_setup(&self) -> Result<()> {
-        let Some(store) = &self.store else { return Ok(()) };
-        match store.get(&setup_failed_key(self.generation), Instant::now())? {
-            Some(why) => Err(config(format!("rank {}: setup failed: {}", self.env.rank, String::from_utf8_lossy(&why)))),
+        match &self.store {
+            Some(store) => setup_not_failed(store, self.generation, self.env.rank),
             None => Ok(()),
         }
+    }
+}
+
+/// Fails with the reason some rank left under [`setup_failed_key`], if any.
+fn setup_not_failed(store: &StoreClient, generation: u64, rank: usize) -> Result<()> {
+    match store.get(&setup_failed_key(generation), Instant::now())? {
+        Some(why) => Err(config(format!("rank {rank}: setup failed: {}", String::from_utf8_lossy(&why)))),
+        None => Ok(()),
     }
 }
 

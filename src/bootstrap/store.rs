@@ -346,7 +346,7 @@ mod tests {
         let other_job = StoreServer::shared("127.0.0.1", port, "another-secret").err().expect("another job's secret must be refused");
         assert!(other_job.to_string().contains("another GRADWIRE_JOB_SECRET"), "{other_job}");
         drop((here, again));
-        // The listener goes with the store (within its accept poll).
+        // The listener goes with the store.
         let rebind = Instant::now();
         while TcpListener::bind(("127.0.0.1", port)).is_err() {
             assert!(rebind.elapsed() < Duration::from_secs(2), "port {port} still taken after the store went");

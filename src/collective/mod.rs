@@ -292,6 +292,11 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         dom.set_call(&encode_call(&call));
     }
     let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
+    // A rank that only sends in a rooted tree never reads a header: every rooted
+    // collective first agrees on its arguments (see `agree`).
+    if world > 1 && matches!(req.op, OpKind::Broadcast | OpKind::Reduce) {
+        agree::agree_on_call(&mut cx)?;
+    }
     match req.op {
         OpKind::Allreduce => {
             if let Some(send) = send {
@@ -335,22 +340,15 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         }
         OpKind::Broadcast => {
             if world == 1 {
-                return Ok(());
-            }
-            agree::agree_on_call(&mut cx)?;
-            if recv.len() < tune.small {
+                Ok(())
+            } else if recv.len() < tune.small {
                 algos::binomial_broadcast(&mut cx, recv, req.root)
             } else {
                 let piece = (recv.len() / 8).clamp(64 << 10, 1 << 20);
                 algos::chain_broadcast(&mut cx, recv, req.root, piece)
             }
         }
-        OpKind::Reduce => {
-            if world > 1 {
-                agree::agree_on_call(&mut cx)?;
-            }
-            algos::binomial_reduce(&mut cx, recv, req.root)
-        }
+        OpKind::Reduce => algos::binomial_reduce(&mut cx, recv, req.root),
         OpKind::Barrier => algos::dissemination_barrier(&mut cx),
         OpKind::Send => Err(invalid("send/recv is not a collective")),
     }

@@ -398,7 +398,7 @@ impl Window {
 
     /// Fails naming `peer` when its process, whose region is mapped here, has exited
     /// (looked at once per [`LIVENESS_EVERY`] per peer).
-    fn alive(&self, peer: usize, what: &str) -> Result<()> {
+    pub(crate) fn alive(&self, peer: usize, what: &str) -> Result<()> {
         if self.pids.get(peer).copied().flatten().is_none() {
             return Ok(());
         }

@@ -240,15 +240,18 @@ fn scan_groups() -> std::collections::HashMap<u32, GroupState> {
     groups
 }
 
+/// How long stopped ranks get to exit before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(3);
+
 /// Stops every rank and everything it started: `sig` to each rank's process group, then
-/// SIGKILL to the groups with members left after 3 s. The ranks themselves are reaped only
-/// at the end of the launch (see [`exit_status`]), so no group id can have been handed to
-/// another process meanwhile.
-fn stop_all(groups: &[u32], sig: i32) {
+/// SIGKILL to the groups with members left after `grace`. The launcher reaps the ranks
+/// only at the end of the launch (see [`exit_status`]), so no group id can have been
+/// handed to another process meanwhile.
+fn stop_all(groups: &[u32], sig: i32, grace: Duration) {
     for &g in groups {
         signal_group(g, sig);
     }
-    let deadline = Instant::now() + Duration::from_secs(3);
+    let deadline = Instant::now() + grace;
     while Instant::now() < deadline {
         let now = scan_groups();
         if !groups.iter().any(|g| now.get(g).is_some_and(|s| s.live)) {
@@ -373,16 +376,7 @@ pub fn guard() -> i32 {
     if !alive.is_empty() {
         eprintln!("gradwire launch: the launcher died; stopping its {} rank(s) and everything they started", alive.len());
     }
-    for &g in &alive {
-        signal_group(g, libc::SIGTERM);
-    }
-    let until = Instant::now() + Duration::from_secs(2);
-    while Instant::now() < until && alive.iter().any(|g| scan_groups().get(g).is_some_and(|s| s.live)) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for &g in &alive {
-        signal_group(g, libc::SIGKILL);
-    }
+    stop_all(&alive, libc::SIGTERM, Duration::from_secs(2));
     if let Some((id, nodes)) = netns {
         remove_netns(id, nodes);
     }
@@ -503,7 +497,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
             }
             Err(e) => {
                 eprintln!("gradwire launch: cannot start rank {r} ({}): {e}", a.cmd[0]);
-                stop_all(&groups, libc::SIGTERM);
+                stop_all(&groups, libc::SIGTERM, STOP_GRACE);
                 children.iter_mut().flatten().for_each(|c| drop(c.wait()));
                 return 1;
             }
@@ -519,7 +513,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
         let sig = SIGNAL.load(Ordering::SeqCst);
         if sig != 0 {
             eprintln!("gradwire launch: got signal {sig}; stopping all ranks");
-            stop_all(&groups, sig);
+            stop_all(&groups, sig, STOP_GRACE);
             code = 128 + sig;
             break;
         }
@@ -528,7 +522,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
                 note_ended(&mut children, &mut ended, &mut unreaped);
                 let running: Vec<usize> = (0..children.len()).filter(|&r| children[r].is_some()).collect();
                 eprintln!("gradwire launch: timed out after {} s; ranks still running: {running:?}; stopping them", t.as_secs());
-                stop_all(&groups, libc::SIGTERM);
+                stop_all(&groups, libc::SIGTERM, STOP_GRACE);
                 code = 124;
                 break;
             }
@@ -567,7 +561,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
                     std::thread::sleep(Duration::from_millis(20));
                     note_ended(&mut children, &mut ended, &mut unreaped);
                 }
-                stop_all(&groups, libc::SIGTERM);
+                stop_all(&groups, libc::SIGTERM, STOP_GRACE);
             } else {
                 eprintln!("gradwire launch: rank {r} failed ({why})");
             }
@@ -580,7 +574,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
     }
     // Whatever a rank started and left behind (a shell's background job) goes with the job;
     // only then are the ranks reaped, freeing their group ids.
-    stop_all(&groups, libc::SIGTERM);
+    stop_all(&groups, libc::SIGTERM, STOP_GRACE);
     for c in children.iter_mut().flatten().chain(unreaped.iter_mut()) {
         let _ = c.wait();
     }
