@@ -38,7 +38,6 @@ pub struct Communicator {
     /// Serves one-sided operations from tcp peers; started by the first `expose`.
     rma: std::sync::OnceLock<RmaService>,
     /// The RDMA device this communicator's verbs links (and windows) use.
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     verbs: VerbsDomain,
     windows: AtomicU64,
     /// Per-peer message counters of point-to-point send/recv (their header sequence).
@@ -107,7 +106,6 @@ impl Communicator {
             Some(store) => {
                 let shm = if shm_peers.is_empty() { None } else { Some(ShmDomain::create(&prefix, rank, size, &local, &cfg, store, deadline)?) };
                 let mut links = tcp::connect_all(&prefix, rank, size, &tcp_peers, store, &secret, deadline)?;
-                #[cfg(feature = "verbs")]
                 if let Some(dom) = &verbs {
                     for (p, l) in crate::transport::verbs::link::connect_all(&prefix, rank, &verbs_peers, store, dom, &cfg, deadline)? {
                         links[p] = Some(l);
@@ -267,10 +265,8 @@ impl Communicator {
         } else {
             None
         };
-        #[cfg(feature = "verbs")]
         let verbs_peer: Vec<bool> = self.link_kinds.iter().map(|k| *k == "verbs").collect();
         let w = WindowSetup {
-            #[cfg(feature = "verbs")]
             verbs: self.verbs.as_ref().map(|d| (d, verbs_peer.as_slice())),
             prefix: &self.prefix,
             id,
@@ -302,7 +298,6 @@ impl Communicator {
 /// The verbs domain (when used) and the peers reached over verbs: with `verbs` all remote
 /// peers; with `auto` the peers where both ends have a usable RDMA port (each rank
 /// publishes whether it has one, so both ends of a pair agree).
-#[cfg(feature = "verbs")]
 fn verbs_peers(prefix: &str, rank: usize, cfg: &Config, remote: &[usize], store: Option<&StoreClient>, deadline: Instant) -> Result<(VerbsDomain, Vec<usize>)> {
     use crate::transport::verbs::Domain;
     let Some(store) = store.filter(|_| !remote.is_empty()) else { return Ok((None, vec![])) };
@@ -313,7 +308,13 @@ fn verbs_peers(prefix: &str, rank: usize, cfg: &Config, remote: &[usize], store:
             let dom = match Domain::get(ip) {
                 Ok(d) => Some(d),
                 Err(e) => {
-                    log::info!("rank {rank}: no verbs between hosts ({e}); using tcp");
+                    // RDMA hardware the kernel knows but gradwire cannot use is worth a
+                    // warning; a host without any is the ordinary TCP case.
+                    if crate::transport::verbs::device::kernel_devices().is_empty() {
+                        log::info!("rank {rank}: no verbs between hosts ({e}); using tcp");
+                    } else {
+                        log::warn!("rank {rank}: the kernel has RDMA devices but verbs are unusable ({e}); using tcp");
+                    }
                     None
                 }
             };
@@ -331,18 +332,7 @@ fn verbs_peers(prefix: &str, rank: usize, cfg: &Config, remote: &[usize], store:
     }
 }
 
-#[cfg(not(feature = "verbs"))]
-fn verbs_peers(_: &str, _: usize, cfg: &Config, _: &[usize], _: Option<&StoreClient>, _: Instant) -> Result<(VerbsDomain, Vec<usize>)> {
-    if cfg.transport == TransportChoice::Verbs {
-        return Err(crate::error::Error::Unsupported("GRADWIRE_TRANSPORT=verbs, but this build has no verbs transport (cargo feature `verbs`)".into()));
-    }
-    Ok((None, vec![]))
-}
-
-#[cfg(feature = "verbs")]
 type VerbsDomain = Option<Arc<crate::transport::verbs::Domain>>;
-#[cfg(not(feature = "verbs"))]
-type VerbsDomain = Option<()>;
 
 /// CPUs this job's ranks can use: the CPUs online, fewer when the control group the
 /// process runs in (a container, a batch scheduler's job) confines it to a cpuset or caps

@@ -47,6 +47,11 @@ pub const SETTINGS: &[Setting] = &[
         default: "50",
         help: "How long a waiting rank spins before it yields and then sleeps (at most 1000000 us); 0 wherever this host's ranks outnumber the CPUs its control group lets them use.",
     },
+    Setting {
+        env: "GRADWIRE_IBVERBS_LIB",
+        default: "libibverbs.so.1, then libibverbs.so",
+        help: "The libibverbs that the verbs transport opens at run time (a path or a name on the loader path); without one, verbs are unavailable and gradwire says why.",
+    },
     Setting { env: "GRADWIRE_IB_DEV", default: "(automatic)", help: "RDMA device to use (see `gradwire info` for the list and the automatic choice)." },
     Setting { env: "GRADWIRE_IB_PORT", default: "(first ACTIVE port)", help: "RDMA port number on that device." },
     Setting {

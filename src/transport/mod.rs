@@ -10,7 +10,6 @@ pub mod frame;
 pub mod onesided;
 pub mod shm;
 pub mod tcp;
-#[cfg(feature = "verbs")]
 pub mod verbs;
 
 use crate::error::{Error, Result};

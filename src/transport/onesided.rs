@@ -213,7 +213,6 @@ enum Target {
     Own,
     Mapped(Region),
     Remote(Mutex<TcpStream>),
-    #[cfg(feature = "verbs")]
     Verbs(Mutex<super::verbs::RmaPeer>),
 }
 
@@ -235,7 +234,6 @@ pub struct Window {
     timeout: Duration,
     /// This rank's atomics on regions it maps, through the NIC, when other ranks reach
     /// those regions through the NIC (see [`NicAtomics`]).
-    #[cfg(feature = "verbs")]
     nic_atomics: Option<NicAtomics>,
 }
 
@@ -246,7 +244,6 @@ pub struct Window {
 /// word can be lost (seen: two ranks, 20 fetch-adds, one lost and one old value returned
 /// twice). The one-sided service applies tcp peers' fetch-adds through the same loop.
 /// Plain reads and writes of mapped memory stay in place.
-#[cfg(feature = "verbs")]
 struct NicAtomics {
     /// Per rank: the queue pair to its region (this rank's own: looped to `_loop_responder`).
     to: Vec<Option<Arc<Mutex<super::verbs::RmaPeer>>>>,
@@ -265,7 +262,6 @@ pub struct WindowSetup<'a> {
     /// Per peer: reach it through shared memory (same host) or tcp.
     pub shm_peer: &'a [bool],
     /// Per peer: reach it through RDMA on this domain (takes precedence over tcp).
-    #[cfg(feature = "verbs")]
     pub verbs: Option<(&'a std::sync::Arc<super::verbs::Domain>, &'a [bool])>,
     pub store: Option<&'a StoreClient>,
     pub service: Option<&'a RmaService>,
@@ -307,10 +303,8 @@ impl Window {
         if let Some(store) = w.store {
             store.set(&key(w.rank), format!("{} {fd} {} {svc_addr}", std::process::id(), region.len()).as_bytes())?;
         }
-        #[cfg(feature = "verbs")]
         let (mut verbs, nic_atomics) = verbs_setup(&w, &region, deadline)?;
         for (p, peer_len) in lens.iter_mut().enumerate() {
-            #[cfg(feature = "verbs")]
             if let Some(peer) = verbs[p].take() {
                 *peer_len = peer.remote_len();
                 pids[p] = peer.local_pid();
@@ -355,7 +349,6 @@ impl Window {
             born: Instant::now(),
             pids,
             timeout: w.timeout,
-            #[cfg(feature = "verbs")]
             nic_atomics,
         })
     }
@@ -521,7 +514,6 @@ impl Window {
     /// Writes `data` at `off` in `peer`'s region; complete (visible there) on return.
     pub fn write(&self, peer: usize, off: usize, data: &[u8]) -> Result<()> {
         self.check(peer, off, data.len(), "one-sided write")?;
-        #[cfg(feature = "verbs")]
         if let Some(r) = self.on_verbs(peer, "one-sided write", false, |rma, deadline| rma.write(off, data, deadline)) {
             return r;
         }
@@ -537,7 +529,6 @@ impl Window {
     /// Reads `buf.len()` bytes at `off` from `peer`'s region.
     pub fn read(&self, peer: usize, off: usize, buf: &mut [u8]) -> Result<()> {
         self.check(peer, off, buf.len(), "one-sided read")?;
-        #[cfg(feature = "verbs")]
         if let Some(r) = self.on_verbs(peer, "one-sided read", false, |rma, deadline| rma.read(off, buf, deadline)) {
             return r;
         }
@@ -584,7 +575,6 @@ impl Window {
         if off % 8 != 0 {
             return Err(invalid(format!("one-sided fetch-add: offset {off} is not 8-aligned")));
         }
-        #[cfg(feature = "verbs")]
         if let Some(r) = self.on_verbs(peer, "one-sided fetch-add", true, |rma, deadline| rma.fetch_add(off, value, deadline)) {
             return r;
         }
@@ -600,7 +590,6 @@ impl Window {
     }
 }
 
-#[cfg(feature = "verbs")]
 impl Window {
     /// Runs `op` on a queue pair to `peer`'s region: the one it is reached over when it is
     /// a verbs peer and, for an `atomic` op, the one to a region mapped here whose atomics
@@ -621,7 +610,6 @@ impl Window {
 
 /// Queue pairs to every verbs peer of a window, connected through the store, and, when
 /// there are any, those for this rank's atomics on the regions it maps (see [`NicAtomics`]).
-#[cfg(feature = "verbs")]
 fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> Result<(Vec<Option<super::verbs::RmaPeer>>, Option<NicAtomics>)> {
     use super::verbs::{fresh_psn, Endpoint, RmaPeer};
     let mut out: Vec<Option<RmaPeer>> = (0..w.world).map(|_| None).collect();
@@ -689,7 +677,6 @@ fn verbs_setup(w: &WindowSetup<'_>, region: &Arc<Region>, deadline: Instant) -> 
 /// region other hosts reach through RDMA needs its peers on this host to use the NIC too.
 /// Ranks of one host that differ in whether RDMA works for them (their RDMA settings, or a
 /// device one of them could not open) fail here, at once, naming both.
-#[cfg(feature = "verbs")]
 fn agree_on_nic_atomics(w: &WindowSetup<'_>, mine: bool, mapped: &[usize], deadline: Instant) -> Result<()> {
     let Some(store) = w.store.filter(|_| !mapped.is_empty()) else { return Ok(()) };
     let key = |r: usize| format!("{}/win{}/nic-atomics/{r}", w.prefix, w.id);

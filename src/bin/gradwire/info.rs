@@ -17,18 +17,11 @@ fn memlock() -> String {
 }
 
 /// The local address that reaches the rendezvous host (what a rank's GID choice keys on).
-#[cfg(feature = "verbs")]
 fn bootstrap_ip() -> Option<std::net::IpAddr> {
     let host = ["GRADWIRE_MASTER_ADDR", "MASTER_ADDR"].iter().find_map(|k| std::env::var(k).ok())?;
     let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
     s.connect((host.as_str(), 9)).ok()?;
     s.local_addr().ok().map(|a| a.ip())
-}
-
-#[cfg(not(feature = "verbs"))]
-fn rdma_devices() -> Vec<String> {
-    let Ok(dir) = std::fs::read_dir("/sys/class/infiniband") else { return vec![] };
-    dir.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect()
 }
 
 /// The README's settings table.
@@ -55,13 +48,10 @@ pub fn run(settings_only: bool) -> i32 {
     println!("transports");
     println!("  shm              {}", if shm_ok { "available (memfd shared through /proc/<pid>/fd)" } else { "UNAVAILABLE: memfd_create failed" });
     println!("  tcp              available");
-    #[cfg(feature = "verbs")]
     match gradwire::transport::verbs::overrides() {
         Ok(o) => print!("{}", gradwire::transport::verbs::device::explain(bootstrap_ip(), &o)),
         Err(e) => println!("  verbs            INVALID override: {e}"),
     }
-    #[cfg(not(feature = "verbs"))]
-    println!("  verbs            not built (cargo feature `verbs` is off); kernel devices: {:?}", rdma_devices());
     #[cfg(feature = "cuda")]
     match gradwire::gpu::unavailable() {
         None => println!("  nccl (GPU)       available: {} CUDA device(s)", cudarc_devices()),

@@ -18,6 +18,13 @@ userspace provider loads: check `ls /sys/class/infiniband` (kernel side; soft-Ro
 netdev eth0`), /etc/libibverbs.d/*.driver and the provider library (Debian: package ibverbs-providers, e.g. \
 /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so); IBV_SHOW_WARNINGS=1 prints why a provider did not load";
 
+/// The RDMA devices the kernel has (`/sys/class/infiniband`), whether or not libibverbs
+/// can use them.
+pub fn kernel_devices() -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/sys/class/infiniband") else { return vec![] };
+    dir.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect()
+}
+
 /// The kind of a GID table entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GidKind {
@@ -264,9 +271,9 @@ pub fn choose(devices: &[Device], local: Option<IpAddr>, o: &Overrides) -> Resul
     Ok(Choice { dev: d.name.clone(), port: p.num, gid, mtu: p.mtu, ethernet: p.ethernet, lid: p.lid, reason })
 }
 
-fn port_state_name(state: u32) -> String {
+fn port_state_name(v: &ffi::Verbs, state: u32) -> String {
     // SAFETY: ibv_port_state_str returns a static string for any value.
-    let s = unsafe { ffi::ibv_port_state_str(state) };
+    let s = unsafe { (v.ibv_port_state_str)(state) };
     if s.is_null() {
         format!("state {state}")
     } else {
@@ -277,10 +284,8 @@ fn port_state_name(state: u32) -> String {
 
 /// Reads every device's ports and GID tables.
 pub fn scan() -> Result<Vec<Device>> {
-    let list = ibverbs::devices().map_err(|e| Error::io("ibv_get_device_list", e))?;
     let mut out = Vec::new();
-    for (i, dev) in list.iter().enumerate() {
-        let name = dev.name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| format!("device{i}"));
+    for name in super::Context::names()? {
         let ctx = super::Context::open(&name)?;
         out.push(Device { name, ports: ctx.ports()? });
     }
@@ -290,9 +295,10 @@ pub fn scan() -> Result<Vec<Device>> {
 impl super::Context {
     /// Ports and valid GIDs of this device.
     pub(crate) fn ports(&self) -> Result<Vec<Port>> {
-        let mut attr = ffi::ibv_device_attr::default();
+        // SAFETY: all-zero is a valid value of this plain-integer struct.
+        let mut attr: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: open context, attr is a valid out-parameter.
-        let rc = unsafe { ffi::ibv_query_device(self.raw, &mut attr) };
+        let rc = unsafe { (self.v.ibv_query_device)(self.raw, &mut attr) };
         if rc != 0 {
             return Err(Error::io(format!("ibv_query_device({})", self.name), std::io::Error::from_raw_os_error(rc)));
         }
@@ -301,7 +307,7 @@ impl super::Context {
         let total: usize = attrs.iter().map(|a| a.gid_tbl_len.max(0) as usize).sum();
         let mut entries = vec![ffi::ibv_gid_entry::default(); total.max(1)];
         // SAFETY: buffer of entries.len() entries of the stated size.
-        let n = unsafe { ffi::_ibv_query_gid_table(self.raw, entries.as_mut_ptr(), entries.len(), 0, std::mem::size_of::<ffi::ibv_gid_entry>()) };
+        let n = unsafe { (self.v._ibv_query_gid_table)(self.raw, entries.as_mut_ptr(), entries.len(), 0, std::mem::size_of::<ffi::ibv_gid_entry>()) };
         if n < 0 {
             return Err(Error::io(format!("ibv_query_gid_table({})", self.name), std::io::Error::from_raw_os_error((-n) as i32)));
         }
@@ -311,15 +317,14 @@ impl super::Context {
             let gids = entries
                 .iter()
                 .filter(|e| e.port_num == num as u32)
-                // SAFETY: the gid union is plain bytes.
-                .map(|e| Gid { index: e.gid_index, raw: unsafe { e.gid.raw }, kind: GidKind::from_raw(e.gid_type) })
+                .map(|e| Gid { index: e.gid_index, raw: e.gid.raw, kind: GidKind::from_raw(e.gid_type) })
                 .collect();
             ports.push(Port {
                 num,
-                active: pa.state == ffi::ibv_port_state::IBV_PORT_ACTIVE,
-                state: port_state_name(pa.state),
+                active: pa.state == ffi::IBV_PORT_ACTIVE,
+                state: port_state_name(self.v, pa.state),
                 mtu: 128u32 << pa.active_mtu.min(5),
-                ethernet: pa.link_layer == ffi::IBV_LINK_LAYER_ETHERNET as u8,
+                ethernet: pa.link_layer == ffi::IBV_LINK_LAYER_ETHERNET,
                 lid: pa.lid,
                 gids,
             });
@@ -331,7 +336,7 @@ impl super::Context {
         let mut pa = ffi::ibv_port_attr::default();
         // SAFETY: open context; the exported symbol writes at most the compat layout, a
         // prefix of ibv_port_attr.
-        let rc = unsafe { ffi::ibv_query_port(self.raw, num, &mut pa as *mut _ as *mut _) };
+        let rc = unsafe { (self.v.ibv_query_port)(self.raw, num, &mut pa) };
         if rc != 0 {
             return Err(Error::io(format!("ibv_query_port({} port {num})", self.name), std::io::Error::from_raw_os_error(rc)));
         }
@@ -341,13 +346,17 @@ impl super::Context {
 
 /// The report `gradwire info` prints: devices, ports, GID tables and the choice.
 pub fn explain(local: Option<IpAddr>, o: &Overrides) -> String {
-    let mut s = String::new();
+    let v = match ffi::verbs() {
+        Ok(v) => v,
+        Err(why) => return format!("  verbs            unavailable: {why}\n"),
+    };
+    let mut s = format!("  verbs            {} loaded\n", v.file);
     let devices = match scan() {
         Ok(d) => d,
-        Err(e) => return format!("  verbs            unavailable: {e}\n"),
+        Err(e) => return s + &format!("  verbs            unavailable: {e}\n"),
     };
     if devices.is_empty() {
-        return format!("  verbs            {NO_DEVICE_HINT}\n");
+        return s + &format!("  verbs            unavailable: {NO_DEVICE_HINT}\n");
     }
     for d in &devices {
         for p in &d.ports {

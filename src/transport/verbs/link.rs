@@ -195,8 +195,8 @@ impl VerbsLink {
             let cq = self.cq.clone();
             let done = cq.poll(&mut wcs)?;
             for wc in done {
-                let kind = wc.wr_id();
-                if !wc.is_valid() {
+                let kind = wc.wr_id;
+                if !wc.is_ok() {
                     let op = match kind {
                         WR_DATA => "write with immediate",
                         WR_ZONE => "rendezvous write",
@@ -216,8 +216,8 @@ impl VerbsLink {
                         if let Err(e) = r {
                             return Err(self.fail(e));
                         }
-                        let imm = wc.imm_data().map(u32::from_be).unwrap_or(0);
-                        if wc.opcode() == sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
+                        let imm = wc.imm().map(u32::from_be).unwrap_or(0);
+                        if wc.opcode == sys::IBV_WC_RECV_RDMA_WITH_IMM {
                             let r = if imm & ZONE_FLAG != 0 { self.landed_in_zone((imm & !ZONE_FLAG) as usize) } else { self.landed_in_ring(imm as usize) };
                             if let Err(e) = r {
                                 return Err(self.fail(e));

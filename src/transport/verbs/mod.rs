@@ -1,10 +1,10 @@
 //! RDMA verbs transport (InfiniBand, RoCE, soft-RoCE `rxe`).
 //!
-//! Device discovery uses the `ibverbs` crate; everything past it uses `ibverbs-sys`
-//! directly, because the safe layer stops short of what a collective library needs: it
-//! fixes port 1, registers only memory it allocates itself, posts only SEND/RECV, and ties
-//! every object's lifetime to a borrowed `Context` (which cannot live in a long-lived
-//! communicator). The small RAII types here keep the same ownership with `Arc`s instead.
+//! libibverbs is opened at run time ([`sys`]), so gradwire builds without rdma-core and
+//! starts on hosts without it; the transport is then unavailable, with the reason. The
+//! small RAII types here own the verbs objects, with `Arc`s so that a child (queue pair,
+//! registration) keeps its protection domain and context alive inside a long-lived
+//! communicator.
 //!
 //! - [`device`]: device, port and GID choice, explained.
 //! - [`link`]: the two-sided byte stream ([`crate::transport::Link`]) on RDMA WRITE WITH
@@ -14,18 +14,28 @@
 pub mod device;
 pub mod link;
 
-pub(crate) use ibverbs_sys as sys;
+pub mod sys;
 
 use crate::error::{Error, Result};
 use crate::mem::Region;
 use std::ffi::CStr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
-use sys::ibv_access_flags as Access;
+use sys::Verbs;
+
+/// What a queue pair and a registration allow: local writes, and remote write, read and
+/// atomics (windows, rendezvous zones, the token ring).
+const ACCESS: u32 = sys::IBV_ACCESS_LOCAL_WRITE | sys::IBV_ACCESS_REMOTE_WRITE | sys::IBV_ACCESS_REMOTE_READ | sys::IBV_ACCESS_REMOTE_ATOMIC;
+
+/// The loaded libibverbs, or why verbs are unavailable.
+pub fn library() -> Result<&'static Verbs> {
+    sys::verbs().map_err(Error::Unsupported)
+}
 
 /// An open device context (closed on drop).
 pub struct Context {
     raw: *mut sys::ibv_context,
+    v: &'static Verbs,
     pub name: String,
 }
 
@@ -34,39 +44,64 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
+    /// The names of the devices libibverbs lists.
+    pub fn names() -> Result<Vec<String>> {
+        let v = library()?;
+        let mut names = Vec::new();
+        Self::each_device(v, |name, _| {
+            names.push(name.to_string());
+            false
+        })?;
+        Ok(names)
+    }
+
     /// Opens the device called `name`.
     pub fn open(name: &str) -> Result<Context> {
+        let v = library()?;
+        let mut raw = std::ptr::null_mut();
+        Self::each_device(v, |dn, dev| {
+            if dn != name {
+                return false;
+            }
+            // SAFETY: dev is a listed device; the context outlives the list.
+            raw = unsafe { (v.ibv_open_device)(dev) };
+            true
+        })?;
+        if raw.is_null() {
+            return Err(Error::Unsupported(format!("ibv_open_device({name}) failed: {}", std::io::Error::last_os_error())));
+        }
+        Ok(Context { raw, v, name: name.to_string() })
+    }
+
+    /// Calls `f(name, device)` for each listed device until it returns true.
+    fn each_device(v: &Verbs, mut f: impl FnMut(&str, *mut sys::ibv_device) -> bool) -> Result<()> {
         let mut n = 0i32;
         // SAFETY: out-parameter for the count; the list is freed below.
-        let list = unsafe { sys::ibv_get_device_list(&mut n) };
+        let list = unsafe { (v.ibv_get_device_list)(&mut n) };
         if list.is_null() {
-            return Err(Error::io("ibv_get_device_list", std::io::Error::last_os_error()));
+            let e = std::io::Error::last_os_error();
+            // ENOSYS: the kernel has no RDMA support at all (no ib_uverbs), so no devices.
+            return if e.raw_os_error() == Some(libc::ENOSYS) { Ok(()) } else { Err(Error::io("ibv_get_device_list", e)) };
         }
-        let mut raw = std::ptr::null_mut();
         for i in 0..n.max(0) as usize {
             // SAFETY: i < n entries of the list.
             let dev = unsafe { *list.add(i) };
-            // SAFETY: a listed device has a static name.
-            let dn = unsafe { CStr::from_ptr(sys::ibv_get_device_name(dev)) };
-            if dn.to_bytes() == name.as_bytes() {
-                // SAFETY: dev is a listed device; the context outlives the list.
-                raw = unsafe { sys::ibv_open_device(dev) };
+            // SAFETY: a listed device has a name that lives as long as the list.
+            let name = unsafe { CStr::from_ptr((v.ibv_get_device_name)(dev)) }.to_string_lossy().into_owned();
+            if f(&name, dev) {
                 break;
             }
         }
-        // SAFETY: list from ibv_get_device_list.
-        unsafe { sys::ibv_free_device_list(list) };
-        if raw.is_null() {
-            return Err(Error::Unsupported(format!("cannot open RDMA device {name}: {}", std::io::Error::last_os_error())));
-        }
-        Ok(Context { raw, name: name.to_string() })
+        // SAFETY: list from ibv_get_device_list, not used after this.
+        unsafe { (v.ibv_free_device_list)(list) };
+        Ok(())
     }
 }
 
 impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: opened by us; every child object holds an Arc to the Domain that owns us.
-        unsafe { sys::ibv_close_device(self.raw) };
+        unsafe { (self.v.ibv_close_device)(self.raw) };
     }
 }
 
@@ -89,7 +124,7 @@ impl Drop for Domain {
     fn drop(&mut self) {
         self.regs.lock().unwrap_or_else(|p| p.into_inner()).clear();
         // SAFETY: every QP/CQ/MR holds an Arc<Domain>, so none is left.
-        unsafe { sys::ibv_dealloc_pd(self.pd) };
+        unsafe { (self.ctx.v.ibv_dealloc_pd)(self.pd) };
     }
 }
 
@@ -124,7 +159,7 @@ impl Domain {
         log::info!("verbs: {}", choice.reason);
         let ctx = Context::open(&choice.dev)?;
         // SAFETY: open context.
-        let pd = unsafe { sys::ibv_alloc_pd(ctx.raw) };
+        let pd = unsafe { (ctx.v.ibv_alloc_pd)(ctx.raw) };
         if pd.is_null() {
             return Err(Error::io(format!("ibv_alloc_pd({})", ctx.name), std::io::Error::last_os_error()));
         }
@@ -138,9 +173,8 @@ impl Domain {
     /// # Safety
     /// The memory must stay mapped while the returned registration lives.
     pub unsafe fn register_raw(self: &Arc<Self>, addr: *mut u8, len: usize) -> Result<Mr> {
-        let access = Access::IBV_ACCESS_LOCAL_WRITE | Access::IBV_ACCESS_REMOTE_WRITE | Access::IBV_ACCESS_REMOTE_READ | Access::IBV_ACCESS_REMOTE_ATOMIC;
         // SAFETY: caller keeps the memory mapped; pd is ours.
-        let mr = unsafe { sys::ibv_reg_mr(self.pd, addr as *mut _, len.max(1), access.0 as i32) };
+        let mr = unsafe { (self.ctx.v.ibv_reg_mr)(self.pd, addr as *mut _, len.max(1), ACCESS as i32) };
         if mr.is_null() {
             return Err(register_error(len, std::io::Error::last_os_error()));
         }
@@ -171,7 +205,7 @@ impl Domain {
     /// A completion queue with room for `entries` completions.
     pub fn create_cq(self: &Arc<Self>, entries: usize) -> Result<Arc<Cq>> {
         // SAFETY: open context; no channel, no vector.
-        let cq = unsafe { sys::ibv_create_cq(self.ctx.raw, entries as i32, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+        let cq = unsafe { (self.ctx.v.ibv_create_cq)(self.ctx.raw, entries as i32, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
         if cq.is_null() {
             return Err(Error::io(format!("ibv_create_cq({entries})"), std::io::Error::last_os_error()));
         }
@@ -189,11 +223,11 @@ impl Domain {
                 recv_cq: cq.raw,
                 srq: std::ptr::null_mut(),
                 cap: sys::ibv_qp_cap { max_send_wr: max_send, max_recv_wr: max_recv, max_send_sge: 1, max_recv_sge: 1, max_inline_data: inline },
-                qp_type: sys::ibv_qp_type::IBV_QPT_RC,
+                qp_type: sys::IBV_QPT_RC,
                 sq_sig_all: 0,
             };
             // SAFETY: pd and cq are live; attr is a valid in/out parameter.
-            let qp = unsafe { sys::ibv_create_qp(self.pd, &mut attr) };
+            let qp = unsafe { (self.ctx.v.ibv_create_qp)(self.pd, &mut attr) };
             if !qp.is_null() {
                 return Ok(Qp { raw: qp, max_inline: attr.cap.max_inline_data as usize, dom: self.clone(), _cq: cq.clone() });
             }
@@ -229,15 +263,10 @@ unsafe impl Sync for Cq {}
 impl Cq {
     /// Takes up to `out.len()` completions; never blocks.
     pub fn poll<'a>(&self, out: &'a mut [sys::ibv_wc]) -> std::io::Result<&'a [sys::ibv_wc]> {
-        // SAFETY: the CQ is live; poll_cq is the provider's entry point (ibv_poll_cq is an
-        // inline function in verbs.h, so bindgen has no symbol for it).
-        let n = unsafe {
-            let ctx = (*self.raw).context;
-            let f = (*ctx).ops.poll_cq.ok_or_else(|| std::io::Error::other("provider has no poll_cq"))?;
-            f(self.raw, out.len() as i32, out.as_mut_ptr())
-        };
+        // SAFETY: the CQ is live and `out` has room for its length.
+        let n = unsafe { sys::poll_cq(self.raw, out.len() as i32, out.as_mut_ptr()) };
         if n < 0 {
-            return Err(std::io::Error::other("ibv_poll_cq failed"));
+            return Err(std::io::Error::other(format!("ibv_poll_cq failed: {}", std::io::Error::from_raw_os_error(-n))));
         }
         Ok(&out[..n as usize])
     }
@@ -246,7 +275,7 @@ impl Cq {
 impl Drop for Cq {
     fn drop(&mut self) {
         // SAFETY: every QP on this CQ holds an Arc to it and is gone.
-        unsafe { sys::ibv_destroy_cq(self.raw) };
+        unsafe { (self._dom.ctx.v.ibv_destroy_cq)(self.raw) };
     }
 }
 
@@ -276,7 +305,7 @@ impl Mr {
 impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: registered by us.
-        unsafe { sys::ibv_dereg_mr(self.raw) };
+        unsafe { (self._dom.ctx.v.ibv_dereg_mr)(self.raw) };
     }
 }
 
@@ -355,7 +384,7 @@ unsafe impl Sync for Qp {}
 impl Drop for Qp {
     fn drop(&mut self) {
         // SAFETY: created by us.
-        unsafe { sys::ibv_destroy_qp(self.raw) };
+        unsafe { (self.dom.ctx.v.ibv_destroy_qp)(self.raw) };
     }
 }
 
@@ -394,9 +423,9 @@ impl Qp {
         }
     }
 
-    fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: sys::ibv_qp_attr_mask, what: &str) -> Result<()> {
+    fn modify(&self, attr: &mut sys::ibv_qp_attr, mask: i32, what: &str) -> Result<()> {
         // SAFETY: live QP; attr valid for the call.
-        let rc = unsafe { sys::ibv_modify_qp(self.raw, attr, mask.0 as i32) };
+        let rc = unsafe { (self.dom.ctx.v.ibv_modify_qp)(self.raw, attr, mask) };
         if rc != 0 {
             let c = &self.dom.choice;
             return Err(Error::io(
@@ -409,21 +438,19 @@ impl Qp {
 
     /// RESET → INIT → RTR → RTS towards `remote`.
     pub fn connect(&self, local_psn: u32, remote: &Endpoint) -> Result<()> {
-        use sys::ibv_qp_attr_mask as M;
+        use sys::*;
         let c = &self.dom.choice;
-        let access = Access::IBV_ACCESS_LOCAL_WRITE | Access::IBV_ACCESS_REMOTE_WRITE | Access::IBV_ACCESS_REMOTE_READ | Access::IBV_ACCESS_REMOTE_ATOMIC;
-        let mut a =
-            sys::ibv_qp_attr { qp_state: sys::ibv_qp_state::IBV_QPS_INIT, pkey_index: 0, port_num: c.port, qp_access_flags: access.0, ..Default::default() };
-        self.modify(&mut a, M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS, "INIT")?;
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_INIT, pkey_index: 0, port_num: c.port, qp_access_flags: ACCESS, ..Default::default() };
+        self.modify(&mut a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, "INIT")?;
         let mtu = match c.mtu {
-            4096.. => sys::IBV_MTU_4096,
-            2048.. => sys::IBV_MTU_2048,
-            1024.. => sys::IBV_MTU_1024,
-            512.. => sys::IBV_MTU_512,
-            _ => sys::IBV_MTU_256,
+            4096.. => IBV_MTU_4096,
+            2048.. => IBV_MTU_2048,
+            1024.. => IBV_MTU_1024,
+            512.. => IBV_MTU_512,
+            _ => IBV_MTU_256,
         };
-        let mut a = sys::ibv_qp_attr {
-            qp_state: sys::ibv_qp_state::IBV_QPS_RTR,
+        let mut a = ibv_qp_attr {
+            qp_state: IBV_QPS_RTR,
             path_mtu: mtu,
             dest_qp_num: remote.qpn,
             rq_psn: remote.psn,
@@ -441,17 +468,11 @@ impl Qp {
         }
         self.modify(
             &mut a,
-            M::IBV_QP_STATE
-                | M::IBV_QP_AV
-                | M::IBV_QP_PATH_MTU
-                | M::IBV_QP_DEST_QPN
-                | M::IBV_QP_RQ_PSN
-                | M::IBV_QP_MAX_DEST_RD_ATOMIC
-                | M::IBV_QP_MIN_RNR_TIMER,
+            IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER,
             "RTR",
         )?;
-        let mut a = sys::ibv_qp_attr {
-            qp_state: sys::ibv_qp_state::IBV_QPS_RTS,
+        let mut a = ibv_qp_attr {
+            qp_state: IBV_QPS_RTS,
             timeout: ACK_TIMEOUT,
             retry_cnt: RETRY_COUNT,
             rnr_retry: 7,
@@ -459,60 +480,54 @@ impl Qp {
             max_rd_atomic: 16,
             ..Default::default()
         };
-        self.modify(
-            &mut a,
-            M::IBV_QP_STATE | M::IBV_QP_TIMEOUT | M::IBV_QP_RETRY_CNT | M::IBV_QP_RNR_RETRY | M::IBV_QP_SQ_PSN | M::IBV_QP_MAX_QP_RD_ATOMIC,
-            "RTS",
-        )
+        self.modify(&mut a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC, "RTS")
     }
 
     /// Posts one signaled work request.
     pub fn post(&self, wr_id: u64, wr: Wr<'_>) -> std::io::Result<()> {
-        let mut sge = sys::ibv_sge::default();
-        let mut w = sys::ibv_send_wr { wr_id, send_flags: sys::ibv_send_flags::IBV_SEND_SIGNALED.0, ..unsafe_zeroed() };
+        use sys::*;
+        let mut sge = ibv_sge::default();
+        let mut w = ibv_send_wr { wr_id, send_flags: IBV_SEND_SIGNALED, ..Default::default() };
         match wr {
             Wr::Write { local, remote_addr, rkey, imm } => {
-                w.opcode = if imm.is_some() { sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM } else { sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE };
+                w.opcode = if imm.is_some() { IBV_WR_RDMA_WRITE_WITH_IMM } else { IBV_WR_RDMA_WRITE };
                 if let Some(imm) = imm {
-                    w.__bindgen_anon_1.imm_data = imm.to_be();
+                    w.imm_data = imm.to_be();
                 }
                 if let Some((data, lkey)) = local {
-                    sge = sys::ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey };
+                    sge = ibv_sge { addr: data.as_ptr() as u64, length: data.len() as u32, lkey };
                     w.num_sge = (!data.is_empty()) as i32;
                     if !data.is_empty() && data.len() <= self.max_inline {
-                        w.send_flags |= sys::ibv_send_flags::IBV_SEND_INLINE.0;
+                        w.send_flags |= IBV_SEND_INLINE;
                     }
                 }
-                w.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
+                w.wr.rdma = ibv_send_wr_rdma { remote_addr, rkey };
             }
             Wr::SendImm(imm) => {
-                w.opcode = sys::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
-                w.__bindgen_anon_1.imm_data = imm.to_be();
+                w.opcode = IBV_WR_SEND_WITH_IMM;
+                w.imm_data = imm.to_be();
             }
             Wr::Read { local: (ptr, len, lkey), remote_addr, rkey } => {
-                w.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_READ;
-                sge = sys::ibv_sge { addr: ptr as u64, length: len as u32, lkey };
+                w.opcode = IBV_WR_RDMA_READ;
+                sge = ibv_sge { addr: ptr as u64, length: len as u32, lkey };
                 w.num_sge = 1;
-                w.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
+                w.wr.rdma = ibv_send_wr_rdma { remote_addr, rkey };
             }
             Wr::FetchAdd { local: (ptr, lkey), remote_addr, rkey, add } => {
-                w.opcode = sys::ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
-                sge = sys::ibv_sge { addr: ptr as u64, length: 8, lkey };
+                w.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+                sge = ibv_sge { addr: ptr as u64, length: 8, lkey };
                 w.num_sge = 1;
-                w.wr.atomic = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_2 { remote_addr, compare_add: add, swap: 0, rkey };
+                w.wr.atomic = ibv_send_wr_atomic { remote_addr, compare_add: add, swap: 0, rkey };
             }
         }
         w.sg_list = &mut sge;
         let mut bad = std::ptr::null_mut();
         // SAFETY: live QP; the WR and its SGE live for the call; the memory they name is
         // registered (or inline) and outlives the request by the caller's protocol.
-        let rc = unsafe {
-            let ctx = (*self.raw).context;
-            let f = (*ctx).ops.post_send.ok_or_else(|| std::io::Error::other("provider has no post_send"))?;
-            f(self.raw, &mut w, &mut bad)
-        };
+        let rc = unsafe { post_send(self.raw, &mut w, &mut bad) };
         if rc != 0 {
-            return Err(std::io::Error::from_raw_os_error(rc));
+            let e = std::io::Error::from_raw_os_error(rc);
+            return Err(std::io::Error::new(e.kind(), format!("ibv_post_send on queue pair {}: {e}", self.qpn())));
         }
         Ok(())
     }
@@ -522,13 +537,10 @@ impl Qp {
         let mut w = sys::ibv_recv_wr { wr_id, next: std::ptr::null_mut(), sg_list: std::ptr::null_mut(), num_sge: 0 };
         let mut bad = std::ptr::null_mut();
         // SAFETY: live QP; a receive with no scatter entries.
-        let rc = unsafe {
-            let ctx = (*self.raw).context;
-            let f = (*ctx).ops.post_recv.ok_or_else(|| std::io::Error::other("provider has no post_recv"))?;
-            f(self.raw, &mut w, &mut bad)
-        };
+        let rc = unsafe { sys::post_recv(self.raw, &mut w, &mut bad) };
         if rc != 0 {
-            return Err(std::io::Error::from_raw_os_error(rc));
+            let e = std::io::Error::from_raw_os_error(rc);
+            return Err(std::io::Error::new(e.kind(), format!("ibv_post_recv on queue pair {}: {e}", self.qpn())));
         }
         Ok(())
     }
@@ -538,21 +550,15 @@ impl Qp {
     }
 }
 
-fn unsafe_zeroed<T: Copy>() -> T {
-    // SAFETY: only used for bindgen structs of integers, pointers and unions thereof, for
-    // which all-zero is the documented "unset" value.
-    unsafe { std::mem::zeroed() }
-}
-
 /// Decodes a failed completion: status name and number, vendor error, and what usually
 /// causes it.
 pub fn completion_error(wc: &sys::ibv_wc, op: &str, dom: &Domain) -> std::io::Error {
-    let (status, vendor) = wc.error().unwrap_or((0, 0));
+    let (status, vendor) = (wc.status, wc.vendor_err);
     // SAFETY: ibv_wc_status_str returns a static string for any value.
-    let name = unsafe { CStr::from_ptr(sys::ibv_wc_status_str(status)) }.to_string_lossy().into_owned();
+    let name = unsafe { CStr::from_ptr((dom.ctx.v.ibv_wc_status_str)(status)) }.to_string_lossy().into_owned();
     let c = &dom.choice;
     let hint = match status {
-        sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR => format!(
+        sys::IBV_WC_RETRY_EXC_ERR => format!(
             ": the peer did not acknowledge — its process is gone, or it is unreachable from {} port {} with local GID {} {} ({}); \
              a wrong GID index (GRADWIRE_GID_INDEX) shows up exactly like this",
             c.dev,
@@ -561,8 +567,8 @@ pub fn completion_error(wc: &sys::ibv_wc, op: &str, dom: &Domain) -> std::io::Er
             c.gid,
             c.gid.kind.name()
         ),
-        sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR => ": flushed because the queue pair had already failed".to_string(),
-        sys::ibv_wc_status::IBV_WC_REM_ACCESS_ERR => {
+        sys::IBV_WC_WR_FLUSH_ERR => ": flushed because the queue pair had already failed".to_string(),
+        sys::IBV_WC_REM_ACCESS_ERR => {
             ": the peer refused access — its process exited (taking its registrations along) or the region is smaller than the request".to_string()
         }
         _ => String::new(),
@@ -622,10 +628,10 @@ impl RmaPeer {
         let mut naps = 0u32;
         loop {
             for c in self.cq.poll(&mut wc)? {
-                if c.wr_id() != id {
+                if c.wr_id != id {
                     continue; // a request of an earlier call that timed out
                 }
-                if !c.is_valid() {
+                if !c.is_ok() {
                     return Err(completion_error(c, what, self.qp.domain()));
                 }
                 return Ok(());
