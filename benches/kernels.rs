@@ -68,6 +68,7 @@ fn pair(transport: gradwire::TransportChoice) -> (gradwire::Communicator, gradwi
         master_addr: "127.0.0.1".into(),
         master_port: port,
         secret: "bench-secret-123".into(),
+        store_exists: false,
     };
     let mut cfg = gradwire::Config::from_env().unwrap();
     cfg.transport = transport;

@@ -38,14 +38,22 @@ typedef enum {
     GRADWIRE_FLOAT32 = 0,
     GRADWIRE_FLOAT64 = 1,
     GRADWIRE_FLOAT16 = 2,
-    GRADWIRE_BFLOAT16 = 3
+    GRADWIRE_BFLOAT16 = 3,
+    GRADWIRE_INT8 = 4,
+    GRADWIRE_UINT8 = 5,
+    GRADWIRE_INT32 = 6,
+    GRADWIRE_INT64 = 7,
+    GRADWIRE_BOOL = 8      /* one byte: 0 false, anything else true */
 } gradwire_dtype_t;
 
+/* Integers wrap on overflow; on GRADWIRE_BOOL, SUM and MAX are a logical or, PRODUCT and MIN
+ * a logical and. AVG is defined for the floating-point types only. */
 typedef enum {
     GRADWIRE_SUM = 0,
     GRADWIRE_AVG = 1,
     GRADWIRE_MIN = 2,
-    GRADWIRE_MAX = 3
+    GRADWIRE_MAX = 3,
+    GRADWIRE_PRODUCT = 4
 } gradwire_op_t;
 
 /* Result codes (0 = success, every error is negative). */
@@ -67,6 +75,22 @@ typedef enum {
 /* Joins the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
  * GRADWIRE_JOB_SECRET, ...; see the README). */
 int gradwire_init(gradwire_comm_t **comm);
+
+/* A communicator id a framework carries to its members, as NCCL's ncclUniqueId: one
+ * process calls gradwire_get_unique_id (it starts a rendezvous store on a free port of
+ * this host, behind a fresh secret; the address is GRADWIRE_MASTER_ADDR or MASTER_ADDR
+ * when set, else this host's first non-loopback IPv4 address), hands the bytes to every
+ * member, and each calls gradwire_comm_init_rank with its rank. MASTER_PORT and
+ * GRADWIRE_JOB_SECRET are not read, so ids never clash with the framework's rendezvous or
+ * with each other; a subgroup is made by its members alone. The store lives as long as the
+ * first communicator its process makes from the id (for ever if it makes none). Bytes
+ * that are not an id are GRADWIRE_ERR_INVALID_ARGUMENT. */
+#define GRADWIRE_UNIQUE_ID_BYTES 128
+typedef struct {
+    char internal[GRADWIRE_UNIQUE_ID_BYTES];
+} gradwire_unique_id_t;
+int gradwire_get_unique_id(gradwire_unique_id_t *id);
+int gradwire_comm_init_rank(gradwire_comm_t **comm, const gradwire_unique_id_t *id, int nranks, int rank);
 int gradwire_comm_rank(const gradwire_comm_t *comm, int *rank);
 int gradwire_comm_size(const gradwire_comm_t *comm, int *size);
 /* Splits by color (ranks with equal color form one communicator, ordered by key then rank).

@@ -60,6 +60,27 @@ impl Communicator {
         Self::with_env(crate::bootstrap::RankEnv::from_env()?, Config::from_env()?)
     }
 
+    /// Joins the group that `id` leads to as `rank` of `world` (the framework carried the id
+    /// from the process that made it, as with `ncclCommInitRank`), settings from the
+    /// environment. Neither MASTER_ADDR/MASTER_PORT nor GRADWIRE_JOB_SECRET is read.
+    pub fn from_unique_id(id: &crate::bootstrap::unique_id::UniqueId, world: usize, rank: usize) -> Result<Self> {
+        crate::config::init_logging();
+        if world == 0 || rank >= world {
+            return Err(config(format!("rank {rank} of a group of {world}: the rank must be in 0..{world}")));
+        }
+        let env = crate::bootstrap::RankEnv {
+            rank,
+            world,
+            local_rank: None,
+            local_world: None,
+            master_addr: id.host.clone(),
+            master_port: id.port,
+            secret: id.secret.clone(),
+            store_exists: true,
+        };
+        Self::with_env(env, Config::from_env()?)
+    }
+
     /// Joins a job described by `env` with settings `cfg` (for embedding and tests; `init`
     /// reads both from the process environment).
     pub fn with_env(env: crate::bootstrap::RankEnv, cfg: Config) -> Result<Self> {

@@ -12,48 +12,63 @@ pub enum DType {
     F64 = 1,
     F16 = 2,
     BF16 = 3,
+    I8 = 4,
+    U8 = 5,
+    I32 = 6,
+    I64 = 7,
+    /// One byte, 0 false and anything else true (as C's and torch's `bool`).
+    Bool = 8,
 }
 
 impl DType {
-    pub const ALL: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+    pub const ALL: [DType; 9] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I8, DType::U8, DType::I32, DType::I64, DType::Bool];
+    /// The floating-point types (the ones `avg` is defined for).
+    pub const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DType::F32 => 4,
-            DType::F64 => 8,
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::I8 | DType::U8 | DType::Bool => 1,
         }
     }
 
-    /// Short name as used by the CLI and in messages.
+    /// Short name as used by the CLI and in messages (torch's names).
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "float32",
             DType::F64 => "float64",
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
+            DType::I8 => "int8",
+            DType::U8 => "uint8",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::Bool => "bool",
         }
+    }
+
+    /// Whether this is a floating-point type.
+    pub fn is_float(self) -> bool {
+        Self::FLOATS.contains(&self)
     }
 
     /// Decodes a wire/C value.
     pub fn from_u8(v: u8) -> Result<Self> {
-        Ok(match v {
-            0 => DType::F32,
-            1 => DType::F64,
-            2 => DType::F16,
-            3 => DType::BF16,
-            _ => return Err(invalid(format!("unknown dtype code {v}"))),
-        })
+        Self::ALL.get(v as usize).copied().ok_or_else(|| invalid(format!("unknown dtype code {v}")))
     }
 
-    /// Machine epsilon: the unit of relative error for one rounding in this type.
+    /// Machine epsilon: the unit of relative error for one rounding in this type (0 for the
+    /// integer types, whose results are exact).
     pub fn epsilon(self) -> f64 {
         match self {
             DType::F32 => f32::EPSILON as f64,
             DType::F64 => f64::EPSILON,
             DType::F16 => f16::EPSILON.to_f64(),
             DType::BF16 => bf16::EPSILON.to_f64(),
+            DType::I8 | DType::U8 | DType::I32 | DType::I64 | DType::Bool => 0.0,
         }
     }
 }
@@ -66,7 +81,12 @@ impl std::str::FromStr for DType {
             "float64" | "f64" | "double" => Ok(DType::F64),
             "float16" | "f16" | "half" => Ok(DType::F16),
             "bfloat16" | "bf16" => Ok(DType::BF16),
-            _ => Err(format!("unknown dtype {s:?} (float32, float64, float16, bfloat16)")),
+            "int8" | "i8" => Ok(DType::I8),
+            "uint8" | "u8" => Ok(DType::U8),
+            "int32" | "i32" | "int" => Ok(DType::I32),
+            "int64" | "i64" | "long" => Ok(DType::I64),
+            "bool" => Ok(DType::Bool),
+            _ => Err(format!("unknown dtype {s:?} (float32, float64, float16, bfloat16, int8, uint8, int32, int64, bool)")),
         }
     }
 }
@@ -79,10 +99,13 @@ pub enum ReduceOp {
     Avg = 1,
     Min = 2,
     Max = 3,
+    /// Integers wrap on overflow, as in C and torch; on `bool`, sum and max are a logical
+    /// or, product and min a logical and.
+    Product = 4,
 }
 
 impl ReduceOp {
-    pub const ALL: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max];
+    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max, ReduceOp::Product];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -90,18 +113,22 @@ impl ReduceOp {
             ReduceOp::Avg => "avg",
             ReduceOp::Min => "min",
             ReduceOp::Max => "max",
+            ReduceOp::Product => "product",
         }
     }
 
     /// Decodes a wire/C value.
     pub fn from_u8(v: u8) -> Result<Self> {
-        Ok(match v {
-            0 => ReduceOp::Sum,
-            1 => ReduceOp::Avg,
-            2 => ReduceOp::Min,
-            3 => ReduceOp::Max,
-            _ => return Err(invalid(format!("unknown reduce op code {v}"))),
-        })
+        Self::ALL.get(v as usize).copied().ok_or_else(|| invalid(format!("unknown reduce op code {v}")))
+    }
+
+    /// Whether this operation is defined on `dtype`: everything is, except `avg` on the
+    /// integer and bool types (an average is not an integer).
+    pub fn check(self, dtype: DType) -> Result<()> {
+        if self == ReduceOp::Avg && !dtype.is_float() {
+            return Err(invalid(format!("op avg needs a floating-point dtype, not {} (reduce with sum, then divide)", dtype.name())));
+        }
+        Ok(())
     }
 }
 
@@ -113,12 +140,14 @@ impl std::str::FromStr for ReduceOp {
             "avg" | "mean" => Ok(ReduceOp::Avg),
             "min" => Ok(ReduceOp::Min),
             "max" => Ok(ReduceOp::Max),
-            _ => Err(format!("unknown op {s:?} (sum, avg, min, max)")),
+            "product" | "prod" => Ok(ReduceOp::Product),
+            _ => Err(format!("unknown op {s:?} (sum, avg, min, max, product)")),
         }
     }
 }
 
-/// A Rust element type gradwire can reduce. Sealed to the four wire types.
+/// A Rust element type gradwire can reduce. Sealed to the wire types (`bool` excepted: a
+/// reduced byte need not be 0 or 1, which a Rust `bool` must be).
 pub trait Element: Copy + Send + Sync + 'static + private::Sealed {
     const DTYPE: DType;
     fn to_f64(self) -> f64;
@@ -131,6 +160,10 @@ mod private {
     impl Sealed for f64 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for i8 {}
+    impl Sealed for u8 {}
+    impl Sealed for i32 {}
+    impl Sealed for i64 {}
 }
 
 impl Element for f32 {
@@ -169,3 +202,19 @@ impl Element for bf16 {
         bf16::from_f64(v)
     }
 }
+
+macro_rules! integer_element {
+    ($($t:ty => $d:ident),*) => {$(
+        /// `to_f64` is exact up to 2^53; `from_f64` truncates and saturates.
+        impl Element for $t {
+            const DTYPE: DType = DType::$d;
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+        }
+    )*};
+}
+integer_element!(i8 => I8, u8 => U8, i32 => I32, i64 => I64);

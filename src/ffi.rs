@@ -8,6 +8,7 @@
 //! host process.
 #![allow(non_camel_case_types)]
 
+use crate::bootstrap::unique_id::{UniqueId, UNIQUE_ID_BYTES};
 use crate::collective::Request;
 use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
@@ -159,11 +160,14 @@ fn dtype(v: gradwire_dtype_t, what: &str) -> Result<DType> {
     u8::try_from(v)
         .ok()
         .and_then(|v| DType::from_u8(v).ok())
-        .ok_or_else(|| invalid(format!("{what}: unknown dtype {v} (expected GRADWIRE_FLOAT32..GRADWIRE_BFLOAT16)")))
+        .ok_or_else(|| invalid(format!("{what}: unknown dtype {v} (expected GRADWIRE_FLOAT32..GRADWIRE_BOOL)")))
 }
 
 fn redop(v: gradwire_op_t, what: &str) -> Result<ReduceOp> {
-    u8::try_from(v).ok().and_then(|v| ReduceOp::from_u8(v).ok()).ok_or_else(|| invalid(format!("{what}: unknown op {v} (expected GRADWIRE_SUM..GRADWIRE_MAX)")))
+    u8::try_from(v)
+        .ok()
+        .and_then(|v| ReduceOp::from_u8(v).ok())
+        .ok_or_else(|| invalid(format!("{what}: unknown op {v} (expected GRADWIRE_SUM..GRADWIRE_PRODUCT)")))
 }
 
 /// Validates the buffers of `req`: present where needed, identical or disjoint.
@@ -222,6 +226,48 @@ pub unsafe extern "C" fn gradwire_init(comm_out: *mut *mut gradwire_comm_t) -> c
         out(comm_out, "gradwire_init", "comm")?;
         let c = Communicator::init()?;
         put(comm_out, register(c), "gradwire_init", "comm")
+    })
+}
+
+/// A unique id's bytes (`gradwire_unique_id_t`).
+#[repr(C)]
+pub struct gradwire_unique_id_t {
+    pub internal: [c_char; UNIQUE_ID_BYTES],
+}
+
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_get_unique_id(id: *mut gradwire_unique_id_t) -> c_int {
+    guard(|| {
+        out(id, "gradwire_get_unique_id", "id")?;
+        let bytes = UniqueId::create()?.to_bytes()?;
+        // SAFETY: id is non-NULL (checked) and points to a gradwire_unique_id_t by contract.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), (*id).internal.as_mut_ptr() as *mut u8, UNIQUE_ID_BYTES) };
+        Ok(())
+    })
+}
+
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_comm_init_rank(comm_out: *mut *mut gradwire_comm_t, id: *const gradwire_unique_id_t, nranks: c_int, rank: c_int) -> c_int {
+    guard(|| {
+        let w = "gradwire_comm_init_rank";
+        out(comm_out, w, "comm")?;
+        if id.is_null() {
+            return Err(invalid(format!("{w}: id is NULL")));
+        }
+        if nranks < 1 || rank < 0 || rank >= nranks {
+            return Err(invalid(format!("{w}: rank {rank} of nranks {nranks}: need nranks >= 1 and 0 <= rank < nranks")));
+        }
+        // SAFETY: id is non-NULL (checked) and points to a gradwire_unique_id_t by contract.
+        let bytes = unsafe { std::slice::from_raw_parts((*id).internal.as_ptr() as *const u8, UNIQUE_ID_BYTES) };
+        let id = UniqueId::from_bytes(bytes).map_err(|e| invalid(format!("{w}: {e}")))?;
+        let c = Communicator::from_unique_id(&id, nranks as usize, rank as usize)?;
+        put(comm_out, register(c), w, "comm")
     })
 }
 

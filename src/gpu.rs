@@ -114,6 +114,7 @@ fn nccl_op(op: ReduceOp) -> NcclOp {
         ReduceOp::Avg => NcclOp::Avg,
         ReduceOp::Min => NcclOp::Min,
         ReduceOp::Max => NcclOp::Max,
+        ReduceOp::Product => NcclOp::Prod,
     }
 }
 

@@ -6,7 +6,16 @@ use gradwire::{Communicator, Config, ReduceOp, TransportChoice};
 use std::time::{Duration, Instant};
 
 fn env(rank: usize, world: usize, port: u16) -> RankEnv {
-    RankEnv { rank, world, local_rank: None, local_world: None, master_addr: "127.0.0.1".into(), master_port: port, secret: "engine-test-secret".into() }
+    RankEnv {
+        rank,
+        world,
+        local_rank: None,
+        local_world: None,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        secret: "engine-test-secret".into(),
+        store_exists: false,
+    }
 }
 
 fn cfg(timeout_ms: u64) -> Config {

@@ -22,6 +22,25 @@ fn c_example_with_four_ranks() {
     }
 }
 
+/// Communicators from unique ids, with no launcher and no rendezvous variables: the whole
+/// world, then a subgroup made by its members alone (ffi/examples/unique_id.c), over shm
+/// and tcp, with none of MASTER_ADDR, MASTER_PORT or GRADWIRE_JOB_SECRET set.
+#[test]
+fn unique_ids_make_groups_without_a_launcher() {
+    let exe = c_program("ffi/examples/unique_id.c", "unique-id-c-example");
+    for (transport, w) in [("shm", 4), ("tcp", 3), ("shm", 1)] {
+        let mut cmd = Command::new(&exe);
+        cmd.arg(w.to_string()).env("GRADWIRE_TRANSPORT", transport).env("GRADWIRE_TIMEOUT_MS", "30000");
+        for k in ["MASTER_ADDR", "MASTER_PORT", "GRADWIRE_MASTER_ADDR", "GRADWIRE_MASTER_PORT", "GRADWIRE_JOB_SECRET", "RANK", "WORLD_SIZE"] {
+            cmd.env_remove(k);
+        }
+        let out = run_with_limit(cmd, Duration::from_secs(120));
+        let t = text(&out);
+        assert!(out.status.success(), "{transport}, {w} ranks: {t}");
+        assert_eq!(t.matches(": ok").count(), w, "{t}");
+    }
+}
+
 fn last_error() -> String {
     // SAFETY: gradwire_last_error returns a valid NUL-terminated string.
     unsafe { CStr::from_ptr(gradwire_last_error()) }.to_string_lossy().into_owned()
@@ -75,11 +94,20 @@ unsafe fn bad_inputs() {
     expect(gradwire_comm_size(bogus, &mut size), INVALID, "not a live communicator");
     expect(gradwire_comm_size(comm, std::ptr::null_mut()), INVALID, "size is NULL");
     let mut sub: *mut gradwire_comm_t = std::ptr::null_mut();
+    expect(gradwire_get_unique_id(std::ptr::null_mut()), INVALID, "id is NULL");
+    let mut id = gradwire::ffi::gradwire_unique_id_t { internal: [0; 128] };
+    expect(gradwire_comm_init_rank(&mut sub, &id, 2, 0), INVALID, "not a gradwire unique id");
+    expect(gradwire_comm_init_rank(std::ptr::null_mut(), &id, 2, 0), INVALID, "comm is NULL");
+    expect(gradwire_comm_init_rank(&mut sub, std::ptr::null(), 2, 0), INVALID, "id is NULL");
+    expect(gradwire_get_unique_id(&mut id), 0, "");
+    for (n, r) in [(0, 0), (2, 2), (2, -1), (-3, 0)] {
+        expect(gradwire_comm_init_rank(&mut sub, &id, n, r), INVALID, "need nranks >= 1 and 0 <= rank < nranks");
+    }
     expect(gradwire_comm_split(bogus, 0, 0, &mut sub), INVALID, "not a live communicator");
     expect(gradwire_comm_split(comm, 0, 0, std::ptr::null_mut()), INVALID, "newcomm is NULL");
 
     expect(gradwire_allreduce(bogus, xp, xp, 8, 0, 0), INVALID, "not a live communicator");
-    expect(gradwire_allreduce(comm, xp, xp, 8, 7, 0), INVALID, "unknown dtype 7");
+    expect(gradwire_allreduce(comm, xp, xp, 8, 42, 0), INVALID, "unknown dtype 42");
     expect(gradwire_allreduce(comm, xp, xp, 8, 0, 9), INVALID, "unknown op 9");
     expect(gradwire_allreduce(comm, xp, xp, usize::MAX, 0, 0), INVALID, "overflows");
     // No overflow in usize, but no buffer can be that large (a slice over isize::MAX bytes
@@ -94,7 +122,7 @@ unsafe fn bad_inputs() {
 
     let mut work: *mut gradwire_work_t = std::ptr::null_mut();
     expect(gradwire_iallreduce(comm, xp, xp, 8, 0, 0, std::ptr::null_mut()), INVALID, "work is NULL");
-    expect(gradwire_iallreduce(comm, xp, xp, 8, 4, 0, &mut work), INVALID, "unknown dtype 4");
+    expect(gradwire_iallreduce(comm, xp, xp, 8, 9, 0, &mut work), INVALID, "unknown dtype 9");
     expect(gradwire_wait(std::ptr::null_mut(), -1), INVALID, "work is NULL");
     expect(gradwire_wait(0x4560 as *mut gradwire_work_t, -1), INVALID, "not a live work");
     assert_eq!(gradwire_iallreduce(comm, xp, xp, 8, 0, 0, &mut work), 0, "{}", last_error());

@@ -17,14 +17,20 @@ import numbers
 import os
 import weakref
 
-__all__ = ["Comm", "Work", "GradwireError", "load_library"]
+__all__ = ["Comm", "Work", "GradwireError", "load_library", "unique_id", "UNIQUE_ID_BYTES"]
 
-_DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
-_OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3}
+# Element types by NumPy's and torch's names (ffi/gradwire.h's gradwire_dtype_t).
+_DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int8": 4, "uint8": 5, "int32": 6, "int64": 7, "bool": 8}
+_OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3, "product": 4}
 # Ranges of the C types integers cross ctypes as (ffi/gradwire.h).
 _INT = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
 _SIZE_MAX = 2**64 - 1
+UNIQUE_ID_BYTES = 128
+
+
+class _UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
 
 
 class GradwireError(RuntimeError):
@@ -73,6 +79,8 @@ def load_library():
     pp = ctypes.POINTER(ctypes.c_void_p)
     sigs = {
         "gradwire_init": [pp],
+        "gradwire_get_unique_id": [ctypes.POINTER(_UniqueId)],
+        "gradwire_comm_init_rank": [pp, ctypes.POINTER(_UniqueId), i, i],
         "gradwire_comm_rank": [p, ctypes.POINTER(i)],
         "gradwire_comm_size": [p, ctypes.POINTER(i)],
         "gradwire_comm_split": [p, i, i, pp],
@@ -135,13 +143,13 @@ def _int_arg(value, name, lo, hi, why=None):
 
 def _dtype(name, what):
     if name not in _DTYPES:
-        raise TypeError(f"{what}: dtype {name} is not supported (float32, float64, float16, bfloat16)")
+        raise TypeError(f"{what}: dtype {name} is not supported ({', '.join(_DTYPES)})")
     return _DTYPES[name]
 
 
 def _op(op):
     if op not in _OPS:
-        raise ValueError(f"unknown op {op!r} (sum, avg, min, max)")
+        raise ValueError(f"unknown op {op!r} ({', '.join(_OPS)})")
     return _OPS[op]
 
 
@@ -164,8 +172,31 @@ class Work:
         return self._keep[-1] if self._keep else None
 
 
+def unique_id():
+    """A fresh communicator id (bytes), as NCCL's ncclGetUniqueId: this process starts the
+    rendezvous store it leads to. Hand the bytes to every member (e.g. through
+    torch.distributed's store), which then calls Comm.from_unique_id."""
+    uid = _UniqueId()
+    _check(load_library().gradwire_get_unique_id(ctypes.byref(uid)))
+    return ctypes.string_at(ctypes.addressof(uid), UNIQUE_ID_BYTES)
+
+
 class Comm:
     """A gradwire communicator (see the README for the environment it reads)."""
+
+    @classmethod
+    def from_unique_id(cls, uid, size, rank):
+        """Joins the group `uid` (from unique_id(), carried by the framework) leads to, as
+        `rank` of `size`; no MASTER_PORT or job secret is read."""
+        if not isinstance(uid, (bytes, bytearray)) or len(uid) != UNIQUE_ID_BYTES:
+            raise ValueError(f"from_unique_id: uid must be the {UNIQUE_ID_BYTES} bytes unique_id() returned")
+        size = _int_arg(size, "from_unique_id: size", 1, _INT[1])
+        rank = _int_arg(rank, "from_unique_id: rank", 0, size - 1, f"not a rank of a group of {size}")
+        raw = _UniqueId()
+        ctypes.memmove(ctypes.addressof(raw), bytes(uid), UNIQUE_ID_BYTES)
+        h = ctypes.c_void_p()
+        _check(load_library().gradwire_comm_init_rank(ctypes.byref(h), ctypes.byref(raw), size, rank))
+        return cls(h)
 
     def __init__(self, _handle=None):
         lib = load_library()

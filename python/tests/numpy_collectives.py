@@ -3,15 +3,17 @@
 Every collective of the Python binding on NumPy arrays, in place, compared with a
 reference computed here in float64 from every rank's regenerated random input (fresh seed
 per run, chosen by rank 0). Tolerance for sum/avg: (W+1)·eps·Σ|x| (W−1 roundings of
-partial sums bounded by Σ|x|, plus the avg scaling, times 2); min/max exact.
+partial sums bounded by Σ|x|, plus the avg scaling, times 2); product: (W+1)·(eps·|p| +
+the subnormal step); min/max and every integer result exact.
 """
 
 import itertools
+import math
 import sys
 
 import numpy as np
 
-from gradwire import Comm, GradwireError
+from gradwire import UNIQUE_ID_BYTES, Comm, GradwireError, unique_id
 
 comm = Comm()
 rank, world = comm.rank, comm.size
@@ -24,7 +26,29 @@ cases = 0
 
 def inp(r, case, n, dt):
     rng = np.random.default_rng([seed, r, case])
+    if np.dtype(dt) == np.bool_:
+        return rng.integers(0, 2, n).astype(dt)
+    if np.issubdtype(dt, np.integer):
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, n, endpoint=True, dtype=dt)
     return rng.uniform(-1, 1, n).astype(dt)
+
+
+def int_reference(rows, op, dt):
+    """Wrapping integer reduction in Python's exact integers, then cast as C does."""
+    bits = np.dtype(dt).itemsize * 8
+    signed = np.issubdtype(dt, np.signedinteger)
+
+    def wrap(v):
+        v &= (1 << bits) - 1
+        return v - (1 << bits) if signed and v >= 1 << (bits - 1) else v
+
+    cols = list(zip(*(r.tolist() for r in rows)))
+    if op == "sum":
+        return [wrap(sum(c)) for c in cols]
+    if op == "product":
+        return [wrap(math.prod(c)) for c in cols]
+    return [min(c) if op == "min" else max(c) for c in cols]
 
 
 def expect(name, got, want, tol):
@@ -38,12 +62,14 @@ def expect(name, got, want, tol):
 
 
 n = 7919
-for case, (dt, op) in enumerate(itertools.product([np.float32, np.float64, np.float16], ["sum", "avg", "min", "max"])):
+for case, (dt, op) in enumerate(itertools.product([np.float32, np.float64, np.float16], ["sum", "avg", "min", "max", "product"])):
     inputs = np.stack([inp(r, case, n, dt).astype(np.float64) for r in range(world)])
     eps = np.finfo(dt).eps
     tol = (world + 1) * eps * np.abs(inputs).sum(axis=0)
-    ref = {"sum": inputs.sum(0), "avg": inputs.mean(0), "min": inputs.min(0), "max": inputs.max(0)}[op]
+    ref = {"sum": inputs.sum(0), "avg": inputs.mean(0), "min": inputs.min(0), "max": inputs.max(0), "product": None}[op]
     tol = {"sum": tol, "avg": tol / world}.get(op, 0.0)
+    ref = inputs.prod(0) if op == "product" else ref
+    tol = (world + 1) * (eps * np.abs(ref) + np.finfo(dt).smallest_subnormal) if op == "product" else tol
     x = inp(rank, case, n, dt)
     comm.allreduce(x, op=op)
     expect(f"allreduce {np.dtype(dt).name} {op}", x, ref, tol)
@@ -54,6 +80,49 @@ for case, (dt, op) in enumerate(itertools.product([np.float32, np.float64, np.fl
     y = inp(rank, case, n, dt)
     comm.iallreduce(y, op=op).wait()
     expect(f"iallreduce {np.dtype(dt).name} {op}", y, ref, tol)
+
+# Integers wrap on overflow (inputs over the whole range); bool sum/max is or, product/min
+# and. Compared exactly, as Python integers (float64 cannot tell every int64 apart).
+for case, (dt, op) in enumerate(itertools.product([np.int8, np.uint8, np.int32, np.int64, np.bool_], ["sum", "min", "max", "product"]), start=100):
+    rows = [inp(r, case, n, dt) for r in range(world)]
+    if dt == np.bool_:
+        want = [bool(v) for v in (np.logical_or.reduce(rows) if op in ("sum", "max") else np.logical_and.reduce(rows))]
+    else:
+        want = int_reference(rows, op, dt)
+    x = inp(rank, case, n, dt)
+    comm.allreduce(x, op=op)
+    cases += 1
+    got = [bool(v) for v in x.tolist()] if dt == np.bool_ else x.tolist()
+    wrong = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    if wrong:
+        i = wrong[0]
+        failures.append(f"rank {rank}: allreduce {np.dtype(dt).name} {op}: {len(wrong)} wrong, e.g. [{i}] = {got[i]} vs {want[i]}")
+    with_avg = inp(rank, case, n, dt)
+    cases += 1
+    try:
+        comm.allreduce(with_avg, op="avg")
+        failures.append(f"rank {rank}: allreduce {np.dtype(dt).name} avg was accepted")
+    except GradwireError as e:
+        if "avg needs a floating-point dtype" not in str(e):
+            failures.append(f"rank {rank}: allreduce {np.dtype(dt).name} avg: unexpected error {e}")
+
+# A second communicator from a unique id, carried over the first one (as a framework would
+# carry it through its own store): bytes as a uint8 broadcast.
+uid = np.frombuffer(bytearray(unique_id() if rank == 0 else bytes(UNIQUE_ID_BYTES)), dtype=np.uint8).copy()
+comm.broadcast(uid, root=0)
+with Comm.from_unique_id(uid.tobytes(), world, rank) as by_id:
+    v = np.array([rank + 1], dtype=np.int64)
+    by_id.allreduce(v)
+    cases += 1
+    if (by_id.rank, by_id.size, int(v[0])) != (rank, world, world * (world + 1) // 2):
+        failures.append(f"rank {rank}: communicator from a unique id: rank {by_id.rank}, size {by_id.size}, sum {v[0]}")
+for bad_uid, err in [(b"x" * UNIQUE_ID_BYTES, GradwireError), (b"short", ValueError)]:
+    cases += 1
+    try:
+        Comm.from_unique_id(bad_uid, world, rank)
+        failures.append(f"rank {rank}: from_unique_id({bad_uid[:8]!r}...) was accepted")
+    except err:
+        pass
 
 # Arrays from gradwire's allocator: from 256 KiB the one-host allreduce works in them in place.
 big = 2_500_007
@@ -97,11 +166,11 @@ comm.barrier()
 # Bad input is a Python exception, never a crash.
 for bad_call, exc in [
     (lambda: comm.allreduce(np.zeros((4, 4), dtype=np.float32)[:, 0]), ValueError),
-    (lambda: comm.allreduce(np.zeros(4, dtype=np.int32)), TypeError),
+    (lambda: comm.allreduce(np.zeros(4, dtype=np.uint16)), TypeError),
     (lambda: comm.allreduce(np.zeros(4, dtype=np.float32), op="prod"), ValueError),
     (lambda: comm.broadcast(np.zeros(4, dtype=np.float32), root=world), ValueError),
     (lambda: comm.allreduce([1.0, 2.0]), TypeError),
-    (lambda: comm.empty(4, "int32"), TypeError),
+    (lambda: comm.empty(4, "uint16"), TypeError),
     (lambda: comm.empty(-1), ValueError),
     (lambda: comm.register(np.zeros(4, dtype=np.float32)), GradwireError),
     (lambda: comm.deregister(np.zeros(4096, dtype=np.float32)), GradwireError),

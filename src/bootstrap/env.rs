@@ -16,6 +16,8 @@ pub struct RankEnv {
     pub master_addr: String,
     pub master_port: u16,
     pub secret: String,
+    /// The rendezvous store runs already (a unique id's): no rank hosts one.
+    pub store_exists: bool,
 }
 
 /// One source of a value: the variable it came from and its text.
@@ -106,7 +108,7 @@ impl RankEnv {
             }
             (addr.1, p, secret.1)
         };
-        Ok(RankEnv { rank: r, world: w, local_rank, local_world, master_addr, master_port, secret })
+        Ok(RankEnv { rank: r, world: w, local_rank, local_world, master_addr, master_port, secret, store_exists: false })
     }
 }
 

@@ -4,6 +4,7 @@
 pub mod auth;
 pub mod env;
 pub mod store;
+pub mod unique_id;
 
 pub use env::RankEnv;
 pub use store::{StoreClient, StoreServer};
@@ -176,10 +177,21 @@ impl Bootstrap {
     pub fn new(env: RankEnv, deadline: Instant) -> Result<Self> {
         let started = Instant::now();
         if env.world == 1 {
+            if env.store_exists {
+                drop(unique_id::adopt(&env.master_addr, env.master_port)); // nobody will dial it
+            }
             return Ok(Bootstrap { env, store: None, topology: Topology::single_rank(), generation: 0, _server: None });
         }
         let addr = format!("{}:{}", env.master_addr, env.master_port);
-        let server = if env.rank == 0 { host_store(&env, &addr)? } else { None };
+        // A unique id's store is up already (and adopted by the communicator of the process
+        // that made it); otherwise rank 0 hosts the store.
+        let server = if env.store_exists {
+            unique_id::adopt(&env.master_addr, env.master_port)
+        } else if env.rank == 0 {
+            host_store(&env, &addr)?
+        } else {
+            None
+        };
         let store = Arc::new(StoreClient::connect(&addr, &env.secret, deadline)?);
         // Counted only once the store answers: a rank that fails before it must not be a
         // generation ahead of the others when it tries again.

@@ -154,6 +154,20 @@ impl StoreServer {
         Ok(server)
     }
 
+    /// A store on a free port of `host` for a unique id (see [`super::unique_id`]),
+    /// registered like [`StoreServer::shared`]'s so that this process's rank 0 reuses it.
+    /// Where `host` is not an address of this machine, it listens on every interface.
+    pub fn ephemeral(host: &str, secret: &str) -> Result<Arc<Self>> {
+        let listener = TcpListener::bind((host, 0))
+            .or_else(|_| TcpListener::bind(("0.0.0.0", 0)))
+            .map_err(|e| Error::io(format!("bind a rendezvous store on {host}"), e))?;
+        let server = Arc::new(Self::serve_on(listener, secret)?);
+        let mut hosted = HOSTED.lock().unwrap_or_else(|p| p.into_inner());
+        hosted.retain(|(_, w)| w.strong_count() > 0);
+        hosted.push((format!("{host}:{}", server.addr.port()), Arc::downgrade(&server)));
+        Ok(server)
+    }
+
     fn holds_a_failure(&self) -> bool {
         self.table.0.lock().unwrap_or_else(|p| p.into_inner()).keys().any(|k| k.contains(FAILED))
     }

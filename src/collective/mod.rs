@@ -1,6 +1,6 @@
 //! Collectives layer: allreduce, reduce-scatter, allgather, broadcast, reduce, barrier —
-//! blocking and non-blocking, for f32/f64/f16/bf16 and sum/avg/min/max, on any
-//! communicator (including ones made by `split`).
+//! blocking and non-blocking, for every [`DType`] and sum/avg/min/max/product (avg on the
+//! floating-point types), on any communicator (including ones made by `split`).
 //!
 //! Algorithm choice for allreduce (`GRADWIRE_ALGO=auto`): on one host with shared memory,
 //! the shared-buffer reduction ([`shm_allreduce()`]); otherwise recursive doubling below
@@ -97,6 +97,9 @@ impl Communicator {
         }
         if req.op == OpKind::Send {
             return Err(invalid("send/recv is not a collective"));
+        }
+        if matches!(req.op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) {
+            req.redop.check(req.dtype)?;
         }
         let (slen, rlen) = req.lengths(self.size())?;
         if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {

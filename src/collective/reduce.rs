@@ -1,6 +1,8 @@
 //! Reduction kernels: `dst = op(dst, src)` element-wise for every dtype, written as plain
 //! loops over aligned slices so the compiler vectorises them; f16/bf16 widen to f32 in
-//! L1-sized blocks (one rounding per combine, as NCCL does).
+//! L1-sized blocks (one rounding per combine, as NCCL does). Integers wrap on overflow (as
+//! C and torch do); `bool` bytes combine as their maximum (sum, max: or) or minimum
+//! (product, min: and).
 
 use crate::dtype::{DType, ReduceOp};
 use half::slice::HalfFloatSliceExt;
@@ -13,6 +15,7 @@ fn combine_f32(op: ReduceOp, d: &mut [f32], s: &[f32]) {
         ReduceOp::Sum | ReduceOp::Avg => d.iter_mut().zip(s).for_each(|(d, s)| *d += *s),
         ReduceOp::Min => d.iter_mut().zip(s).for_each(|(d, s)| *d = if *s < *d { *s } else { *d }),
         ReduceOp::Max => d.iter_mut().zip(s).for_each(|(d, s)| *d = if *s > *d { *s } else { *d }),
+        ReduceOp::Product => d.iter_mut().zip(s).for_each(|(d, s)| *d *= *s),
     }
 }
 
@@ -22,7 +25,33 @@ fn combine_f64(op: ReduceOp, d: &mut [f64], s: &[f64]) {
         ReduceOp::Sum | ReduceOp::Avg => d.iter_mut().zip(s).for_each(|(d, s)| *d += *s),
         ReduceOp::Min => d.iter_mut().zip(s).for_each(|(d, s)| *d = if *s < *d { *s } else { *d }),
         ReduceOp::Max => d.iter_mut().zip(s).for_each(|(d, s)| *d = if *s > *d { *s } else { *d }),
+        ReduceOp::Product => d.iter_mut().zip(s).for_each(|(d, s)| *d *= *s),
     }
+}
+
+/// The integer types: wrapping sum and product, min, max (`avg` is refused before any
+/// kernel runs; here it would combine as a sum).
+macro_rules! combine_int {
+    ($($name:ident: $t:ty),*) => {$(
+        #[inline(always)]
+        fn $name(op: ReduceOp, d: &mut [$t], s: &[$t]) {
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => d.iter_mut().zip(s).for_each(|(d, s)| *d = d.wrapping_add(*s)),
+                ReduceOp::Min => d.iter_mut().zip(s).for_each(|(d, s)| *d = (*d).min(*s)),
+                ReduceOp::Max => d.iter_mut().zip(s).for_each(|(d, s)| *d = (*d).max(*s)),
+                ReduceOp::Product => d.iter_mut().zip(s).for_each(|(d, s)| *d = d.wrapping_mul(*s)),
+            }
+        }
+    )*};
+}
+combine_int!(combine_i8: i8, combine_u8: u8, combine_i32: i32, combine_i64: i64);
+
+/// `bool` as bytes: any nonzero byte is true, so the maximum is the logical or and the
+/// minimum the logical and.
+#[inline(always)]
+fn combine_bool(op: ReduceOp, d: &mut [u8], s: &[u8]) {
+    let or = matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max);
+    combine_u8(if or { ReduceOp::Max } else { ReduceOp::Min }, d, s)
 }
 
 const BLOCK: usize = 512;
@@ -59,6 +88,7 @@ mod f16c {
                 ReduceOp::Sum | ReduceOp::Avg => _mm256_add_ps(a, b),
                 ReduceOp::Min => _mm256_min_ps(b, a),
                 ReduceOp::Max => _mm256_max_ps(b, a),
+                ReduceOp::Product => _mm256_mul_ps(a, b),
             };
             _mm_storeu_si128(dp, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
         }
@@ -85,6 +115,7 @@ fn combine_bf16(op: ReduceOp, d: &mut [u16], s: &[u16]) {
         ReduceOp::Sum | ReduceOp::Avg => bf16_loop(d, s, |x, y| x + y),
         ReduceOp::Min => bf16_loop(d, s, |x, y| if y < x { y } else { x }),
         ReduceOp::Max => bf16_loop(d, s, |x, y| if y > x { y } else { x }),
+        ReduceOp::Product => bf16_loop(d, s, |x, y| x * y),
     }
 }
 
@@ -100,7 +131,8 @@ fn bf16_loop(d: &mut [u16], s: &[u16], f: impl Fn(f32, f32) -> f32) {
 
 /// Reinterprets bytes as `T` when aligned; `None` otherwise.
 fn cast<T>(b: &[u8]) -> Option<&[T]> {
-    // SAFETY: every bit pattern is a valid float; align_to only yields aligned middles.
+    // SAFETY: only instantiated with the wire types (floats, integers, bf16 as u16), for
+    // which every bit pattern is valid; align_to only yields aligned middles.
     let (pre, mid, post) = unsafe { b.align_to::<T>() };
     (pre.is_empty() && post.is_empty()).then_some(mid)
 }
@@ -163,13 +195,18 @@ fn reduce_aligned(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
         DType::F64 => combine_f64(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
         DType::F16 => combine_f16(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
         DType::BF16 => combine_bf16(op, cast_mut::<u16>(dst).unwrap_or_default(), cast::<u16>(src).unwrap_or_default()),
+        DType::I8 => combine_i8(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
+        DType::U8 => combine_u8(op, dst, src),
+        DType::I32 => combine_i32(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
+        DType::I64 => combine_i64(op, cast_mut(dst).unwrap_or_default(), cast(src).unwrap_or_default()),
+        DType::Bool => combine_bool(op, dst, src),
     }
 }
 
 /// The last step of a reduction over `w` ranks: an average divides the finished sum by `w`,
 /// once; every other operation is already final.
 pub fn finish(dtype: DType, op: ReduceOp, buf: &mut [u8], w: usize) {
-    if op == ReduceOp::Avg {
+    if op == ReduceOp::Avg && dtype.is_float() {
         scale(dtype, buf, 1.0 / w as f64);
     }
 }
@@ -183,7 +220,8 @@ pub fn reduce_all<'s>(dtype: DType, op: ReduceOp, w: usize, acc: &mut [u8], sour
     finish(dtype, op, acc, w);
 }
 
-/// Multiplies every element by `factor` (the final step of `Avg`).
+/// Multiplies every floating-point element by `factor` (the final step of `Avg`); integer
+/// buffers are left as they are (`avg` is refused for them).
 pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) {
     let aligned = buf.as_ptr() as usize % dtype.size() == 0;
     if !aligned {
@@ -206,6 +244,7 @@ pub fn scale(dtype: DType, buf: &mut [u8], factor: f64) {
             let f = factor as f32;
             cast_mut::<bf16>(buf).unwrap_or_default().iter_mut().for_each(|x| *x = bf16::from_f32(x.to_f32() * f));
         }
+        DType::I8 | DType::U8 | DType::I32 | DType::I64 | DType::Bool => {}
     }
 }
 
@@ -234,6 +273,7 @@ mod tests {
                     ReduceOp::Sum | ReduceOp::Avg => x as f64 + y as f64,
                     ReduceOp::Min => x.min(y) as f64,
                     ReduceOp::Max => x.max(y) as f64,
+                    ReduceOp::Product => x as f64 * y as f64,
                 })
                 .collect();
             let mut d = a;
@@ -304,6 +344,7 @@ mod tests {
                     ReduceOp::Sum | ReduceOp::Avg => x + y,
                     ReduceOp::Min => x.min(y),
                     ReduceOp::Max => x.max(y),
+                    ReduceOp::Product => x * y,
                 };
                 // Two f32 summed in f64 and rounded to f32 give the f32 sum (f64 has more
                 // than twice the bits). f16 and bf16 combine in f32 and round once, as NCCL does.
@@ -325,6 +366,55 @@ mod tests {
                 kernel(DType::BF16, op, bytes_mut(&mut d), bytes(&bb));
                 let want: Vec<bf16> = ab.iter().zip(&bb).map(|(x, y)| bf16::from_f32(combine(x.to_f64(), y.to_f64()) as f32)).collect();
                 assert_eq!(d, want, "bf16, {what}");
+            }
+        }
+    }
+
+    /// Integers wrap, on fresh random data over the whole range, in both builds; `bool` is
+    /// or/and over any nonzero byte.
+    #[test]
+    fn integers_wrap_and_bools_are_logical() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let n = 1031;
+        type Kernel = fn(DType, ReduceOp, &mut [u8], &[u8]);
+        let builds: [(&str, Kernel); 2] = [("dispatched", reduce_bytes), ("baseline", reduce_aligned)];
+        macro_rules! check_int {
+            ($t:ty, $d:expr, $kernel:expr, $op:expr, $what:expr) => {{
+                let a: Vec<$t> = (0..n).map(|_| rng.random()).collect();
+                let b: Vec<$t> = (0..n).map(|_| rng.random()).collect();
+                let want: Vec<$t> = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(&x, &y)| match $op {
+                        ReduceOp::Sum | ReduceOp::Avg => x.wrapping_add(y),
+                        ReduceOp::Min => x.min(y),
+                        ReduceOp::Max => x.max(y),
+                        ReduceOp::Product => x.wrapping_mul(y),
+                    })
+                    .collect();
+                let mut d = a.clone();
+                $kernel($d, $op, bytes_mut(&mut d), bytes(&b));
+                assert_eq!(d, want, "{} {}", $d.name(), $what);
+            }};
+        }
+        for (build, kernel) in builds {
+            for op in ReduceOp::ALL {
+                let what = format!("{build} build, {op:?}, seed {seed}");
+                check_int!(i8, DType::I8, kernel, op, what);
+                check_int!(u8, DType::U8, kernel, op, what);
+                check_int!(i32, DType::I32, kernel, op, what);
+                check_int!(i64, DType::I64, kernel, op, what);
+                let a: Vec<u8> = (0..n).map(|_| rng.random_range(0..3)).collect();
+                let b: Vec<u8> = (0..n).map(|_| rng.random_range(0..3)).collect();
+                let mut d = a.clone();
+                kernel(DType::Bool, op, &mut d, &b);
+                let or = matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max);
+                for i in 0..n {
+                    let want = if or { a[i] != 0 || b[i] != 0 } else { a[i] != 0 && b[i] != 0 };
+                    assert_eq!(d[i] != 0, want, "bool {what}: {} {} -> {}", a[i], b[i], d[i]);
+                }
             }
         }
     }

@@ -79,8 +79,18 @@ impl Gen {
     fn new(seed: u64, rank: usize, case: u64, dtype: DType) -> Self {
         Gen(rand::rngs::SmallRng::seed_from_u64(seed ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ case.wrapping_mul(0xD1B5_4A32_D192_ED03)), dtype)
     }
+    /// Floats uniform in [-1, 1) rounded to the type; integers over the type's whole range
+    /// (int64: within ±2^53, where f64 holds them); bools 0 or 1.
     fn take(&mut self, n: usize) -> Vec<f64> {
-        (0..n).map(|_| round_to(self.1, self.0.random_range(-1.0..1.0))).collect()
+        let r = &mut self.0;
+        match self.1 {
+            DType::I8 => (0..n).map(|_| r.random::<i8>() as f64).collect(),
+            DType::U8 => (0..n).map(|_| r.random::<u8>() as f64).collect(),
+            DType::I32 => (0..n).map(|_| r.random::<i32>() as f64).collect(),
+            DType::I64 => (0..n).map(|_| r.random_range(-(1i64 << 53)..=1i64 << 53) as f64).collect(),
+            DType::Bool => (0..n).map(|_| r.random_range(0..2u8) as f64).collect(),
+            dtype => (0..n).map(|_| round_to(dtype, r.random_range(-1.0..1.0))).collect(),
+        }
     }
 }
 
@@ -118,8 +128,11 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
             continue;
         }
         for &dt in &args.dtypes {
-            let redops: Vec<ReduceOp> =
-                if matches!(op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) { args.ops.clone() } else { vec![ReduceOp::Sum] };
+            let redops: Vec<ReduceOp> = if matches!(op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) {
+                args.ops.iter().copied().filter(|o| o.check(dt).is_ok()).collect()
+            } else {
+                vec![ReduceOp::Sum]
+            };
             for &ro in &redops {
                 for &n in &args.counts {
                     if op == OpKind::Allreduce && !args.hierarchical {

@@ -151,9 +151,9 @@ enum Cmd {
         large: usize,
         #[arg(long, value_delimiter = ',', value_parser = collective_arg, default_value = "allreduce,reduce_scatter,allgather,broadcast,reduce,barrier")]
         collectives: Vec<OpKind>,
-        #[arg(long, value_delimiter = ',', default_value = "float32,float64,float16,bfloat16")]
+        #[arg(long, value_delimiter = ',', default_value = "float32,float64,float16,bfloat16,int8,uint8,int32,int64,bool")]
         dtypes: Vec<DType>,
-        #[arg(long, value_delimiter = ',', default_value = "sum,avg,min,max")]
+        #[arg(long, value_delimiter = ',', default_value = "sum,avg,min,max,product")]
         ops: Vec<ReduceOp>,
         #[arg(long)]
         transport: Option<TransportChoice>,

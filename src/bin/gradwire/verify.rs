@@ -2,18 +2,25 @@
 //!
 //! Every rank can regenerate every other rank's input from (seed, rank, case) (see
 //! `check::Gen`), so the reference is computed here in f64 straight from the inputs — no
-//! gradwire code involved.
+//! gradwire code involved. Integer inputs are drawn where f64 holds them exactly; their
+//! reference is computed in 128-bit wrapping arithmetic and wrapped to the type, as C does.
 
 use gradwire::{DType, ReduceOp};
 use half::{bf16, f16};
 
-/// Rounds an f64 to the nearest value of `dtype`.
+/// Rounds an f64 to the nearest value of `dtype`; an integral value wraps into an integer
+/// type (as a C cast of the exact result does); bool is 1 for anything nonzero.
 pub fn round_to(dtype: DType, v: f64) -> f64 {
     match dtype {
         DType::F32 => v as f32 as f64,
         DType::F64 => v,
         DType::F16 => f16::from_f64(v).to_f64(),
         DType::BF16 => bf16::from_f64(v).to_f64(),
+        DType::I8 => v as i64 as i8 as f64,
+        DType::U8 => v as i64 as u8 as f64,
+        DType::I32 => v as i64 as i32 as f64,
+        DType::I64 => v as i64 as f64,
+        DType::Bool => (v != 0.0) as u8 as f64,
     }
 }
 
@@ -27,6 +34,11 @@ pub fn encode(dtype: DType, vals: &[f64], out: &mut [u8]) {
             DType::F64 => o.copy_from_slice(&v.to_le_bytes()),
             DType::F16 => o.copy_from_slice(&f16::from_f64(v).to_le_bytes()),
             DType::BF16 => o.copy_from_slice(&bf16::from_f64(v).to_le_bytes()),
+            DType::I8 => o.copy_from_slice(&(v as i8).to_le_bytes()),
+            DType::U8 => o.copy_from_slice(&(v as u8).to_le_bytes()),
+            DType::I32 => o.copy_from_slice(&(v as i32).to_le_bytes()),
+            DType::I64 => o.copy_from_slice(&(v as i64).to_le_bytes()),
+            DType::Bool => o[0] = (v != 0.0) as u8,
         }
     }
 }
@@ -40,6 +52,12 @@ pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
             DType::F64 => f64::from_le_bytes(b.try_into().unwrap_or_default()),
             DType::F16 => f16::from_le_bytes(b.try_into().unwrap_or_default()).to_f64(),
             DType::BF16 => bf16::from_le_bytes(b.try_into().unwrap_or_default()).to_f64(),
+            DType::I8 => b[0] as i8 as f64,
+            DType::U8 => b[0] as f64,
+            DType::I32 => i32::from_le_bytes(b.try_into().unwrap_or_default()) as f64,
+            DType::I64 => i64::from_le_bytes(b.try_into().unwrap_or_default()) as f64,
+            // Any nonzero byte is true: a reduction may leave 2 where an input had 1.
+            DType::Bool => (b[0] != 0) as u8 as f64,
         })
         .collect()
 }
@@ -52,6 +70,7 @@ fn subnormal_step(dtype: DType) -> f64 {
         DType::F64 => f64::from_bits(1),
         DType::F16 => f16::from_bits(1).to_f64(),
         DType::BF16 => bf16::from_bits(1).to_f64(),
+        DType::I8 | DType::U8 | DType::I32 | DType::I64 | DType::Bool => 0.0,
     }
 }
 
@@ -62,10 +81,35 @@ fn subnormal_step(dtype: DType) -> f64 {
 /// each rounding errs by at most eps/2 of its operand, or by half the subnormal spacing
 /// when the result is subnormal, so |error| ≤ (W+1)·(eps·Σ|x| + step)/2. We allow twice
 /// that, covering tree/ring order differences; `avg` divides the summed error by W but not
-/// the final rounding's. Min and max involve no rounding and must be exact.
+/// the final rounding's. A product errs by W−1 roundings, each relative to the result
+/// (relative errors compose), plus the floor for each. Min and max involve no rounding and
+/// must be exact, and so must every integer and bool result.
 pub fn reference(op: ReduceOp, dtype: DType, inputs: &[Vec<f64>], i: usize) -> (f64, f64) {
     let w = inputs.len() as f64;
     let xs = inputs.iter().map(|v| v[i]);
+    if dtype == DType::Bool {
+        let any = inputs.iter().any(|v| v[i] != 0.0);
+        let all = inputs.iter().all(|v| v[i] != 0.0);
+        let or = matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max);
+        return ((if or { any } else { all }) as u8 as f64, 0.0);
+    }
+    if !dtype.is_float() {
+        // Modular arithmetic: the low bits of a 128-bit wrapping result are the type's.
+        let ints = inputs.iter().map(|v| v[i] as i128);
+        let exact = match op {
+            ReduceOp::Sum | ReduceOp::Avg => ints.fold(0i128, i128::wrapping_add),
+            ReduceOp::Product => ints.fold(1i128, i128::wrapping_mul),
+            ReduceOp::Min => ints.min().unwrap_or(0),
+            ReduceOp::Max => ints.max().unwrap_or(0),
+        };
+        let wrapped = match dtype {
+            DType::I8 => exact as i8 as f64,
+            DType::U8 => exact as u8 as f64,
+            DType::I32 => exact as i32 as f64,
+            _ => exact as i64 as f64,
+        };
+        return (wrapped, 0.0);
+    }
     let abs: f64 = inputs.iter().map(|v| v[i].abs()).sum();
     let (relative, floor) = ((w + 1.0) * dtype.epsilon() * abs, (w + 1.0) * subnormal_step(dtype));
     match op {
@@ -73,6 +117,10 @@ pub fn reference(op: ReduceOp, dtype: DType, inputs: &[Vec<f64>], i: usize) -> (
         ReduceOp::Avg => (xs.sum::<f64>() / w, relative / w + floor),
         ReduceOp::Min => (xs.fold(f64::INFINITY, f64::min), 0.0),
         ReduceOp::Max => (xs.fold(f64::NEG_INFINITY, f64::max), 0.0),
+        ReduceOp::Product => {
+            let p: f64 = xs.product();
+            (p, (w + 1.0) * (dtype.epsilon() * p.abs() + subnormal_step(dtype)))
+        }
     }
 }
 

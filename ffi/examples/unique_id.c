@@ -1,0 +1,134 @@
+/*
+ * Communicators from unique ids, as a framework makes them (NCCL's ncclGetUniqueId /
+ * ncclCommInitRank): no launcher, no MASTER_PORT, no job secret.
+ *
+ *   unique_id W     forks W ranks. Rank 0 makes an id and hands it to the others through
+ *                   pipes (a framework would use its own store); every rank joins with its
+ *                   rank and checks an int64 sum, an int32 product, a bool or/and, and an
+ *                   int8 sum that wraps. Then the even ranks alone make a subgroup from an
+ *                   id of their own and check a sum there, while the odd ranks do nothing.
+ *
+ * Prints "rank R: ok" per rank; exits non-zero if any rank failed.
+ */
+#include "gradwire.h"
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static int fail(int rank, const char *what) {
+    fprintf(stderr, "rank %d: %s: %s\n", rank, what, gradwire_last_error());
+    return 1;
+}
+
+/* Rank 0 of a group makes the id and writes it to every other member's pipe. */
+static int share_id(int rank, int members, int *fds_w, int *fd_r, gradwire_unique_id_t *id) {
+    if (rank == 0) {
+        if (gradwire_get_unique_id(id)) return fail(rank, "gradwire_get_unique_id");
+        for (int r = 1; r < members; r++)
+            if (write(fds_w[r], id, sizeof *id) != (ssize_t)sizeof *id) return fail(rank, "write id");
+        return 0;
+    }
+    return read(*fd_r, id, sizeof *id) == (ssize_t)sizeof *id ? 0 : fail(rank, "read id");
+}
+
+static int check_world(gradwire_comm_t *c, int rank, int w) {
+    int64_t big[3] = {((int64_t)1 << 40) * (rank + 1), -rank, 7};
+    if (gradwire_allreduce(c, big, big, 3, GRADWIRE_INT64, GRADWIRE_SUM)) return fail(rank, "int64 sum");
+    if (big[0] != ((int64_t)1 << 40) * w * (w + 1) / 2 || big[1] != -(int64_t)w * (w - 1) / 2 || big[2] != 7 * w) {
+        fprintf(stderr, "rank %d: int64 sum wrong: %lld %lld %lld\n", rank, (long long)big[0], (long long)big[1], (long long)big[2]);
+        return 1;
+    }
+    int32_t p = rank + 2, want_p = 1;
+    for (int r = 0; r < w; r++) want_p *= r + 2;
+    if (gradwire_allreduce(c, &p, &p, 1, GRADWIRE_INT32, GRADWIRE_PRODUCT)) return fail(rank, "int32 product");
+    if (p != want_p) {
+        fprintf(stderr, "rank %d: int32 product %d, want %d\n", rank, p, want_p);
+        return 1;
+    }
+    unsigned char any = rank == w - 1, all = rank != 0;
+    if (gradwire_allreduce(c, &any, &any, 1, GRADWIRE_BOOL, GRADWIRE_SUM)) return fail(rank, "bool or");
+    if (gradwire_allreduce(c, &all, &all, 1, GRADWIRE_BOOL, GRADWIRE_MIN)) return fail(rank, "bool and");
+    if (!any || all) {
+        fprintf(stderr, "rank %d: bool or %d (want 1), and %d (want 0)\n", rank, any, all);
+        return 1;
+    }
+    int8_t b = 100;
+    if (gradwire_allreduce(c, &b, &b, 1, GRADWIRE_INT8, GRADWIRE_SUM)) return fail(rank, "int8 sum");
+    if (b != (int8_t)(uint8_t)(100 * w)) {
+        fprintf(stderr, "rank %d: int8 sum %d does not wrap to %d\n", rank, b, (int8_t)(uint8_t)(100 * w));
+        return 1;
+    }
+    float f = 1.0f;
+    if (gradwire_allreduce(c, &f, &f, 1, GRADWIRE_INT32, GRADWIRE_AVG) != GRADWIRE_ERR_INVALID_ARGUMENT) {
+        fprintf(stderr, "rank %d: avg of int32 was not refused\n", rank);
+        return 1;
+    }
+    return 0;
+}
+
+static int run_rank(int rank, int w, int (*world_pipes)[2], int (*even_pipes)[2]) {
+    gradwire_unique_id_t id;
+    int world_w[64], even_w[64];
+    for (int r = 0; r < w; r++) world_w[r] = world_pipes[r][1];
+    for (int r = 0; r < w; r += 2) even_w[r / 2] = even_pipes[r][1];
+    if (share_id(rank, w, world_w, &world_pipes[rank][0], &id)) return 1;
+    gradwire_comm_t *world = NULL, *evens = NULL;
+    if (gradwire_comm_init_rank(&world, &id, w, rank)) return fail(rank, "gradwire_comm_init_rank");
+    if (check_world(world, rank, w)) return 1;
+    if (rank % 2 == 0) {
+        int er = rank / 2, ew = (w + 1) / 2;
+        if (share_id(er, ew, even_w, &even_pipes[rank][0], &id)) return 1;
+        if (gradwire_comm_init_rank(&evens, &id, ew, er)) return fail(rank, "even subgroup init");
+        int64_t v = rank;
+        if (gradwire_allreduce(evens, &v, &v, 1, GRADWIRE_INT64, GRADWIRE_SUM)) return fail(rank, "even subgroup sum");
+        int64_t want = 0;
+        for (int r = 0; r < w; r += 2) want += r;
+        if (v != want) {
+            fprintf(stderr, "rank %d: even subgroup sum %lld, want %lld\n", rank, (long long)v, (long long)want);
+            return 1;
+        }
+        if (gradwire_finalize(evens)) return fail(rank, "finalize subgroup");
+    }
+    if (gradwire_barrier(world)) return fail(rank, "barrier");
+    if (gradwire_finalize(world)) return fail(rank, "finalize");
+    printf("rank %d: ok\n", rank);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    int w = argc > 1 ? atoi(argv[1]) : 4;
+    if (w < 1 || w > 64) {
+        fprintf(stderr, "usage: unique_id W (1..64)\n");
+        return 2;
+    }
+    /* Bad ids and ranks are refused with a clear error, before any rendezvous. */
+    gradwire_unique_id_t junk = {{0}};
+    gradwire_comm_t *c = NULL;
+    if (gradwire_comm_init_rank(&c, &junk, 2, 0) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(-1, "junk id accepted");
+    if (gradwire_comm_init_rank(&c, NULL, 2, 0) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(-1, "NULL id accepted");
+    if (gradwire_comm_init_rank(&c, &junk, 2, 2) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(-1, "rank 2 of 2 accepted");
+    /* (No id is made before the fork: a forked child would inherit a store without its
+     * threads.) */
+    fflush(stdout);
+
+    int world_pipes[64][2], even_pipes[64][2];
+    for (int r = 0; r < w; r++)
+        if (pipe(world_pipes[r]) || pipe(even_pipes[r])) return fail(-1, "pipe");
+    for (int r = 0; r < w; r++) {
+        pid_t pid = fork();
+        if (pid < 0) return fail(-1, "fork");
+        if (pid == 0) {
+            int rc = run_rank(r, w, world_pipes, even_pipes);
+            fflush(NULL);
+            _exit(rc);
+        }
+    }
+    int failed = 0;
+    for (int r = 0; r < w; r++) {
+        int status = 0;
+        if (wait(&status) < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) failed = 1;
+    }
+    return failed;
+}
