@@ -66,3 +66,76 @@ fn torch_ddp_hook_matches_gloo() {
         assert_eq!(t.matches("ddp hook vs gloo: 1 passed, 0 failed").count(), n, "{t}");
     }
 }
+
+/// `init_process_group("gradwire")`: every collective x dtype x op against a reference (in
+/// place, non-contiguous, async, subgroups, object collectives), then DDP on the gradwire
+/// backend against DDP on gloo, at 2 and 4 ranks on one host and 2x2 ranks across network
+/// namespaces (shm inside a node, tcp between).
+#[test]
+fn torch_backend_collectives_and_ddp_match_gloo() {
+    if !python_has("torch") {
+        eprintln!("SKIP torch_backend_collectives_and_ddp_match_gloo: torch is not importable (about 1.9 GB; see benches/peers/install_torch.py)");
+        return;
+    }
+    for n in [2, 4] {
+        let t = run_py(n, "torch_backend.py", &[]);
+        assert_eq!(t.matches(" failed (seed").count(), n, "{t}");
+        assert_eq!(t.matches(", 0 failed (seed").count(), n, "{t}");
+    }
+    if can_netns("torch_backend_collectives_and_ddp_match_gloo (2x2 namespaces part)") {
+        let root = env!("CARGO_MANIFEST_DIR");
+        let mut cmd = Command::new(bin());
+        cmd.args(["launch", "-n", "4", "--netns", "--ranks-per-node", "2", "--", "python3", &format!("{root}/python/tests/torch_backend.py")])
+            .env("PYTHONPATH", format!("{root}/python"))
+            .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+            .env("GLOO_SOCKET_IFNAME", "eth0")
+            .env("OMP_NUM_THREADS", "1");
+        let out = run_with_limit(cmd, Duration::from_secs(300));
+        let t = text(&out);
+        println!("{t}");
+        assert!(out.status.success(), "2x2 namespaces: {t}");
+        assert_eq!(t.matches(", 0 failed (seed").count(), 4, "{t}");
+    }
+}
+
+/// A killed rank and a mismatched call on the torch backend are RuntimeErrors naming the
+/// rank, within the deadline, on every survivor.
+#[test]
+fn torch_backend_faults_name_the_rank() {
+    if !python_has("torch") {
+        eprintln!("SKIP torch_backend_faults_name_the_rank: torch is not importable");
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    for (mode, expect) in [("kill", "rank 1"), ("mismatch", "rank 1")] {
+        let port = free_port();
+        let world = 3;
+        let started = std::time::Instant::now();
+        let ranks: Vec<_> = (0..world)
+            .map(|r| {
+                let mut cmd = Command::new("python3");
+                cmd.arg(format!("{root}/python/tests/torch_faults.py"))
+                    .arg(mode)
+                    .env("PYTHONPATH", format!("{root}/python"))
+                    .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+                    .env("GRADWIRE_TIMEOUT_MS", "3000")
+                    .env("OMP_NUM_THREADS", "1")
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped());
+                rank_env(&mut cmd, r, world, port, "unused-by-the-backend");
+                cmd.spawn().expect("spawn python rank")
+            })
+            .collect();
+        for (r, c) in ranks.into_iter().enumerate() {
+            let out = wait_with_limit(c, Duration::from_secs(60));
+            let t = text(&out);
+            println!("{mode}, rank {r} after {:?}: {t}", started.elapsed());
+            if mode == "kill" && r == 1 {
+                continue;
+            }
+            assert_eq!(out.status.code(), Some(3), "{mode}: rank {r} did not catch the fault:\n{t}");
+            assert!(t.contains("caught RuntimeError") && t.contains(expect), "{mode}: rank {r}'s error does not name {expect}:\n{t}");
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "{mode}: took {:?}", started.elapsed());
+    }
+}

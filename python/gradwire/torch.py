@@ -1,0 +1,296 @@
+"""gradwire as a torch.distributed backend for CPU tensors.
+
+    import gradwire.torch  # registers the backend (an installed package also does so by entry point)
+    torch.distributed.init_process_group("gradwire")
+
+Everything torch builds on process groups then runs on gradwire: DDP, ZeroRedundancyOptimizer,
+the DDP communication hooks, post-local SGD, object collectives, subgroups (`new_group`).
+
+Each group is a gradwire communicator made from a unique id that the group's rank 0 creates
+and hands to the members through torch's own store (as ProcessGroupNCCL does with NCCL's
+id), so MASTER_PORT stays torch's and no job secret is needed. Deadlines are gradwire's
+(`GRADWIRE_TIMEOUT_MS`, default 60 s): a dead or mismatched peer is a RuntimeError naming
+the rank and the call, never a hang.
+
+`async_op=True` allreduces are gradwire's non-blocking calls: one completion thread per
+process completes their futures in order (no thread per operation), so DDP's gradient
+buckets reduce while backward goes on. The other collectives run when called and return
+completed work.
+
+Checked against torch 2.15. Private torch API used: none (`dist.ProcessGroup` and
+`dist.Work` are subclassed, `dist.Backend.register_backend` registers).
+"""
+
+import collections
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import Comm, unique_id
+
+__all__ = ["ProcessGroupGradwire", "register", "completed_future_of"]
+
+_ID_KEY = "gradwire/unique_id"
+
+
+def _op_name(op):
+    for torch_op, name in (
+        (dist.ReduceOp.SUM, "sum"),
+        (dist.ReduceOp.AVG, "avg"),
+        (dist.ReduceOp.MIN, "min"),
+        (dist.ReduceOp.MAX, "max"),
+        (dist.ReduceOp.PRODUCT, "product"),
+    ):
+        if op == torch_op:
+            return name
+    raise ValueError(f"gradwire: reduce op {op} is not supported (SUM, AVG, MIN, MAX, PRODUCT)")
+
+
+def _cpu(t, what):
+    if t.device.type != "cpu":
+        raise ValueError(f"gradwire: {what}: tensor on {t.device}; the gradwire backend takes CPU tensors")
+    return t
+
+
+def _contiguous(t, what):
+    """(a contiguous tensor to hand gradwire, a function that puts its result back in `t`)."""
+    _cpu(t, what)
+    if t.is_contiguous():
+        return t, lambda: None
+    c = t.contiguous()
+    return c, lambda: t.copy_(c)
+
+
+class _Completer:
+    """One thread per process that waits for gradwire's non-blocking work in submission
+    order and completes each one's future; ctypes drops the GIL while it waits."""
+
+    def __init__(self):
+        self._queue = collections.deque()
+        self._cv = threading.Condition()
+        self._thread = None
+
+    def add(self, work):
+        with self._cv:
+            self._queue.append(work)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gradwire-completer", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                work = self._queue.popleft()
+            work._complete()
+
+
+_completer = _Completer()
+
+
+class _Work(dist.Work):
+    """A collective's work: done at once (`pending` None) or when gradwire's non-blocking
+    call finishes. `wait()` raises the failure as RuntimeError (GradwireError is one)."""
+
+    def __init__(self, result, pending=None, finish=lambda: None):
+        super().__init__()
+        self._result, self._pending, self._finish = result, pending, finish
+        self._future = torch.futures.Future()
+        self._lock = threading.Lock()
+        self._done = False
+        self._error = None
+        if pending is None:
+            self._complete()
+        else:
+            _completer.add(self)
+
+    def _complete(self):
+        with self._lock:
+            if self._done:
+                return
+            try:
+                if self._pending is not None:
+                    self._pending.wait()
+                self._finish()
+            except Exception as e:  # noqa: BLE001 (handed to whoever waits)
+                self._error = e
+            self._done = True
+        if self._error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(self._error)
+
+    def wait(self, timeout=timedelta(0)):
+        self._complete()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self):
+        return self._done
+
+    def is_success(self):
+        return self._done and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        return self._result
+
+    def get_future(self):
+        return self._future
+
+
+def completed_future_of(comm, tensor, op="sum"):
+    """Starts gradwire's non-blocking in-place allreduce of a contiguous CPU `tensor` and
+    returns a torch Future that completes with it (what a DDP communication hook returns)."""
+    pending = comm.iallreduce(_cpu(tensor, "allreduce"), op=op)
+    return _Work(tensor, pending).get_future()
+
+
+class ProcessGroupGradwire(dist.ProcessGroup):
+    """A torch process group over one gradwire communicator (see the module text)."""
+
+    def __init__(self, store, rank, size, timeout=None):
+        super().__init__(rank, size)
+        if rank == 0:
+            store.set(_ID_KEY, unique_id())
+        uid = store.get(_ID_KEY)
+        self._comm = Comm.from_unique_id(bytes(uid), size, rank)
+
+    def getBackendName(self):  # noqa: N802 (torch's name)
+        return "gradwire"
+
+    @property
+    def comm(self):
+        """The gradwire communicator under this group."""
+        return self._comm
+
+    # --- collectives -------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            t = _cpu(tensors[0], "allreduce")
+            return _Work(tensors, self._comm.iallreduce(t, op=op))
+        return self.allreduce_coalesced(tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        for t in tensors:
+            _cpu(t, "allreduce")
+        if len({t.dtype for t in tensors}) > 1:
+            raise ValueError("gradwire: allreduce_coalesced needs tensors of one dtype")
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+        def scatter_back():
+            at = 0
+            for t in tensors:
+                t.copy_(flat[at : at + t.numel()].view_as(t))
+                at += t.numel()
+
+        return _Work(tensors, self._comm.iallreduce(flat, op=op), scatter_back)
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        for t in tensors:
+            c, back = _contiguous(t, "broadcast")
+            self._comm.broadcast(c, root=root)
+            back()
+        return _Work(tensors)
+
+    def reduce(self, tensors, opts=None):
+        # The root gets the reduction (torch leaves the others' tensors unspecified).
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        for t in tensors:
+            c, back = _contiguous(t, "reduce")
+            self._comm.allreduce(c, op=op)
+            back()
+        return _Work(tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        for outs, inp in zip(output_tensors, input_tensors):
+            if len(outs) != self.size():
+                raise ValueError(f"gradwire: allgather needs {self.size()} output tensors, got {len(outs)}")
+            if any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
+                raise ValueError("gradwire: allgather outputs must match the input in size and dtype")
+            src, _ = _contiguous(inp, "allgather")
+            flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype)
+            self._comm.allgather(src, flat)
+            for r, o in enumerate(outs):
+                o.copy_(flat[r * inp.numel() : (r + 1) * inp.numel()].view_as(o))
+        return _Work(output_tensors)
+
+    def all_gather_single(self, output_tensor, input_tensor, opts=None):
+        src, _ = _contiguous(input_tensor, "all_gather_into_tensor")
+        out, back = _contiguous(output_tensor, "all_gather_into_tensor")
+        if out.numel() != src.numel() * self.size() or out.dtype != src.dtype:
+            raise ValueError(f"gradwire: all_gather_into_tensor output must hold {self.size()} x {src.numel()} elements of {src.dtype}")
+        self._comm.allgather(src.reshape(-1), out.reshape(-1))
+        back()
+        return _Work([output_tensor])
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        for out, ins in zip(output_tensors, input_tensors):
+            if len(ins) != self.size():
+                raise ValueError(f"gradwire: reduce_scatter needs {self.size()} input tensors, got {len(ins)}")
+            flat = torch.cat([_cpu(i, "reduce_scatter").reshape(-1) for i in ins])
+            dst, back = _contiguous(out, "reduce_scatter")
+            self._comm.reduce_scatter(flat, dst.reshape(-1), op=op)
+            back()
+        return _Work(output_tensors)
+
+    def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
+        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        src, _ = _contiguous(input_tensor, "reduce_scatter_tensor")
+        out, back = _contiguous(output_tensor, "reduce_scatter_tensor")
+        if src.numel() != out.numel() * self.size() or out.dtype != src.dtype:
+            raise ValueError(f"gradwire: reduce_scatter_tensor input must hold {self.size()} x {out.numel()} elements of {out.dtype}")
+        self._comm.reduce_scatter(src.reshape(-1), out.reshape(-1), op=op)
+        back()
+        return _Work([output_tensor])
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        outs = output_tensors[0] if output_tensors else []
+        if self.rank() != (opts.rootRank if opts is not None else 0):
+            outs = [torch.empty_like(input_tensors[0]) for _ in range(self.size())]
+        self.allgather([outs], input_tensors)
+        return _Work(output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        out = output_tensors[0]
+        root = opts.rootRank if opts is not None else 0
+        if self.rank() == root:
+            flat = torch.cat([_cpu(t, "scatter").reshape(-1) for t in input_tensors[0]])
+        else:
+            flat = torch.empty(out.numel() * self.size(), dtype=out.dtype)
+        self._comm.broadcast(flat, root=root)
+        out.copy_(flat[self.rank() * out.numel() : (self.rank() + 1) * out.numel()].view_as(out))
+        return _Work(output_tensors)
+
+    def barrier(self, opts=None):
+        self._comm.barrier()
+        return _Work([])
+
+    def shutdown(self):
+        self._comm.finalize()
+
+
+def _create(store, rank, size, timeout):
+    return ProcessGroupGradwire(store, rank, size, timeout)
+
+
+def register():
+    """Registers the "gradwire" backend for CPU tensors (idempotent)."""
+    if "gradwire" in getattr(dist.Backend, "backend_list", []):
+        return
+    dist.Backend.register_backend("gradwire", _create, devices=["cpu"])
+
+
+register()

@@ -1,0 +1,38 @@
+"""One rank of a fault test of the "gradwire" torch backend (tests/python.rs starts the
+ranks directly, so nothing but the fault stops them):
+
+    torch_faults.py kill       rank 1 SIGKILLs itself before an all_reduce the others start
+    torch_faults.py mismatch   rank 1 all_reduces 11 elements where the others give 10
+
+Survivors print "caught RuntimeError: ..." with the error torch raised and exit 3.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import gradwire.torch  # noqa: F401
+
+mode = sys.argv[1]
+dist.init_process_group("gradwire")
+rank = dist.get_rank()
+x = torch.ones(10 + (mode == "mismatch" and rank == 1), dtype=torch.float32)
+dist.all_reduce(torch.ones(10))  # every rank is up and connected
+if mode == "kill" and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+start = time.monotonic()
+try:
+    for _ in range(1000):
+        work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+        work.wait()
+        if mode == "mismatch":
+            dist.all_reduce(x)
+except RuntimeError as e:
+    print(f"rank {rank}: caught RuntimeError ({type(e).__name__}) after {time.monotonic() - start:.2f} s: {e}", flush=True)
+    os._exit(3)
+print(f"rank {rank}: no error", flush=True)
+os._exit(0)
