@@ -139,3 +139,52 @@ fn torch_backend_faults_name_the_rank() {
         assert!(started.elapsed() < Duration::from_secs(30), "{mode}: took {:?}", started.elapsed());
     }
 }
+
+/// `pip install .` into a fresh virtual environment (system site-packages only for torch):
+/// the wheel carries libgradwire.so and the `gradwire` command, and
+/// `init_process_group("gradwire")` works with no import and no gradwire variable, under
+/// torchrun and under the installed `gradwire launch`, outside the repository.
+#[test]
+fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
+    if !python_has("torch") {
+        eprintln!("SKIP pip_installed_package_runs_ddp_under_torchrun_and_launch: torch is not importable");
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dir = std::env::temp_dir().join(format!("gradwire-pip-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let venv = dir.join("venv");
+    let ok = |cmd: &mut Command, what: &str| {
+        let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+        let t = text(&out);
+        assert!(out.status.success(), "{what} failed:\n{t}");
+        t
+    };
+    ok(Command::new("python3").args(["-m", "venv", "--system-site-packages"]).arg(&venv), "python3 -m venv");
+    ok(Command::new(venv.join("bin/pip")).args(["install", "--quiet", root]), "pip install .");
+    std::fs::copy(format!("{root}/python/examples/ddp_gradwire.py"), dir.join("ddp_gradwire.py")).unwrap();
+    let clean = |cmd: &mut Command| {
+        cmd.current_dir(&dir).env("OMP_NUM_THREADS", "1");
+        for k in ["GRADWIRE_LIB", "PYTHONPATH", "GRADWIRE_JOB_SECRET", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"] {
+            cmd.env_remove(k);
+        }
+    };
+    let mut where_lib = Command::new(venv.join("bin/python"));
+    where_lib.args(["-c", "import gradwire; print(gradwire.load_library()._name)"]);
+    clean(&mut where_lib);
+    let lib = ok(&mut where_lib, "import gradwire");
+    assert!(lib.trim().starts_with(venv.to_str().unwrap()), "the library is not the bundled one: {lib}");
+    let mut torchrun = Command::new(venv.join("bin/python"));
+    torchrun.args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "ddp_gradwire.py"]);
+    clean(&mut torchrun);
+    let t = ok(&mut torchrun, "torchrun");
+    assert_eq!(t.matches("backend gradwire").count(), 2, "{t}");
+    assert_eq!(t.matches("replicas identical: True").count(), 2, "{t}");
+    let mut launch = Command::new(venv.join("bin/gradwire"));
+    launch.args(["launch", "-n", "2", "--"]).arg(venv.join("bin/python")).arg("ddp_gradwire.py");
+    clean(&mut launch);
+    let t = ok(&mut launch, "gradwire launch");
+    assert_eq!(t.matches("replicas identical: True").count(), 2, "{t}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -7,12 +7,15 @@ nothing is copied between your array and gradwire.
     comm = Comm()                      # RANK, WORLD_SIZE, MASTER_ADDR, ... from the launcher
     comm.allreduce(grads, op="avg")    # in place
 
-The library is found through $GRADWIRE_LIB, then next to this package, then in the
-repository's target/release or target/debug, then on the system library path.
+The library is found through $GRADWIRE_LIB, then inside this package (where `pip install .`
+puts it), then in the repository's target/release or target/debug, then on the system
+library path. `import gradwire.torch` (or, once installed, just `init_process_group("gradwire")`)
+makes gradwire a torch.distributed backend.
 """
 
 import ctypes
 import ctypes.util
+import glob
 import numbers
 import os
 import weakref
@@ -46,7 +49,8 @@ def _candidates():
     if env:
         yield env
     here = os.path.dirname(os.path.abspath(__file__))
-    yield os.path.join(here, "libgradwire.so")
+    # Bundled by `pip install .` (named with the interpreter's extension suffix).
+    yield from sorted(glob.glob(os.path.join(here, "libgradwire*.so")))
     repo = os.path.dirname(os.path.dirname(here))
     for profile in ("release", "debug"):
         yield os.path.join(repo, "target", profile, "libgradwire.so")
@@ -74,7 +78,7 @@ def load_library():
         except OSError as e:
             tried.append(f"{path} ({e})")
     else:
-        raise ImportError("libgradwire.so not found; build it (cargo build --release) or set GRADWIRE_LIB. Tried: " + ", ".join(tried))
+        raise ImportError("libgradwire.so not found; `pip install .` in the repository bundles it (or build it with cargo build --release, or set GRADWIRE_LIB). Tried: " + ", ".join(tried))
     p, i, sz, u = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint
     pp = ctypes.POINTER(ctypes.c_void_p)
     sigs = {
