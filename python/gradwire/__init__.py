@@ -20,7 +20,22 @@ import numbers
 import os
 import weakref
 
-__all__ = ["Comm", "Work", "GradwireError", "load_library", "unique_id", "UNIQUE_ID_BYTES"]
+__all__ = [
+    "Comm",
+    "Work",
+    "GradwireError",
+    "ConfigError",
+    "InvalidArgumentError",
+    "DeadlineError",
+    "PeerLostError",
+    "MismatchError",
+    "AbortedError",
+    "AuthError",
+    "UnsupportedError",
+    "load_library",
+    "unique_id",
+    "UNIQUE_ID_BYTES",
+]
 
 # Element types by NumPy's and torch's names (ffi/gradwire.h's gradwire_dtype_t).
 _DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int8": 4, "uint8": 5, "int32": 6, "int64": 7, "bool": 8}
@@ -37,11 +52,47 @@ class _UniqueId(ctypes.Structure):
 
 
 class GradwireError(RuntimeError):
-    """A gradwire call failed; `code` is the C result code, the message its error text."""
+    """A gradwire call failed; `code` is the C result code, the message its error text.
+    Each kind has its own subclass (below), so a caller can catch one kind."""
 
     def __init__(self, code, message):
         super().__init__(f"{message} (gradwire code {code})")
         self.code = code
+
+
+class ConfigError(GradwireError):
+    """Environment or settings missing or malformed (GRADWIRE_ERR_CONFIG)."""
+
+
+class InvalidArgumentError(GradwireError, ValueError):
+    """A bad argument: NULL, dead handle, unknown enum, overflow, bad rank."""
+
+
+class DeadlineError(GradwireError, TimeoutError):
+    """A deadline passed (GRADWIRE_TIMEOUT_MS); for Work.wait with a timeout: still running."""
+
+
+class PeerLostError(GradwireError, ConnectionError):
+    """A peer process died or its connection closed; the message names the rank."""
+
+
+class MismatchError(GradwireError):
+    """Ranks issued different collective calls; the message names both."""
+
+
+class AbortedError(GradwireError):
+    """The communicator was aborted, here or by a peer."""
+
+
+class AuthError(GradwireError, PermissionError):
+    """A peer failed the job-secret check."""
+
+
+class UnsupportedError(GradwireError):
+    """Not available in this build or on this host."""
+
+
+_ERRORS = {-2: ConfigError, -3: InvalidArgumentError, -4: DeadlineError, -5: PeerLostError, -6: MismatchError, -7: AbortedError, -8: AuthError, -11: UnsupportedError}
 
 
 def _candidates():
@@ -113,7 +164,7 @@ def load_library():
 
 def _check(code):
     if code != 0:
-        raise GradwireError(code, load_library().gradwire_last_error().decode(errors="replace"))
+        raise _ERRORS.get(code, GradwireError)(code, load_library().gradwire_last_error().decode(errors="replace"))
 
 
 def _buffer(x, what):

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import gradwire
 import gradwire.torch  # noqa: F401
 
 mode = sys.argv[1]
@@ -32,6 +33,10 @@ try:
         if mode == "mismatch":
             dist.all_reduce(x)
 except RuntimeError as e:
+    want = {"kill": gradwire.PeerLostError, "mismatch": gradwire.MismatchError}[mode]
+    if not isinstance(e, want):
+        print(f"rank {rank}: caught {type(e).__name__}, not {want.__name__}: {e}", flush=True)
+        os._exit(4)
     print(f"rank {rank}: caught RuntimeError ({type(e).__name__}) after {time.monotonic() - start:.2f} s: {e}", flush=True)
     os._exit(3)
 print(f"rank {rank}: no error", flush=True)
