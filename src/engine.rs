@@ -4,8 +4,11 @@
 //!
 //! A blocking call with nothing queued runs on the caller's thread instead (under the same
 //! state lock the progress thread takes), which saves two thread hand-offs — most of the
-//! latency of a small collective. Order is still the order in which operations take the
-//! lock, and sequence numbers are assigned then, at execution.
+//! latency of a small collective. So does the waiter of a non-blocking operation that is
+//! the only one outstanding and not yet started: it takes the job back from the queue and
+//! runs it itself (a framework that starts every collective non-blocking and waits at once,
+//! as torch.distributed does, pays no hand-off). Order is still the order in which
+//! operations take the lock, and sequence numbers are assigned then, at execution.
 
 use crate::error::{Error, Result};
 use crate::transport::shm::ShmDomain;
@@ -90,6 +93,9 @@ struct Status {
 struct WorkShared {
     status: Mutex<Status>,
     cv: Condvar,
+    /// The operation until someone runs it: the progress thread, or the waiter (see
+    /// `Work::run_here`). Taken only under the state lock, so exactly one runs it.
+    job: Mutex<Option<Job>>,
 }
 
 impl WorkShared {
@@ -106,6 +112,8 @@ pub struct Work {
     abort: Arc<AtomicBool>,
     timeout: Duration,
     what: String,
+    /// The engine's state and count of unfinished operations, for running the job here.
+    engine: Option<(Weak<Mutex<EngineState>>, Arc<AtomicUsize>)>,
 }
 
 impl Work {
@@ -133,10 +141,28 @@ impl Work {
         }
     }
 
+    /// Runs the operation on this thread if it is the only unfinished one and the progress
+    /// thread has not taken it: no earlier operation can then be pending, so order holds.
+    fn run_here(&self) {
+        let Some((state, queued)) = &self.engine else { return };
+        if queued.load(Ordering::Acquire) != 1 {
+            return;
+        }
+        let Some(state) = state.upgrade() else { return };
+        let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(job) = self.shared.job.lock().unwrap_or_else(|p| p.into_inner()).take() else { return };
+        self.shared.status.lock().unwrap_or_else(|p| p.into_inner()).started = Some(Instant::now());
+        let r = st.run(job, self.timeout);
+        drop(st);
+        queued.fetch_sub(1, Ordering::AcqRel);
+        self.shared.finish(r);
+    }
+
     /// Waits for completion. Operations enforce their own deadline; as a backstop, one that
     /// overruns it by 5 s gets the communicator aborted, which ends it promptly. Returns
     /// only once the engine no longer touches the operation's buffers.
     pub fn wait(mut self) -> Result<()> {
+        self.run_here();
         loop {
             if self.wait_timeout(Duration::from_millis(200))? {
                 return Ok(());
@@ -154,7 +180,7 @@ impl Work {
 
 /// The progress thread and its queue.
 pub struct Engine {
-    tx: Option<Sender<(Job, Arc<WorkShared>)>>,
+    tx: Option<Sender<Arc<WorkShared>>>,
     thread: Option<JoinHandle<()>>,
     state: Arc<Mutex<EngineState>>,
     /// Operations submitted to the queue and not finished yet.
@@ -165,7 +191,7 @@ pub struct Engine {
 
 impl Engine {
     pub fn start(state: EngineState, timeout: Duration, name: String) -> Result<Self> {
-        let (tx, rx): (Sender<(Job, Arc<WorkShared>)>, Receiver<_>) = crossbeam_channel::unbounded();
+        let (tx, rx): (Sender<Arc<WorkShared>>, Receiver<_>) = crossbeam_channel::unbounded();
         let abort = state.abort.clone();
         let (id, shm) = (state.id, state.shm.clone());
         let state = Arc::new(Mutex::new(state));
@@ -175,8 +201,10 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name(name)
             .spawn(move || {
-                for (job, shared) in rx.iter() {
+                for shared in rx.iter() {
                     let mut state = st.lock().unwrap_or_else(|p| p.into_inner());
+                    // None: its waiter ran it already.
+                    let Some(job) = shared.job.lock().unwrap_or_else(|p| p.into_inner()).take() else { continue };
                     shared.status.lock().unwrap_or_else(|p| p.into_inner()).started = Some(Instant::now());
                     let r = state.run(job, timeout);
                     drop(state);
@@ -190,13 +218,15 @@ impl Engine {
 
     /// Queues `job`; `what` names it for messages.
     pub fn submit(&self, what: String, job: Job) -> Work {
-        let shared = Arc::new(WorkShared { status: Mutex::new(Status::default()), cv: Condvar::new() });
-        let work = Work { shared: shared.clone(), abort: self.abort.clone(), timeout: self.timeout, what };
+        let shared = Arc::new(WorkShared { status: Mutex::new(Status::default()), cv: Condvar::new(), job: Mutex::new(Some(job)) });
+        let engine = Some((Arc::downgrade(&self.state), self.queued.clone()));
+        let work = Work { shared: shared.clone(), abort: self.abort.clone(), timeout: self.timeout, what, engine };
         self.queued.fetch_add(1, Ordering::AcqRel);
         match &self.tx {
-            Some(tx) if tx.send((job, shared.clone())).is_ok() => {}
+            Some(tx) if tx.send(shared.clone()).is_ok() => {}
             _ => {
                 self.queued.fetch_sub(1, Ordering::AcqRel);
+                drop(shared.job.lock().unwrap_or_else(|p| p.into_inner()).take());
                 shared.finish(Err(Error::Aborted { rank: 0, peer: 0, reason: "communicator is shut down".into() }))
             }
         }

@@ -88,6 +88,34 @@ fn nonblocking_overlap_and_order() {
     });
 }
 
+/// Non-blocking operations waited for at once (the waiter runs each itself), waited for
+/// in reverse order, and mixed with blocking calls: every result right, in order, with
+/// fresh values per round so a reordering would show.
+#[test]
+fn waiters_that_run_their_own_operations_keep_order() {
+    let (c0, c1) = pair(30_000);
+    let run = |c: &Communicator| {
+        let r = c.rank() as f64;
+        for round in 0..200 {
+            let v = round as f64;
+            let now = c.iallreduce(vec![r + v; 1 + round % 7], ReduceOp::Sum).unwrap().wait().unwrap();
+            assert!(now.iter().all(|&x| x == 1.0 + 2.0 * v), "round {round}: {now:?}");
+            let later: Vec<_> = (0..3).map(|k| c.iallreduce(vec![r * (k as f64 + 1.0) + v; 5], ReduceOp::Max).unwrap()).collect();
+            let mut blocking = [r + v; 3];
+            c.allreduce(&mut blocking, ReduceOp::Min).unwrap();
+            assert_eq!(blocking, [v; 3], "round {round}");
+            for (k, w) in later.into_iter().enumerate().rev() {
+                let got = w.wait().unwrap();
+                assert!(got.iter().all(|&x| x == (k as f64 + 1.0) + v), "round {round}, op {k}: {got:?}");
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| run(&c1));
+        run(&c0);
+    });
+}
+
 /// Ranks that set up parameter servers with different parameter counts (or servers) fail
 /// at set-up, naming the rank and both shapes, on shm (where a mapped shard of the wrong
 /// size would be written out of bounds) and on tcp.

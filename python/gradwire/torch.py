@@ -12,10 +12,10 @@ id), so MASTER_PORT stays torch's and no job secret is needed. Deadlines are gra
 (`GRADWIRE_TIMEOUT_MS`, default 60 s): a dead or mismatched peer is a RuntimeError naming
 the rank and the call, never a hang.
 
-`async_op=True` allreduces are gradwire's non-blocking calls: one completion thread per
-process completes their futures in order (no thread per operation), so DDP's gradient
-buckets reduce while backward goes on. The other collectives run when called and return
-completed work.
+`async_op=True` allreduces are gradwire's non-blocking calls. Work that someone waits on is
+completed by that caller; work whose future is asked for (DDP's buckets) is completed by one
+completion thread per process, in order (no thread per operation), so the buckets reduce
+while backward goes on. The other collectives run when called and return completed work.
 
 Checked against torch 2.15. Private torch API used: none (`dist.ProcessGroup` and
 `dist.Work` are subclassed, `dist.Backend.register_backend` registers).
@@ -103,10 +103,9 @@ class _Work(dist.Work):
         self._lock = threading.Lock()
         self._done = False
         self._error = None
+        self._queued = False
         if pending is None:
             self._complete()
-        else:
-            _completer.add(self)
 
     def _complete(self):
         with self._lock:
@@ -143,6 +142,14 @@ class _Work(dist.Work):
         return self._result
 
     def get_future(self):
+        # Someone will wait on the future rather than on the work (DDP does): from now on the
+        # completion thread completes it. A caller that waits on the work itself completes
+        # it on its own thread, with no hand-over between threads.
+        with self._lock:
+            queue = not self._done and not self._queued
+            self._queued = True
+        if queue:
+            _completer.add(self)
         return self._future
 
 
