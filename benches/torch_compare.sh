@@ -14,14 +14,15 @@ cd "$(dirname "$0")/.."
 record=0
 [ "${1:-}" = --record ] && record=1
 ranks=${RANKS:-2 4}
-sizes=${SIZES:-4096 16384 65536 262144 1048576 4194304 16777216 67108864 268435456}
+export SIZES=${SIZES:-4096 16384 65536 262144 1048576 4194304 16777216 67108864 268435456}
+sizes=$SIZES
 cargo build --release --bin gradwire --lib >&2
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 export GRADWIRE_LIB=$PWD/target/release/libgradwire.so PYTHONPATH=$PWD/python GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1
 {
   echo "## PyTorch: torch.distributed on the gradwire backend vs gloo"
   echo
-  echo "Command: \`benches/torch_compare.sh --record\` ($(nproc) cores, torch $(python3 -c 'import torch; print(torch.__version__)'), $(date -u +%Y-%m-%d)). One host, ranks pinned by \`gradwire launch\`, float32 sum, private"
+  echo "Command: \`benches/torch_compare.sh --record\` ($(getconf _NPROCESSORS_ONLN) cores, torch $(python3 -c 'import torch; print(torch.__version__)'), $(date -u +%Y-%m-%d)). One host, ranks pinned by \`gradwire launch\`, float32 sum, private"
   echo "CPU tensors. busbw = 2(W-1)/W x bytes / time (nccl-tests), each time the slowest rank's mean."
   echo "\`torch gradwire\` is \`dist.all_reduce\` after \`init_process_group(\"gradwire\")\`, \`gloo\` the same script"
   echo "with \`init_process_group(\"gloo\")\` (one backend per launch: gloo's threads beside gradwire's slow it),"

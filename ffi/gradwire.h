@@ -117,6 +117,22 @@ int gradwire_allgather(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf
 int gradwire_reduce_scatter(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t recvcount,
                             gradwire_dtype_t dtype, gradwire_op_t op);
 int gradwire_barrier(gradwire_comm_t *comm);
+/* All-to-all: block p of sendbuf (sendcounts[p] elements) goes to rank p, and block p of
+ * recvbuf (recvcounts[p] elements) receives rank p's block for this rank; blocks lie back to
+ * back in rank order. With sendcounts and recvcounts both NULL every block has `count`
+ * elements (otherwise `count` is ignored). Every pair must agree on its counts. The buffers
+ * must not overlap. gradwire_ialltoall returns at once; buffers stay valid until waited. */
+int gradwire_alltoall(gradwire_comm_t *comm, const void *sendbuf, const size_t *sendcounts, void *recvbuf,
+                      const size_t *recvcounts, size_t count, gradwire_dtype_t dtype);
+int gradwire_ialltoall(gradwire_comm_t *comm, const void *sendbuf, const size_t *sendcounts, void *recvbuf,
+                       const size_t *recvcounts, size_t count, gradwire_dtype_t dtype, gradwire_work_t **work);
+/* Tagged point-to-point: messages between two ranks are matched in order; the next recv
+ * from a peer must name the same count, dtype and tag as that peer's send, or both fail
+ * with GRADWIRE_ERR_MISMATCH. Blocking (a send may wait until the peer receives). */
+int gradwire_send(gradwire_comm_t *comm, const void *buf, size_t count, gradwire_dtype_t dtype, int peer,
+                  unsigned int tag);
+int gradwire_recv(gradwire_comm_t *comm, void *buf, size_t count, gradwire_dtype_t dtype, int peer,
+                  unsigned int tag);
 
 /* Page-aligned memory shared with the ranks of this host (registered, zero-copy): an
  * allreduce of at least 256 KiB (4 MiB where the kernel refuses cross-memory attach)

@@ -9,6 +9,7 @@
 #![allow(non_camel_case_types)]
 
 use crate::bootstrap::unique_id::{UniqueId, UNIQUE_ID_BYTES};
+use crate::collective::exchange::Counts;
 use crate::collective::Request;
 use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
@@ -350,6 +351,136 @@ pub unsafe extern "C" fn gradwire_iallreduce(
         };
         put(work, to_handle(id), w, "work")
     })
+}
+
+/// The counts of an all-to-all from C: `sendcounts`/`recvcounts` arrays of `size` entries,
+/// or (both NULL) `count` elements to and from every rank; the two buffers must not overlap.
+fn alltoall_counts(c: &Communicator, count: usize, sendcounts: *const usize, recvcounts: *const usize, w: &str) -> Result<Counts> {
+    match (sendcounts.is_null(), recvcounts.is_null()) {
+        (true, true) => Ok(Counts::uniform(count, c.size())),
+        (false, false) => {
+            // SAFETY: non-NULL, and by contract arrays of one entry per rank.
+            let (s, r) = unsafe { (std::slice::from_raw_parts(sendcounts, c.size()), std::slice::from_raw_parts(recvcounts, c.size())) };
+            Ok(Counts { send: s.to_vec(), recv: r.to_vec() })
+        }
+        _ => Err(invalid(format!("{w}: sendcounts and recvcounts must both be NULL (equal split) or both arrays"))),
+    }
+}
+
+/// Checks an all-to-all's buffers: present for their byte counts and disjoint.
+fn alltoall_buffers(counts: &Counts, dt: DType, send: *const c_void, recv: *mut c_void, w: &str) -> Result<()> {
+    let bytes =
+        |v: &[usize]| v.iter().try_fold(0usize, |a, &n| a.checked_add(n.checked_mul(dt.size())?)).ok_or_else(|| invalid(format!("{w}: counts overflow")));
+    let (sl, rl) = (bytes(&counts.send)?, bytes(&counts.recv)?);
+    if sl > 0 && send.is_null() {
+        return Err(invalid(format!("{w}: sendbuf is NULL")));
+    }
+    if rl > 0 && recv.is_null() {
+        return Err(invalid(format!("{w}: recvbuf is NULL")));
+    }
+    let (s, r) = (send as usize, recv as usize);
+    if sl > 0 && rl > 0 && s < r.saturating_add(rl) && r < s.saturating_add(sl) {
+        return Err(invalid(format!("{w}: sendbuf and recvbuf overlap")));
+    }
+    Ok(())
+}
+
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call completes.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_alltoall(
+    comm_p: *mut gradwire_comm_t,
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    count: usize,
+    dt: gradwire_dtype_t,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_alltoall";
+        let (_, c) = comm(comm_p, w)?;
+        let d = dtype(dt, w)?;
+        let counts = alltoall_counts(&c, count, sendcounts, recvcounts, w)?;
+        alltoall_buffers(&counts, d, sendbuf, recvbuf, w)?;
+        // SAFETY: checked buffers, valid for the call by contract.
+        unsafe { c.run_alltoall(d, counts, sendbuf as *const u8, recvbuf as *mut u8) }
+    })
+}
+
+/// # Safety
+/// As `gradwire_alltoall`, with the buffers valid until the work completes.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gradwire_ialltoall(
+    comm_p: *mut gradwire_comm_t,
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    count: usize,
+    dt: gradwire_dtype_t,
+    work: *mut *mut gradwire_work_t,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_ialltoall";
+        let (_, c) = comm(comm_p, w)?;
+        out(work, w, "work")?;
+        let d = dtype(dt, w)?;
+        let counts = alltoall_counts(&c, count, sendcounts, recvcounts, w)?;
+        alltoall_buffers(&counts, d, sendbuf, recvbuf, w)?;
+        // SAFETY: checked buffers; the caller keeps them valid until the work completes.
+        let handle = unsafe { c.start_alltoall(d, counts, sendbuf as *const u8, recvbuf as *mut u8)? };
+        let id = {
+            let mut reg = registry();
+            let id = reg.id();
+            reg.works.insert(id, handle);
+            id
+        };
+        put(work, to_handle(id), w, "work")
+    })
+}
+
+/// # Safety
+/// `buf` must be NULL (with count 0) or readable for `count` elements of `dt`.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_send(
+    comm_p: *mut gradwire_comm_t,
+    buf: *const c_void,
+    count: usize,
+    dt: gradwire_dtype_t,
+    peer: c_int,
+    tag: c_uint,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_send";
+        let (_, c) = comm(comm_p, w)?;
+        let peer = usize::try_from(peer).map_err(|_| invalid(format!("{w}: peer {peer} is negative")))?;
+        // SAFETY: the caller's contract; send_raw checks NULL and the byte count.
+        unsafe { c.send_raw(buf as *const u8, count, dtype(dt, w)?, peer, tag) }.map_err(|e| prefixed(e, w))
+    })
+}
+
+/// # Safety
+/// `buf` must be NULL (with count 0) or writable for `count` elements of `dt`.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_recv(comm_p: *mut gradwire_comm_t, buf: *mut c_void, count: usize, dt: gradwire_dtype_t, peer: c_int, tag: c_uint) -> c_int {
+    guard(|| {
+        let w = "gradwire_recv";
+        let (_, c) = comm(comm_p, w)?;
+        let peer = usize::try_from(peer).map_err(|_| invalid(format!("{w}: peer {peer} is negative")))?;
+        // SAFETY: the caller's contract; recv_raw checks NULL and the byte count.
+        unsafe { c.recv_raw(buf as *mut u8, count, dtype(dt, w)?, peer, tag) }.map_err(|e| prefixed(e, w))
+    })
+}
+
+/// An invalid-argument error with the C function's name in front.
+fn prefixed(e: Error, what: &str) -> Error {
+    match e {
+        Error::InvalidArgument(m) if !m.starts_with(what) => invalid(format!("{what}: {m}")),
+        e => e,
+    }
 }
 
 #[no_mangle]

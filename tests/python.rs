@@ -98,8 +98,9 @@ fn torch_backend_collectives_and_ddp_match_gloo() {
     }
 }
 
-/// A killed rank and a mismatched call on the torch backend are RuntimeErrors naming the
-/// rank, within the deadline, on every survivor.
+/// A killed rank, a mismatched call and a send/recv pair with different tags on the torch
+/// backend are RuntimeErrors of the right kind naming the rank (or the tags), within the
+/// deadline, on every survivor.
 #[test]
 fn torch_backend_faults_name_the_rank() {
     if !python_has("torch") {
@@ -107,9 +108,8 @@ fn torch_backend_faults_name_the_rank() {
         return;
     }
     let root = env!("CARGO_MANIFEST_DIR");
-    for (mode, expect) in [("kill", "rank 1"), ("mismatch", "rank 1")] {
+    for (mode, expect, world) in [("kill", "rank 1", 3), ("mismatch", "rank 1", 3), ("tag", "tag 2", 2)] {
         let port = free_port();
-        let world = 3;
         let started = std::time::Instant::now();
         let ranks: Vec<_> = (0..world)
             .map(|r| {

@@ -4,8 +4,9 @@
  *
  *   unique_id W     forks W ranks. Rank 0 makes an id and hands it to the others through
  *                   pipes (a framework would use its own store); every rank joins with its
- *                   rank and checks an int64 sum, an int32 product, a bool or/and, and an
- *                   int8 sum that wraps. Then the even ranks alone make a subgroup from an
+ *                   rank and checks an int64 sum, an int32 product, a bool or/and, an
+ *                   int8 sum that wraps, an all-to-all (equal and uneven blocks) and tagged
+ *                   send/recv around the ring. Then the even ranks alone make a subgroup from an
  *                   id of their own and check a sum there, while the odd ranks do nothing.
  *
  * Prints "rank R: ok" per rank; exits non-zero if any rank failed.
@@ -59,6 +60,48 @@ static int check_world(gradwire_comm_t *c, int rank, int w) {
     if (b != (int8_t)(uint8_t)(100 * w)) {
         fprintf(stderr, "rank %d: int8 sum %d does not wrap to %d\n", rank, b, (int8_t)(uint8_t)(100 * w));
         return 1;
+    }
+    /* All-to-all, equal blocks: rank r sends 1000 r + 10 p + k to rank p. */
+    int32_t sa[64 * 3], ra[64 * 3];
+    for (int p = 0; p < w; p++)
+        for (int k = 0; k < 3; k++) sa[p * 3 + k] = 1000 * rank + 10 * p + k;
+    if (gradwire_alltoall(c, sa, NULL, ra, NULL, 3, GRADWIRE_INT32)) return fail(rank, "alltoall");
+    for (int p = 0; p < w; p++)
+        for (int k = 0; k < 3; k++)
+            if (ra[p * 3 + k] != 1000 * p + 10 * rank + k) {
+                fprintf(stderr, "rank %d: alltoall block %d[%d] = %d, want %d\n", rank, p, k, ra[p * 3 + k], 1000 * p + 10 * rank + k);
+                return 1;
+            }
+    /* Uneven blocks, non-blocking: rank r sends p + 1 elements to rank p (so receives r + 1
+     * from each), all 64-bit and equal to 1000 r + p. */
+    size_t sc[64], rc[64];
+    int64_t sv[64 * 65 / 2], rv[64 * 64];
+    size_t at = 0;
+    for (int p = 0; p < w; p++) {
+        sc[p] = (size_t)p + 1, rc[p] = (size_t)rank + 1;
+        for (int k = 0; k <= p; k++) sv[at++] = 1000 * rank + p;
+    }
+    gradwire_work_t *work = NULL;
+    if (gradwire_ialltoall(c, sv, sc, rv, rc, 0, GRADWIRE_INT64, &work) || gradwire_wait(work, -1)) return fail(rank, "ialltoall (uneven)");
+    for (int p = 0; p < w; p++)
+        for (int k = 0; k <= rank; k++)
+            if (rv[p * (rank + 1) + k] != 1000 * p + rank) {
+                fprintf(stderr, "rank %d: uneven alltoall from %d = %lld, want %d\n", rank, p, (long long)rv[p * (rank + 1) + k], 1000 * p + rank);
+                return 1;
+            }
+    /* Tagged send/recv around the ring: even ranks send first, odd ranks receive first. */
+    if (w > 1) {
+        int next = (rank + 1) % w, prev = (rank + w - 1) % w;
+        double out[5], in[5];
+        for (int k = 0; k < 5; k++) out[k] = rank + 0.25 * k;
+        int rc1 = rank % 2 ? gradwire_recv(c, in, 5, GRADWIRE_FLOAT64, prev, 7) : gradwire_send(c, out, 5, GRADWIRE_FLOAT64, next, 7);
+        int rc2 = rank % 2 ? gradwire_send(c, out, 5, GRADWIRE_FLOAT64, next, 7) : gradwire_recv(c, in, 5, GRADWIRE_FLOAT64, prev, 7);
+        if (rc1 || rc2) return fail(rank, "send/recv");
+        for (int k = 0; k < 5; k++)
+            if (in[k] != prev + 0.25 * k) {
+                fprintf(stderr, "rank %d: recv[%d] = %g, want %g\n", rank, k, in[k], prev + 0.25 * k);
+                return 1;
+            }
     }
     float f = 1.0f;
     if (gradwire_allreduce(c, &f, &f, 1, GRADWIRE_INT32, GRADWIRE_AVG) != GRADWIRE_ERR_INVALID_ARGUMENT) {

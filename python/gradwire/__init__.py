@@ -146,6 +146,10 @@ def load_library():
         "gradwire_allgather": [p, p, p, sz, u],
         "gradwire_reduce_scatter": [p, p, p, sz, u, u],
         "gradwire_barrier": [p],
+        "gradwire_alltoall": [p, p, ctypes.POINTER(sz), p, ctypes.POINTER(sz), sz, u],
+        "gradwire_ialltoall": [p, p, ctypes.POINTER(sz), p, ctypes.POINTER(sz), sz, u, pp],
+        "gradwire_send": [p, p, sz, u, i, u],
+        "gradwire_recv": [p, p, sz, u, i, u],
         "gradwire_alloc": [p, sz, pp],
         "gradwire_free": [p, p],
         "gradwire_register": [p, p, sz],
@@ -318,6 +322,53 @@ class Comm:
 
     def barrier(self):
         _check(load_library().gradwire_barrier(self._live()))
+
+    def alltoall(self, x, out, send_counts=None, recv_counts=None, async_op=False):
+        """Block p of `x` goes to rank p; block p of `out` receives rank p's block for us.
+        Without counts every block is len(x) / size elements; with them (element counts
+        per rank, both given) blocks lie back to back. async_op: returns a Work whose wait()
+        returns `out`."""
+        sp, n, dt = _buffer(x, "alltoall")
+        rp, m, dt2 = _buffer(out, "alltoall out")
+        if dt2 != dt:
+            raise ValueError("alltoall: out must have x's dtype")
+        if (send_counts is None) != (recv_counts is None):
+            raise ValueError("alltoall: give both send_counts and recv_counts, or neither")
+        if send_counts is None:
+            if n % self.size or m != n:
+                raise ValueError(f"alltoall: x and out must hold the same number of elements, a multiple of {self.size}")
+            sc = rc = None
+            count = n // self.size
+        else:
+            counts = []
+            for name, v, have in (("send_counts", send_counts, n), ("recv_counts", recv_counts, m)):
+                v = [_int_arg(c, f"alltoall: {name}", 0, _SIZE_MAX) for c in v]
+                if len(v) != self.size or sum(v) != have:
+                    raise ValueError(f"alltoall: {name} must have {self.size} entries summing to {have}")
+                counts.append((ctypes.c_size_t * self.size)(*v))
+            sc, rc = counts
+            count = 0
+        if not async_op:
+            _check(load_library().gradwire_alltoall(self._live(), sp, sc, rp, rc, count, dt))
+            return out
+        w = ctypes.c_void_p()
+        _check(load_library().gradwire_ialltoall(self._live(), sp, sc, rp, rc, count, dt, ctypes.byref(w)))
+        return Work(w, [x, sc, rc, out])
+
+    def send(self, x, peer, tag=0):
+        """Sends `x` to rank `peer`; matched in order by that rank's recv with the same tag."""
+        peer = _int_arg(peer, "send: peer", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
+        tag = _int_arg(tag, "send: tag", 0, 2**32 - 1)
+        p, n, dt = _buffer(x, "send")
+        _check(load_library().gradwire_send(self._live(), p, n, dt, peer, tag))
+
+    def recv(self, x, peer, tag=0):
+        """Receives the next message from rank `peer` into `x` (same count, dtype and tag)."""
+        peer = _int_arg(peer, "recv: peer", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
+        tag = _int_arg(tag, "recv: tag", 0, 2**32 - 1)
+        p, n, dt = _buffer(x, "recv")
+        _check(load_library().gradwire_recv(self._live(), p, n, dt, peer, tag))
+        return x
 
     def empty(self, count, dtype="float32"):
         """A NumPy array of `count` elements (float32, float64 or float16) in memory from

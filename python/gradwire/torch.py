@@ -15,7 +15,9 @@ the rank and the call, never a hang.
 `async_op=True` allreduces are gradwire's non-blocking calls. Work that someone waits on is
 completed by that caller; work whose future is asked for (DDP's buckets) is completed by one
 completion thread per process, in order (no thread per operation), so the buckets reduce
-while backward goes on. The other collectives run when called and return completed work.
+while backward goes on; all-to-all is non-blocking too. The other collectives run when
+called and return completed work; send and recv block (a send may wait for the peer's
+recv, so pair them, or use batch_isend_irecv's order with care).
 
 Checked against torch 2.15. Private torch API used: none (`dist.ProcessGroup` and
 `dist.Work` are subclassed, `dist.Backend.register_backend` registers).
@@ -280,6 +282,53 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._comm.broadcast(flat, root=root)
         out.copy_(flat[self.rank() * out.numel() : (self.rank() + 1) * out.numel()].view_as(out))
         return _Work(output_tensors)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        src, _ = _contiguous(input, "all_to_all_single")
+        dst, back = _contiguous(output, "all_to_all_single")
+        if not output_split_sizes and not input_split_sizes:
+            pending = self._comm.alltoall(src.reshape(-1), dst.reshape(-1), async_op=True)
+        else:
+            # Splits count rows of dim 0: elements per row times the split.
+            def counts(t, splits):
+                row = t[0].numel() if t.dim() > 0 and t.shape[0] else 0
+                splits = list(splits) if splits else [t.shape[0] // self.size()] * self.size()
+                return [s * row for s in splits]
+
+            pending = self._comm.alltoall(
+                src.reshape(-1), dst.reshape(-1), counts(src, input_split_sizes), counts(dst, output_split_sizes), async_op=True
+            )
+        return _Work([output], pending, back)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        ins = [_cpu(t, "all_to_all") for t in input_tensors]
+        if len(ins) != self.size() or len(output_tensors) != self.size():
+            raise ValueError(f"gradwire: all_to_all needs {self.size()} input and output tensors")
+        flat_in = torch.cat([t.reshape(-1) for t in ins])
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
+
+        def scatter_back():
+            at = 0
+            for t in output_tensors:
+                t.copy_(flat_out[at : at + t.numel()].view_as(t))
+                at += t.numel()
+
+        pending = self._comm.alltoall(flat_in, flat_out, [t.numel() for t in ins], [t.numel() for t in output_tensors], async_op=True)
+        return _Work(output_tensors, pending, scatter_back)
+
+    def send(self, tensors, dst, tag):
+        # Blocking, as gloo's small sends are not: a send may wait for the peer's recv.
+        for t in tensors:
+            c, _ = _contiguous(t, "send")
+            self._comm.send(c, dst, tag)
+        return _Work(tensors)
+
+    def recv(self, tensors, src, tag):
+        for t in tensors:
+            c, back = _contiguous(t, "recv")
+            self._comm.recv(c, src, tag)
+            back()
+        return _Work(tensors)
 
     def barrier(self, opts=None):
         self._comm.barrier()

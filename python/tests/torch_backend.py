@@ -161,6 +161,39 @@ for dt in [torch.float32, torch.int64]:
         sub = reference([row[:n] for row in rows], "sum", dt)
         expect(f"reduce to {root} {dt}", r, sub)
 
+# All-to-all (mixture-of-experts token exchange): equal splits, uneven row splits (rank r
+# sends p + 1 rows of 3 to rank p), the list form, async; and send/recv around the ring.
+for dt in [torch.float32, torch.int64, torch.bfloat16]:
+    case += 1
+    rows_of = lambda r: inp(r, case, world * 4, dt)  # noqa: E731
+    out = torch.empty(world * 4, dtype=dt)
+    dist.all_to_all_single(out, rows_of(rank))
+    want = torch.cat([rows_of(p)[rank * 4 : (rank + 1) * 4] for p in range(world)])
+    expect(f"all_to_all_single {dt}", out, (want.to(torch.float64), 0.0))
+    send_rows = [p + 1 for p in range(world)]
+    mine = inp(rank, case + 300, sum(send_rows) * 3, dt).reshape(-1, 3)
+    out = torch.empty((rank + 1) * world, 3, dtype=dt)
+    work = dist.all_to_all_single(out, mine, output_split_sizes=[rank + 1] * world, input_split_sizes=send_rows, async_op=True)
+    work.wait()
+    start = sum(range(1, rank + 1))  # rows rank p sends to ranks before us
+    want = torch.cat([inp(p, case + 300, sum(send_rows) * 3, dt).reshape(-1, 3)[start : start + rank + 1] for p in range(world)])
+    expect(f"all_to_all_single uneven {dt}", out.reshape(-1), (want.reshape(-1).to(torch.float64), 0.0))
+    ins = [inp(rank, case + 400 + p, 5, dt) for p in range(world)]
+    outs = [torch.empty(5, dtype=dt) for _ in range(world)]
+    dist.all_to_all(outs, ins)
+    want = torch.cat([inp(p, case + 400 + rank, 5, dt) for p in range(world)])
+    expect(f"all_to_all (list) {dt}", torch.cat(outs), (want.to(torch.float64), 0.0))
+if world > 1:
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    mine, got = inp(rank, 900, 333, torch.float64), torch.empty(333, dtype=torch.float64)
+    if rank % 2 == 0:
+        dist.send(mine, dst=nxt, tag=5)
+        dist.recv(got, src=prv, tag=5)
+    else:
+        dist.recv(got, src=prv, tag=5)
+        dist.send(mine, dst=nxt, tag=5)
+    expect("send/recv around the ring", got, (inp(prv, 900, 333, torch.float64), 0.0))
+
 # Object collectives (pickled bytes through uint8 allgather and broadcast).
 objs = [None] * world
 dist.all_gather_object(objs, {"rank": rank, "msg": "x" * rank})

@@ -3,6 +3,7 @@ ranks directly, so nothing but the fault stops them):
 
     torch_faults.py kill       rank 1 SIGKILLs itself before an all_reduce the others start
     torch_faults.py mismatch   rank 1 all_reduces 11 elements where the others give 10
+    torch_faults.py tag        (2 ranks) rank 0 sends with tag 1, rank 1 receives with tag 2
 
 Survivors print "caught RuntimeError: ..." with the error torch raised and exit 3.
 """
@@ -27,15 +28,23 @@ if mode == "kill" and rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 start = time.monotonic()
 try:
+    if mode == "tag":
+        y = torch.ones(100)
+        if rank == 0:
+            dist.send(y, dst=1, tag=1)
+        else:
+            dist.recv(y, src=0, tag=2)
     for _ in range(1000):
         work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
         work.wait()
         if mode == "mismatch":
             dist.all_reduce(x)
 except RuntimeError as e:
-    want = {"kill": gradwire.PeerLostError, "mismatch": gradwire.MismatchError}[mode]
+    # A small send completes into the peer's ring before the peer sees the wrong tag, so the
+    # sender learns of it from its next call, as the peer's reason for leaving.
+    want = {"kill": (gradwire.PeerLostError,), "mismatch": (gradwire.MismatchError,), "tag": (gradwire.MismatchError, gradwire.PeerLostError)}[mode]
     if not isinstance(e, want):
-        print(f"rank {rank}: caught {type(e).__name__}, not {want.__name__}: {e}", flush=True)
+        print(f"rank {rank}: caught {type(e).__name__}, not {want}: {e}", flush=True)
         os._exit(4)
     print(f"rank {rank}: caught RuntimeError ({type(e).__name__}) after {time.monotonic() - start:.2f} s: {e}", flush=True)
     os._exit(3)

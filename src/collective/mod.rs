@@ -8,6 +8,7 @@
 
 pub mod agree;
 pub mod algos;
+pub mod exchange;
 pub mod hierarchical;
 pub mod reduce;
 pub mod shm_allreduce;
@@ -18,7 +19,6 @@ use crate::dtype::{DType, Element, ReduceOp};
 use crate::engine::{EngineState, Work};
 use crate::error::{invalid, Result};
 use crate::transport::frame::{CallHeader, OpKind};
-use crate::transport::{RecvOp, SendOp, Sink};
 use algos::Ctx;
 use shm_allreduce::{encode_call, shm_allreduce, ShmCtx};
 use std::time::Instant;
@@ -61,7 +61,7 @@ impl Request {
         Ok(match self.op {
             OpKind::ReduceScatter => (wb, b),
             OpKind::Allgather => (b, wb),
-            OpKind::Barrier | OpKind::Send => (0, 0),
+            OpKind::Barrier | OpKind::Send | OpKind::AllToAll => (0, 0),
             _ => (b, b),
         })
     }
@@ -95,8 +95,8 @@ impl Communicator {
         if matches!(req.op, OpKind::Broadcast | OpKind::Reduce) && req.root >= self.size() {
             return Err(invalid(format!("root {} is not a rank of this communicator (size {})", req.root, self.size())));
         }
-        if req.op == OpKind::Send {
-            return Err(invalid("send/recv is not a collective"));
+        if matches!(req.op, OpKind::Send | OpKind::AllToAll) {
+            return Err(invalid("send/recv and alltoall run through their own calls (collective::exchange)"));
         }
         if matches!(req.op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) {
             req.redop.check(req.dtype)?;
@@ -207,39 +207,14 @@ impl Communicator {
     /// matched in order (as in NCCL): the receiver's next `recv` from us must name the same
     /// tag, count and dtype, or both get a mismatch error.
     pub fn send<T: Element>(&self, data: &[T], peer: usize, tag: u32) -> Result<()> {
-        let call = self.p2p_call::<T>(peer, tag, data.len(), true)?;
-        let p = Ptr(data.as_ptr() as *mut u8);
-        let len = std::mem::size_of_val(data);
-        let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
-            let p = p;
-            // SAFETY: `data` is borrowed until wait() below returns.
-            let bytes = unsafe { std::slice::from_raw_parts(p.0, len) };
-            st.links.exchange(&call, &mut [SendOp::new(peer, 0, bytes)], &mut [], deadline)
-        });
-        self.run_blocking(|| call.to_string(), job)
+        // SAFETY: `data` is borrowed for the whole call.
+        unsafe { self.send_raw(data.as_ptr() as *const u8, data.len(), T::DTYPE, peer, tag) }
     }
 
     /// Receives the next message from `peer` into `buf` (see [`Communicator::send`]).
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize, tag: u32) -> Result<()> {
-        let call = self.p2p_call::<T>(peer, tag, buf.len(), false)?;
-        let p = Ptr(buf.as_mut_ptr() as *mut u8);
-        let len = std::mem::size_of_val(buf);
-        let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
-            let p = p;
-            // SAFETY: `buf` is exclusively borrowed until wait() below returns.
-            let bytes = unsafe { std::slice::from_raw_parts_mut(p.0, len) };
-            st.links.exchange(&call, &mut [], &mut [RecvOp { peer, step: 0, sink: Sink::Copy(bytes.into()) }], deadline)
-        });
-        self.run_blocking(|| call.to_string(), job)
-    }
-
-    fn p2p_call<T: Element>(&self, peer: usize, tag: u32, count: usize, sending: bool) -> Result<CallHeader> {
-        if peer >= self.size() || peer == self.rank() {
-            return Err(invalid(format!("send/recv peer {peer}: must be another rank of this communicator (size {})", self.size())));
-        }
-        let counters = if sending { &self.p2p_sent } else { &self.p2p_received };
-        let seq = counters[peer].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(CallHeader { op: OpKind::Send, dtype: T::DTYPE, redop: ReduceOp::Sum, root: tag, count: count as u64, seq })
+        // SAFETY: `buf` is exclusively borrowed for the whole call.
+        unsafe { self.recv_raw(buf.as_mut_ptr() as *mut u8, buf.len(), T::DTYPE, peer, tag) }
     }
 
     /// Non-blocking barrier.
@@ -353,7 +328,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         }
         OpKind::Reduce => algos::binomial_reduce(&mut cx, recv, req.root),
         OpKind::Barrier => algos::dissemination_barrier(&mut cx),
-        OpKind::Send => Err(invalid("send/recv is not a collective")),
+        OpKind::Send | OpKind::AllToAll => Err(invalid("send/recv and alltoall run through their own calls (collective::exchange)")),
     }
 }
 

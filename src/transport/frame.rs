@@ -18,6 +18,7 @@ pub enum OpKind {
     Reduce = 5,
     Barrier = 6,
     Send = 7,
+    AllToAll = 8,
 }
 
 impl OpKind {
@@ -30,6 +31,7 @@ impl OpKind {
             OpKind::Reduce => "reduce",
             OpKind::Barrier => "barrier",
             OpKind::Send => "send/recv",
+            OpKind::AllToAll => "alltoall",
         }
     }
 
@@ -42,6 +44,7 @@ impl OpKind {
             5 => OpKind::Reduce,
             6 => OpKind::Barrier,
             7 => OpKind::Send,
+            8 => OpKind::AllToAll,
             _ => return Err(Error::Protocol(format!("unknown operation code {v} in message header"))),
         })
     }

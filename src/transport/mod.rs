@@ -13,7 +13,7 @@ pub mod tcp;
 pub mod verbs;
 
 use crate::error::{Error, Result};
-use frame::{CallHeader, FrameHeader, FrameKind, HEADER_LEN};
+use frame::{CallHeader, FrameHeader, FrameKind, OpKind, HEADER_LEN};
 use std::io::IoSlice;
 use std::marker::PhantomData;
 use std::os::fd::RawFd;
@@ -581,15 +581,16 @@ impl Links {
         }
         if h.step != op.step || h.len != op.sink.len() as u64 {
             // Same call, different cut: the ranks split the buffer differently.
-            return Err(Error::Protocol(format!(
-                "rank {}: {call}: rank {} sent step {} with {} bytes, expected step {} with {} bytes (do all ranks use the same GRADWIRE_RING_CHUNK_BYTES?)",
-                self.rank,
-                op.peer,
-                h.step,
-                h.len,
-                op.step,
-                op.sink.len()
-            )));
+            let why = match call.op {
+                OpKind::AllToAll => "the two ranks' alltoall counts for this pair disagree",
+                _ => "do all ranks use the same GRADWIRE_RING_CHUNK_BYTES?",
+            };
+            return Err(Error::Mismatch {
+                rank: self.rank,
+                mine: format!("{call} expecting step {} with {} bytes", op.step, op.sink.len()),
+                peer: op.peer,
+                theirs: format!("step {} with {} bytes ({why})", h.step, h.len),
+            });
         }
         Ok(())
     }

@@ -353,7 +353,7 @@ pub fn run_case(
             comm.barrier()?;
             0
         }
-        OpKind::Send => 0,
+        OpKind::Send | OpKind::AllToAll => 0,
     })
 }
 

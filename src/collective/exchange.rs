@@ -1,0 +1,167 @@
+//! Point-to-point send/recv and all-to-all on raw buffers of any [`DType`]: what the C ABI
+//! and torch's `send`/`recv` and `all_to_all_single` (mixture-of-experts token exchange) need.
+//!
+//! All-to-all posts every send and every receive of the call at once in one exchange (the
+//! transports progress them together, so no pair waits for another), and copies the
+//! rank's own block locally. Every rank states how many elements it sends to and receives
+//! from each peer; a pair that disagrees fails with both counts named.
+
+use super::Ptr;
+use crate::comm::Communicator;
+use crate::dtype::{DType, ReduceOp};
+use crate::engine::{EngineState, Job, Work};
+use crate::error::{invalid, Error, Result};
+use crate::transport::frame::{CallHeader, OpKind};
+use crate::transport::{RecvOp, SendOp, Sink};
+use std::time::Instant;
+
+/// The element counts of an all-to-all: what this rank sends to and receives from each
+/// peer, in rank order (its buffers hold the blocks back to back).
+#[derive(Clone, Debug)]
+pub struct Counts {
+    pub send: Vec<usize>,
+    pub recv: Vec<usize>,
+}
+
+impl Counts {
+    /// `count` elements to and from every rank (torch's equal split).
+    pub fn uniform(count: usize, world: usize) -> Counts {
+        Counts { send: vec![count; world], recv: vec![count; world] }
+    }
+
+    /// (send bytes, receive bytes), checked for overflow.
+    fn bytes(&self, dtype: DType, world: usize) -> Result<(usize, usize)> {
+        if self.send.len() != world || self.recv.len() != world {
+            return Err(invalid(format!("alltoall: {} send and {} receive counts for {world} ranks", self.send.len(), self.recv.len())));
+        }
+        let total = |v: &[usize]| -> Result<usize> {
+            v.iter()
+                .try_fold(0usize, |a, &c| a.checked_add(c.checked_mul(dtype.size())?))
+                .filter(|&b| b <= isize::MAX as usize)
+                .ok_or_else(|| invalid("alltoall: the counts overflow a buffer"))
+        };
+        Ok((total(&self.send)?, total(&self.recv)?))
+    }
+}
+
+impl Communicator {
+    /// Starts an all-to-all: block `p` of `send` (`counts.send[p]` elements) goes to rank `p`,
+    /// and block `p` of `recv` receives rank `p`'s block for us.
+    ///
+    /// # Safety
+    /// `send` must be readable and `recv` writable for the counts' bytes, disjoint, and
+    /// both must stay valid and untouched by anyone else until the returned `Work` completes.
+    pub unsafe fn start_alltoall(&self, dtype: DType, counts: Counts, send: *const u8, recv: *mut u8) -> Result<Work> {
+        let job = self.alltoall_job(dtype, counts, send, recv)?;
+        Ok(self.submit(format!("alltoall({})", dtype.name()), job))
+    }
+
+    /// [`Communicator::start_alltoall`], run to completion.
+    ///
+    /// # Safety
+    /// As for [`Communicator::start_alltoall`], until this call returns.
+    pub unsafe fn run_alltoall(&self, dtype: DType, counts: Counts, send: *const u8, recv: *mut u8) -> Result<()> {
+        let job = self.alltoall_job(dtype, counts, send, recv)?;
+        self.run_blocking(|| format!("alltoall({})", dtype.name()), job)
+    }
+
+    fn alltoall_job(&self, dtype: DType, counts: Counts, send: *const u8, recv: *mut u8) -> Result<Job> {
+        let (w, me) = (self.size(), self.rank());
+        let (slen, rlen) = counts.bytes(dtype, w)?;
+        if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
+            return Err(invalid("alltoall: null buffer"));
+        }
+        let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
+        Ok(Box::new(move |st: &mut EngineState, deadline: Instant| {
+            let (s, r) = (s, r);
+            // SAFETY: lengths and validity are the caller's contract (see start_alltoall).
+            let sbuf: &[u8] = if slen == 0 { &[] } else { unsafe { std::slice::from_raw_parts(s.0, slen) } };
+            let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
+            let es = dtype.size();
+            // Block boundaries in bytes: 0, then the running sums of the counts.
+            let cut = |v: &[usize]| -> Vec<usize> {
+                std::iter::once(0)
+                    .chain(v.iter().scan(0, |at, &c| {
+                        *at += c * es;
+                        Some(*at)
+                    }))
+                    .collect()
+            };
+            let (soff, roff) = (cut(&counts.send), cut(&counts.recv));
+            if counts.send[me] != counts.recv[me] {
+                return Err(invalid(format!("alltoall: rank {me} sends {} elements to itself but expects {}", counts.send[me], counts.recv[me])));
+            }
+            // The header is the same on every rank; the per-pair sizes are checked per message.
+            let call = CallHeader { op: OpKind::AllToAll, dtype, redop: ReduceOp::Sum, root: 0, count: 0, seq: st.next_seq() };
+            rbuf[roff[me]..roff[me + 1]].copy_from_slice(&sbuf[soff[me]..soff[me + 1]]);
+            let mut sends: Vec<SendOp> = (0..w).filter(|&p| p != me).map(|p| SendOp::new(p, 0, &sbuf[soff[p]..soff[p + 1]])).collect();
+            let mut recvs: Vec<RecvOp> = Vec::with_capacity(w.saturating_sub(1));
+            let mut rest: &mut [u8] = rbuf;
+            for p in 0..w {
+                let (block, tail) = std::mem::take(&mut rest).split_at_mut(roff[p + 1] - roff[p]);
+                rest = tail;
+                if p != me {
+                    recvs.push(RecvOp { peer: p, step: 0, sink: Sink::Copy(block.into()) });
+                }
+            }
+            st.links.exchange(&call, &mut sends, &mut recvs, deadline)
+        }))
+    }
+
+    /// Sends `count` elements of `dtype` at `data` to `peer` with `tag` (see
+    /// [`Communicator::send`]).
+    ///
+    /// # Safety
+    /// `data` must be readable for `count` elements until this call returns.
+    pub unsafe fn send_raw(&self, data: *const u8, count: usize, dtype: DType, peer: usize, tag: u32) -> Result<()> {
+        let call = self.p2p_header(dtype, peer, tag, count, true)?;
+        let len = p2p_bytes(count, dtype)?;
+        if len > 0 && data.is_null() {
+            return Err(invalid("send: null buffer"));
+        }
+        let p = Ptr(data as *mut u8);
+        let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
+            let p = p;
+            // SAFETY: readable for `len` bytes until this call returns (the contract).
+            let bytes: &[u8] = if len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(p.0, len) } };
+            st.links.exchange(&call, &mut [SendOp::new(peer, 0, bytes)], &mut [], deadline)
+        });
+        self.run_blocking(|| call.to_string(), job)
+    }
+
+    /// Receives the next message from `peer` (`count` elements of `dtype`, `tag`) into `buf`.
+    ///
+    /// # Safety
+    /// `buf` must be writable for `count` elements and untouched by others until this call
+    /// returns.
+    pub unsafe fn recv_raw(&self, buf: *mut u8, count: usize, dtype: DType, peer: usize, tag: u32) -> Result<()> {
+        let call = self.p2p_header(dtype, peer, tag, count, false)?;
+        let len = p2p_bytes(count, dtype)?;
+        if len > 0 && buf.is_null() {
+            return Err(invalid("recv: null buffer"));
+        }
+        let p = Ptr(buf);
+        let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
+            let p = p;
+            // SAFETY: writable for `len` bytes until this call returns (the contract).
+            let bytes: &mut [u8] = if len == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(p.0, len) } };
+            st.links.exchange(&call, &mut [], &mut [RecvOp { peer, step: 0, sink: Sink::Copy(bytes.into()) }], deadline)
+        });
+        self.run_blocking(|| call.to_string(), job)
+    }
+
+    /// The header of the next message to or from `peer`: point-to-point messages between two
+    /// ranks are matched in order, with their own sequence numbers.
+    pub(crate) fn p2p_header(&self, dtype: DType, peer: usize, tag: u32, count: usize, sending: bool) -> Result<CallHeader> {
+        if peer >= self.size() || peer == self.rank() {
+            return Err(invalid(format!("send/recv peer {peer}: must be another rank of this communicator (size {})", self.size())));
+        }
+        let counters = if sending { &self.p2p_sent } else { &self.p2p_received };
+        let seq = counters[peer].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(CallHeader { op: OpKind::Send, dtype, redop: ReduceOp::Sum, root: tag, count: count as u64, seq })
+    }
+}
+
+fn p2p_bytes(count: usize, dtype: DType) -> Result<usize> {
+    count.checked_mul(dtype.size()).filter(|&b| b <= isize::MAX as usize).ok_or_else(|| Error::InvalidArgument(format!("count {count} overflows")))
+}
