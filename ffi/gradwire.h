@@ -117,6 +117,18 @@ int gradwire_allgather(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf
 int gradwire_reduce_scatter(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t recvcount,
                             gradwire_dtype_t dtype, gradwire_op_t op);
 int gradwire_barrier(gradwire_comm_t *comm);
+/* Reduces every rank's sendbuf into recvbuf of rank `root` (recvbuf may equal sendbuf;
+ * other ranks' recvbuf is scratch space of count elements). */
+int gradwire_reduce(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count,
+                    gradwire_dtype_t dtype, gradwire_op_t op, int root);
+/* Non-blocking broadcast, allgather and reduce-scatter: as the blocking calls, returning at
+ * once; wait with gradwire_wait, buffers valid until then. */
+int gradwire_ibroadcast(gradwire_comm_t *comm, void *buf, size_t count, gradwire_dtype_t dtype, int root,
+                        gradwire_work_t **work);
+int gradwire_iallgather(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t sendcount,
+                        gradwire_dtype_t dtype, gradwire_work_t **work);
+int gradwire_ireduce_scatter(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t recvcount,
+                             gradwire_dtype_t dtype, gradwire_op_t op, gradwire_work_t **work);
 /* All-to-all: block p of sendbuf (sendcounts[p] elements) goes to rank p, and block p of
  * recvbuf (recvcounts[p] elements) receives rank p's block for this rank; blocks lie back to
  * back in rank order. With sendcounts and recvcounts both NULL every block has `count`

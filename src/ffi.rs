@@ -335,14 +335,26 @@ pub unsafe extern "C" fn gradwire_iallreduce(
     op: gradwire_op_t,
     work: *mut *mut gradwire_work_t,
 ) -> c_int {
+    let w = "gradwire_iallreduce";
+    nonblocking(comm_p, w, work, sendbuf, recvbuf, || Ok(Request::new(OpKind::Allreduce, dtype(dt, w)?, redop(op, w)?, count)))
+}
+
+/// Starts the collective `req()` describes and puts its work handle in `work`.
+fn nonblocking(
+    comm_p: *mut gradwire_comm_t,
+    w: &str,
+    work: *mut *mut gradwire_work_t,
+    send: *const c_void,
+    recv: *mut c_void,
+    req: impl FnOnce() -> Result<Request>,
+) -> c_int {
     guard(|| {
-        let w = "gradwire_iallreduce";
         let (_, c) = comm(comm_p, w)?;
         out(work, w, "work")?;
-        let req = Request::new(OpKind::Allreduce, dtype(dt, w)?, redop(op, w)?, count);
-        check_buffers(&c, &req, sendbuf, recvbuf, w)?;
+        let req = req()?;
+        check_buffers(&c, &req, send, recv, w)?;
         // SAFETY: checked buffers; the caller keeps them valid until the work completes.
-        let handle = unsafe { c.start(req, sendbuf as *const u8, recvbuf as *mut u8)? };
+        let handle = unsafe { c.start(req, send as *const u8, recv as *mut u8) }.map_err(|e| prefixed(e, w))?;
         let id = {
             let mut reg = registry();
             let id = reg.id();
@@ -351,6 +363,76 @@ pub unsafe extern "C" fn gradwire_iallreduce(
         };
         put(work, to_handle(id), w, "work")
     })
+}
+
+fn root_of(root: c_int, w: &str) -> Result<usize> {
+    usize::try_from(root).map_err(|_| invalid(format!("{w}: root {root} is negative")))
+}
+
+/// # Safety
+/// As `gradwire_broadcast`, with the buffer valid until the work completes.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_ibroadcast(
+    comm_p: *mut gradwire_comm_t,
+    buf: *mut c_void,
+    count: usize,
+    dt: gradwire_dtype_t,
+    root: c_int,
+    work: *mut *mut gradwire_work_t,
+) -> c_int {
+    let w = "gradwire_ibroadcast";
+    nonblocking(comm_p, w, work, buf, buf, || Ok(Request { root: root_of(root, w)?, ..Request::new(OpKind::Broadcast, dtype(dt, w)?, ReduceOp::Sum, count) }))
+}
+
+/// # Safety
+/// As `gradwire_allgather`, with the buffers valid until the work completes.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_iallgather(
+    comm_p: *mut gradwire_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendcount: usize,
+    dt: gradwire_dtype_t,
+    work: *mut *mut gradwire_work_t,
+) -> c_int {
+    let w = "gradwire_iallgather";
+    nonblocking(comm_p, w, work, sendbuf, recvbuf, || Ok(Request::new(OpKind::Allgather, dtype(dt, w)?, ReduceOp::Sum, sendcount)))
+}
+
+/// # Safety
+/// As `gradwire_reduce_scatter`, with the buffers valid until the work completes.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_ireduce_scatter(
+    comm_p: *mut gradwire_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dt: gradwire_dtype_t,
+    op: gradwire_op_t,
+    work: *mut *mut gradwire_work_t,
+) -> c_int {
+    let w = "gradwire_ireduce_scatter";
+    nonblocking(comm_p, w, work, sendbuf, recvbuf, || Ok(Request::new(OpKind::ReduceScatter, dtype(dt, w)?, redop(op, w)?, recvcount)))
+}
+
+/// # Safety
+/// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
+/// documents for this function; buffers stay valid until the call completes.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_reduce(
+    comm_p: *mut gradwire_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dt: gradwire_dtype_t,
+    op: gradwire_op_t,
+    root: c_int,
+) -> c_int {
+    let w = "gradwire_reduce";
+    match (dtype(dt, w), redop(op, w), root_of(root, w)) {
+        (Ok(d), Ok(o), Ok(root)) => blocking(comm_p, Request { root, ..Request::new(OpKind::Reduce, d, o, count) }, sendbuf, recvbuf, w),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => guard(|| Err(e)),
+    }
 }
 
 /// The counts of an all-to-all from C: `sendcounts`/`recvcounts` arrays of `size` entries,

@@ -89,6 +89,28 @@ static int check_world(gradwire_comm_t *c, int rank, int w) {
                 fprintf(stderr, "rank %d: uneven alltoall from %d = %lld, want %d\n", rank, p, (long long)rv[p * (rank + 1) + k], 1000 * p + rank);
                 return 1;
             }
+    /* Reduce to the last rank, out of place; then the non-blocking broadcast, allgather and
+     * reduce-scatter started together and waited for in reverse order. */
+    int64_t mine = rank + 1, total = -1;
+    if (gradwire_reduce(c, &mine, &total, 1, GRADWIRE_INT64, GRADWIRE_SUM, w - 1)) return fail(rank, "reduce");
+    if (rank == w - 1 && total != (int64_t)w * (w + 1) / 2) {
+        fprintf(stderr, "rank %d: reduce gave %lld\n", rank, (long long)total);
+        return 1;
+    }
+    int32_t bc[4] = {rank, rank, rank, rank}, ag[64], rs_in[64], rs_out = -1, one = rank;
+    for (int p = 0; p < w; p++) rs_in[p] = p * 10 + rank;
+    gradwire_work_t *wb = NULL, *wg = NULL, *wr = NULL;
+    if (gradwire_ibroadcast(c, bc, 4, GRADWIRE_INT32, 0, &wb) || gradwire_iallgather(c, &one, ag, 1, GRADWIRE_INT32, &wg) ||
+        gradwire_ireduce_scatter(c, rs_in, &rs_out, 1, GRADWIRE_INT32, GRADWIRE_MAX, &wr))
+        return fail(rank, "start ibroadcast/iallgather/ireduce_scatter");
+    if (gradwire_wait(wr, -1) || gradwire_wait(wg, -1) || gradwire_wait(wb, -1)) return fail(rank, "wait");
+    int bad = rs_out != rank * 10 + (w - 1);
+    for (int k = 0; k < 4; k++) bad |= bc[k] != 0;
+    for (int p = 0; p < w; p++) bad |= ag[p] != p;
+    if (bad) {
+        fprintf(stderr, "rank %d: non-blocking broadcast/allgather/reduce-scatter wrong (reduce-scatter %d)\n", rank, rs_out);
+        return 1;
+    }
     /* Tagged send/recv around the ring: even ranks send first, odd ranks receive first. */
     if (w > 1) {
         int next = (rank + 1) % w, prev = (rank + w - 1) % w;

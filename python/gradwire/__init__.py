@@ -143,6 +143,10 @@ def load_library():
         "gradwire_iallreduce": [p, p, p, sz, u, u, pp],
         "gradwire_wait": [p, ctypes.c_int64],
         "gradwire_broadcast": [p, p, sz, u, i],
+        "gradwire_ibroadcast": [p, p, sz, u, i, pp],
+        "gradwire_iallgather": [p, p, p, sz, u, pp],
+        "gradwire_ireduce_scatter": [p, p, p, sz, u, u, pp],
+        "gradwire_reduce": [p, p, p, sz, u, u, i],
         "gradwire_allgather": [p, p, p, sz, u],
         "gradwire_reduce_scatter": [p, p, p, sz, u, u],
         "gradwire_barrier": [p],
@@ -295,28 +299,53 @@ class Comm:
         _check(load_library().gradwire_iallreduce(self._live(), p, p, n, dt, _op(op), ctypes.byref(w)))
         return Work(w, [x])
 
-    def broadcast(self, x, root=0):
-        """Sends `x` of rank `root` to every rank's `x`; returns `x`."""
+    def broadcast(self, x, root=0, async_op=False):
+        """Sends `x` of rank `root` to every rank's `x`; returns `x` (async_op: a Work whose
+        wait() returns it)."""
         root = _int_arg(root, "broadcast: root", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
         p, n, dt = _buffer(x, "broadcast")
+        if async_op:
+            w = ctypes.c_void_p()
+            _check(load_library().gradwire_ibroadcast(self._live(), p, n, dt, root, ctypes.byref(w)))
+            return Work(w, [x])
         _check(load_library().gradwire_broadcast(self._live(), p, n, dt, root))
         return x
 
-    def allgather(self, x, out):
+    def reduce(self, x, root=0, op="sum"):
+        """Reduces every rank's `x` into rank `root`'s `x` (other ranks' `x` is left as is)."""
+        root = _int_arg(root, "reduce: root", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
+        p, n, dt = _buffer(x, "reduce")
+        if self.rank == root:
+            _check(load_library().gradwire_reduce(self._live(), p, p, n, dt, _op(op), root))
+        else:
+            scratch = x.copy() if hasattr(x, "__array_interface__") and not hasattr(x, "data_ptr") else x.clone()
+            sp, _, _ = _buffer(scratch, "reduce")
+            _check(load_library().gradwire_reduce(self._live(), p, sp, n, dt, _op(op), root))
+        return x
+
+    def allgather(self, x, out, async_op=False):
         """Gathers every rank's `x` into `out` (size * len(x) elements, rank order)."""
         sp, n, dt = _buffer(x, "allgather")
         rp, m, dt2 = _buffer(out, "allgather out")
         if m != n * self.size or dt2 != dt:
             raise ValueError(f"allgather: out must hold {n} x {self.size} elements of the same dtype")
+        if async_op:
+            w = ctypes.c_void_p()
+            _check(load_library().gradwire_iallgather(self._live(), sp, rp, n, dt, ctypes.byref(w)))
+            return Work(w, [x, out])
         _check(load_library().gradwire_allgather(self._live(), sp, rp, n, dt))
         return out
 
-    def reduce_scatter(self, x, out, op="sum"):
+    def reduce_scatter(self, x, out, op="sum", async_op=False):
         """Reduces `x` (size * len(out) elements) and leaves part `rank` in `out`."""
         sp, n, dt = _buffer(x, "reduce_scatter")
         rp, m, dt2 = _buffer(out, "reduce_scatter out")
         if n != m * self.size or dt2 != dt:
             raise ValueError(f"reduce_scatter: x must hold {m} x {self.size} elements of out's dtype")
+        if async_op:
+            w = ctypes.c_void_p()
+            _check(load_library().gradwire_ireduce_scatter(self._live(), sp, rp, m, dt, _op(op), ctypes.byref(w)))
+            return Work(w, [x, out])
         _check(load_library().gradwire_reduce_scatter(self._live(), sp, rp, m, dt, _op(op)))
         return out
 

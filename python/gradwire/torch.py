@@ -15,9 +15,10 @@ the rank and the call, never a hang.
 `async_op=True` allreduces are gradwire's non-blocking calls. Work that someone waits on is
 completed by that caller; work whose future is asked for (DDP's buckets) is completed by one
 completion thread per process, in order (no thread per operation), so the buckets reduce
-while backward goes on; all-to-all is non-blocking too. The other collectives run when
-called and return completed work; send and recv block (a send may wait for the peer's
-recv, so pair them, or use batch_isend_irecv's order with care).
+while backward goes on. Broadcast, all_gather_into_tensor, reduce_scatter_tensor (what
+FSDP-style sharding overlaps) and all-to-all are non-blocking too; the list forms, gather,
+scatter and reduce run when called and return completed work; send and recv block (a send
+may wait for the peer's recv, so pair them).
 
 Checked against torch 2.15. Private torch API used: none (`dist.ProcessGroup` and
 `dist.Work` are subclassed, `dist.Backend.register_backend` registers).
@@ -207,6 +208,9 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
+        if len(tensors) == 1:
+            c, back = _contiguous(tensors[0], "broadcast")
+            return _Work(tensors, self._comm.broadcast(c, root=root, async_op=True), back)
         for t in tensors:
             c, back = _contiguous(t, "broadcast")
             self._comm.broadcast(c, root=root)
@@ -214,11 +218,11 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _Work(tensors)
 
     def reduce(self, tensors, opts=None):
-        # The root gets the reduction (torch leaves the others' tensors unspecified).
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        root = opts.rootRank if opts is not None else 0
         for t in tensors:
             c, back = _contiguous(t, "reduce")
-            self._comm.allreduce(c, op=op)
+            self._comm.reduce(c, root=root, op=op)
             back()
         return _Work(tensors)
 
@@ -240,9 +244,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         out, back = _contiguous(output_tensor, "all_gather_into_tensor")
         if out.numel() != src.numel() * self.size() or out.dtype != src.dtype:
             raise ValueError(f"gradwire: all_gather_into_tensor output must hold {self.size()} x {src.numel()} elements of {src.dtype}")
-        self._comm.allgather(src.reshape(-1), out.reshape(-1))
-        back()
-        return _Work([output_tensor])
+        pending = self._comm.allgather(src.reshape(-1), out.reshape(-1), async_op=True)
+        return _Work([output_tensor], pending, back)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -261,9 +264,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         out, back = _contiguous(output_tensor, "reduce_scatter_tensor")
         if src.numel() != out.numel() * self.size() or out.dtype != src.dtype:
             raise ValueError(f"gradwire: reduce_scatter_tensor input must hold {self.size()} x {out.numel()} elements of {out.dtype}")
-        self._comm.reduce_scatter(src.reshape(-1), out.reshape(-1), op=op)
-        back()
-        return _Work([output_tensor])
+        pending = self._comm.reduce_scatter(src.reshape(-1), out.reshape(-1), op=op, async_op=True)
+        return _Work([output_tensor], pending, back)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         outs = output_tensors[0] if output_tensors else []

@@ -326,7 +326,12 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                 algos::chain_broadcast(&mut cx, recv, req.root, piece)
             }
         }
-        OpKind::Reduce => algos::binomial_reduce(&mut cx, recv, req.root),
+        OpKind::Reduce => {
+            if let Some(send) = send {
+                recv.copy_from_slice(send);
+            }
+            algos::binomial_reduce(&mut cx, recv, req.root)
+        }
         OpKind::Barrier => algos::dissemination_barrier(&mut cx),
         OpKind::Send | OpKind::AllToAll => Err(invalid("send/recv and alltoall run through their own calls (collective::exchange)")),
     }
