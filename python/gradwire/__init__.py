@@ -18,7 +18,10 @@ import ctypes.util
 import glob
 import numbers
 import os
+import sys
+import threading
 import weakref
+from typing import Any, Optional, Sequence, Union
 
 __all__ = [
     "Comm",
@@ -38,6 +41,9 @@ __all__ = [
 ]
 
 # Element types by NumPy's and torch's names (ffi/gradwire.h's gradwire_dtype_t).
+# A NumPy array or a CPU torch tensor (used in place through its data pointer).
+Buffer = Any
+
 _DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int8": 4, "uint8": 5, "int32": 6, "int64": 7, "bool": 8}
 _OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3, "product": 4}
 # Ranges of the C types integers cross ctypes as (ffi/gradwire.h).
@@ -55,7 +61,7 @@ class GradwireError(RuntimeError):
     """A gradwire call failed; `code` is the C result code, the message its error text.
     Each kind has its own subclass (below), so a caller can catch one kind."""
 
-    def __init__(self, code, message):
+    def __init__(self, code: int, message: str) -> None:
         super().__init__(f"{message} (gradwire code {code})")
         self.code = code
 
@@ -113,7 +119,7 @@ def _candidates():
 _lib = None
 
 
-def load_library():
+def load_library() -> ctypes.CDLL:
     """Loads libgradwire once and declares the C signatures."""
     global _lib
     if _lib is not None:
@@ -217,12 +223,18 @@ def _op(op):
 
 
 class Work:
-    """A non-blocking operation; keeps its buffers alive until waited for."""
+    """A non-blocking operation; keeps its buffers alive until waited for. Dropped without a
+    wait, it is waited for in the background (with its buffers) rather than freed early."""
 
     def __init__(self, handle, keep):
         self._h, self._keep = handle, keep
 
-    def wait(self, timeout_ms=-1):
+    def __del__(self):
+        if getattr(self, "_h", None) is not None and not sys.is_finalizing():
+            _reaper.add(self._h, self._keep)
+            self._h = None
+
+    def wait(self, timeout_ms: int = -1) -> Any:
         """Waits (timeout_ms < 0: until done). Raises GradwireError on failure or timeout."""
         if self._h is None:
             raise RuntimeError("work already waited for")
@@ -235,7 +247,7 @@ class Work:
         return self._keep[-1] if self._keep else None
 
 
-def unique_id():
+def unique_id() -> bytes:
     """A fresh communicator id (bytes), as NCCL's ncclGetUniqueId: this process starts the
     rendezvous store it leads to. Hand the bytes to every member (e.g. through
     torch.distributed's store), which then calls Comm.from_unique_id."""
@@ -244,11 +256,41 @@ def unique_id():
     return ctypes.string_at(ctypes.addressof(uid), UNIQUE_ID_BYTES)
 
 
+class _Reaper:
+    """Waits, on one background thread, for work dropped without a wait, keeping its buffers
+    alive until gradwire no longer writes them."""
+
+    def __init__(self):
+        self._items = []
+        self._cv = threading.Condition()
+        self._thread = None
+
+    def add(self, handle, keep):
+        with self._cv:
+            self._items.append((handle, keep))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gradwire-reaper", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while not self._items:
+                    self._cv.wait()
+                handle, keep = self._items.pop(0)
+            load_library().gradwire_wait(handle, -1)  # its error, if any, has no one to go to
+            del keep
+
+
+_reaper = _Reaper()
+
+
 class Comm:
     """A gradwire communicator (see the README for the environment it reads)."""
 
     @classmethod
-    def from_unique_id(cls, uid, size, rank):
+    def from_unique_id(cls, uid: bytes, size: int, rank: int) -> "Comm":
         """Joins the group `uid` (from unique_id(), carried by the framework) leads to, as
         `rank` of `size`; no MASTER_PORT or job secret is read."""
         if not isinstance(uid, (bytes, bytearray)) or len(uid) != UNIQUE_ID_BYTES:
@@ -281,7 +323,7 @@ class Comm:
             raise RuntimeError("communicator is finalized")
         return self._h
 
-    def allreduce(self, x, op="sum", out=None):
+    def allreduce(self, x: Buffer, op: str = "sum", out: Optional[Buffer] = None) -> Buffer:
         """Reduces `x` over all ranks into `out` (default: in place); returns the result."""
         sp, n, dt = _buffer(x, "allreduce")
         rp = sp
@@ -292,14 +334,14 @@ class Comm:
         _check(load_library().gradwire_allreduce(self._live(), sp, rp, n, dt, _op(op)))
         return x if out is None else out
 
-    def iallreduce(self, x, op="sum"):
+    def iallreduce(self, x: Buffer, op: str = "sum") -> "Work":
         """Starts an in-place allreduce of `x`; returns a Work whose wait() returns `x`."""
         p, n, dt = _buffer(x, "iallreduce")
         w = ctypes.c_void_p()
         _check(load_library().gradwire_iallreduce(self._live(), p, p, n, dt, _op(op), ctypes.byref(w)))
         return Work(w, [x])
 
-    def broadcast(self, x, root=0, async_op=False):
+    def broadcast(self, x: Buffer, root: int = 0, async_op: bool = False) -> Union[Buffer, "Work"]:
         """Sends `x` of rank `root` to every rank's `x`; returns `x` (async_op: a Work whose
         wait() returns it)."""
         root = _int_arg(root, "broadcast: root", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
@@ -311,7 +353,7 @@ class Comm:
         _check(load_library().gradwire_broadcast(self._live(), p, n, dt, root))
         return x
 
-    def reduce(self, x, root=0, op="sum"):
+    def reduce(self, x: Buffer, root: int = 0, op: str = "sum") -> Buffer:
         """Reduces every rank's `x` into rank `root`'s `x` (other ranks' `x` is left as is)."""
         root = _int_arg(root, "reduce: root", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
         p, n, dt = _buffer(x, "reduce")
@@ -323,7 +365,7 @@ class Comm:
             _check(load_library().gradwire_reduce(self._live(), p, sp, n, dt, _op(op), root))
         return x
 
-    def allgather(self, x, out, async_op=False):
+    def allgather(self, x: Buffer, out: Buffer, async_op: bool = False) -> Union[Buffer, "Work"]:
         """Gathers every rank's `x` into `out` (size * len(x) elements, rank order)."""
         sp, n, dt = _buffer(x, "allgather")
         rp, m, dt2 = _buffer(out, "allgather out")
@@ -336,7 +378,7 @@ class Comm:
         _check(load_library().gradwire_allgather(self._live(), sp, rp, n, dt))
         return out
 
-    def reduce_scatter(self, x, out, op="sum", async_op=False):
+    def reduce_scatter(self, x: Buffer, out: Buffer, op: str = "sum", async_op: bool = False) -> Union[Buffer, "Work"]:
         """Reduces `x` (size * len(out) elements) and leaves part `rank` in `out`."""
         sp, n, dt = _buffer(x, "reduce_scatter")
         rp, m, dt2 = _buffer(out, "reduce_scatter out")
@@ -349,10 +391,17 @@ class Comm:
         _check(load_library().gradwire_reduce_scatter(self._live(), sp, rp, m, dt, _op(op)))
         return out
 
-    def barrier(self):
+    def barrier(self) -> None:
         _check(load_library().gradwire_barrier(self._live()))
 
-    def alltoall(self, x, out, send_counts=None, recv_counts=None, async_op=False):
+    def alltoall(
+        self,
+        x: Buffer,
+        out: Buffer,
+        send_counts: Optional[Sequence[int]] = None,
+        recv_counts: Optional[Sequence[int]] = None,
+        async_op: bool = False,
+    ) -> Union[Buffer, "Work"]:
         """Block p of `x` goes to rank p; block p of `out` receives rank p's block for us.
         Without counts every block is len(x) / size elements; with them (element counts
         per rank, both given) blocks lie back to back. async_op: returns a Work whose wait()
@@ -384,14 +433,14 @@ class Comm:
         _check(load_library().gradwire_ialltoall(self._live(), sp, sc, rp, rc, count, dt, ctypes.byref(w)))
         return Work(w, [x, sc, rc, out])
 
-    def send(self, x, peer, tag=0):
+    def send(self, x: Buffer, peer: int, tag: int = 0) -> None:
         """Sends `x` to rank `peer`; matched in order by that rank's recv with the same tag."""
         peer = _int_arg(peer, "send: peer", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
         tag = _int_arg(tag, "send: tag", 0, 2**32 - 1)
         p, n, dt = _buffer(x, "send")
         _check(load_library().gradwire_send(self._live(), p, n, dt, peer, tag))
 
-    def recv(self, x, peer, tag=0):
+    def recv(self, x: Buffer, peer: int, tag: int = 0) -> Buffer:
         """Receives the next message from rank `peer` into `x` (same count, dtype and tag)."""
         peer = _int_arg(peer, "recv: peer", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
         tag = _int_arg(tag, "recv: tag", 0, 2**32 - 1)
@@ -399,7 +448,7 @@ class Comm:
         _check(load_library().gradwire_recv(self._live(), p, n, dt, peer, tag))
         return x
 
-    def empty(self, count, dtype="float32"):
+    def empty(self, count: int, dtype: str = "float32") -> Any:
         """A NumPy array of `count` elements (float32, float64 or float16) in memory from
         gradwire_alloc, which the ranks of a host map: an allreduce of at least 256 KiB (4 MiB where
         the kernel refuses cross-memory attach) on such arrays works in the peers' arrays in
@@ -421,7 +470,7 @@ class Comm:
         weakref.finalize(raw, self._release, ptr.value)
         return np.frombuffer(raw, dtype=dt, count=count)
 
-    def register(self, x):
+    def register(self, x: Buffer) -> Buffer:
         """Registers `x` (a NumPy array or CPU tensor, at least a page) for many collectives, as
         ncclCommRegister does: its whole pages become memory the ranks of a host map (same
         address, same contents), so an allreduce of registered or empty() arrays works in
@@ -432,7 +481,7 @@ class Comm:
         _check(load_library().gradwire_register(self._live(), p, x.nbytes))
         return x
 
-    def deregister(self, x):
+    def deregister(self, x: Buffer) -> None:
         """Gives `x`'s pages back as private memory, contents kept."""
         p, _, _ = _buffer(x, "deregister")
         _check(load_library().gradwire_deregister(self._live(), p))
@@ -445,7 +494,7 @@ class Comm:
             h, self._closing = self._closing, None
             lib.gradwire_finalize(h)
 
-    def split(self, color, key=0):
+    def split(self, color: int, key: int = 0) -> Optional["Comm"]:
         """Sub-communicator of the ranks with the same color (None for a negative color)."""
         color = _int_arg(color, "split: color", *_INT, f"out of range for a C int ({_INT[0]}..{_INT[1]}; negative joins no group)")
         key = _int_arg(key, "split: key", *_INT, f"out of range for a C int ({_INT[0]}..{_INT[1]})")
@@ -453,7 +502,7 @@ class Comm:
         _check(load_library().gradwire_comm_split(self._live(), color, key, ctypes.byref(h)))
         return Comm(h) if h.value else None
 
-    def finalize(self):
+    def finalize(self) -> None:
         if self._h is not None:
             h, self._h = self._h, None
             if self._arrays:
@@ -461,10 +510,10 @@ class Comm:
             else:
                 _check(load_library().gradwire_finalize(h))
 
-    def __enter__(self):
+    def __enter__(self) -> "Comm":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.finalize()
 
 

@@ -11,10 +11,13 @@ It averages, as DDP's default (gloo/NCCL) hook does. With `init_process_group("g
 no hook is needed: DDP's own allreduce already runs on gradwire.
 """
 
+from typing import Any, Callable
+
+from . import Comm
 from .torch import completed_future_of
 
 
-def allreduce_hook(comm, op="avg"):
+def allreduce_hook(comm: "Comm", op: str = "avg") -> Callable[[Any, Any], Any]:
     """Returns a DDP comm hook that reduces each bucket with `op` through `comm`."""
 
     def hook(state, bucket):

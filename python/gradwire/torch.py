@@ -27,6 +27,7 @@ Checked against torch 2.15. Private torch API used: none (`dist.ProcessGroup` an
 import collections
 import threading
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,10 @@ class _Completer:
                 while not self._queue:
                     self._cv.wait()
                 work = self._queue.popleft()
-            work._complete()
+            try:
+                work._complete()
+            except Exception:  # noqa: BLE001, S110 (a failing future callback must not stop the thread)
+                pass
 
 
 _completer = _Completer()
@@ -118,8 +122,8 @@ class _Work(dist.Work):
                 if self._pending is not None:
                     self._pending.wait()
                 self._finish()
-            except Exception as e:  # noqa: BLE001 (handed to whoever waits)
-                self._error = e
+            except BaseException as e:  # noqa: BLE001 (handed to whoever waits)
+                self._error = e if isinstance(e, Exception) else RuntimeError(f"gradwire: interrupted: {e!r}")
             self._done = True
         if self._error is None:
             self._future.set_result(self._result)
@@ -151,12 +155,16 @@ class _Work(dist.Work):
         with self._lock:
             queue = not self._done and not self._queued
             self._queued = True
-        if queue:
+        if queue and threading.current_thread() is _completer._thread:
+            # Asked from a callback of another work's future (PowerSGD waits inside one):
+            # queued behind the running callback it would never complete.
+            self._complete()
+        elif queue:
             _completer.add(self)
         return self._future
 
 
-def completed_future_of(comm, tensor, op="sum"):
+def completed_future_of(comm: Comm, tensor: torch.Tensor, op: str = "sum") -> torch.futures.Future:
     """Starts gradwire's non-blocking in-place allreduce of a contiguous CPU `tensor` and
     returns a torch Future that completes with it (what a DDP communication hook returns)."""
     pending = comm.iallreduce(_cpu(tensor, "allreduce"), op=op)
@@ -166,7 +174,7 @@ def completed_future_of(comm, tensor, op="sum"):
 class ProcessGroupGradwire(dist.ProcessGroup):
     """A torch process group over one gradwire communicator (see the module text)."""
 
-    def __init__(self, store, rank, size, timeout=None):
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[timedelta] = None) -> None:
         super().__init__(rank, size)
         if rank == 0:
             store.set(_ID_KEY, unique_id())
@@ -344,7 +352,7 @@ def _create(store, rank, size, timeout):
     return ProcessGroupGradwire(store, rank, size, timeout)
 
 
-def register():
+def register() -> None:
     """Registers the "gradwire" backend for CPU tensors (idempotent)."""
     if "gradwire" in getattr(dist.Backend, "backend_list", []):
         return

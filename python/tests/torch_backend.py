@@ -194,6 +194,18 @@ if world > 1:
         dist.send(mine, dst=nxt, tag=5)
     expect("send/recv around the ring", got, (inp(prv, 900, 333, torch.float64), 0.0))
 
+# An async work dropped without a wait: gradwire finishes it in the background with its
+# buffers kept alive, and the next collectives are unaffected.
+for _ in range(20):
+    dropped = torch.full((1 << 16,), float(rank))
+    dist.all_reduce(dropped, async_op=True)
+    del dropped
+z = torch.ones(7)
+dist.all_reduce(z)
+cases += 1
+if not torch.equal(z, torch.full((7,), float(world))):
+    failures.append(f"rank {rank}: all_reduce after dropped async works gave {z.tolist()}")
+
 # Object collectives (pickled bytes through uint8 allgather and broadcast).
 objs = [None] * world
 dist.all_gather_object(objs, {"rank": rank, "msg": "x" * rank})
@@ -215,6 +227,17 @@ if rank in evens:
     cases += 1
     if int(v) != sum(r + 1 for r in evens):
         failures.append(f"rank {rank}: all_reduce on the even subgroup gave {int(v)}")
+# A subgroup whose first rank is not rank 0 (with 2x2 namespace nodes: on the other node,
+# where MASTER_ADDR is not this host's address).
+if world >= 4:
+    last = [world - 2, world - 1]
+    tail = dist.new_group(last, backend="gradwire")
+    if rank in last:
+        v = torch.tensor([rank], dtype=torch.int64)
+        dist.all_reduce(v, group=tail)
+        cases += 1
+        if int(v) != sum(last):
+            failures.append(f"rank {rank}: all_reduce on the subgroup {last} gave {int(v)}")
 dist.barrier()
 
 # Errors a torch user can catch: wrong device, unsupported dtype, avg of an integer.

@@ -119,12 +119,13 @@ pub struct Bootstrap {
 /// of one job may be threads of one process (tests, benches), each counting its own.
 static GENERATIONS: Mutex<Vec<(RankOfJob, u64)>> = Mutex::new(Vec::new());
 
-/// A rank of a job: rendezvous address, port and rank.
-type RankOfJob = (String, u16, usize);
+/// A rank of a job: rendezvous address, port, rank and secret (a unique id's store may get
+/// a port an earlier id's store had).
+type RankOfJob = (String, u16, usize, String);
 
 /// The generation of the next communicator of `env`'s rank of its job in this process.
 fn next_generation(env: &RankEnv) -> u64 {
-    let key = (env.master_addr.clone(), env.master_port, env.rank);
+    let key = (env.master_addr.clone(), env.master_port, env.rank, env.secret.clone());
     let mut all = GENERATIONS.lock().unwrap_or_else(|p| p.into_inner());
     match all.iter_mut().find(|(k, _)| *k == key) {
         Some((_, n)) => {
@@ -183,15 +184,10 @@ impl Bootstrap {
             return Ok(Bootstrap { env, store: None, topology: Topology::single_rank(), generation: 0, _server: None });
         }
         let addr = format!("{}:{}", env.master_addr, env.master_port);
-        // A unique id's store is up already (and adopted by the communicator of the process
-        // that made it); otherwise rank 0 hosts the store.
-        let server = if env.store_exists {
-            unique_id::adopt(&env.master_addr, env.master_port)
-        } else if env.rank == 0 {
-            host_store(&env, &addr)?
-        } else {
-            None
-        };
+        // A unique id's store is up already: the communicator of the process that made it
+        // adopts it once setup has succeeded (until then the id keeps it, for a retry).
+        // Otherwise rank 0 hosts the store.
+        let mut server = if !env.store_exists && env.rank == 0 { host_store(&env, &addr)? } else { None };
         let store = Arc::new(StoreClient::connect(&addr, &env.secret, deadline)?);
         // Counted only once the store answers: a rank that fails before it must not be a
         // generation ahead of the others when it tries again.
@@ -254,6 +250,9 @@ impl Bootstrap {
             if lr != computed {
                 log::info!("launcher says local rank {lr}, host identity gives {computed}; using the host identity");
             }
+        }
+        if env.store_exists {
+            server = unique_id::adopt(&env.master_addr, env.master_port);
         }
         Ok(Bootstrap { env, store: Some(store), topology, generation, _server: server })
     }

@@ -154,13 +154,10 @@ impl StoreServer {
         Ok(server)
     }
 
-    /// A store on a free port of `host` for a unique id (see [`super::unique_id`]),
-    /// registered like [`StoreServer::shared`]'s so that this process's rank 0 reuses it.
-    /// Where `host` is not an address of this machine, it listens on every interface.
+    /// A store on a free port of `host` (an address of this machine) for a unique id (see
+    /// [`super::unique_id`]), registered like [`StoreServer::shared`]'s.
     pub fn ephemeral(host: &str, secret: &str) -> Result<Arc<Self>> {
-        let listener = TcpListener::bind((host, 0))
-            .or_else(|_| TcpListener::bind(("0.0.0.0", 0)))
-            .map_err(|e| Error::io(format!("bind a rendezvous store on {host}"), e))?;
+        let listener = TcpListener::bind((host, 0)).map_err(|e| Error::io(format!("bind a rendezvous store on {host} for a unique id"), e))?;
         let server = Arc::new(Self::serve_on(listener, secret)?);
         let mut hosted = HOSTED.lock().unwrap_or_else(|p| p.into_inner());
         hosted.retain(|(_, w)| w.strong_count() > 0);

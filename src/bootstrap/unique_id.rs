@@ -32,11 +32,12 @@ static ISSUED: Mutex<Vec<(String, Arc<StoreServer>)>> = Mutex::new(Vec::new());
 
 impl UniqueId {
     /// Starts a rendezvous store on a free port and returns the id that leads to it. The
-    /// address members dial is GRADWIRE_MASTER_ADDR or MASTER_ADDR when set (the address the
-    /// framework already reaches this host by), else this host's first non-loopback IPv4
-    /// address, else loopback.
+    /// address members dial: GRADWIRE_MASTER_ADDR or MASTER_ADDR when it is this host's
+    /// (the address the framework already reaches it by); when it is another host's (a
+    /// subgroup whose first rank is not on the master's node), this host's address on the
+    /// route towards it; else this host's first non-loopback IPv4 address, else loopback.
     pub fn create() -> Result<UniqueId> {
-        let host = crate::config::env_str("GRADWIRE_MASTER_ADDR").or_else(|| crate::config::env_str("MASTER_ADDR")).unwrap_or_else(default_host);
+        let host = advertised_host();
         let secret: String = (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect();
         let server = StoreServer::ephemeral(&host, &secret)?;
         let id = UniqueId { host, port: server.addr.port(), secret };
@@ -83,6 +84,23 @@ pub(crate) fn adopt(host: &str, port: u16) -> Option<Arc<StoreServer>> {
     let mut issued = ISSUED.lock().unwrap_or_else(|p| p.into_inner());
     let at = issued.iter().position(|(a, _)| *a == format!("{host}:{port}"))?;
     Some(issued.swap_remove(at).1)
+}
+
+fn advertised_host() -> String {
+    let master = crate::config::env_str("GRADWIRE_MASTER_ADDR").or_else(|| crate::config::env_str("MASTER_ADDR"));
+    if let Some(m) = master {
+        if std::net::TcpListener::bind((m.as_str(), 0)).is_ok() {
+            return m;
+        }
+        // Connecting a UDP socket only picks the route: nothing is sent.
+        let towards = std::net::UdpSocket::bind(("0.0.0.0", 0)).and_then(|s| s.connect((m.as_str(), 9)).and_then(|_| s.local_addr()));
+        if let Ok(a) = towards {
+            if !a.ip().is_unspecified() {
+                return a.ip().to_string();
+            }
+        }
+    }
+    default_host()
 }
 
 /// This host's first non-loopback IPv4 address of an interface that is up, else loopback.

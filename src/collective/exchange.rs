@@ -71,6 +71,10 @@ impl Communicator {
         if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
             return Err(invalid("alltoall: null buffer"));
         }
+        // Checked here, not in the job: a bad argument must not fail the communicator.
+        if counts.send[me] != counts.recv[me] {
+            return Err(invalid(format!("alltoall: rank {me} sends {} elements to itself but expects {}", counts.send[me], counts.recv[me])));
+        }
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
         Ok(Box::new(move |st: &mut EngineState, deadline: Instant| {
             let (s, r) = (s, r);
@@ -88,9 +92,6 @@ impl Communicator {
                     .collect()
             };
             let (soff, roff) = (cut(&counts.send), cut(&counts.recv));
-            if counts.send[me] != counts.recv[me] {
-                return Err(invalid(format!("alltoall: rank {me} sends {} elements to itself but expects {}", counts.send[me], counts.recv[me])));
-            }
             // The header is the same on every rank; the per-pair sizes are checked per message.
             let call = CallHeader { op: OpKind::AllToAll, dtype, redop: ReduceOp::Sum, root: 0, count: 0, seq: st.next_seq() };
             rbuf[roff[me]..roff[me + 1]].copy_from_slice(&sbuf[soff[me]..soff[me + 1]]);
@@ -114,11 +115,12 @@ impl Communicator {
     /// # Safety
     /// `data` must be readable for `count` elements until this call returns.
     pub unsafe fn send_raw(&self, data: *const u8, count: usize, dtype: DType, peer: usize, tag: u32) -> Result<()> {
-        let call = self.p2p_header(dtype, peer, tag, count, true)?;
+        // Arguments first: a rejected call must not use up the pair's next sequence number.
         let len = p2p_bytes(count, dtype)?;
         if len > 0 && data.is_null() {
             return Err(invalid("send: null buffer"));
         }
+        let call = self.p2p_header(dtype, peer, tag, count, true)?;
         let p = Ptr(data as *mut u8);
         let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
             let p = p;
@@ -135,11 +137,11 @@ impl Communicator {
     /// `buf` must be writable for `count` elements and untouched by others until this call
     /// returns.
     pub unsafe fn recv_raw(&self, buf: *mut u8, count: usize, dtype: DType, peer: usize, tag: u32) -> Result<()> {
-        let call = self.p2p_header(dtype, peer, tag, count, false)?;
         let len = p2p_bytes(count, dtype)?;
         if len > 0 && buf.is_null() {
             return Err(invalid("recv: null buffer"));
         }
+        let call = self.p2p_header(dtype, peer, tag, count, false)?;
         let p = Ptr(buf);
         let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
             let p = p;

@@ -80,6 +80,7 @@ impl Hierarchy {
 
     /// [`Hierarchy::allreduce`] on raw bytes of `dtype` elements.
     pub fn allreduce_bytes(&self, dtype: DType, buf: &mut [u8], op: ReduceOp, algo: HierarchicalAlgo) -> Result<()> {
+        op.check(dtype)?;
         let es = dtype.size();
         if buf.len() % es != 0 {
             return Err(invalid(format!("hierarchical allreduce: {} bytes is not a whole number of {}", buf.len(), dtype.name())));

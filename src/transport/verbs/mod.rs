@@ -59,14 +59,19 @@ impl Context {
     pub fn open(name: &str) -> Result<Context> {
         let v = library()?;
         let mut raw = std::ptr::null_mut();
+        let mut listed = false;
         Self::each_device(v, |dn, dev| {
             if dn != name {
                 return false;
             }
+            listed = true;
             // SAFETY: dev is a listed device; the context outlives the list.
             raw = unsafe { (v.ibv_open_device)(dev) };
             true
         })?;
+        if !listed {
+            return Err(Error::Unsupported(format!("RDMA device {name} is not listed by libibverbs")));
+        }
         if raw.is_null() {
             return Err(Error::Unsupported(format!("ibv_open_device({name}) failed: {}", std::io::Error::last_os_error())));
         }

@@ -410,7 +410,7 @@ macro_rules! exported {
                     // (the layouts are checked by this module's test).
                     let $name = unsafe { lib.get::<unsafe extern "C" fn($($arg),*) -> $ret>(concat!(stringify!($name), "\0").as_bytes()) }
                         .map(|f| *f)
-                        .map_err(|e| format!("{file} has no {} ({e}): rdma-core 28 or newer is needed", stringify!($name)))?;
+                        .map_err(|e| format!("{file} has no {} ({e}): rdma-core 32 or newer is needed", stringify!($name)))?;
                 )*
                 Ok(Verbs { file, _lib: lib, $($name,)* })
             }
@@ -537,7 +537,11 @@ mod tests {
             ($($c:ident),*) => { $( v.push((stringify!($c).to_string(), $c as u64)); )* };
         }
         // Complete structs: the size must match too.
-        size!(ibv_device_attr, ibv_port_attr, ibv_gid_entry, ibv_qp_cap, ibv_qp_init_attr, ibv_global_route, ibv_ah_attr, ibv_qp_attr);
+        size!(ibv_device_attr, ibv_gid_entry, ibv_qp_cap, ibv_qp_init_attr, ibv_global_route, ibv_ah_attr, ibv_qp_attr);
+        // rdma-core 45 appended `active_speed_ex`: the exported ibv_query_port writes only the
+        // libibverbs-1.1 prefix, so ours must hold that prefix and may be shorter than a newer
+        // header's.
+        v.push((format!("sizeof(struct ibv_port_attr) >= {}", size_of::<ibv_port_attr>()), 1));
         size!(ibv_sge, ibv_send_wr, ibv_recv_wr, ibv_wc);
         v.push(("sizeof(union ibv_gid)".into(), size_of::<ibv_gid>() as u64));
         v.push(("_Alignof(union ibv_gid)".into(), align_of::<ibv_gid>() as u64));
