@@ -355,14 +355,19 @@ fn nonblocking(
         check_buffers(&c, &req, send, recv, w)?;
         // SAFETY: checked buffers; the caller keeps them valid until the work completes.
         let handle = unsafe { c.start(req, send as *const u8, recv as *mut u8) }.map_err(|e| prefixed(e, w))?;
-        let id = {
-            let mut reg = registry();
-            let id = reg.id();
-            reg.works.insert(id, handle);
-            id
-        };
-        put(work, to_handle(id), w, "work")
+        put_work(work, handle, w)
     })
+}
+
+/// Registers `handle` and puts its id in `work`.
+fn put_work(work: *mut *mut gradwire_work_t, handle: Work, w: &str) -> Result<()> {
+    let id = {
+        let mut reg = registry();
+        let id = reg.id();
+        reg.works.insert(id, handle);
+        id
+    };
+    put(work, to_handle(id), w, "work")
 }
 
 fn root_of(root: c_int, w: &str) -> Result<usize> {
@@ -514,13 +519,7 @@ pub unsafe extern "C" fn gradwire_ialltoall(
         alltoall_buffers(&counts, d, sendbuf, recvbuf, w)?;
         // SAFETY: checked buffers; the caller keeps them valid until the work completes.
         let handle = unsafe { c.start_alltoall(d, counts, sendbuf as *const u8, recvbuf as *mut u8)? };
-        let id = {
-            let mut reg = registry();
-            let id = reg.id();
-            reg.works.insert(id, handle);
-            id
-        };
-        put(work, to_handle(id), w, "work")
+        put_work(work, handle, w)
     })
 }
 
