@@ -13,6 +13,7 @@ library path. `import gradwire.torch` (or, once installed, just `init_process_gr
 makes gradwire a torch.distributed backend.
 """
 
+import collections
 import ctypes
 import ctypes.util
 import glob
@@ -231,7 +232,8 @@ class Work:
 
     def __del__(self):
         if getattr(self, "_h", None) is not None and not sys.is_finalizing():
-            _reaper.add(self._h, self._keep)
+            h, keep = self._h, self._keep
+            _background.run(lambda: _wait_dropped(h, keep))
             self._h = None
 
     def wait(self, timeout_ms: int = -1) -> Any:
@@ -256,34 +258,47 @@ def unique_id() -> bytes:
     return ctypes.string_at(ctypes.addressof(uid), UNIQUE_ID_BYTES)
 
 
-class _Reaper:
-    """Waits, on one background thread, for work dropped without a wait, keeping its buffers
-    alive until gradwire no longer writes them."""
+class _Background:
+    """One thread per process that runs the jobs handed to it, in order: waits for work
+    dropped without a wait (keeping its buffers alive until gradwire no longer writes them)
+    and, for gradwire.torch, completes the futures of non-blocking work. ctypes drops the
+    GIL while a job waits in gradwire."""
 
     def __init__(self):
-        self._items = []
+        self._jobs = collections.deque()
         self._cv = threading.Condition()
         self._thread = None
 
-    def add(self, handle, keep):
+    def run(self, job):
         with self._cv:
-            self._items.append((handle, keep))
+            self._jobs.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gradwire-reaper", daemon=True)
+                self._thread = threading.Thread(target=self._loop, name="gradwire-background", daemon=True)
                 self._thread.start()
             self._cv.notify()
 
-    def _run(self):
+    def is_current(self):
+        """Whether the caller is this thread (a job must not wait for a later job)."""
+        return threading.current_thread() is self._thread
+
+    def _loop(self):
         while True:
             with self._cv:
-                while not self._items:
+                while not self._jobs:
                     self._cv.wait()
-                handle, keep = self._items.pop(0)
-            load_library().gradwire_wait(handle, -1)  # its error, if any, has no one to go to
-            del keep
+                job = self._jobs.popleft()
+            try:
+                job()
+            except Exception:  # noqa: BLE001, S110 (a failing job has no one to report to; the next must run)
+                pass
 
 
-_reaper = _Reaper()
+_background = _Background()
+
+
+def _wait_dropped(handle, keep):
+    load_library().gradwire_wait(handle, -1)  # its error, if any, has no one to go to
+    del keep
 
 
 class Comm:

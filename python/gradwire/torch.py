@@ -24,7 +24,6 @@ Checked against torch 2.15. Private torch API used: none (`dist.ProcessGroup` an
 `dist.Work` are subclassed, `dist.Backend.register_backend` registers).
 """
 
-import collections
 import threading
 from datetime import timedelta
 from typing import Optional
@@ -32,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import Comm, unique_id
+from . import Comm, _background, unique_id
 
 __all__ = ["ProcessGroupGradwire", "register", "completed_future_of"]
 
@@ -65,38 +64,6 @@ def _contiguous(t, what):
         return t, lambda: None
     c = t.contiguous()
     return c, lambda: t.copy_(c)
-
-
-class _Completer:
-    """One thread per process that waits for gradwire's non-blocking work in submission
-    order and completes each one's future; ctypes drops the GIL while it waits."""
-
-    def __init__(self):
-        self._queue = collections.deque()
-        self._cv = threading.Condition()
-        self._thread = None
-
-    def add(self, work):
-        with self._cv:
-            self._queue.append(work)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gradwire-completer", daemon=True)
-                self._thread.start()
-            self._cv.notify()
-
-    def _run(self):
-        while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                work = self._queue.popleft()
-            try:
-                work._complete()
-            except Exception:  # noqa: BLE001, S110 (a failing future callback must not stop the thread)
-                pass
-
-
-_completer = _Completer()
 
 
 class _Work(dist.Work):
@@ -155,12 +122,12 @@ class _Work(dist.Work):
         with self._lock:
             queue = not self._done and not self._queued
             self._queued = True
-        if queue and threading.current_thread() is _completer._thread:
+        if queue and _background.is_current():
             # Asked from a callback of another work's future (PowerSGD waits inside one):
             # queued behind the running callback it would never complete.
             self._complete()
         elif queue:
-            _completer.add(self)
+            _background.run(self._complete)
         return self._future
 
 

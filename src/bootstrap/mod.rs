@@ -3,6 +3,7 @@
 
 pub mod auth;
 pub mod env;
+pub mod interfaces;
 pub mod store;
 pub mod unique_id;
 

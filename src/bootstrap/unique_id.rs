@@ -105,28 +105,7 @@ fn advertised_host() -> String {
 
 /// This host's first non-loopback IPv4 address of an interface that is up, else loopback.
 fn default_host() -> String {
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills a list freed below; entries are read while it is alive.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return "127.0.0.1".into();
-    }
-    let mut found = None;
-    let mut cur = head;
-    while !cur.is_null() && found.is_none() {
-        // SAFETY: cur is a live node of the list.
-        let ifa = unsafe { &*cur };
-        cur = ifa.ifa_next;
-        let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0 && ifa.ifa_flags & libc::IFF_LOOPBACK as u32 == 0;
-        // SAFETY: the family is checked before the address is read as sockaddr_in.
-        if up && !ifa.ifa_addr.is_null() && unsafe { (*ifa.ifa_addr).sa_family } as i32 == libc::AF_INET {
-            // SAFETY: an AF_INET address is a sockaddr_in.
-            let a = unsafe { (*(ifa.ifa_addr as *const libc::sockaddr_in)).sin_addr.s_addr };
-            found = Some(std::net::Ipv4Addr::from(u32::from_be(a)).to_string());
-        }
-    }
-    // SAFETY: head came from getifaddrs.
-    unsafe { libc::freeifaddrs(head) };
-    found.unwrap_or_else(|| "127.0.0.1".into())
+    super::interfaces::ipv4_interfaces().into_iter().find(|i| i.up && !i.loopback).map_or_else(|| "127.0.0.1".into(), |i| i.addr.to_string())
 }
 
 #[cfg(test)]

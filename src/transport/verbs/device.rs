@@ -118,36 +118,9 @@ pub struct Choice {
 /// The IPv4 network (address, prefix length) of the local interface that holds `ip`.
 pub fn subnet_of(ip: IpAddr) -> Option<(Ipv4Addr, u32)> {
     let IpAddr::V4(ip) = ip else { return None };
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills a list we free below; entries are read-only while alive.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return None;
-    }
-    let mut found = None;
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: cur is a live node of the list.
-        let ifa = unsafe { &*cur };
-        cur = ifa.ifa_next;
-        if ifa.ifa_addr.is_null() || ifa.ifa_netmask.is_null() {
-            continue;
-        }
-        // SAFETY: family checked before reinterpreting as sockaddr_in.
-        unsafe {
-            if (*ifa.ifa_addr).sa_family as i32 != libc::AF_INET {
-                continue;
-            }
-            let addr = Ipv4Addr::from(u32::from_be((*(ifa.ifa_addr as *const libc::sockaddr_in)).sin_addr.s_addr));
-            let mask = u32::from_be((*(ifa.ifa_netmask as *const libc::sockaddr_in)).sin_addr.s_addr);
-            if addr == ip {
-                found = Some((Ipv4Addr::from(u32::from(ip) & mask), mask.count_ones()));
-                break;
-            }
-        }
-    }
-    // SAFETY: head came from getifaddrs.
-    unsafe { libc::freeifaddrs(head) };
-    found
+    let i = crate::bootstrap::interfaces::ipv4_interfaces().into_iter().find(|i| i.addr == ip)?;
+    let mask = u32::from(i.mask);
+    Some((Ipv4Addr::from(u32::from(ip) & mask), mask.count_ones()))
 }
 
 fn in_subnet(a: Ipv4Addr, (net, bits): (Ipv4Addr, u32)) -> bool {
