@@ -43,7 +43,7 @@ def timed(group, x, iters, warmup):
 
 for size in sizes:
     n = size // 4
-    iters = max(3, min(200, (64 << 20) // max(size, 1)))
+    iters = max(5, min(200, (256 << 20) // max(size, 1)))
     x = torch.rand(n)
     t = timed(None, x, iters, max(1, iters // 5))
     if rank == 0:

@@ -7,13 +7,17 @@
 #   benches/torch_compare.sh            # print the tables
 #   benches/torch_compare.sh --record   # also write them into BENCHMARKS.md
 #
-# Environment: RANKS (default "2 4"), SIZES (default 4 KiB to 256 MiB, x4), DDP_STEPS (10).
-# Needs torch (benches/peers/install_torch.py). About 6 minutes on 2 cores.
+# Environment: RANKS (default "2 4"), SIZES (default 4 KiB to 256 MiB, x4), DDP_STEPS (10),
+# REPEATS (3): gradwire's runs (torch and bench) and the DDP steps alternate that many
+# times and each figure is the median, with its range: 4 ranks on 2 cores move a single
+# run by tens of percent. Gloo's allreduce runs once (its ratio is far from the goal).
+# Needs torch (benches/peers/install_torch.py). About 12 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 record=0
 [ "${1:-}" = --record ] && record=1
 ranks=${RANKS:-2 4}
+repeats=${REPEATS:-3}
 export SIZES=${SIZES:-4096 16384 65536 262144 1048576 4194304 16777216 67108864 268435456}
 sizes=$SIZES
 cargo build --release --bin gradwire --lib >&2
@@ -23,49 +27,62 @@ export GRADWIRE_LIB=$PWD/target/release/libgradwire.so PYTHONPATH=$PWD/python GL
   echo "## PyTorch: torch.distributed on the gradwire backend vs gloo"
   echo
   echo "Command: \`benches/torch_compare.sh --record\` ($(getconf _NPROCESSORS_ONLN) cores, torch $(python3 -c 'import torch; print(torch.__version__)'), $(date -u +%Y-%m-%d)). One host, ranks pinned by \`gradwire launch\`, float32 sum, private"
-  echo "CPU tensors. busbw = 2(W-1)/W x bytes / time (nccl-tests), each time the slowest rank's mean."
+  echo "CPU tensors. busbw = 2(W-1)/W x bytes / time (nccl-tests), each time the slowest rank's mean;"
+  echo "gradwire's figures and the DDP steps are medians of $repeats alternating runs (range in brackets)."
   echo "\`torch gradwire\` is \`dist.all_reduce\` after \`init_process_group(\"gradwire\")\`, \`gloo\` the same script"
   echo "with \`init_process_group(\"gloo\")\` (one backend per launch: gloo's threads beside gradwire's slow it),"
   echo "\`gradwire bench\` the CLI's allreduce of the same sizes"
   echo "(no Python). Goals (issue 29): torch gradwire >= 2x gloo's busbw from 1 MiB, and within 10 % of"
   echo "gradwire bench from 1 MiB."
   for w in $ranks; do
-    for backend in gradwire gloo; do
-      BACKEND=$backend target/release/gradwire launch -n "$w" -- python3 benches/torch_allreduce.py > "$tmp/$backend-$w" 2>"$tmp/$backend-$w.err" \
-        < /dev/null || { cat "$tmp/$backend-$w.err" >&2; exit 1; }
-    done
     b=$(echo "$sizes" | awk '{print $1}'); e=$(echo "$sizes" | awk '{print $NF}')
-    target/release/gradwire launch -n "$w" -- target/release/gradwire bench allreduce -b "$b" -e "$e" -f 4 --csv "$tmp/bench-$w.csv" >/dev/null 2>&1
+    for rep in $(seq "$repeats"); do
+      for backend in gradwire gloo; do
+        s=$SIZES; [ "$backend" = gloo ] && [ "$rep" -gt 1 ] && s=""
+        SIZES=$s BACKEND=$backend target/release/gradwire launch -n "$w" -- python3 benches/torch_allreduce.py > "$tmp/$backend-$w-$rep" 2>"$tmp/$backend-$w.err" \
+          < /dev/null || { cat "$tmp/$backend-$w.err" >&2; exit 1; }
+      done
+      target/release/gradwire launch -n "$w" -- target/release/gradwire bench allreduce -b "$b" -e "$e" -f 4 --csv "$tmp/bench-$w-$rep.csv" >/dev/null 2>&1
+    done
     echo
     echo "### W = $w"
     echo
     echo "| bytes | torch gradwire busbw GB/s | gloo busbw GB/s | gradwire / gloo | gradwire bench busbw GB/s | torch gradwire / bench | torch gradwire µs | gloo µs |"
     echo "|---:|---:|---:|---:|---:|---:|---:|---:|"
-    python3 - "$tmp/gradwire-$w" "$tmp/gloo-$w" "$tmp/bench-$w.csv" "$w" <<'PY'
-import csv, sys
-w = int(sys.argv[4])
-bench = {}
-rows = list(csv.reader(open(sys.argv[3])))
-head = rows[0]
-for r in rows[1:]:
-    d = dict(zip(head, r))
-    bench[int(d["size_bytes"])] = float(d["busbw_gbs"])
+    python3 - "$tmp" "$w" "$repeats" <<'PY'
+import csv, statistics, sys
+tmp, w, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def read(path):
     return [line.split() for line in open(path) if line.strip()]
-gw_lines, gl_lines = read(sys.argv[1]), read(sys.argv[2])
-gloo_us = {int(f[1]): float(f[2]) for f in gl_lines if f[0] == "allreduce"}
-gloo_ddp = [float(f[2]) for f in gl_lines if f[0] == "ddp"]
-for f in gw_lines:
-    if f[0] != "allreduce":
-        continue
-    size, gw_us, gl_us = int(f[1]), float(f[2]), gloo_us[int(f[1])]
-    bus = lambda us: 2 * (w - 1) / w * size / (us * 1e-6) / 1e9
+def fig(values, fmt):
+    m = statistics.median(values)
+    return f"{fmt(m)} ({fmt(min(values))}–{fmt(max(values))})" if len(values) > 1 else fmt(m)
+bench, torch_us, ddp_gw, ddp_gloo = {}, {}, [], []
+for rep in range(1, repeats + 1):
+    rows = list(csv.reader(open(f"{tmp}/bench-{w}-{rep}.csv")))
+    for r in rows[1:]:
+        d = dict(zip(rows[0], r))
+        bench.setdefault(int(d["size_bytes"]), []).append(float(d["busbw_gbs"]))
+    for f in read(f"{tmp}/gradwire-{w}-{rep}"):
+        if f[0] == "allreduce":
+            torch_us.setdefault(int(f[1]), []).append(float(f[2]))
+        elif f[0] == "ddp":
+            ddp_gw.append(float(f[2]))
+            params = int(f[1])
+    ddp_gloo += [float(f[2]) for f in read(f"{tmp}/gloo-{w}-{rep}") if f[0] == "ddp"]
+gloo_us = {int(f[1]): float(f[2]) for f in read(f"{tmp}/gloo-{w}-1") if f[0] == "allreduce"}
+for size, us in torch_us.items():
+    bus = lambda t: 2 * (w - 1) / w * size / (t * 1e-6) / 1e9
+    gl = gloo_us[size]
+    gw = statistics.median(us)
     b = bench.get(size)
-    print(f"| {size} | {bus(gw_us):.2f} | {bus(gl_us):.2f} | {gl_us / gw_us:.1f}x | {b:.2f} | {bus(gw_us) / b * 100:.0f} % | {gw_us:.1f} | {gl_us:.1f} |" if b else
-          f"| {size} | {bus(gw_us):.2f} | {bus(gl_us):.2f} | {gl_us / gw_us:.1f}x | — | — | {gw_us:.1f} | {gl_us:.1f} |")
-for f in gw_lines:
-    if f[0] == "ddp" and gloo_ddp:
-        print(f"\nDDP step (forward, backward, SGD step; {int(f[1]) / 1e6:.1f} M parameters, batch 16): gradwire {f[2]} ms, gloo {gloo_ddp[0]} ms: **{float(f[2]) / gloo_ddp[0]:.2f}x gloo's** (goal <= 0.8x).")
+    ratio = fig([bus(t) / statistics.median(b) * 100 for t in us], lambda x: f"{x:.0f} %") if b else "—"
+    bfig = fig(b, lambda x: f"{x:.2f}") if b else "—"
+    print(f"| {size} | {fig([bus(t) for t in us], lambda x: f'{x:.2f}')} | {bus(gl):.2f} | {gl / gw:.1f}x | {bfig} | {ratio} | {gw:.1f} | {gl:.1f} |")
+if ddp_gw and ddp_gloo:
+    gw, gl = statistics.median(ddp_gw), statistics.median(ddp_gloo)
+    print(f"\nDDP step (forward, backward, SGD step; {params / 1e6:.1f} M parameters, batch 16): gradwire {fig(ddp_gw, lambda x: f'{x:.1f}')} ms, "
+          f"gloo {fig(ddp_gloo, lambda x: f'{x:.1f}')} ms: **{gw / gl:.2f}x gloo's** (goal <= 0.8x).")
 PY
   done
 } > "$tmp/section.md"

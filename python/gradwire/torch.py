@@ -12,7 +12,9 @@ id), so MASTER_PORT stays torch's and no job secret is needed. Deadlines are gra
 (`GRADWIRE_TIMEOUT_MS`, default 60 s): a dead or mismatched peer is a RuntimeError naming
 the rank and the call, never a hang.
 
-`async_op=True` allreduces are gradwire's non-blocking calls. Work that someone waits on is
+A call torch waits for at once (`async_op=False`, told by the options' `asyncOp`) runs as
+gradwire's blocking call on the caller's thread: no handle, no hand-off. `async_op=True`
+calls (and DDP's buckets) are gradwire's non-blocking calls. Work that someone waits on is
 completed by that caller; work whose future is asked for (DDP's buckets) is completed by one
 completion thread per process, in order (no thread per operation), so the buckets reduce
 while backward goes on. Broadcast, all_gather_into_tensor, reduce_scatter_tensor (what
@@ -31,7 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import Comm, _background, unique_id
+from . import Comm, Work, _background, unique_id
 
 __all__ = ["ProcessGroupGradwire", "register", "completed_future_of"]
 
@@ -66,39 +68,50 @@ def _contiguous(t, what):
     return c, lambda: t.copy_(c)
 
 
+def _blocking(opts):
+    """Whether torch will wait for this call at once (`async_op=False`): it then runs as
+    gradwire's blocking call, on this thread, with no work handle to complete."""
+    return opts is not None and not getattr(opts, "asyncOp", True)
+
+
 class _Work(dist.Work):
     """A collective's work: done at once (`pending` None) or when gradwire's non-blocking
-    call finishes. `wait()` raises the failure as RuntimeError (GradwireError is one)."""
+    call finishes. `wait()` raises the failure as RuntimeError (GradwireError is one).
+    Completed work costs no future and no lock until someone asks for them."""
 
-    def __init__(self, result, pending=None, finish=lambda: None):
+    def __init__(self, result, pending=None, finish=None):
         super().__init__()
         self._result, self._pending, self._finish = result, pending, finish
-        self._future = torch.futures.Future()
-        self._lock = threading.Lock()
-        self._done = False
+        self._future = None
         self._error = None
-        self._queued = False
-        if pending is None:
-            self._complete()
+        self._done = pending is None
+        self._lock = None if self._done else threading.Lock()
 
     def _complete(self):
         with self._lock:
             if self._done:
                 return
             try:
-                if self._pending is not None:
-                    self._pending.wait()
-                self._finish()
+                self._pending.wait()
+                if self._finish is not None:
+                    self._finish()
             except BaseException as e:  # noqa: BLE001 (handed to whoever waits)
                 self._error = e if isinstance(e, Exception) else RuntimeError(f"gradwire: interrupted: {e!r}")
             self._done = True
+            self._pending = None
+            future = self._future
+        if future is not None:  # else get_future settles it, seeing _done under the lock
+            self._settle()
+
+    def _settle(self):
         if self._error is None:
             self._future.set_result(self._result)
         else:
             self._future.set_exception(self._error)
 
     def wait(self, timeout=timedelta(0)):
-        self._complete()
+        if not self._done:
+            self._complete()
         if self._error is not None:
             raise self._error
         return True
@@ -119,16 +132,34 @@ class _Work(dist.Work):
         # Someone will wait on the future rather than on the work (DDP does): from now on the
         # completion thread completes it. A caller that waits on the work itself completes
         # it on its own thread, with no hand-over between threads.
+        if self._lock is None:  # completed when made
+            if self._future is None:
+                self._future = torch.futures.Future()
+                self._settle()
+            return self._future
         with self._lock:
-            queue = not self._done and not self._queued
-            self._queued = True
-        if queue and _background.is_current():
+            first = self._future is None
+            if first:
+                self._future = torch.futures.Future()
+            done = self._done
+        if first and done:
+            self._settle()
+        elif first and _background.is_current():
             # Asked from a callback of another work's future (PowerSGD waits inside one):
             # queued behind the running callback it would never complete.
             self._complete()
-        elif queue:
+        elif first:
             _background.run(self._complete)
         return self._future
+
+
+def _done_or_pending(result, pending, finish):
+    """The work of a call made blocking (`pending` is the call's result, not a Work: finish
+    now) or non-blocking."""
+    if isinstance(pending, Work):
+        return _Work(result, pending, finish)
+    finish()
+    return _Work(result)
 
 
 def completed_future_of(comm: Comm, tensor: torch.Tensor, op: str = "sum") -> torch.futures.Future:
@@ -162,6 +193,9 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if len(tensors) == 1 and tensors[0].is_contiguous():
             t = _cpu(tensors[0], "allreduce")
+            if _blocking(opts):
+                self._comm.allreduce(t, op=op)
+                return _Work(tensors)
             return _Work(tensors, self._comm.iallreduce(t, op=op))
         return self.allreduce_coalesced(tensors, opts)
 
@@ -179,12 +213,20 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 t.copy_(flat[at : at + t.numel()].view_as(t))
                 at += t.numel()
 
+        if _blocking(opts):
+            self._comm.allreduce(flat, op=op)
+            scatter_back()
+            return _Work(tensors)
         return _Work(tensors, self._comm.iallreduce(flat, op=op), scatter_back)
 
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         if len(tensors) == 1:
             c, back = _contiguous(tensors[0], "broadcast")
+            if _blocking(opts):
+                self._comm.broadcast(c, root=root)
+                back()
+                return _Work(tensors)
             return _Work(tensors, self._comm.broadcast(c, root=root, async_op=True), back)
         for t in tensors:
             c, back = _contiguous(t, "broadcast")
@@ -219,8 +261,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         out, back = _contiguous(output_tensor, "all_gather_into_tensor")
         if out.numel() != src.numel() * self.size() or out.dtype != src.dtype:
             raise ValueError(f"gradwire: all_gather_into_tensor output must hold {self.size()} x {src.numel()} elements of {src.dtype}")
-        pending = self._comm.allgather(src.reshape(-1), out.reshape(-1), async_op=True)
-        return _Work([output_tensor], pending, back)
+        pending = self._comm.allgather(src.reshape(-1), out.reshape(-1), async_op=not _blocking(opts))
+        return _done_or_pending([output_tensor], pending, back)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -239,8 +281,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         out, back = _contiguous(output_tensor, "reduce_scatter_tensor")
         if src.numel() != out.numel() * self.size() or out.dtype != src.dtype:
             raise ValueError(f"gradwire: reduce_scatter_tensor input must hold {self.size()} x {out.numel()} elements of {out.dtype}")
-        pending = self._comm.reduce_scatter(src.reshape(-1), out.reshape(-1), op=op, async_op=True)
-        return _Work([output_tensor], pending, back)
+        pending = self._comm.reduce_scatter(src.reshape(-1), out.reshape(-1), op=op, async_op=not _blocking(opts))
+        return _done_or_pending([output_tensor], pending, back)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         outs = output_tensors[0] if output_tensors else []
@@ -264,7 +306,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         src, _ = _contiguous(input, "all_to_all_single")
         dst, back = _contiguous(output, "all_to_all_single")
         if not output_split_sizes and not input_split_sizes:
-            pending = self._comm.alltoall(src.reshape(-1), dst.reshape(-1), async_op=True)
+            pending = self._comm.alltoall(src.reshape(-1), dst.reshape(-1), async_op=not _blocking(opts))
         else:
             # Splits count rows of dim 0: elements per row times the split.
             def counts(t, splits):
@@ -273,9 +315,9 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 return [s * row for s in splits]
 
             pending = self._comm.alltoall(
-                src.reshape(-1), dst.reshape(-1), counts(src, input_split_sizes), counts(dst, output_split_sizes), async_op=True
+                src.reshape(-1), dst.reshape(-1), counts(src, input_split_sizes), counts(dst, output_split_sizes), async_op=not _blocking(opts)
             )
-        return _Work([output], pending, back)
+        return _done_or_pending([output], pending, back)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         ins = [_cpu(t, "all_to_all") for t in input_tensors]
@@ -290,8 +332,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 t.copy_(flat_out[at : at + t.numel()].view_as(t))
                 at += t.numel()
 
-        pending = self._comm.alltoall(flat_in, flat_out, [t.numel() for t in ins], [t.numel() for t in output_tensors], async_op=True)
-        return _Work(output_tensors, pending, scatter_back)
+        pending = self._comm.alltoall(flat_in, flat_out, [t.numel() for t in ins], [t.numel() for t in output_tensors], async_op=not _blocking(opts))
+        return _done_or_pending(output_tensors, pending, scatter_back)
 
     def send(self, tensors, dst, tag):
         # Blocking, as gloo's small sends are not: a send may wait for the peer's recv.

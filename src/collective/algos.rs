@@ -168,6 +168,64 @@ pub fn ring_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8], chunk: usize) -> Result<
     ring_pipelined(cx, buf, &RingSteps { bounds: &bounds, first: 0, steps: 2 * (w - 1), reduce_steps: w - 1 }, chunk)
 }
 
+/// Allreduce of f16/bf16 that rounds each element once, as [`reduce_all`] does where every
+/// copy is at hand (pairwise steps would round W−1 times): part p of every rank's buffer
+/// goes straight to rank p, which reduces the W copies in f32 and rounds once; a ring
+/// allgather then spreads the parts. The ring's bytes ((W−1)/W·S each way) in W steps, not
+/// 2(W−1). Below `small` bytes, one step instead: every rank sends its whole buffer to
+/// every other ((W−1)·S) and reduces all W copies in rank order, so every rank computes
+/// the same bits.
+pub fn half_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8], small: usize, chunk: usize) -> Result<()> {
+    let (w, me, dtype, op) = (cx.world, cx.rank, cx.dtype, cx.op);
+    if buf.len() < small {
+        let len = buf.len();
+        let mut copies = vec![0u8; len * w];
+        copies[me * len..(me + 1) * len].copy_from_slice(buf);
+        {
+            let mut sends: Vec<SendOp> = (0..w).filter(|&p| p != me).map(|p| SendOp::new(p, 0, buf)).collect();
+            let mut rest = &mut copies[..];
+            let mut recvs = Vec::with_capacity(w - 1);
+            for p in 0..w {
+                let (copy, tail) = std::mem::take(&mut rest).split_at_mut(len);
+                rest = tail;
+                if p != me {
+                    recvs.push(RecvOp { peer: p, step: 0, sink: Sink::Copy(copy.into()) });
+                }
+            }
+            cx.exchange(&mut sends, &mut recvs)?;
+        }
+        buf.copy_from_slice(&copies[..len]);
+        reduce_all(dtype, op, w, buf, (1..w).map(|p| &copies[p * len..(p + 1) * len]));
+        return Ok(());
+    }
+    let bounds = part_bounds(buf.len() / dtype.size(), w, dtype.size());
+    direct_reduce_scatter(cx, buf, &bounds)?;
+    ring_allgather(cx, buf, &bounds, 0, chunk)
+}
+
+/// Reduce-scatter that rounds each element once (for f16/bf16): part p of every rank's
+/// buffer goes straight to rank p, all at once, and rank p reduces the W copies with
+/// [`reduce_all`] into its own part of `buf` (its copy first, then the others' in rank
+/// order). One step; the ring's bytes, (W−1)/W·S.
+pub fn direct_reduce_scatter(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize]) -> Result<()> {
+    let (w, me, dtype, op) = (cx.world, cx.rank, cx.dtype, cx.op);
+    let part = bounds[me + 1] - bounds[me];
+    let mut copies = vec![0u8; part * (w - 1)];
+    {
+        let mut sends: Vec<SendOp> = (0..w).filter(|&p| p != me).map(|p| SendOp::new(p, 0, &buf[bounds[p]..bounds[p + 1]])).collect();
+        let mut rest = &mut copies[..];
+        let mut recvs = Vec::with_capacity(w - 1);
+        for p in (0..w).filter(|&p| p != me) {
+            let (copy, tail) = std::mem::take(&mut rest).split_at_mut(part);
+            rest = tail;
+            recvs.push(RecvOp { peer: p, step: 0, sink: Sink::Copy(copy.into()) });
+        }
+        cx.exchange(&mut sends, &mut recvs)?;
+    }
+    reduce_all(dtype, op, w, &mut buf[bounds[me]..bounds[me + 1]], (0..w - 1).map(|i| &copies[i * part..(i + 1) * part]));
+    Ok(())
+}
+
 /// Recursive doubling (latency-optimal for small buffers): ⌈log2 W⌉ (+2 when W is not a
 /// power of two) steps of whole-buffer exchanges. Cost ⌈log2 W⌉(α + Sβ). Partners combine
 /// the same two values, so every rank ends bit-identical.

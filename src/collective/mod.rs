@@ -4,7 +4,11 @@
 //!
 //! Algorithm choice for allreduce (`GRADWIRE_ALGO=auto`): on one host with shared memory,
 //! the shared-buffer reduction ([`shm_allreduce()`]); otherwise recursive doubling below
-//! `GRADWIRE_SMALL_BYTES` and the ring above it.
+//! `GRADWIRE_SMALL_BYTES` and the ring above it. f16 and bf16 are reduced in f32 and
+//! rounded once per element on every automatic path (the one-host forms read every copy;
+//! over links, [`algos::half_allreduce`] and [`algos::direct_reduce_scatter`] bring every
+//! copy of a part to one rank); an explicitly chosen ring, recursive doubling or halving-
+//! doubling rounds at each of its steps.
 
 pub mod agree;
 pub mod algos;
@@ -285,6 +289,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             }
             let algo = match algo {
                 Algo::Auto if st.shm_all => Algo::SharedMemory,
+                Algo::Auto if matches!(req.dtype, DType::F16 | DType::BF16) => return algos::half_allreduce(&mut cx, recv, tune.small, tune.ring_chunk),
                 Algo::Auto if recv.len() < tune.small => Algo::RecursiveDoubling,
                 Algo::Auto => Algo::Ring,
                 Algo::SharedMemory if !st.shm_all => {
@@ -306,7 +311,11 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         OpKind::ReduceScatter => {
             let mut work = send.ok_or_else(|| invalid("reduce-scatter cannot run in place (its send and receive buffers are the same)"))?.to_vec();
             let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
-            algos::ring_reduce_scatter(&mut cx, &mut work, &bounds, -1, tune.ring_chunk)?;
+            if matches!(req.dtype, DType::F16 | DType::BF16) {
+                algos::direct_reduce_scatter(&mut cx, &mut work, &bounds)?;
+            } else {
+                algos::ring_reduce_scatter(&mut cx, &mut work, &bounds, -1, tune.ring_chunk)?;
+            }
             recv.copy_from_slice(&work[bounds[rank]..bounds[rank + 1]]);
             Ok(())
         }

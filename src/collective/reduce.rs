@@ -1,11 +1,12 @@
 //! Reduction kernels: `dst = op(dst, src)` element-wise for every dtype, written as plain
 //! loops over aligned slices so the compiler vectorises them; f16/bf16 widen to f32 in
-//! L1-sized blocks (one rounding per combine, as NCCL does). Integers wrap on overflow (as
+//! L1-sized blocks: one rounding per combine of two buffers (as NCCL's steps do), one
+//! rounding for the whole reduction where every source is at hand ([`reduce_all`]). Integers wrap on overflow (as
 //! C and torch do); `bool` bytes combine as their maximum (sum, max: or) or minimum
 //! (product, min: and).
 
 use crate::dtype::{DType, ReduceOp};
-use half::slice::HalfFloatSliceExt;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 
 /// `Avg` combines as `Sum`; the division happens once, at the end ([`scale`]).
@@ -213,11 +214,58 @@ pub fn finish(dtype: DType, op: ReduceOp, buf: &mut [u8], w: usize) {
 
 /// Reduces every one of `sources` into `acc`, then [`finish`]es it: the whole reduction of
 /// one block when the peers' copies of it all lie in memory we can read.
+/// f16 and bf16 are reduced in f32 and rounded once, so the result is the correctly
+/// rounded sum of the inputs whatever W and the order (up to f32's own rounding), where
+/// combining pairwise would round W-1 times.
 pub fn reduce_all<'s>(dtype: DType, op: ReduceOp, w: usize, acc: &mut [u8], sources: impl IntoIterator<Item = &'s [u8]>) {
+    if matches!(dtype, DType::F16 | DType::BF16) {
+        let sources: Vec<&[u8]> = sources.into_iter().collect();
+        return reduce_all_half(dtype, op, w, acc, &sources);
+    }
     for src in sources {
         reduce_bytes(dtype, op, acc, src);
     }
     finish(dtype, op, acc, w);
+}
+
+/// Elements per block of the half-precision reduction: its f32 blocks stay in L1.
+const HALF_BLOCK: usize = 1024;
+
+/// [`reduce_all`] for f16 and bf16: per block, the accumulator and every source widened to
+/// f32 and combined there; an average divided in f32; one rounding back. Byte slices of any
+/// alignment (bits are copied out, which costs little beside the conversions).
+fn reduce_all_half(dtype: DType, op: ReduceOp, w: usize, acc: &mut [u8], sources: &[&[u8]]) {
+    let (mut wide, mut other, mut bits) = ([0f32; HALF_BLOCK], [0f32; HALF_BLOCK], [0u16; HALF_BLOCK]);
+    for start in (0..acc.len()).step_by(2 * HALF_BLOCK) {
+        let end = (start + 2 * HALF_BLOCK).min(acc.len());
+        let n = (end - start) / 2;
+        widen_half(dtype, &acc[start..end], &mut bits[..n], &mut wide[..n]);
+        for src in sources {
+            widen_half(dtype, &src[start..end], &mut bits[..n], &mut other[..n]);
+            combine_f32(op, &mut wide[..n], &other[..n]);
+        }
+        if op == ReduceOp::Avg {
+            let f = (1.0 / w as f64) as f32;
+            wide[..n].iter_mut().for_each(|x| *x *= f);
+        }
+        match dtype {
+            DType::F16 => bits[..n].reinterpret_cast_mut::<f16>().convert_from_f32_slice(&wide[..n]),
+            _ => bits[..n].reinterpret_cast_mut::<bf16>().convert_from_f32_slice(&wide[..n]),
+        }
+        for (c, b) in acc[start..end].chunks_exact_mut(2).zip(&bits[..n]) {
+            c.copy_from_slice(&b.to_ne_bytes());
+        }
+    }
+}
+
+fn widen_half(dtype: DType, bytes: &[u8], bits: &mut [u16], out: &mut [f32]) {
+    for (b, c) in bits.iter_mut().zip(bytes.chunks_exact(2)) {
+        *b = u16::from_ne_bytes([c[0], c[1]]);
+    }
+    match dtype {
+        DType::F16 => bits.reinterpret_cast::<f16>().convert_to_f32_slice(out),
+        _ => bits.reinterpret_cast::<bf16>().convert_to_f32_slice(out),
+    }
 }
 
 /// Multiplies every floating-point element by `factor` (the final step of `Avg`); integer
@@ -414,6 +462,62 @@ mod tests {
                 for i in 0..n {
                     let want = if or { a[i] != 0 || b[i] != 0 } else { a[i] != 0 && b[i] != 0 };
                     assert_eq!(d[i] != 0, want, "bool {what}: {} {} -> {}", a[i], b[i], d[i]);
+                }
+            }
+        }
+    }
+
+    /// f16 and bf16 over W sources: the f32 sum (an average: divided in f32) rounded once,
+    /// on fresh random data, at odd byte offsets too; the reference is an independent
+    /// scalar loop. Pairwise combining (one rounding per add) misses it on this data.
+    #[test]
+    fn half_reductions_round_once() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (w, n) = (5, 2 * HALF_BLOCK + 77);
+        for dtype in [DType::F16, DType::BF16] {
+            type Narrow = fn(f32) -> u16;
+            type Widen = fn(u16) -> f32;
+            let (to_bits, to_f32): (Narrow, Widen) = match dtype {
+                DType::F16 => (|x| f16::from_f32(x).to_bits(), |b| f16::from_bits(b).to_f32()),
+                _ => (|x| bf16::from_f32(x).to_bits(), |b| bf16::from_bits(b).to_f32()),
+            };
+            let inputs: Vec<Vec<u16>> = (0..w).map(|_| (0..n).map(|_| to_bits(rng.random_range(-1.0..1.0))).collect()).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Max] {
+                let want: Vec<u16> = (0..n)
+                    .map(|i| {
+                        let mut x = to_f32(inputs[0][i]);
+                        for v in &inputs[1..] {
+                            let y = to_f32(v[i]);
+                            x = match op {
+                                ReduceOp::Sum | ReduceOp::Avg => x + y,
+                                ReduceOp::Product => x * y,
+                                _ => x.max(y),
+                            };
+                        }
+                        to_bits(if op == ReduceOp::Avg { x * (1.0 / w as f32) } else { x })
+                    })
+                    .collect();
+                for offset in [0, 1] {
+                    let raw = |v: &[u16]| {
+                        let mut r = vec![0u8; offset];
+                        r.extend(v.iter().flat_map(|b| b.to_ne_bytes()));
+                        r
+                    };
+                    let mut acc = raw(&inputs[0]);
+                    let rest: Vec<Vec<u8>> = inputs[1..].iter().map(|v| raw(v)).collect();
+                    reduce_all(dtype, op, w, &mut acc[offset..], rest.iter().map(|r| &r[offset..]));
+                    let got: Vec<u16> = acc[offset..].chunks_exact(2).map(|c| u16::from_ne_bytes([c[0], c[1]])).collect();
+                    let wrong = (0..n).filter(|&i| got[i] != want[i]).count();
+                    assert_eq!(wrong, 0, "{} {op:?} offset {offset}: {wrong} of {n} differ (seed {seed})", dtype.name());
+                }
+                if op == ReduceOp::Sum {
+                    let mut pairwise = inputs[0].clone();
+                    for v in &inputs[1..] {
+                        reduce_bytes(dtype, op, bytes_mut(&mut pairwise), bytes(v));
+                    }
+                    assert!(pairwise != want, "{}: pairwise rounding matched the one rounding; the test data is too easy (seed {seed})", dtype.name());
                 }
             }
         }

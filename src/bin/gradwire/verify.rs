@@ -124,6 +124,22 @@ pub fn reference(op: ReduceOp, dtype: DType, inputs: &[Vec<f64>], i: usize) -> (
     }
 }
 
+/// [`reference`] for a half-precision sum, average or product that is computed in f32 and
+/// rounded once (the automatic allreduce and reduce-scatter, see the collectives layer):
+/// at most half a unit in the last place of the result (or half the subnormal spacing),
+/// plus the f32 accumulation's W roundings — far tighter than W−1 half roundings, so a
+/// path that rounds at every step fails it.
+pub fn reference_rounded_once(op: ReduceOp, dtype: DType, inputs: &[Vec<f64>], i: usize) -> (f64, f64) {
+    let (want, _) = reference(op, dtype, inputs, i);
+    let w = inputs.len() as f64;
+    let scale = match op {
+        ReduceOp::Product => want.abs(),
+        _ => inputs.iter().map(|v| v[i].abs()).sum::<f64>(),
+    };
+    let f32_slack = w * f32::EPSILON as f64 * scale;
+    (want, 0.5 * dtype.epsilon() * want.abs() + 0.5 * subnormal_step(dtype) + f32_slack)
+}
+
 /// Whether `got` is within `tol` of `want` (a NaN never is).
 pub fn within(got: f64, (want, tol): (f64, f64)) -> bool {
     (got - want).abs() <= tol
