@@ -140,11 +140,31 @@ int gradwire_ialltoall(gradwire_comm_t *comm, const void *sendbuf, const size_t 
                        const size_t *recvcounts, size_t count, gradwire_dtype_t dtype, gradwire_work_t **work);
 /* Tagged point-to-point: messages between two ranks are matched in order; the next recv
  * from a peer must name the same count, dtype and tag as that peer's send, or both fail
- * with GRADWIRE_ERR_MISMATCH. Blocking (a send may wait until the peer receives). */
+ * with GRADWIRE_ERR_MISMATCH. Blocking (a send may wait until the peer receives): pair them
+ * or use a batch (below). */
 int gradwire_send(gradwire_comm_t *comm, const void *buf, size_t count, gradwire_dtype_t dtype, int peer,
                   unsigned int tag);
 int gradwire_recv(gradwire_comm_t *comm, void *buf, size_t count, gradwire_dtype_t dtype, int peer,
                   unsigned int tag);
+/* A batch of sends and receives progressed together as one operation (as NCCL's grouped
+ * ncclSend/ncclRecv; torch's batch_isend_irecv): a ring in which every rank sends before
+ * it receives completes, where blocking calls would each wait for room at a peer that is
+ * itself sending. Each message is matched with its peer's as gradwire_send/recv are, in
+ * order between two ranks, within a batch and across calls. Receive buffers must overlap
+ * no other buffer of the batch. gradwire_ip2p_batch returns at once; buffers stay valid
+ * until waited. */
+#define GRADWIRE_P2P_SEND 0u
+#define GRADWIRE_P2P_RECV 1u
+typedef struct {
+    unsigned int kind; /* GRADWIRE_P2P_SEND (reads buf) or GRADWIRE_P2P_RECV (writes it) */
+    int peer;
+    unsigned int tag;
+    gradwire_dtype_t dtype;
+    size_t count;
+    void *buf;
+} gradwire_p2p_op_t;
+int gradwire_p2p_batch(gradwire_comm_t *comm, const gradwire_p2p_op_t *ops, size_t nops);
+int gradwire_ip2p_batch(gradwire_comm_t *comm, const gradwire_p2p_op_t *ops, size_t nops, gradwire_work_t **work);
 
 /* Page-aligned memory shared with the ranks of this host (registered, zero-copy): an
  * allreduce of at least 256 KiB (4 MiB where the kernel refuses cross-memory attach)

@@ -9,7 +9,7 @@
 #![allow(non_camel_case_types)]
 
 use crate::bootstrap::unique_id::{UniqueId, UNIQUE_ID_BYTES};
-use crate::collective::exchange::Counts;
+use crate::collective::exchange::{Counts, P2pOp};
 use crate::collective::Request;
 use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
@@ -519,6 +519,88 @@ pub unsafe extern "C" fn gradwire_ialltoall(
         alltoall_buffers(&counts, d, sendbuf, recvbuf, w)?;
         // SAFETY: checked buffers; the caller keeps them valid until the work completes.
         let handle = unsafe { c.start_alltoall(d, counts, sendbuf as *const u8, recvbuf as *mut u8)? };
+        put_work(work, handle, w)
+    })
+}
+
+/// `gradwire_p2p_op_t.kind` of a send.
+pub const GRADWIRE_P2P_SEND: c_uint = 0;
+/// `gradwire_p2p_op_t.kind` of a receive.
+pub const GRADWIRE_P2P_RECV: c_uint = 1;
+
+/// One message of a point-to-point batch (`gradwire_p2p_op_t`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct gradwire_p2p_op_t {
+    pub kind: c_uint,
+    pub peer: c_int,
+    pub tag: c_uint,
+    pub dtype: gradwire_dtype_t,
+    pub count: usize,
+    pub buf: *mut c_void,
+}
+
+/// The checked ops of a batch (`nops` entries at `ops`).
+///
+/// # Safety
+/// `ops` must be NULL (with nops 0) or readable for `nops` entries.
+unsafe fn p2p_ops(ops: *const gradwire_p2p_op_t, nops: usize, w: &str) -> Result<Vec<P2pOp>> {
+    if nops == 0 {
+        return Ok(vec![]);
+    }
+    if ops.is_null() {
+        return Err(invalid(format!("{w}: ops is NULL with nops {nops}")));
+    }
+    // SAFETY: non-NULL and readable for nops entries (the caller's contract).
+    let raw = unsafe { std::slice::from_raw_parts(ops, nops) };
+    raw.iter()
+        .enumerate()
+        .map(|(i, o)| {
+            let send = match o.kind {
+                GRADWIRE_P2P_SEND => true,
+                GRADWIRE_P2P_RECV => false,
+                k => return Err(invalid(format!("{w}: ops[{i}].kind is {k} (GRADWIRE_P2P_SEND or GRADWIRE_P2P_RECV)"))),
+            };
+            let peer = usize::try_from(o.peer).map_err(|_| invalid(format!("{w}: ops[{i}].peer {} is negative", o.peer)))?;
+            Ok(P2pOp { send, peer, tag: o.tag, dtype: dtype(o.dtype, &format!("{w}: ops[{i}]"))?, count: o.count, buf: o.buf as *mut u8 })
+        })
+        .collect()
+}
+
+/// # Safety
+/// `ops` must be NULL (with nops 0) or readable for `nops` entries, each buffer valid for
+/// its count (readable for a send, writable for a receive), receive buffers overlapping no
+/// other buffer of the batch, until the call returns.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_p2p_batch(comm_p: *mut gradwire_comm_t, ops: *const gradwire_p2p_op_t, nops: usize) -> c_int {
+    guard(|| {
+        let w = "gradwire_p2p_batch";
+        let (_, c) = comm(comm_p, w)?;
+        // SAFETY: the caller's contract; the batch checks NULL buffers, peers and counts.
+        let ops = unsafe { p2p_ops(ops, nops, w)? };
+        // SAFETY: as above.
+        unsafe { c.run_p2p_batch(&ops) }.map_err(|e| prefixed(e, w))
+    })
+}
+
+/// # Safety
+/// As for `gradwire_p2p_batch`, with the buffers valid until the work completes; `work`
+/// must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_ip2p_batch(
+    comm_p: *mut gradwire_comm_t,
+    ops: *const gradwire_p2p_op_t,
+    nops: usize,
+    work: *mut *mut gradwire_work_t,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_ip2p_batch";
+        let (_, c) = comm(comm_p, w)?;
+        out(work, w, "work")?;
+        // SAFETY: the caller's contract; the batch checks NULL buffers, peers and counts.
+        let ops = unsafe { p2p_ops(ops, nops, w)? };
+        // SAFETY: as above.
+        let handle = unsafe { c.start_p2p_batch(&ops) }.map_err(|e| prefixed(e, w))?;
         put_work(work, handle, w)
     })
 }

@@ -148,6 +148,17 @@ unsafe fn bad_inputs() {
     expect(gradwire_send(comm, xp, 8, 0, 0, 1), INVALID, "must be another rank");
     expect(gradwire_recv(comm, xp, 8, 0, -1, 1), INVALID, "peer -1 is negative");
     expect(gradwire_send(bogus, xp, 8, 0, 1, 1), INVALID, "not a live communicator");
+    let op = |kind, peer, dtype, buf| gradwire_p2p_op_t { kind, peer, tag: 3, dtype, count: 8, buf };
+    expect(gradwire_p2p_batch(comm, std::ptr::null(), 2), INVALID, "ops is NULL with nops 2");
+    expect(gradwire_p2p_batch(comm, [op(7, 1, 0, xp)].as_ptr(), 1), INVALID, "ops[0].kind is 7");
+    expect(gradwire_p2p_batch(comm, [op(GRADWIRE_P2P_SEND, 1, 0, xp), op(GRADWIRE_P2P_RECV, -1, 0, xp)].as_ptr(), 2), INVALID, "ops[1].peer -1 is negative");
+    expect(gradwire_p2p_batch(comm, [op(GRADWIRE_P2P_RECV, 0, 0, xp)].as_ptr(), 1), INVALID, "must be another rank");
+    expect(gradwire_p2p_batch(comm, [op(GRADWIRE_P2P_SEND, 1, 13, xp)].as_ptr(), 1), INVALID, "unknown dtype 13");
+    expect(gradwire_p2p_batch(comm, [op(GRADWIRE_P2P_SEND, 1, 0, std::ptr::null_mut())].as_ptr(), 1), INVALID, "null buffer");
+    expect(gradwire_ip2p_batch(comm, [op(GRADWIRE_P2P_SEND, 1, 0, xp)].as_ptr(), 1, std::ptr::null_mut()), INVALID, "work is NULL");
+    expect(gradwire_ip2p_batch(bogus, [op(GRADWIRE_P2P_SEND, 1, 0, xp)].as_ptr(), 1, &mut work), INVALID, "not a live communicator");
+    // An empty batch is a no-op.
+    assert_eq!(gradwire_p2p_batch(comm, std::ptr::null(), 0), 0, "{}", last_error());
     expect(gradwire_allgather(comm, xp, shifted, 4, 0), INVALID, "overlap");
     expect(gradwire_allgather(comm, xp, xp, 4, 0), INVALID, "overlap");
     expect(gradwire_allgather(comm, xp, std::ptr::null_mut(), 4, 0), INVALID, "recvbuf is NULL");

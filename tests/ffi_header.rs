@@ -77,6 +77,27 @@ fn header_matches_rust_exports() {
         }
     }
     assert!(declared.len() >= 15, "the header declares only {:?}", declared.keys());
+    // Structs passed by pointer: the same fields, in order, of the same types.
+    let fields = |file: &syn::File| -> BTreeMap<String, Vec<(String, String)>> {
+        file.items
+            .iter()
+            .filter_map(|i| match i {
+                syn::Item::Struct(st) if st.ident.to_string().starts_with("gradwire_") => {
+                    Some((st.ident.to_string(), st.fields.iter().map(|f| (f.ident.as_ref().map(|i| i.to_string()).unwrap_or_default(), norm(&f.ty))).collect()))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let (c_structs, rust_structs) = (fields(&header), fields(&rust));
+    for name in ["gradwire_p2p_op_t", "gradwire_unique_id_t"] {
+        let c = c_structs.get(name).unwrap_or_else(|| panic!("{name} missing from gradwire.h"));
+        let r = rust_structs.get(name).unwrap_or_else(|| panic!("{name} missing from src/ffi.rs"));
+        // bindgen writes array lengths as numbers.
+        let len = format!("{}usize", gradwire::bootstrap::unique_id::UNIQUE_ID_BYTES);
+        let r: Vec<(String, String)> = r.iter().map(|(f, t)| (f.clone(), t.replace("UNIQUE_ID_BYTES", &len))).collect();
+        assert_eq!(&r, c, "{name}: Rust fields differ from the header's");
+    }
     for (name, sig) in &declared {
         let mine = exported.get(name).unwrap_or_else(|| panic!("{name} is declared in gradwire.h but not exported by src/ffi.rs"));
         assert_eq!(mine, sig, "{name}: Rust signature differs from the header's");
@@ -95,6 +116,8 @@ fn header_matches_rust_exports() {
         let name = format!("GRADWIRE_{}", o.name().to_uppercase());
         assert_eq!(consts[&name], o as i64, "{name}");
     }
+    assert_eq!(consts["GRADWIRE_P2P_SEND"], gradwire::ffi::GRADWIRE_P2P_SEND as i64);
+    assert_eq!(consts["GRADWIRE_P2P_RECV"], gradwire::ffi::GRADWIRE_P2P_RECV as i64);
     assert_eq!(consts["GRADWIRE_UNIQUE_ID_BYTES"], gradwire::bootstrap::unique_id::UNIQUE_ID_BYTES as i64);
     let io = || std::io::Error::other("x");
     let codes: &[(&str, Error)] = &[

@@ -125,6 +125,28 @@ static int check_world(gradwire_comm_t *c, int rank, int w) {
                 return 1;
             }
     }
+    /* A batch around the ring in which every rank sends first, 4 Mi floats (more than any
+     * link buffers): blocking sends would each wait for a peer that is sending too. */
+    if (w > 1) {
+        int next = (rank + 1) % w, prev = (rank + w - 1) % w;
+        size_t n = (size_t)4 << 20;
+        float *out = malloc(n * sizeof *out), *in = malloc(n * sizeof *in);
+        if (!out || !in) return fail(rank, "malloc");
+        for (size_t k = 0; k < n; k++) out[k] = (float)(rank * 1000 + k % 997);
+        gradwire_p2p_op_t ops[2] = {
+            {GRADWIRE_P2P_SEND, next, 9, GRADWIRE_FLOAT32, n, out},
+            {GRADWIRE_P2P_RECV, prev, 9, GRADWIRE_FLOAT32, n, in},
+        };
+        gradwire_work_t *wp = NULL;
+        if (gradwire_ip2p_batch(c, ops, 2, &wp) || gradwire_wait(wp, -1)) return fail(rank, "p2p batch");
+        for (size_t k = 0; k < n; k++)
+            if (in[k] != (float)(prev * 1000 + k % 997)) {
+                fprintf(stderr, "rank %d: batch recv[%zu] = %g, want %d\n", rank, k, in[k], (int)(prev * 1000 + k % 997));
+                return 1;
+            }
+        free(out);
+        free(in);
+    }
     float f = 1.0f;
     if (gradwire_allreduce(c, &f, &f, 1, GRADWIRE_INT32, GRADWIRE_AVG) != GRADWIRE_ERR_INVALID_ARGUMENT) {
         fprintf(stderr, "rank %d: avg of int32 was not refused\n", rank);

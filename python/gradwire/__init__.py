@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "Comm",
@@ -52,6 +52,19 @@ _INT = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
 _SIZE_MAX = 2**64 - 1
 UNIQUE_ID_BYTES = 128
+
+
+class _P2pOp(ctypes.Structure):
+    """gradwire_p2p_op_t."""
+
+    _fields_ = [
+        ("kind", ctypes.c_uint),
+        ("peer", ctypes.c_int),
+        ("tag", ctypes.c_uint),
+        ("dtype", ctypes.c_uint),
+        ("count", ctypes.c_size_t),
+        ("buf", ctypes.c_void_p),
+    ]
 
 
 class _UniqueId(ctypes.Structure):
@@ -161,6 +174,8 @@ def load_library() -> ctypes.CDLL:
         "gradwire_ialltoall": [p, p, ctypes.POINTER(sz), p, ctypes.POINTER(sz), sz, u, pp],
         "gradwire_send": [p, p, sz, u, i, u],
         "gradwire_recv": [p, p, sz, u, i, u],
+        "gradwire_p2p_batch": [p, ctypes.POINTER(_P2pOp), sz],
+        "gradwire_ip2p_batch": [p, ctypes.POINTER(_P2pOp), sz, pp],
         "gradwire_alloc": [p, sz, pp],
         "gradwire_free": [p, p],
         "gradwire_register": [p, p, sz],
@@ -236,10 +251,32 @@ class Work:
             _background.run(lambda: _wait_dropped(h, keep))
             self._h = None
 
+    def test(self) -> bool:
+        """Whether the operation has finished, without waiting; wait() then returns (or
+        raises its failure) at once."""
+        if self._h is None:
+            return True
+        code = load_library().gradwire_wait(self._h, 0)
+        if code == -4:
+            return False
+        self._h = None
+        try:
+            _check(code)
+            self._outcome = [None]
+        except GradwireError as e:
+            self._outcome = [e]
+        return True
+
     def wait(self, timeout_ms: int = -1) -> Any:
         """Waits (timeout_ms < 0: until done). Raises GradwireError on failure or timeout."""
         if self._h is None:
-            raise RuntimeError("work already waited for")
+            outcome = getattr(self, "_outcome", None)
+            if not outcome:
+                raise RuntimeError("work already waited for")
+            failed = outcome.pop()
+            if failed is not None:
+                raise failed
+            return self._keep[-1] if self._keep else None
         # Any negative int64 means "until done" in C; a bad value leaves the work valid.
         timeout_ms = _int_arg(timeout_ms, "wait: timeout_ms", *_INT64, f"out of range for an int64 ({_INT64[0]}..{_INT64[1]}; < 0 waits until done)")
         code = load_library().gradwire_wait(self._h, timeout_ms)
@@ -462,6 +499,32 @@ class Comm:
         p, n, dt = _buffer(x, "recv")
         _check(load_library().gradwire_recv(self._live(), p, n, dt, peer, tag))
         return x
+
+    def p2p_batch(self, ops: Sequence[Tuple[str, Buffer, int, int]], async_op: bool = False) -> Optional["Work"]:
+        """Runs sends and receives together as one operation: `ops` holds ("send" or
+        "recv", buffer, peer, tag) tuples. A ring in which every rank sends before it
+        receives completes (blocking send/recv would each wait for room at a peer that is
+        itself sending). Messages are matched with the peers' as send/recv are. async_op:
+        returns a Work at once (buffers kept until waited)."""
+        arr = (_P2pOp * max(len(ops), 1))()
+        keep = []
+        for i, op in enumerate(ops):
+            if not isinstance(op, tuple) or len(op) != 4:
+                raise TypeError(f"p2p_batch: ops[{i}] must be a (kind, buffer, peer, tag) tuple, got {op!r}")
+            kind, x, peer, tag = op
+            if kind not in ("send", "recv"):
+                raise ValueError(f"p2p_batch: ops[{i}] kind must be 'send' or 'recv', got {kind!r}")
+            peer = _int_arg(peer, f"p2p_batch: ops[{i}] peer", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
+            tag = _int_arg(tag, f"p2p_batch: ops[{i}] tag", 0, 2**32 - 1)
+            p, n, dt = _buffer(x, f"p2p_batch: ops[{i}]")
+            arr[i] = _P2pOp(0 if kind == "send" else 1, peer, tag, dt, n, p)
+            keep.append(x)
+        if async_op:
+            w = ctypes.c_void_p()
+            _check(load_library().gradwire_ip2p_batch(self._live(), arr, len(ops), ctypes.byref(w)))
+            return Work(w, keep)
+        _check(load_library().gradwire_p2p_batch(self._live(), arr, len(ops)))
+        return None
 
     def empty(self, count: int, dtype: str = "float32") -> Any:
         """A NumPy array of `count` elements (float32, float64 or float16) in memory from

@@ -19,11 +19,16 @@ completed by that caller; work whose future is asked for (DDP's buckets) is comp
 completion thread per process, in order (no thread per operation), so the buckets reduce
 while backward goes on. Broadcast, all_gather_into_tensor, reduce_scatter_tensor (what
 FSDP-style sharding overlaps) and all-to-all are non-blocking too; the list forms, gather,
-scatter and reduce run when called and return completed work; send and recv block (a send
-may wait for the peer's recv, so pair them).
+scatter and reduce run when called and return completed work. isend, irecv and
+batch_isend_irecv gather into one gradwire batch, started when one of them is waited for or
+polled, or before the group's next other call: a ring of sends and receives completes, as
+on NCCL. A receive from any source (`recv` without `src`) is refused: gradwire matches
+every message to its sender.
 
-Checked against torch 2.15. Private torch API used: none (`dist.ProcessGroup` and
-`dist.Work` are subclassed, `dist.Backend.register_backend` registers).
+Checked against torch 2.15. One private torch name, in one place: `_get_backend`, the
+per-device backend lookup batch_isend_irecv makes, answered by the group itself.
+`dist.ProcessGroup` and `dist.Work` are subclassed and `dist.Backend.register_backend`
+registers.
 """
 
 import threading
@@ -117,6 +122,8 @@ class _Work(dist.Work):
         return True
 
     def is_completed(self):
+        if not self._done and self._pending is not None and self._pending.test():
+            self._complete()
         return self._done
 
     def is_success(self):
@@ -153,6 +160,67 @@ class _Work(dist.Work):
         return self._future
 
 
+class _P2PBatch:
+    """Sends and receives torch has issued (isend, irecv, batch_isend_irecv) and nobody has
+    waited for: started as one gradwire batch when one of them is waited for or polled, or
+    before the group's next other call (so the engine runs them in program order). A ring
+    in which every rank sends before it receives then completes, as it does on NCCL; a
+    send nobody waits for or follows with another call does not start."""
+
+    def __init__(self, comm):
+        self._comm = comm
+        self._ops = []
+        self._backs = []
+        self._lock = threading.Lock()
+        self._work = None
+        self._started = False
+        self._done = False
+        self._error = None
+
+    @property
+    def started(self):
+        return self._started
+
+    def add(self, kind, tensor, peer, tag, back):
+        self._ops.append((kind, tensor, peer, tag))
+        self._backs.append(back)
+
+    def start(self):
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+            try:
+                self._work = self._comm.p2p_batch(self._ops, async_op=True)
+            except Exception as e:  # noqa: BLE001 (raised to whoever waits)
+                self._error, self._done = e, True
+
+    def _finish(self):
+        # Under the lock, once the gradwire work has finished.
+        try:
+            self._work.wait()
+            for back in self._backs:
+                back()
+        except Exception as e:  # noqa: BLE001 (raised to whoever waits)
+            self._error = e
+        self._done, self._work = True, None
+
+    def wait(self):
+        self.start()
+        with self._lock:
+            if not self._done:
+                self._finish()
+        if self._error is not None:
+            raise self._error
+
+    def test(self):
+        self.start()
+        with self._lock:
+            if not self._done and self._work.test():
+                self._finish()
+            return self._done
+
+
 def _done_or_pending(result, pending, finish):
     """The work of a call made blocking (`pending` is the call's result, not a Work: finish
     now) or non-blocking."""
@@ -172,12 +240,26 @@ def completed_future_of(comm: Comm, tensor: torch.Tensor, op: str = "sum") -> to
 class ProcessGroupGradwire(dist.ProcessGroup):
     """A torch process group over one gradwire communicator (see the module text)."""
 
+    # Asked of a group's backend by batch_isend_irecv: no NCCL-style coalescing manager
+    # (the sends and receives gather into a batch here; see _P2PBatch).
+    supports_coalescing = False
+
+    def _get_backend(self, device):
+        # torch's private per-device backend lookup (batch_isend_irecv asks it; checked on
+        # torch 2.15). This group is its own CPU backend: its methods have the backend
+        # signatures. A ProcessGroup subclass, not a Backend, because torch wraps a
+        # Backend's work in its own, whose is_completed() never turns true.
+        if torch.device(device).type != "cpu":
+            raise RuntimeError(f"gradwire: no backend for device {device}; the gradwire backend takes CPU tensors")
+        return self
+
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[timedelta] = None) -> None:
         super().__init__(rank, size)
         if rank == 0:
             store.set(_ID_KEY, unique_id())
         uid = store.get(_ID_KEY)
         self._comm = Comm.from_unique_id(bytes(uid), size, rank)
+        self._batch = None  # sends and receives not started yet (see _P2PBatch)
 
     def getBackendName(self):  # noqa: N802 (torch's name)
         return "gradwire"
@@ -190,6 +272,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     # --- collectives -------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
+        self._start_p2p()
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if len(tensors) == 1 and tensors[0].is_contiguous():
             t = _cpu(tensors[0], "allreduce")
@@ -200,6 +283,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return self.allreduce_coalesced(tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
+        self._start_p2p()
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         for t in tensors:
             _cpu(t, "allreduce")
@@ -220,6 +304,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _Work(tensors, self._comm.iallreduce(flat, op=op), scatter_back)
 
     def broadcast(self, tensors, opts=None):
+        self._start_p2p()
         root = opts.rootRank if opts is not None else 0
         if len(tensors) == 1:
             c, back = _contiguous(tensors[0], "broadcast")
@@ -235,6 +320,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _Work(tensors)
 
     def reduce(self, tensors, opts=None):
+        self._start_p2p()
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
@@ -244,6 +330,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _Work(tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        self._start_p2p()
         for outs, inp in zip(output_tensors, input_tensors):
             if len(outs) != self.size():
                 raise ValueError(f"gradwire: allgather needs {self.size()} output tensors, got {len(outs)}")
@@ -257,6 +344,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _Work(output_tensors)
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
+        self._start_p2p()
         src, _ = _contiguous(input_tensor, "all_gather_into_tensor")
         out, back = _contiguous(output_tensor, "all_gather_into_tensor")
         if out.numel() != src.numel() * self.size() or out.dtype != src.dtype:
@@ -265,6 +353,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _done_or_pending([output_tensor], pending, back)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        self._start_p2p()
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         for out, ins in zip(output_tensors, input_tensors):
             if len(ins) != self.size():
@@ -276,6 +365,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _Work(output_tensors)
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
+        self._start_p2p()
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         src, _ = _contiguous(input_tensor, "reduce_scatter_tensor")
         out, back = _contiguous(output_tensor, "reduce_scatter_tensor")
@@ -285,6 +375,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _done_or_pending([output_tensor], pending, back)
 
     def gather(self, output_tensors, input_tensors, opts=None):
+        self._start_p2p()
         outs = output_tensors[0] if output_tensors else []
         if self.rank() != (opts.rootRank if opts is not None else 0):
             outs = [torch.empty_like(input_tensors[0]) for _ in range(self.size())]
@@ -292,6 +383,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _Work(output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
+        self._start_p2p()
         out = output_tensors[0]
         root = opts.rootRank if opts is not None else 0
         if self.rank() == root:
@@ -303,6 +395,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _Work(output_tensors)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        self._start_p2p()
         src, _ = _contiguous(input, "all_to_all_single")
         dst, back = _contiguous(output, "all_to_all_single")
         if not output_split_sizes and not input_split_sizes:
@@ -320,6 +413,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _done_or_pending([output], pending, back)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._start_p2p()
         ins = [_cpu(t, "all_to_all") for t in input_tensors]
         if len(ins) != self.size() or len(output_tensors) != self.size():
             raise ValueError(f"gradwire: all_to_all needs {self.size()} input and output tensors")
@@ -335,21 +429,35 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         pending = self._comm.alltoall(flat_in, flat_out, [t.numel() for t in ins], [t.numel() for t in output_tensors], async_op=not _blocking(opts))
         return _done_or_pending(output_tensors, pending, scatter_back)
 
+    def recv_anysource(self, tensors, tag):
+        raise RuntimeError("gradwire: recv from any source is not supported (every message is matched to its sender): pass src")
+
+    def _open_batch(self):
+        if self._batch is None or self._batch.started:
+            self._batch = _P2PBatch(self._comm)
+        return self._batch
+
+    def _start_p2p(self):
+        """Starts the sends and receives issued so far, ahead of the call being made."""
+        if self._batch is not None and not self._batch.started:
+            self._batch.start()
+
     def send(self, tensors, dst, tag):
-        # Blocking, as gloo's small sends are not: a send may wait for the peer's recv.
+        batch = self._open_batch()
         for t in tensors:
             c, _ = _contiguous(t, "send")
-            self._comm.send(c, dst, tag)
-        return _Work(tensors)
+            batch.add("send", c, dst, tag, lambda: None)
+        return _Work(tensors, batch)
 
     def recv(self, tensors, src, tag):
+        batch = self._open_batch()
         for t in tensors:
             c, back = _contiguous(t, "recv")
-            self._comm.recv(c, src, tag)
-            back()
-        return _Work(tensors)
+            batch.add("recv", c, src, tag, back)
+        return _Work(tensors, batch)
 
     def barrier(self, opts=None):
+        self._start_p2p()
         self._comm.barrier()
         return _Work([])
 

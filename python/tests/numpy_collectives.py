@@ -182,6 +182,24 @@ for bad_call, exc in [
     except exc:
         pass
 
+# A p2p batch around the ring, every rank sending first (4 Mi float32: more than a link
+# buffers), and bad batch entries refused before anything moves.
+if world > 1:
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    out = np.random.default_rng(seed + rank).random(4 << 20, dtype=np.float32)
+    into = np.zeros(4 << 20, dtype=np.float32)
+    comm.p2p_batch([("send", out, nxt, 3), ("recv", into, prv, 3)], async_op=True).wait()
+    cases += 1
+    if not np.array_equal(into, np.random.default_rng(seed + prv).random(4 << 20, dtype=np.float32)):
+        failures.append(f"rank {rank}: p2p_batch ring received wrong data")
+    for bad in ([("put", out, nxt, 0)], [("send", out, rank, 0)], [("send", out, nxt, -1)], [("send", out)]):
+        cases += 1
+        try:
+            comm.p2p_batch(bad)
+            failures.append(f"rank {rank}: p2p_batch {bad[0][0]!r} entry with bad fields was accepted")
+        except (ValueError, TypeError, GradwireError):
+            pass
+
 if comm.split(rank % 2).size != (world + 1 - rank % 2) // 2:
     failures.append(f"rank {rank}: split sizes wrong")
 kept = comm.empty(1000, "float64")

@@ -22,6 +22,7 @@ steps.
 import gc
 import math
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -196,6 +197,41 @@ if world > 1:
         dist.recv(got, src=prv, tag=5)
         dist.send(mine, dst=nxt, tag=5)
     expect("send/recv around the ring", got, (inp(prv, 900, 333, torch.float64), 0.0))
+    # Every rank sends first, 16 MiB (far more than a link buffers): only a batch completes.
+    n = 4 << 20
+    big, into = inp(rank, 901, n, torch.float32), torch.empty(n)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, big, nxt, tag=6), dist.P2POp(dist.irecv, into, prv, tag=6)]):
+        work.wait()
+    expect("batch_isend_irecv ring (16 MiB, all send first)", into, (inp(prv, 901, n, torch.float32).to(torch.float64), 0.0))
+    # Plain isend then irecv into a non-contiguous view, completed by polling is_completed.
+    strided = torch.zeros(2 * 333, dtype=torch.float64)[::2]
+    sent, received = dist.isend(mine, dst=nxt, tag=7), dist.irecv(strided, src=prv, tag=7)
+    deadline = time.monotonic() + 30
+    while not (received.is_completed() and sent.is_completed()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    cases += 1
+    if not received.is_completed():
+        failures.append(f"rank {rank}: isend/irecv never completed when polled")
+    sent.wait()
+    received.wait()
+    expect("isend/irecv, polled, non-contiguous receive", strided, (inp(prv, 900, 333, torch.float64), 0.0))
+    # Sends issued but not waited for start before the next collective (program order).
+    dist.isend(mine, dst=nxt, tag=8)
+    pending = dist.irecv(got, src=prv, tag=8)
+    ones = torch.ones(3)
+    dist.all_reduce(ones)
+    pending.wait()
+    expect("isend/irecv started by the next collective", got, (inp(prv, 900, 333, torch.float64), 0.0))
+    cases += 1
+    if not torch.equal(ones, torch.full((3,), float(world))):
+        failures.append(f"rank {rank}: all_reduce after pending isend/irecv gave {ones.tolist()}")
+    cases += 1
+    try:
+        dist.recv(got)
+        failures.append(f"rank {rank}: recv from any source was accepted")
+    except RuntimeError as e:
+        if "any source" not in str(e):
+            failures.append(f"rank {rank}: recv from any source: unclear error {e}")
 
 # An async work dropped without a wait: gradwire finishes it in the background with its
 # buffers kept alive, and the next collectives are unaffected.

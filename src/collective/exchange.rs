@@ -44,6 +44,19 @@ impl Counts {
     }
 }
 
+/// One message of a point-to-point batch ([`Communicator::start_p2p_batch`]).
+#[derive(Clone, Copy, Debug)]
+pub struct P2pOp {
+    /// A send (else a receive).
+    pub send: bool,
+    pub peer: usize,
+    pub tag: u32,
+    pub dtype: DType,
+    pub count: usize,
+    /// Read by a send, written by a receive.
+    pub buf: *mut u8,
+}
+
 impl Communicator {
     /// Starts an all-to-all: block `p` of `send` (`counts.send[p]` elements) goes to rank `p`,
     /// and block `p` of `recv` receives rank `p`'s block for us.
@@ -150,6 +163,73 @@ impl Communicator {
             st.links.exchange(&call, &mut [], &mut [RecvOp { peer, step: 0, sink: Sink::Copy(bytes.into()) }], deadline)
         });
         self.run_blocking(|| call.to_string(), job)
+    }
+
+    /// Starts a batch of point-to-point sends and receives that progress together as one
+    /// operation (NCCL's grouped send/recv, torch's `batch_isend_irecv`): a ring in which
+    /// every rank sends before it receives completes, where blocking calls would each wait
+    /// for room at a peer that is itself sending. Messages between two ranks keep their
+    /// order within a batch and across calls; each is checked against its peer's (dtype,
+    /// count, tag) as a single send/recv is.
+    ///
+    /// # Safety
+    /// Each op's buffer must be valid for its count (readable for a send, writable for a
+    /// receive), receive buffers must overlap no other buffer of the batch, and all must
+    /// stay valid and untouched by others until the returned `Work` completes.
+    pub unsafe fn start_p2p_batch(&self, ops: &[P2pOp]) -> Result<Work> {
+        let (job, what) = self.p2p_batch_job(ops)?;
+        Ok(self.submit(what, job))
+    }
+
+    /// [`Communicator::start_p2p_batch`], run to completion.
+    ///
+    /// # Safety
+    /// As for [`Communicator::start_p2p_batch`], until this call returns.
+    pub unsafe fn run_p2p_batch(&self, ops: &[P2pOp]) -> Result<()> {
+        let (job, what) = self.p2p_batch_job(ops)?;
+        self.run_blocking(|| what, job)
+    }
+
+    fn p2p_batch_job(&self, ops: &[P2pOp]) -> Result<(Job, String)> {
+        // Every argument first: a rejected batch must not use up any pair's sequence numbers.
+        let mut lens = Vec::with_capacity(ops.len());
+        for op in ops {
+            let what = if op.send { "send" } else { "recv" };
+            let len = p2p_bytes(op.count, op.dtype)?;
+            if len > 0 && op.buf.is_null() {
+                return Err(invalid(format!("{what} to/from rank {} in a batch: null buffer", op.peer)));
+            }
+            if op.peer >= self.size() || op.peer == self.rank() {
+                return Err(invalid(format!("{what} peer {} in a batch: must be another rank of this communicator (size {})", op.peer, self.size())));
+            }
+            lens.push(len);
+        }
+        let mut items = Vec::with_capacity(ops.len());
+        for (op, len) in ops.iter().zip(lens) {
+            let call = self.p2p_header(op.dtype, op.peer, op.tag, op.count, op.send)?;
+            items.push((op.send, op.peer, call, Ptr(op.buf), len));
+        }
+        let what = format!("send/recv batch of {} (first: {})", items.len(), items.first().map(|i| i.2.to_string()).unwrap_or_default());
+        let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
+            let items = items;
+            let (mut send_calls, mut recv_calls, mut sends, mut recvs) = (vec![], vec![], vec![], vec![]);
+            for &(send, peer, call, ref p, len) in &items {
+                if send {
+                    // SAFETY: readable for `len` bytes until the work completes (the contract).
+                    let bytes: &[u8] = if len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(p.0, len) } };
+                    send_calls.push(call);
+                    sends.push(SendOp::new(peer, 0, bytes));
+                } else {
+                    // SAFETY: writable for `len` bytes, overlapping no other buffer of the
+                    // batch, until the work completes (the contract).
+                    let bytes: &mut [u8] = if len == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(p.0, len) } };
+                    recv_calls.push(call);
+                    recvs.push(RecvOp { peer, step: 0, sink: Sink::Copy(bytes.into()) });
+                }
+            }
+            st.links.exchange_each(&send_calls, &recv_calls, &mut sends, &mut recvs, deadline)
+        });
+        Ok((job, what))
     }
 
     /// The header of the next message to or from `peer`: point-to-point messages between two

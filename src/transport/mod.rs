@@ -302,14 +302,42 @@ impl Links {
     /// peer complete in list order; a send with [`SendOp::after`] starts once that receive
     /// is complete, so one exchange can run a whole pipelined algorithm.
     pub fn exchange(&mut self, call: &CallHeader, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>], deadline: Instant) -> Result<()> {
+        self.exchange_calls(Calls::Same(call), sends, recvs, deadline)
+    }
+
+    /// [`Links::exchange`] where every operation is a call of its own: send i carries
+    /// `send_calls[i]` and receive j expects `recv_calls[j]` (a batch of point-to-point
+    /// messages, each with its own tag and sequence number, progressed together).
+    pub fn exchange_each(
+        &mut self,
+        send_calls: &[CallHeader],
+        recv_calls: &[CallHeader],
+        sends: &mut [SendOp<'_>],
+        recvs: &mut [RecvOp<'_>],
+        deadline: Instant,
+    ) -> Result<()> {
+        if send_calls.len() != sends.len() || recv_calls.len() != recvs.len() {
+            return Err(Error::InvalidArgument(format!(
+                "exchange of {} sends and {} receives given {} and {} calls",
+                sends.len(),
+                recvs.len(),
+                send_calls.len(),
+                recv_calls.len()
+            )));
+        }
+        self.exchange_calls(Calls::Each { sends: send_calls, recvs: recv_calls }, sends, recvs, deadline)
+    }
+
+    fn exchange_calls(&mut self, calls: Calls<'_>, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>], deadline: Instant) -> Result<()> {
         if let Some(bad) = sends.iter().find(|s| s.after.is_some_and(|i| i >= recvs.len())) {
             return Err(Error::InvalidArgument(format!("send of step {} waits for receive {:?} of {}", bad.step, bad.after, recvs.len())));
         }
         let rendezvous = |peer: usize, len: usize| self.rendezvous_from(peer).is_some_and(|from| len > 0 && len >= from);
         let mut sstate: Vec<SendState> = sends
             .iter()
-            .map(|s| SendState {
-                header: FrameHeader { kind: FrameKind::Data, call: *call, step: s.step, len: s.data.len() as u64 }.encode(),
+            .enumerate()
+            .map(|(i, s)| SendState {
+                header: FrameHeader { kind: FrameKind::Data, call: *calls.send(i), step: s.step, len: s.data.len() as u64 }.encode(),
                 done: 0,
                 total: HEADER_LEN + s.data.len(),
                 rendezvous: rendezvous(s.peer, s.data.len()),
@@ -338,7 +366,7 @@ impl Links {
             let mut pending_send = vec![false; self.world()];
             let mut held = vec![false; self.world()];
             let mut pending_recv = vec![false; self.world()];
-            self.grant_rendezvous(&recvs[first_recv..], &mut rstate[first_recv..], call)?;
+            self.grant_rendezvous(recvs, &mut rstate, first_recv, &calls)?;
             for i in first_send..sends.len() {
                 let (op, st) = (&sends[i], &mut sstate[i]);
                 if st.complete() || held[op.peer] {
@@ -348,7 +376,7 @@ impl Links {
                     held[op.peer] = true;
                     continue;
                 }
-                let n = self.progress_send(op, st, call)?;
+                let n = self.progress_send(op, st, calls.send(i))?;
                 progressed |= n > 0;
                 if !st.complete() {
                     held[op.peer] = true;
@@ -360,7 +388,7 @@ impl Links {
                 if st.complete() || pending_recv[op.peer] {
                     continue;
                 }
-                let n = self.progress_recv(op, st, call)?;
+                let n = self.progress_recv(op, st, calls.recv(i))?;
                 progressed |= n > 0;
                 if !st.complete() {
                     pending_recv[op.peer] = true;
@@ -380,8 +408,14 @@ impl Links {
                 gone = None;
                 continue;
             }
+            // The call an error names: the first open one with that peer.
+            let call_with = |p: usize| {
+                let recv = (first_recv..recvs.len()).find(|&j| recvs[j].peer == p && !rstate[j].complete()).map(|j| calls.recv(j));
+                let send = || (first_send..sends.len()).find(|&i| sends[i].peer == p && !sstate[i].complete()).map(|i| calls.send(i));
+                recv.or_else(send).unwrap_or(calls.send(0)).to_string()
+            };
             if let Some((p, why)) = gone.take() {
-                return Err(Error::PeerLost { rank: self.rank, peer: p, op: call.to_string(), cause: why });
+                return Err(Error::PeerLost { rank: self.rank, peer: p, op: call_with(p), cause: why });
             }
             if self.abort_flag.load(Ordering::Acquire) {
                 return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted locally".into() });
@@ -393,7 +427,7 @@ impl Links {
                 return Err(Error::Timeout {
                     rank: self.rank,
                     peer: waiting_on,
-                    op: format!("{call} ({dir} rank {waiting_on})"),
+                    op: format!("{} ({dir} rank {waiting_on})", call_with(waiting_on)),
                     waited_ms: now.duration_since(start).as_millis() as u64,
                 });
             }
@@ -419,19 +453,19 @@ impl Links {
     /// Tells each link whose next payload comes by rendezvous to grant it, before any send
     /// of ours: on soft-RoCE a send does the transfer itself, so a grant issued after our
     /// own sends would make the two directions of an exchange take turns.
-    fn grant_rendezvous(&mut self, recvs: &[RecvOp<'_>], rstate: &mut [RecvState], call: &CallHeader) -> Result<()> {
+    fn grant_rendezvous(&mut self, recvs: &[RecvOp<'_>], rstate: &mut [RecvState], first: usize, calls: &Calls<'_>) -> Result<()> {
         // Most exchanges (every one on shm and tcp) have nothing to grant: no allocation then.
         if !rstate.iter().any(|st| st.grant_pending) {
             return Ok(());
         }
         let mut earlier_open = vec![false; self.world()];
-        for (op, st) in recvs.iter().zip(rstate.iter_mut()) {
+        for (j, (op, st)) in recvs.iter().zip(rstate.iter_mut()).enumerate().skip(first) {
             // Only a receive with none before it from the same peer is the link's next payload.
             if st.complete() || std::mem::replace(&mut earlier_open[op.peer], true) || !st.grant_pending {
                 continue;
             }
             let rank = self.rank;
-            self.link(op.peer)?.expect_payload(st.len).map_err(|e| lost(rank, op.peer, call, "receive", e))?;
+            self.link(op.peer)?.expect_payload(st.len).map_err(|e| lost(rank, op.peer, calls.recv(j), "receive", e))?;
             st.grant_pending = false;
         }
         Ok(())
@@ -679,6 +713,33 @@ fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> i32 {
     // SAFETY: fds is a valid, exclusively borrowed array of pollfd for the call.
     unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) }
 }
+
+/// The call header of each operation of an exchange: one for all (a collective), or one
+/// per operation (a batch of point-to-point messages).
+enum Calls<'c> {
+    Same(&'c CallHeader),
+    Each { sends: &'c [CallHeader], recvs: &'c [CallHeader] },
+}
+
+impl Calls<'_> {
+    /// The call of send `i`; with no sends at all, the first receive's (for naming only).
+    fn send(&self, i: usize) -> &CallHeader {
+        match self {
+            Calls::Same(c) => c,
+            Calls::Each { sends, recvs } => sends.get(i).or_else(|| recvs.first()).unwrap_or(&NO_CALL),
+        }
+    }
+
+    fn recv(&self, j: usize) -> &CallHeader {
+        match self {
+            Calls::Same(c) => c,
+            Calls::Each { recvs, .. } => recvs.get(j).unwrap_or(&NO_CALL),
+        }
+    }
+}
+
+/// Named by an empty batch's errors, which cannot happen (an empty exchange returns at once).
+const NO_CALL: CallHeader = CallHeader { op: OpKind::Send, dtype: crate::dtype::DType::U8, redop: crate::dtype::ReduceOp::Sum, root: 0, count: 0, seq: 0 };
 
 fn lost(rank: usize, peer: usize, call: &CallHeader, dir: &str, e: std::io::Error) -> Error {
     let cause = match e.kind() {
