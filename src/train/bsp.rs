@@ -12,7 +12,7 @@
 //! pairs, gathered from every rank and scatter-added; the rest stays in a residual that is
 //! added to the next interval's sum (error feedback), so nothing is ever dropped.
 
-use super::ssgd::{allreduce_bytes, average, from_rank0, mean_loss};
+use super::ssgd::{allgather_bytes, average, from_rank0, mean_loss};
 use super::{Sgd, Strategy};
 use crate::comm::Communicator;
 use crate::error::{invalid, Result};
@@ -113,7 +113,7 @@ impl Strategy for Bsp<'_> {
                 let w = self.comm.size();
                 let mut all = vec![0f32; send.len() * w];
                 self.comm.allgather(&send, &mut all)?;
-                self.sent += allreduce_bytes(send.len(), w) / 2;
+                self.sent += allgather_bytes(send.len(), w);
                 self.acc.fill(0.0);
                 for pair in all.chunks_exact(2) {
                     self.acc[pair[0].to_bits() as usize] += pair[1];

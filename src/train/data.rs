@@ -105,9 +105,33 @@ pub fn epoch_batches(len: usize, batch: usize, rank: usize, world: usize, seed: 
     mine.chunks(batch.max(1)).map(|c| c.to_vec()).collect()
 }
 
+/// Steps every rank takes per epoch when each trains on its own share
+/// ([`epoch_batches`]): the batch count of the smallest share, so that a synchronous
+/// scheme's ranks all make the same number of collective calls whatever the data size,
+/// batch and world size (the larger shares leave their last few examples out).
+pub fn steps_per_epoch(len: usize, batch: usize, world: usize) -> usize {
+    (len / world.max(1)).div_ceil(batch.max(1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Over a grid of (data size, batch, W): every rank's share has at least the common
+    /// number of steps, and the smallest share exactly that many.
+    #[test]
+    fn every_rank_takes_the_same_steps() {
+        for len in [1, 7, 100, 1437, 1797] {
+            for batch in [1, 2, 7, 32, 5000] {
+                for world in 1..=9 {
+                    let steps = steps_per_epoch(len, batch, world);
+                    let counts: Vec<usize> = (0..world).map(|r| epoch_batches(len, batch, r, world, 3, 0).len()).collect();
+                    assert!(counts.iter().all(|&c| c >= steps), "len {len} batch {batch} W {world}: {counts:?} < {steps}");
+                    assert_eq!(counts.iter().min().copied(), Some(steps), "len {len} batch {batch} W {world}: {counts:?}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn digits_are_the_uci_set() {

@@ -506,6 +506,9 @@ impl Links {
             }
         }
         self.mid_frame[peer] = st.done > 0 && !st.complete();
+        if total > 0 && st.complete() {
+            PAYLOAD_SENT.fetch_add(op.data.len() as u64, Ordering::Relaxed);
+        }
         Ok(total)
     }
 
@@ -712,6 +715,16 @@ impl Links {
 fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> i32 {
     // SAFETY: fds is a valid, exclusively borrowed array of pollfd for the call.
     unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) }
+}
+
+/// Payload bytes of every message this process has sent through [`Links::exchange`]
+/// (headers and one-sided traffic excluded): what a scheme's own byte count can be checked
+/// against.
+static PAYLOAD_SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// [`PAYLOAD_SENT`] so far.
+pub fn payload_bytes_sent() -> u64 {
+    PAYLOAD_SENT.load(Ordering::Relaxed)
 }
 
 /// The call header of each operation of an exchange: one for all (a collective), or one

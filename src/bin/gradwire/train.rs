@@ -2,7 +2,12 @@
 //! `gradwire launch`). Rank 0 prints a line per epoch and writes the CSV; `--plot` draws it.
 
 use gradwire::rma::ApplyRule;
-use gradwire::train::{self, daso::DasoConfig, data::epoch_batches, Dataset, Mlp, Model, StrategyConfig};
+use gradwire::train::{
+    self,
+    daso::DasoConfig,
+    data::{epoch_batches, steps_per_epoch},
+    Dataset, Mlp, Model, StrategyConfig,
+};
 use gradwire::{Communicator, ReduceOp, Result};
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -39,9 +44,13 @@ pub struct TrainArgs {
     pub warmup: usize,
     #[arg(long, default_value_t = 4)]
     pub cooldown: usize,
-    /// daso: average gradients on a bf16 wire in the synchronous phases.
+    /// daso: average on a bf16 wire in the synchronous phases.
     #[arg(long)]
     pub bf16_wire: bool,
+    /// daso: cut the cycling phase's global send into allreduces of at most this many
+    /// elements (Heat's sending_chunk_size).
+    #[arg(long, default_value_t = 10_000_000)]
+    pub chunk: usize,
     /// downpour: pull every N steps.
     #[arg(long, default_value_t = 1)]
     pub fetch: usize,
@@ -80,6 +89,14 @@ pub struct TrainArgs {
     /// Exit with status 1 unless the final test accuracy reaches this fraction.
     #[arg(long)]
     pub require: Option<f64>,
+    /// After every epoch, say whether every rank holds bit-identical parameters.
+    #[arg(long)]
+    pub check_replicas: bool,
+    /// At the end, compare the bytes the scheme counted in its steps with the payload
+    /// bytes the transports sent during them (two-sided messages only; the one-host
+    /// shared-memory allreduce sends none).
+    #[arg(long)]
+    pub check_bytes: bool,
 }
 
 fn parse_slow(specs: &[String], world: usize) -> Result<Vec<f64>> {
@@ -103,7 +120,14 @@ fn strategy_config(a: &TrainArgs) -> Result<StrategyConfig> {
         "staleness" => ApplyRule::Staleness,
         r => return Err(gradwire::Error::InvalidArgument(format!("--rule {r}: sum, mean or staleness"))),
     };
-    let daso = DasoConfig { warmup_epochs: a.warmup, cooldown_epochs: a.cooldown, epochs: a.epochs, bf16_wire: a.bf16_wire, ..Default::default() };
+    let daso = DasoConfig {
+        warmup_epochs: a.warmup,
+        cooldown_epochs: a.cooldown,
+        epochs: a.epochs,
+        bf16_wire: a.bf16_wire,
+        sending_chunk_size: a.chunk,
+        ..Default::default()
+    };
     Ok(StrategyConfig {
         strategy: a.strategy.clone(),
         lr: a.lr,
@@ -120,6 +144,22 @@ fn strategy_config(a: &TrainArgs) -> Result<StrategyConfig> {
 }
 
 /// Trains; returns whether `--require` (if given) was met.
+/// "  replicas identical" when every rank's parameters are bit-identical, else how far
+/// apart they are. Collective.
+fn replica_state(comm: &Communicator, params: &[f32]) -> Result<String> {
+    let fp = crate::verify::fingerprint(&params.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<u8>>());
+    let mut all = vec![0f64; 2 * comm.size()];
+    comm.allgather(&[(fp >> 32) as f64, (fp & 0xffff_ffff) as f64], &mut all)?;
+    if all.chunks(2).all(|c| c == &all[..2]) {
+        return Ok("  replicas identical".into());
+    }
+    let mut rank0 = params.to_vec();
+    comm.broadcast(&mut rank0, 0)?;
+    let mut apart = [rank0.iter().zip(params).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max)];
+    comm.allreduce(&mut apart, ReduceOp::Max)?;
+    Ok(format!("  replicas differ (max |rank 0 - rank r| {:.3e})", apart[0]))
+}
+
 pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
     let (w, me) = (comm.size(), comm.rank());
     let slow = parse_slow(&a.slow, w)?;
@@ -160,10 +200,15 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
         );
     }
     let per_epoch = model.train_len().div_ceil(a.batch * w);
+    if steps_per_epoch(model.train_len(), a.batch, w) == 0 {
+        return Err(gradwire::Error::InvalidArgument(format!("{} training examples cannot feed {w} ranks (each needs at least one)", model.train_len())));
+    }
     let mut wall = Duration::ZERO;
     // Passes over the training set this rank has drawn (shared-pool schemes).
     let mut passes = 0u64;
     let mut acc = 0.0;
+    // Bytes the scheme counted in its steps, and payload bytes the transports sent then.
+    let (mut counted, mut wire) = (0u64, 0u64);
     for epoch in 0..a.epochs {
         // The schedule this epoch runs with (DASO changes it at the epoch's end).
         let ran = strategy.describe();
@@ -176,7 +221,11 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
             if slow[me] > 1.0 {
                 std::thread::sleep(c0.elapsed().mul_f64(slow[me] - 1.0));
             }
-            strategy.step(&mut params, &grads, last)
+            let (c0, w0) = (strategy.bytes_sent(), gradwire::transport::payload_bytes_sent());
+            strategy.step(&mut params, &grads, last)?;
+            counted += strategy.bytes_sent() - c0;
+            wire += gradwire::transport::payload_bytes_sent() - w0;
+            Ok(())
         };
         if strategy.shared_pool() {
             // A pool shared by all ranks: this rank draws from its own shuffled stream of
@@ -200,7 +249,7 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
         } else {
             let mine = epoch_batches(model.train_len(), a.batch, me, w, a.seed, epoch);
             // Every rank takes the same number of steps (synchronous schemes need that).
-            let n = per_epoch.min(mine.len());
+            let n = steps_per_epoch(model.train_len(), a.batch, w);
             for (i, b) in mine.iter().take(n).enumerate() {
                 step(&mut model, &mut strategy, b, i + 1 == n)?;
             }
@@ -217,9 +266,10 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
         comm.allreduce(&mut max, ReduceOp::Max)?;
         let mut agreed = [test_acc];
         comm.broadcast(&mut agreed, 0)?;
+        let replicas = if a.check_replicas { replica_state(comm, &params)? } else { String::new() };
         if me == 0 {
             println!(
-                "epoch {:>3}/{}  train loss {train_loss:.4}  test loss {test_loss:.4}  test acc {:5.1} %  wall {:7.2} s  sent {:8.2} MB/rank{}",
+                "epoch {:>3}/{}  train loss {train_loss:.4}  test loss {test_loss:.4}  test acc {:5.1} %  wall {:7.2} s  sent {:8.2} MB/rank{}{replicas}",
                 epoch + 1,
                 a.epochs,
                 100.0 * test_acc,
@@ -249,6 +299,13 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
     }
     strategy.finish(&mut params)?;
     drop(csv);
+    if a.check_bytes {
+        let mut totals = [counted as f64, wire as f64];
+        comm.allreduce(&mut totals, ReduceOp::Sum)?;
+        if me == 0 {
+            println!("bytes in steps (all ranks): counted by the scheme {}, sent by the transports {}", totals[0], totals[1]);
+        }
+    }
     if let (Some(path), 0) = (&a.save_params, me) {
         let bytes: Vec<u8> = params.iter().flat_map(|p| p.to_le_bytes()).collect();
         std::fs::write(path, bytes).map_err(|e| gradwire::Error::InvalidArgument(format!("--save-params {path}: {e}")))?;
