@@ -717,12 +717,12 @@ fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> i32 {
     unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) }
 }
 
-/// Payload bytes of every message this process has sent through [`Links::exchange`]
-/// (headers and one-sided traffic excluded): what a scheme's own byte count can be checked
-/// against.
+/// See [`payload_bytes_sent`].
 static PAYLOAD_SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// [`PAYLOAD_SENT`] so far.
+/// Payload bytes of every message this process has sent through [`Links::exchange`] so
+/// far (headers and one-sided traffic excluded): what a scheme's own byte count can be
+/// checked against.
 pub fn payload_bytes_sent() -> u64 {
     PAYLOAD_SENT.load(Ordering::Relaxed)
 }
