@@ -5,8 +5,10 @@
 //!   accumulated since its last push (the dynamic delay), pulls θ and passes the token on.
 //! - `cyclic`: the fixed cyclic delayed baseline; each worker contributes exactly one
 //!   gradient per round, waiting for its turn.
-//! - `downpour` (Dean et al. 2012): pull every `fetch` steps, push the accumulated gradient
-//!   every `push` steps, no coordination at all.
+//! - `downpour` (Dean et al. 2012, Algorithm 7.1): every gradient is applied locally and
+//!   accumulated; pull θ every `fetch` steps, push the accumulation every `push` steps, no
+//!   coordination at all. Deviation: the pushes and pulls block the worker (the paper runs
+//!   them in background threads, overlapping compute).
 //! - `eamsgd` (Zhang et al. 2015): local Nesterov-momentum SGD; every τ steps an elastic
 //!   exchange with the centre variable held by the servers.
 //!
@@ -222,6 +224,8 @@ impl Strategy for TokenRing<'_> {
 
 pub struct Downpour<'c> {
     ps: Servers<'c>,
+    /// The local step's learning rate (the servers apply the pushes with the same).
+    lr: f32,
     fetch: usize,
     push: usize,
     acc: Vec<f32>,
@@ -232,7 +236,7 @@ pub struct Downpour<'c> {
 impl<'c> Downpour<'c> {
     pub fn new(comm: &'c Communicator, init: &[f32], lr: f32, fetch: usize, push: usize) -> Result<Self> {
         let ps = Servers::new(comm, init, ApplyRule::Sum, lr, true)?;
-        Ok(Downpour { ps, fetch: fetch.max(1), push: push.max(1), acc: vec![0.0; init.len()], steps: 0, sent: 0 })
+        Ok(Downpour { ps, lr, fetch: fetch.max(1), push: push.max(1), acc: vec![0.0; init.len()], steps: 0, sent: 0 })
     }
 }
 
@@ -246,7 +250,10 @@ impl Strategy for Downpour<'_> {
     }
 
     fn step(&mut self, params: &mut [f32], grads: &[f32], _last_of_epoch: bool) -> Result<()> {
+        // Algorithm 7.1 of Dean et al.: the gradient is applied locally as well as
+        // accumulated for the next push, so the replica moves between fetches.
         self.acc.iter_mut().zip(grads).for_each(|(a, g)| *a += g);
+        params.iter_mut().zip(grads).for_each(|(p, g)| *p -= self.lr * g);
         self.steps += 1;
         if self.steps % self.push == 0 {
             self.ps.rm.push(&self.acc, self.push as u64)?;
