@@ -3,6 +3,14 @@
 //!
 //! - `ddcgu` (ALGORITHMS.md §3): workers never wait; whoever holds the token pushes all it
 //!   accumulated since its last push (the dynamic delay), pulls θ and passes the token on.
+//!   Of the knobs ALGORITHMS.md lists, η_eff (sum, mean, staleness) and a holder with
+//!   nothing accumulated (passes on) are implemented. Not implemented, deliberately: one
+//!   token per shard (a worker would then push shard by shard at different times, each
+//!   shard's θ mixing pushes of different rounds, and conservation would need a count per
+//!   shard; the paper's scheme and claim are for one token), and push/pull overlapped with
+//!   compute (the holder pushes, pulls and passes the token between two minibatches, a few
+//!   hundred microseconds for these models, so nobody waits on it; overlap would need the
+//!   pull to land in a second buffer swapped in at the next step).
 //! - `cyclic`: the fixed cyclic delayed baseline; each worker contributes exactly one
 //!   gradient per round, waiting for its turn.
 //! - `downpour` (Dean et al. 2012, Algorithm 7.1): every gradient is applied locally and
