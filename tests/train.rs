@@ -154,6 +154,12 @@ fn bsp_counts_the_bytes_it_sends() {
 fn bsp_and_top_k_reach_accuracy() {
     train(4, &[], &["--strategy", "bsp", "--interval", "4"], SHM);
     train(3, &[], &["--strategy", "bsp", "--interval", "2", "--topk", "0.1"], TCP);
+    // The hierarchical variant: the change averaged in the node every 2 steps, over all
+    // ranks every 4, on 2 x 2 namespace "nodes".
+    if can_netns("bsp hierarchical across namespaces") {
+        let t = train(4, &["--netns", "--ranks-per-node", "2"], &["--strategy", "bsp", "--interval", "4", "--node-interval", "2", "--check-replicas"], &[]);
+        assert!(t.contains("K1=2 in the node"), "{t}");
+    }
 }
 
 #[test]
@@ -211,15 +217,32 @@ fn bsp_with_interval_one_is_ssgd_bit_for_bit() {
     let dir = std::env::temp_dir().join(format!("gradwire-bsp1-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (a, b) = (dir.join("ssgd.f32"), dir.join("bsp.f32"));
-    for (strategy, path) in [("ssgd", &a), ("bsp", &b)] {
-        let out =
-            launch(3, &[], &["train", "--strategy", strategy, "--interval", "1", "--epochs", "3", "--seed", "7", "--save-params", path.to_str().unwrap()], SHM);
-        assert!(out.status.success(), "{}", text(&out));
+    for momentum in ["0.9", "0"] {
+        for (strategy, path) in [("ssgd", &a), ("bsp", &b)] {
+            let args = [
+                "train",
+                "--strategy",
+                strategy,
+                "--interval",
+                "1",
+                "--epochs",
+                "3",
+                "--seed",
+                "7",
+                "--momentum",
+                momentum,
+                "--save-params",
+                path.to_str().unwrap(),
+            ];
+            let out = launch(3, &[], &args, SHM);
+            assert!(out.status.success(), "{}", text(&out));
+        }
+        let (pa, pb) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+        assert!(!pa.is_empty() && pa.len() % 4 == 0);
+        let differ = pa.chunks(4).zip(pb.chunks(4)).filter(|(x, y)| x != y).count();
+        assert_eq!(differ, 0, "momentum {momentum}: {differ} of {} parameters differ", pa.len() / 4);
     }
-    let (pa, pb) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
-    assert!(!pa.is_empty() && pa.len() % 4 == 0);
-    let differ = pa.chunks(4).zip(pb.chunks(4)).filter(|(x, y)| x != y).count();
-    assert_eq!(differ, 0, "{differ} of {} parameters differ", pa.len() / 4);
+    let pb = std::fs::read(&b).unwrap();
     // And training moved them: not a comparison of two untouched initialisations.
     let out = launch(3, &[], &["train", "--strategy", "ssgd", "--epochs", "1", "--seed", "7", "--save-params", a.to_str().unwrap()], SHM);
     assert!(out.status.success());

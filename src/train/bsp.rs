@@ -1,47 +1,100 @@
 //! `bsp`: aggregation-interval bulk-synchronous SGD (ALGORITHMS.md §2). Each rank takes K
-//! local SGD steps from the shared anchor x̃, then one allreduce combines what every rank
-//! accumulated and all ranks step from x̃ together.
+//! local steps of the framework's optimizer from the shared anchor x̃, then one allreduce
+//! averages the changes Δ_j = x̃ − x_j and every rank moves to x̃ − avg(Δ), the new anchor.
+//! Momentum (and any optimizer state) stays local, as the specification says.
 //!
-//! The paper reduces Δ_j = x̃ − x_j; with local plain SGD that is exactly γ·Σ g_j in real
-//! arithmetic. We reduce the gradient sum a_j = Σ g_j instead and let the global optimizer
-//! step from x̃ with the average, so that K = 1 is `ssgd` bit for bit (same values, same
-//! operations, same order) and momentum stays a property of the global optimizer. Local
-//! steps between reductions are plain SGD at the same learning rate.
+//! K = 1 without top-k averages the gradients before the optimizer instead: in exact
+//! arithmetic the same step (the change average is the step on the gradient average, also
+//! through momentum, which is linear), and it keeps `ssgd`'s bits exactly.
 //!
-//! `--topk F` sends only the largest F·n entries of a_j (by magnitude) as (index, value)
+//! `--topk F` sends only the largest F·n entries of Δ_j (by magnitude) as (index, value)
 //! pairs, gathered from every rank and scatter-added; the rest stays in a residual that is
-//! added to the next interval's sum (error feedback), so nothing is ever dropped.
+//! added to the next interval's change (error feedback), so nothing is ever dropped.
+//!
+//! The hierarchical variant (`node_interval` K1 > 0, K a multiple of K1): every K1 steps
+//! the change is averaged inside the node only (from the node's anchor), every K steps over
+//! all ranks.
 
-use super::ssgd::{allgather_bytes, average, from_rank0, mean_loss};
-use super::{Sgd, Strategy};
+use super::ssgd::{allgather_bytes, allreduce_bytes, average, from_rank0, mean_loss};
+use super::Strategy;
+use crate::collective::hierarchical::Hierarchy;
 use crate::comm::Communicator;
+use crate::dtype::ReduceOp;
 use crate::error::{invalid, Result};
 
 pub struct Bsp<'c> {
     comm: &'c Communicator,
-    global: Sgd,
-    local: Sgd,
     interval: usize,
-    /// x̃: the parameters every rank agreed on at the last reduction.
+    /// K1 of the hierarchical variant, with its node group (None: flat).
+    node: Option<(usize, Hierarchy)>,
+    /// x̃: the parameters every rank agreed on at the last global reduction.
     anchor: Vec<f32>,
-    /// a_j: gradients summed since the last reduction.
-    acc: Vec<f32>,
+    /// The node's anchor of the hierarchical variant (the last node or global reduction).
+    node_anchor: Vec<f32>,
+    /// Δ_j, reused between reductions.
+    change: Vec<f32>,
     steps: usize,
     topk: Option<TopK>,
     sent: u64,
 }
 
 impl<'c> Bsp<'c> {
-    pub fn new(comm: &'c Communicator, opt: Sgd, interval: usize, topk: f64) -> Result<Self> {
+    pub fn new(comm: &'c Communicator, interval: usize, topk: f64, node_interval: usize) -> Result<Self> {
         if interval == 0 {
             return Err(invalid("bsp: the aggregation interval K must be at least 1"));
         }
         if !(0.0..=1.0).contains(&topk) {
             return Err(invalid(format!("bsp: --topk {topk} must be a fraction in [0, 1] (0: dense)")));
         }
-        let local = Sgd::new(opt.lr, 0.0, false);
+        if node_interval > 0 && (node_interval >= interval || interval % node_interval != 0) {
+            return Err(invalid(format!("bsp: the node interval K1 = {node_interval} must divide K = {interval} and be smaller")));
+        }
+        let node = if node_interval > 0 { Some((node_interval, Hierarchy::new(comm)?)) } else { None };
         let topk = (topk > 0.0).then(|| TopK::new(topk));
-        Ok(Bsp { comm, global: opt, local, interval, anchor: vec![], acc: vec![], steps: 0, topk, sent: 0 })
+        Ok(Bsp { comm, interval, node, anchor: vec![], node_anchor: vec![], change: vec![], steps: 0, topk, sent: 0 })
+    }
+
+    /// K = 1, dense, flat: the gradient-average form (see the module docs).
+    fn gradient_form(&self) -> bool {
+        self.interval == 1 && self.topk.is_none() && self.node.is_none()
+    }
+
+    /// Every rank moves to x̃ − avg(Δ) over `group` (all ranks or the node), from `anchor`.
+    fn reduce_change(&mut self, params: &mut [f32], global: bool) -> Result<()> {
+        let anchor = if global { &self.anchor } else { &self.node_anchor };
+        self.change.clear();
+        self.change.extend(anchor.iter().zip(params.iter()).map(|(a, p)| a - p));
+        let group = match (&self.node, global) {
+            (Some((_, h)), false) => &h.node,
+            _ => self.comm,
+        };
+        match (&mut self.topk, global) {
+            (Some(topk), true) => {
+                let pairs = topk.compress(&self.change);
+                // Indices travel as the bit patterns of f32 values: allgather moves bytes.
+                let send: Vec<f32> = pairs.iter().flat_map(|&(i, v)| [f32::from_bits(i), v]).collect();
+                let w = group.size();
+                let mut all = vec![0f32; send.len() * w];
+                group.allgather(&send, &mut all)?;
+                self.sent += allgather_bytes(send.len(), w);
+                self.change.fill(0.0);
+                for pair in all.chunks_exact(2) {
+                    self.change[pair[0].to_bits() as usize] += pair[1];
+                }
+                self.change.iter_mut().for_each(|d| *d /= w as f32);
+            }
+            _ => {
+                group.allreduce(&mut self.change, ReduceOp::Avg)?;
+                self.sent += allreduce_bytes(self.change.len(), group.size());
+            }
+        }
+        let anchor = if global { &self.anchor } else { &self.node_anchor };
+        params.iter_mut().zip(anchor).zip(&self.change).for_each(|((p, a), d)| *p = a - d);
+        if global {
+            self.anchor.copy_from_slice(params);
+        }
+        self.node_anchor.copy_from_slice(params);
+        Ok(())
     }
 }
 
@@ -89,41 +142,33 @@ impl Strategy for Bsp<'_> {
     fn start(&mut self, params: &mut [f32]) -> Result<()> {
         from_rank0(self.comm, params, &mut self.sent)?;
         self.anchor = params.to_vec();
-        self.acc = vec![0.0; params.len()];
+        self.node_anchor = params.to_vec();
         Ok(())
     }
 
-    fn step(&mut self, params: &mut [f32], grads: &[f32], _last_of_epoch: bool) -> Result<()> {
-        if self.steps % self.interval == 0 {
-            self.acc.copy_from_slice(grads);
-        } else {
-            self.acc.iter_mut().zip(grads).for_each(|(a, g)| *a += g);
+    fn framework_update(&self) -> bool {
+        true
+    }
+
+    fn before_update(&mut self, grads: &mut [f32], _last_of_epoch: bool) -> Result<()> {
+        if self.gradient_form() {
+            average(self.comm, grads, &mut self.sent)?;
         }
+        Ok(())
+    }
+
+    fn after_update(&mut self, params: &mut [f32], _last_of_epoch: bool) -> Result<()> {
         self.steps += 1;
-        if self.steps % self.interval != 0 {
-            self.local.step(params, grads);
+        if self.gradient_form() {
+            self.anchor.copy_from_slice(params);
             return Ok(());
         }
-        match &mut self.topk {
-            None => average(self.comm, &mut self.acc, &mut self.sent)?,
-            Some(topk) => {
-                let pairs = topk.compress(&self.acc);
-                // Indices travel as the bit patterns of f32 values: allgather moves bytes.
-                let send: Vec<f32> = pairs.iter().flat_map(|&(i, v)| [f32::from_bits(i), v]).collect();
-                let w = self.comm.size();
-                let mut all = vec![0f32; send.len() * w];
-                self.comm.allgather(&send, &mut all)?;
-                self.sent += allgather_bytes(send.len(), w);
-                self.acc.fill(0.0);
-                for pair in all.chunks_exact(2) {
-                    self.acc[pair[0].to_bits() as usize] += pair[1];
-                }
-                self.acc.iter_mut().for_each(|a| *a /= w as f32);
-            }
+        if self.steps % self.interval == 0 {
+            return self.reduce_change(params, true);
         }
-        params.copy_from_slice(&self.anchor);
-        self.global.step(params, &self.acc);
-        self.anchor.copy_from_slice(params);
+        if self.node.as_ref().is_some_and(|(k1, _)| self.steps % k1 == 0) {
+            return self.reduce_change(params, false);
+        }
         Ok(())
     }
 
@@ -136,7 +181,12 @@ impl Strategy for Bsp<'_> {
     }
 
     fn describe(&self) -> String {
-        format!("  [K={}{}]", self.interval, self.topk.as_ref().map_or(String::new(), |t| format!(", top-{:.2} %", 100.0 * t.fraction)))
+        format!(
+            "  [K={}{}{}]",
+            self.interval,
+            self.node.as_ref().map_or(String::new(), |(k1, _)| format!(", K1={k1} in the node")),
+            self.topk.as_ref().map_or(String::new(), |t| format!(", top-{:.2} %", 100.0 * t.fraction))
+        )
     }
 
     fn finish(&mut self, params: &mut [f32]) -> Result<()> {

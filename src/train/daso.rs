@@ -37,7 +37,7 @@
 //!   cannot arise.
 
 use super::ssgd::{allreduce_bytes, from_rank0, mean_loss};
-use super::{f32_bytes, Sgd, Strategy};
+use super::{f32_bytes, Strategy};
 use crate::collective::hierarchical::Hierarchy;
 use crate::collective::Pending;
 use crate::comm::Communicator;
@@ -155,7 +155,6 @@ struct InFlight {
 pub struct Daso<'c> {
     comm: &'c Communicator,
     groups: Hierarchy,
-    opt: Sgd,
     cfg: DasoConfig,
     /// None in the synchronous phases.
     schedule: Option<Schedule>,
@@ -164,7 +163,6 @@ pub struct Daso<'c> {
     batch: usize,
     send_mod: usize,
     in_flight: VecDeque<InFlight>,
-    scratch: Vec<f32>,
     /// The parameters as last made identical on every rank (synchronous phases average the
     /// change since then).
     anchor: Vec<f32>,
@@ -172,27 +170,13 @@ pub struct Daso<'c> {
 }
 
 impl<'c> Daso<'c> {
-    pub fn new(comm: &'c Communicator, opt: Sgd, mut cfg: DasoConfig) -> Result<Self> {
+    pub fn new(comm: &'c Communicator, mut cfg: DasoConfig) -> Result<Self> {
         let half = cfg.epochs / 4;
         cfg.warmup_epochs = cfg.warmup_epochs.min(half);
         cfg.cooldown_epochs = cfg.cooldown_epochs.min(half);
         let groups = Hierarchy::new(comm)?;
         let plateau = Plateau::new(cfg.stability_level, cfg.max_global_skips);
-        Ok(Daso {
-            comm,
-            groups,
-            opt,
-            cfg,
-            schedule: None,
-            plateau,
-            epoch: 0,
-            batch: 0,
-            send_mod: 0,
-            in_flight: VecDeque::new(),
-            scratch: vec![],
-            anchor: vec![],
-            sent: 0,
-        })
+        Ok(Daso { comm, groups, cfg, schedule: None, plateau, epoch: 0, batch: 0, send_mod: 0, in_flight: VecDeque::new(), anchor: vec![], sent: 0 })
     }
 
     /// The current schedule (None while synchronous).
@@ -285,36 +269,38 @@ impl Strategy for Daso<'_> {
         Ok(())
     }
 
-    fn step(&mut self, params: &mut [f32], grads: &[f32], last_of_epoch: bool) -> Result<()> {
+    fn framework_update(&self) -> bool {
+        true
+    }
+
+    fn before_update(&mut self, grads: &mut [f32], last_of_epoch: bool) -> Result<()> {
+        // Synchronous phases (Heat's gs = ls = W = 0) average every batch's gradients in
+        // the node; the cycling phase on local-sync batches: every ls-th, the batch before
+        // a send, and the epoch's last.
+        let b = self.batch;
+        let local_sync = match self.schedule {
+            None => true,
+            Some(s) => b % s.ls == 0 || (b + 1) % s.gs == 0 || last_of_epoch,
+        };
+        if local_sync && self.groups.node.size() > 1 {
+            self.groups.node.allreduce(grads, ReduceOp::Avg)?;
+            self.sent += allreduce_bytes(grads.len(), self.groups.node.size());
+        }
+        Ok(())
+    }
+
+    fn after_update(&mut self, params: &mut [f32], last_of_epoch: bool) -> Result<()> {
         let b = self.batch;
         self.batch += 1;
-        self.scratch.clear();
-        self.scratch.extend_from_slice(grads);
-        let mut g = std::mem::take(&mut self.scratch);
         let Some(s) = self.schedule else {
-            // Warm-up / cool-down (Heat's gs = ls = W = 0): node-local gradient average, the
-            // local step, then the parameters averaged over every rank. Averaging gradients
+            // Synchronous: the parameters averaged over every rank. Averaging gradients
             // instead left each rank's own momentum to carry the replicas apart.
-            if self.groups.node.size() > 1 {
-                self.groups.node.allreduce(&mut g, ReduceOp::Avg)?;
-                self.sent += allreduce_bytes(g.len(), self.groups.node.size());
-            }
-            self.opt.step(params, &g);
-            self.scratch = g;
             return self.average_parameters(params);
         };
-        let send_now = b % s.gs == 0;
-        let before_send = (b + 1) % s.gs == 0;
-        if (b % s.ls == 0 || before_send || last_of_epoch) && self.groups.node.size() > 1 {
-            self.groups.node.allreduce(&mut g, ReduceOp::Avg)?;
-            self.sent += allreduce_bytes(g.len(), self.groups.node.size());
-        }
-        self.opt.step(params, &g);
-        self.scratch = g;
         while self.in_flight.front().is_some_and(|f| self.batch - f.at >= s.wait) {
             self.receive(params)?;
         }
-        if send_now {
+        if b % s.gs == 0 {
             let root = self.send_mod;
             // Only the ranks of local index `root` send; with a single node their "sum over
             // nodes" is their own parameters.

@@ -2,18 +2,25 @@
 //! that a framework drives step by step, a [`Model`] interface with a built-in multi-layer
 //! perceptron, and the data it trains on.
 //!
-//! A framework's loop, for every strategy alike:
+//! A framework's loop. ssgd, DASO and BSP leave the local update to the framework's own
+//! optimizer (SGD with momentum, Adam, ...) and communicate around it: gradients before
+//! it, parameters after it. The parameter-server schemes keep the servers' update rule as
+//! their papers define it, inside `step`.
 //!
 //! ```text
 //! strategy.start(&mut params)?;                 // agree on the initial parameters
 //! for epoch { for batch {
 //!     let loss = model.loss_and_grad(&params, batch, &mut grads);   // forward + backward
-//!     strategy.step(&mut params, &grads, last_batch_of_epoch)?;     // communicate + update
+//!     if strategy.framework_update() {
+//!         strategy.before_update(&mut grads, last_batch_of_epoch)?; // e.g. average gradients
+//!         optimizer.step(&mut params, &grads);                      // the framework's own
+//!         strategy.after_update(&mut params, last_batch_of_epoch)?; // e.g. merge parameters
+//!     } else {
+//!         strategy.step(&mut params, &grads, last_batch_of_epoch)?; // push, pull, apply
+//!     }
 //! }   strategy.end_epoch(&mut params, mean_loss)?; }
 //! strategy.finish(&mut params)?;                // the final model on every rank
 //! ```
-//!
-//! Every strategy owns its optimizer, so `step` leaves `params` ready for the next batch.
 
 pub mod bsp;
 pub mod daso;
@@ -35,10 +42,31 @@ pub trait Strategy {
     /// Before the first step: makes `params` the same on every rank (or fetches them from
     /// the servers). Collective.
     fn start(&mut self, params: &mut [f32]) -> Result<()>;
-    /// After backward: `grads` were computed at `params` on this rank's minibatch. Leaves
-    /// `params` updated for the next minibatch. `last_of_epoch` lets a strategy synchronise
-    /// at the epoch's end (DASO does).
-    fn step(&mut self, params: &mut [f32], grads: &[f32], last_of_epoch: bool) -> Result<()>;
+    /// Whether the local update is the framework's optimizer, run between
+    /// [`Strategy::before_update`] and [`Strategy::after_update`] (ssgd, DASO, BSP); else
+    /// the scheme's own rule runs in [`Strategy::step`] (the parameter-server schemes).
+    fn framework_update(&self) -> bool {
+        false
+    }
+    /// After backward, before the framework's optimizer step: the gradient communication.
+    /// Leaves in `grads` what the optimizer steps on. `last_of_epoch` lets a strategy
+    /// synchronise at the epoch's end (DASO does).
+    fn before_update(&mut self, grads: &mut [f32], last_of_epoch: bool) -> Result<()> {
+        let _ = (grads, last_of_epoch);
+        Err(invalid(format!("{}: the update is the scheme's own (call step)", self.name())))
+    }
+    /// After the framework's optimizer step: the parameter communication. Leaves `params`
+    /// ready for the next minibatch.
+    fn after_update(&mut self, params: &mut [f32], last_of_epoch: bool) -> Result<()> {
+        let _ = (params, last_of_epoch);
+        Err(invalid(format!("{}: the update is the scheme's own (call step)", self.name())))
+    }
+    /// The parameter-server schemes' whole step, their update rule included: `grads` were
+    /// computed at `params` on this rank's minibatch; leaves `params` updated for the next.
+    fn step(&mut self, params: &mut [f32], grads: &[f32], last_of_epoch: bool) -> Result<()> {
+        let _ = (params, grads, last_of_epoch);
+        Err(invalid(format!("{}: the update is the framework's optimizer (call before_update and after_update)", self.name())))
+    }
     /// Whether minibatches come from one pool per epoch shared by all ranks (asynchronous
     /// schemes: a fast worker does more of the epoch instead of waiting) rather than each
     /// rank's fixed 1/W share (the default; synchronous schemes need equal step counts).
@@ -108,6 +136,8 @@ pub struct StrategyConfig {
     pub momentum: f32,
     /// BSP: local steps between global reductions (K).
     pub interval: usize,
+    /// BSP's hierarchical variant: steps between node-local reductions (K1; 0: flat).
+    pub node_interval: usize,
     /// BSP: fraction of entries sent with top-k sparsification (with error feedback); 0 = dense.
     pub topk: f64,
     /// DASO knobs (ALGORITHMS.md §1).
@@ -129,6 +159,7 @@ impl Default for StrategyConfig {
             lr: 0.05,
             momentum: 0.9,
             interval: 4,
+            node_interval: 0,
             topk: 0.0,
             daso: daso::DasoConfig::default(),
             fetch: 1,
@@ -146,17 +177,28 @@ pub const STRATEGIES: [&str; 7] = ["ssgd", "daso", "bsp", "ddcgu", "cyclic", "do
 /// Builds the strategy `cfg.strategy` on `comm`, for a model of `n` parameters with initial
 /// values `init` (the same on every rank: the parameter servers start from them).
 pub fn build<'c>(comm: &'c Communicator, cfg: &StrategyConfig, init: &[f32]) -> Result<Box<dyn Strategy + 'c>> {
-    let sgd = Sgd::new(cfg.lr, cfg.momentum, false);
     Ok(match cfg.strategy.as_str() {
-        "ssgd" => Box::new(ssgd::Ssgd::new(comm, sgd)),
-        "bsp" => Box::new(bsp::Bsp::new(comm, sgd, cfg.interval, cfg.topk)?),
-        "daso" => Box::new(daso::Daso::new(comm, sgd, cfg.daso.clone())?),
+        "ssgd" => Box::new(ssgd::Ssgd::new(comm)),
+        "bsp" => Box::new(bsp::Bsp::new(comm, cfg.interval, cfg.topk, cfg.node_interval)?),
+        "daso" => Box::new(daso::Daso::new(comm, cfg.daso.clone())?),
         "ddcgu" => Box::new(ps::TokenRing::new(comm, init, cfg.lr, cfg.rule, ps::Turn::DynamicDelay)?),
         "cyclic" => Box::new(ps::TokenRing::new(comm, init, cfg.lr, cfg.rule, ps::Turn::FixedCyclic)?),
         "downpour" => Box::new(ps::Downpour::new(comm, init, cfg.lr, cfg.fetch, cfg.push)?),
         "eamsgd" => Box::new(ps::Eamsgd::new(comm, init, Sgd::new(cfg.lr, 0.99, true), cfg.tau, cfg.beta)?),
         other => return Err(invalid(format!("unknown strategy '{other}' (known: {})", STRATEGIES.join(", ")))),
     })
+}
+
+/// One training step of any strategy: for the schemes whose local update is the
+/// framework's, `before_update`, `local`'s step, `after_update`; else the scheme's `step`.
+pub fn step(strategy: &mut dyn Strategy, local: &mut Sgd, params: &mut [f32], grads: &mut [f32], last_of_epoch: bool) -> Result<()> {
+    if strategy.framework_update() {
+        strategy.before_update(grads, last_of_epoch)?;
+        local.step(params, grads);
+        strategy.after_update(params, last_of_epoch)
+    } else {
+        strategy.step(params, grads, last_of_epoch)
+    }
 }
 
 /// Payload bytes of `n` f32 values.

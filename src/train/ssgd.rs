@@ -1,21 +1,19 @@
 //! `ssgd`: synchronous data parallel SGD, one allreduce of the gradients every step (the
-//! baseline everyone uses).
+//! baseline everyone uses), before the framework's optimizer steps on their average.
 
-use super::{f32_bytes, Sgd, Strategy};
+use super::{f32_bytes, Strategy};
 use crate::comm::Communicator;
 use crate::dtype::ReduceOp;
 use crate::error::Result;
 
 pub struct Ssgd<'c> {
     comm: &'c Communicator,
-    opt: Sgd,
-    avg: Vec<f32>,
     sent: u64,
 }
 
 impl<'c> Ssgd<'c> {
-    pub fn new(comm: &'c Communicator, opt: Sgd) -> Self {
-        Ssgd { comm, opt, avg: vec![], sent: 0 }
+    pub fn new(comm: &'c Communicator) -> Self {
+        Ssgd { comm, sent: 0 }
     }
 }
 
@@ -65,11 +63,15 @@ impl Strategy for Ssgd<'_> {
         from_rank0(self.comm, params, &mut self.sent)
     }
 
-    fn step(&mut self, params: &mut [f32], grads: &[f32], _last_of_epoch: bool) -> Result<()> {
-        self.avg.clear();
-        self.avg.extend_from_slice(grads);
-        average(self.comm, &mut self.avg, &mut self.sent)?;
-        self.opt.step(params, &self.avg);
+    fn framework_update(&self) -> bool {
+        true
+    }
+
+    fn before_update(&mut self, grads: &mut [f32], _last_of_epoch: bool) -> Result<()> {
+        average(self.comm, grads, &mut self.sent)
+    }
+
+    fn after_update(&mut self, _params: &mut [f32], _last_of_epoch: bool) -> Result<()> {
         Ok(())
     }
 

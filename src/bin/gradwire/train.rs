@@ -36,6 +36,10 @@ pub struct TrainArgs {
     /// bsp: local steps between global reductions (K).
     #[arg(long, default_value_t = 4)]
     pub interval: usize,
+    /// bsp: the hierarchical variant's node-local reduction every K1 steps (K1 divides
+    /// --interval); 0 = flat.
+    #[arg(long, default_value_t = 0)]
+    pub node_interval: usize,
     /// bsp: send only this fraction of entries (top-k with error feedback); 0 = dense.
     #[arg(long, default_value_t = 0.0)]
     pub topk: f64,
@@ -133,6 +137,7 @@ fn strategy_config(a: &TrainArgs) -> Result<StrategyConfig> {
         lr: a.lr,
         momentum: a.momentum,
         interval: a.interval,
+        node_interval: a.node_interval,
         topk: a.topk,
         daso,
         fetch: a.fetch,
@@ -175,6 +180,8 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
     let mut grads = vec![0f32; params.len()];
     let cfg = strategy_config(a)?;
     let mut strategy = train::build(comm, &cfg, &params)?;
+    // The local optimizer of the schemes that leave the local update to the framework.
+    let mut local = train::Sgd::new(a.lr, a.momentum, false);
     strategy.start(&mut params)?;
     let label = a.label.clone().unwrap_or_else(|| a.strategy.clone());
     let mut csv = match (&a.csv, me) {
@@ -222,7 +229,7 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
                 std::thread::sleep(c0.elapsed().mul_f64(slow[me] - 1.0));
             }
             let (c0, w0) = (strategy.bytes_sent(), gradwire::transport::payload_bytes_sent());
-            strategy.step(&mut params, &grads, last)?;
+            train::step(strategy.as_mut(), &mut local, &mut params, &mut grads, last)?;
             counted += strategy.bytes_sent() - c0;
             wire += gradwire::transport::payload_bytes_sent() - w0;
             Ok(())
