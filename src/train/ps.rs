@@ -15,8 +15,11 @@
 //!   gradient per round, waiting for its turn.
 //! - `downpour` (Dean et al. 2012, Algorithm 7.1): every gradient is applied locally and
 //!   accumulated; pull θ every `fetch` steps, push the accumulation every `push` steps, no
-//!   coordination at all. Deviation: the pushes and pulls block the worker (the paper runs
-//!   them in background threads, overlapping compute).
+//!   coordination at all. Deviation, deliberate: the pushes and pulls block the worker
+//!   (the paper runs them in background threads, overlapping compute). Here one is a few
+//!   one-sided transfers of a few hundred kilobytes against milliseconds of compute per
+//!   step; overlapping would need a second parameter buffer swapped in at the next step
+//!   and a thread sharing the remote-memory handles.
 //! - `eamsgd` (Zhang et al. 2015): local Nesterov-momentum SGD; every τ steps an elastic
 //!   exchange with the centre variable held by the servers.
 //!
