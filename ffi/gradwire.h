@@ -109,6 +109,10 @@ int gradwire_iallreduce(gradwire_comm_t *comm, const void *sendbuf, void *recvbu
  * deadline). Frees work when it has completed (successfully or not); returns
  * GRADWIRE_ERR_TIMEOUT and keeps work valid when it is still running after timeout_ms. */
 int gradwire_wait(gradwire_work_t *work, int64_t timeout_ms);
+/* Whether work has finished, without waiting or freeing it: *done = 1 (gradwire_wait then
+ * returns its outcome at once) or 0. Unlike gradwire_wait with a timeout, a finished work
+ * stays valid and a failure (a timeout included) is left for gradwire_wait to return. */
+int gradwire_test(gradwire_work_t *work, int *done);
 int gradwire_broadcast(gradwire_comm_t *comm, void *buf, size_t count, gradwire_dtype_t dtype, int root);
 /* recvbuf holds size * sendcount elements; part r comes from rank r. */
 int gradwire_allgather(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t sendcount,

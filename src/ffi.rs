@@ -669,6 +669,24 @@ pub extern "C" fn gradwire_wait(work: *mut gradwire_work_t, timeout_ms: i64) -> 
 }
 
 /// # Safety
+/// `done` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_test(work: *mut gradwire_work_t, done: *mut c_int) -> c_int {
+    guard(|| {
+        if work.is_null() {
+            return Err(invalid("gradwire_test: work is NULL"));
+        }
+        out(done, "gradwire_test", "done")?;
+        let id = handle_id(work);
+        let finished =
+            registry().works.get(&id).map(|w| w.test()).ok_or_else(|| invalid("gradwire_test: work is not a live work handle (already waited for?)"))?;
+        // SAFETY: done is non-NULL (checked) and valid for a write (the contract).
+        unsafe { *done = c_int::from(finished) };
+        Ok(())
+    })
+}
+
+/// # Safety
 /// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
 /// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]

@@ -126,7 +126,14 @@ unsafe fn bad_inputs() {
     expect(gradwire_wait(std::ptr::null_mut(), -1), INVALID, "work is NULL");
     expect(gradwire_wait(0x4560 as *mut gradwire_work_t, -1), INVALID, "not a live work");
     assert_eq!(gradwire_iallreduce(comm, xp, xp, 8, 0, 0, &mut work), 0, "{}", last_error());
+    let mut done = -1;
+    expect(gradwire_test(work, std::ptr::null_mut()), INVALID, "done is NULL");
+    expect(gradwire_test(std::ptr::null_mut(), &mut done), INVALID, "work is NULL");
+    while done != 1 {
+        assert_eq!(gradwire_test(work, &mut done), 0, "{}", last_error());
+    }
     assert_eq!(gradwire_wait(work, 1000), 0, "{}", last_error());
+    expect(gradwire_test(work, &mut done), INVALID, "not a live work handle");
     expect(gradwire_wait(work, -1), INVALID, "already waited");
 
     expect(gradwire_broadcast(comm, xp, 8, 0, -1), INVALID, "negative");
@@ -157,6 +164,9 @@ unsafe fn bad_inputs() {
     expect(gradwire_p2p_batch(comm, [op(GRADWIRE_P2P_SEND, 1, 0, std::ptr::null_mut())].as_ptr(), 1), INVALID, "null buffer");
     expect(gradwire_ip2p_batch(comm, [op(GRADWIRE_P2P_SEND, 1, 0, xp)].as_ptr(), 1, std::ptr::null_mut()), INVALID, "work is NULL");
     expect(gradwire_ip2p_batch(bogus, [op(GRADWIRE_P2P_SEND, 1, 0, xp)].as_ptr(), 1, &mut work), INVALID, "not a live communicator");
+    // A receive may not overlap another buffer of the batch (two sends may share one).
+    let two = [op(GRADWIRE_P2P_SEND, 1, 0, xp), op(GRADWIRE_P2P_RECV, 1, 0, shifted)];
+    expect(gradwire_p2p_batch(comm, two.as_ptr(), 2), INVALID, "overlaps another buffer");
     // An empty batch is a no-op.
     assert_eq!(gradwire_p2p_batch(comm, std::ptr::null(), 0), 0, "{}", last_error());
     expect(gradwire_allgather(comm, xp, shifted, 4, 0), INVALID, "overlap");

@@ -174,6 +174,7 @@ def load_library() -> ctypes.CDLL:
         "gradwire_ialltoall": [p, p, ctypes.POINTER(sz), p, ctypes.POINTER(sz), sz, u, pp],
         "gradwire_send": [p, p, sz, u, i, u],
         "gradwire_recv": [p, p, sz, u, i, u],
+        "gradwire_test": [p, ctypes.POINTER(ctypes.c_int)],
         "gradwire_p2p_batch": [p, ctypes.POINTER(_P2pOp), sz],
         "gradwire_ip2p_batch": [p, ctypes.POINTER(_P2pOp), sz, pp],
         "gradwire_alloc": [p, sz, pp],
@@ -256,27 +257,14 @@ class Work:
         raises its failure) at once."""
         if self._h is None:
             return True
-        code = load_library().gradwire_wait(self._h, 0)
-        if code == -4:
-            return False
-        self._h = None
-        try:
-            _check(code)
-            self._outcome = [None]
-        except GradwireError as e:
-            self._outcome = [e]
-        return True
+        done = ctypes.c_int(0)
+        _check(load_library().gradwire_test(self._h, ctypes.byref(done)))
+        return bool(done.value)
 
     def wait(self, timeout_ms: int = -1) -> Any:
         """Waits (timeout_ms < 0: until done). Raises GradwireError on failure or timeout."""
         if self._h is None:
-            outcome = getattr(self, "_outcome", None)
-            if not outcome:
-                raise RuntimeError("work already waited for")
-            failed = outcome.pop()
-            if failed is not None:
-                raise failed
-            return self._keep[-1] if self._keep else None
+            raise RuntimeError("work already waited for")
         # Any negative int64 means "until done" in C; a bad value leaves the work valid.
         timeout_ms = _int_arg(timeout_ms, "wait: timeout_ms", *_INT64, f"out of range for an int64 ({_INT64[0]}..{_INT64[1]}; < 0 waits until done)")
         code = load_library().gradwire_wait(self._h, timeout_ms)
@@ -505,7 +493,8 @@ class Comm:
         "recv", buffer, peer, tag) tuples. A ring in which every rank sends before it
         receives completes (blocking send/recv would each wait for room at a peer that is
         itself sending). Messages are matched with the peers' as send/recv are. async_op:
-        returns a Work at once (buffers kept until waited)."""
+        returns a Work at once (buffers kept until waited). A receive buffer must overlap no
+        other buffer of the batch."""
         arr = (_P2pOp * max(len(ops), 1))()
         keep = []
         for i, op in enumerate(ops):

@@ -122,8 +122,16 @@ class _Work(dist.Work):
         return True
 
     def is_completed(self):
-        if not self._done and self._pending is not None and self._pending.test():
-            self._complete()
+        # Polled without blocking: a waiter holding the lock has it in hand.
+        if not self._done and self._lock.acquire(blocking=False):
+            try:
+                ready = self._pending is not None and self._pending.test()
+            except Exception:  # noqa: BLE001 (its wait raises it)
+                ready = True
+            finally:
+                self._lock.release()
+            if ready:
+                self._complete()
         return self._done
 
     def is_success(self):
@@ -181,9 +189,16 @@ class _P2PBatch:
     def started(self):
         return self._started
 
-    def add(self, kind, tensor, peer, tag, back):
-        self._ops.append((kind, tensor, peer, tag))
-        self._backs.append(back)
+    def add(self, ops):
+        """Adds (kind, tensor, peer, tag, back) ops; False (nothing added) once started,
+        since another thread (a poll, the completion thread) may start it at any time."""
+        with self._lock:
+            if self._started:
+                return False
+            for kind, tensor, peer, tag, back in ops:
+                self._ops.append((kind, tensor, peer, tag))
+                self._backs.append(back)
+            return True
 
     def start(self):
         with self._lock:
@@ -215,10 +230,14 @@ class _P2PBatch:
 
     def test(self):
         self.start()
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return False  # someone is waiting for it right now
+        try:
             if not self._done and self._work.test():
                 self._finish()
             return self._done
+        finally:
+            self._lock.release()
 
 
 def _done_or_pending(result, pending, finish):
@@ -432,10 +451,14 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     def recv_anysource(self, tensors, tag):
         raise RuntimeError("gradwire: recv from any source is not supported (every message is matched to its sender): pass src")
 
-    def _open_batch(self):
-        if self._batch is None or self._batch.started:
-            self._batch = _P2PBatch(self._comm)
-        return self._batch
+    def _queue_p2p(self, ops):
+        """Adds ops to the open batch (a new one if it has started) and returns it."""
+        while True:
+            if self._batch is None or self._batch.started:
+                self._batch = _P2PBatch(self._comm)
+            batch = self._batch
+            if batch.add(ops):
+                return batch
 
     def _start_p2p(self):
         """Starts the sends and receives issued so far, ahead of the call being made."""
@@ -443,18 +466,15 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             self._batch.start()
 
     def send(self, tensors, dst, tag):
-        batch = self._open_batch()
-        for t in tensors:
-            c, _ = _contiguous(t, "send")
-            batch.add("send", c, dst, tag, lambda: None)
-        return _Work(tensors, batch)
+        ops = [("send", _contiguous(t, "send")[0], dst, tag, lambda: None) for t in tensors]
+        return _Work(tensors, self._queue_p2p(ops))
 
     def recv(self, tensors, src, tag):
-        batch = self._open_batch()
+        ops = []
         for t in tensors:
             c, back = _contiguous(t, "recv")
-            batch.add("recv", c, src, tag, back)
-        return _Work(tensors, batch)
+            ops.append(("recv", c, src, tag, back))
+        return _Work(tensors, self._queue_p2p(ops))
 
     def barrier(self, opts=None):
         self._start_p2p()

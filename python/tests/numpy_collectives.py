@@ -192,7 +192,8 @@ if world > 1:
     cases += 1
     if not np.array_equal(into, np.random.default_rng(seed + prv).random(4 << 20, dtype=np.float32)):
         failures.append(f"rank {rank}: p2p_batch ring received wrong data")
-    for bad in ([("put", out, nxt, 0)], [("send", out, rank, 0)], [("send", out, nxt, -1)], [("send", out)]):
+    overlapping = [("send", out, nxt, 0), ("recv", out[10:], prv, 0)]
+    for bad in ([("put", out, nxt, 0)], [("send", out, rank, 0)], [("send", out, nxt, -1)], [("send", out)], overlapping):
         cases += 1
         try:
             comm.p2p_batch(bad)

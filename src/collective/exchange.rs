@@ -199,10 +199,27 @@ impl Communicator {
             if len > 0 && op.buf.is_null() {
                 return Err(invalid(format!("{what} to/from rank {} in a batch: null buffer", op.peer)));
             }
-            if op.peer >= self.size() || op.peer == self.rank() {
-                return Err(invalid(format!("{what} peer {} in a batch: must be another rank of this communicator (size {})", op.peer, self.size())));
-            }
             lens.push(len);
+        }
+        // A receive's buffer must overlap no other buffer of the batch (it becomes a `&mut`
+        // slice beside the others): sorted by start, an interval overlaps an earlier one iff
+        // it starts before the furthest end seen so far.
+        let mut spans: Vec<(usize, usize, bool)> =
+            ops.iter().zip(&lens).filter(|(_, &l)| l > 0).map(|(o, &l)| (o.buf as usize, o.buf as usize + l, !o.send)).collect();
+        spans.sort_unstable();
+        let (mut end, mut recv_end) = (0usize, 0usize);
+        for &(lo, hi, recv) in &spans {
+            if lo < recv_end || (recv && lo < end) {
+                return Err(invalid("send/recv batch: a receive buffer overlaps another buffer of the batch"));
+            }
+            end = end.max(hi);
+            if recv {
+                recv_end = recv_end.max(hi);
+            }
+        }
+        if let Some(op) = ops.iter().find(|op| op.peer >= self.size() || op.peer == self.rank()) {
+            let what = if op.send { "send" } else { "recv" };
+            return Err(invalid(format!("{what} peer {} in a batch: must be another rank of this communicator (size {})", op.peer, self.size())));
         }
         let mut items = Vec::with_capacity(ops.len());
         for (op, len) in ops.iter().zip(lens) {

@@ -17,12 +17,12 @@ impl<'c> Ssgd<'c> {
     }
 }
 
-/// Bytes one rank sends in a ring allreduce of `n` f32 values over `w` ranks.
 /// Bytes a rank sends in a ring allgather of `n` f32 per rank: every other rank's share.
 pub(crate) fn allgather_bytes(n: usize, w: usize) -> u64 {
     (w.max(1) as u64 - 1) * f32_bytes(n)
 }
 
+/// Bytes one rank sends in a ring allreduce of `n` f32 values over `w` ranks.
 pub(crate) fn allreduce_bytes(n: usize, w: usize) -> u64 {
     if w < 2 {
         0

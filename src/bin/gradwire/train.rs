@@ -97,8 +97,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub check_replicas: bool,
     /// At the end, compare the bytes the scheme counted in its steps with the payload
-    /// bytes the transports sent during them (two-sided messages only; the one-host
-    /// shared-memory allreduce sends none).
+    /// bytes the transports sent during them. Meaningful for schemes whose messages all
+    /// complete inside the step on ring paths (ssgd, bsp): the one-host shared-memory
+    /// allreduce and one-sided traffic send none, DASO's non-blocking sums progress between
+    /// steps, and small buffers take recursive doubling, whose bytes differ from a ring's.
     #[arg(long)]
     pub check_bytes: bool,
 }
@@ -148,7 +150,6 @@ fn strategy_config(a: &TrainArgs) -> Result<StrategyConfig> {
     })
 }
 
-/// Trains; returns whether `--require` (if given) was met.
 /// "  replicas identical" when every rank's parameters are bit-identical, else how far
 /// apart they are. Collective.
 fn replica_state(comm: &Communicator, params: &[f32]) -> Result<String> {
@@ -165,6 +166,7 @@ fn replica_state(comm: &Communicator, params: &[f32]) -> Result<String> {
     Ok(format!("  replicas differ (max |rank 0 - rank r| {:.3e})", apart[0]))
 }
 
+/// Trains; returns whether `--require` (if given) was met.
 pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
     let (w, me) = (comm.size(), comm.rank());
     let slow = parse_slow(&a.slow, w)?;
