@@ -2,7 +2,7 @@
 //! running job, each compared with the independent reference of `verify` on fresh random
 //! data, plus a check that all ranks hold bit-identical allreduce results.
 
-use crate::verify::{count_wrong, decode, encode, fingerprint, reference, reference_rounded_once, round_to, within};
+use crate::verify::{count_wrong, decode, encode, fingerprint, int64_reference, int64_wrong, reference, reference_rounded_once, round_to, within};
 use gradwire::transport::onesided::{Accumulate, AccumulateError};
 use gradwire::{Algo, Communicator, DType, HierarchicalAlgo, Hierarchy, OpKind, ReduceOp, Request, Result};
 use rand::{Rng, SeedableRng};
@@ -316,7 +316,15 @@ pub fn run_case(
                 let got = decode(dtype, &buf[off * es..(off + m) * es]);
                 let want: Vec<(f64, f64)> =
                     if op == OpKind::Reduce && me != root { mine.iter().map(|&v| (v, 0.0)).collect() } else { (0..m).map(|i| reference(&inputs, i)).collect() };
-                let bad = count_wrong(&got, &want);
+                let mut bad = count_wrong(&got, &want);
+                if dtype == DType::I64 {
+                    let bytes = &buf[off * es..(off + m) * es];
+                    bad = if op == OpKind::Reduce && me != root {
+                        int64_wrong(bytes, mine.iter().map(|&v| v as i64))
+                    } else {
+                        int64_wrong(bytes, (0..m).map(|i| int64_reference(redop, &inputs, i)))
+                    };
+                }
                 if bad > 0 && wrong == 0 {
                     if let Some(i) = (0..m).find(|&i| !within(got[i], want[i])) {
                         failures.push(format!("rank {me}: {label}: element {} = {} but reference {} ± {}", off + i, got[i], want[i].0, want[i].1));
@@ -333,6 +341,9 @@ pub fn run_case(
             encode(dtype, &inputs[me], &mut send);
             let mut recv = vec![0u8; n * es];
             run_bytes(comm, req, &send, &mut recv)?;
+            if dtype == DType::I64 {
+                return Ok(int64_wrong(&recv, (me * n..(me + 1) * n).map(|i| int64_reference(redop, &inputs, i))));
+            }
             let want: Vec<(f64, f64)> = (me * n..(me + 1) * n).map(|i| reference(&inputs, i)).collect();
             count_wrong(&decode(dtype, &recv), &want)
         }

@@ -140,6 +140,24 @@ pub fn reference_rounded_once(op: ReduceOp, dtype: DType, inputs: &[Vec<f64>], i
     (want, 0.5 * dtype.epsilon() * want.abs() + 0.5 * subnormal_step(dtype) + f32_slack)
 }
 
+/// The exact int64 results of `op` over `inputs` (each within ±2^53, so exact as f64),
+/// wrapped as the kernels wrap: what [`reference`] gives as f64 loses the low bits of a
+/// result beyond 2^53, so int64 results are compared here, bit for bit.
+pub fn int64_reference(op: ReduceOp, inputs: &[Vec<f64>], i: usize) -> i64 {
+    let ints = inputs.iter().map(|v| v[i] as i128);
+    (match op {
+        ReduceOp::Sum | ReduceOp::Avg => ints.fold(0i128, i128::wrapping_add),
+        ReduceOp::Product => ints.fold(1i128, i128::wrapping_mul),
+        ReduceOp::Min => ints.min().unwrap_or(0),
+        ReduceOp::Max => ints.max().unwrap_or(0),
+    }) as i64
+}
+
+/// How many int64 elements of `got` (little-endian bytes) differ from `want`.
+pub fn int64_wrong(got: &[u8], want: impl Iterator<Item = i64>) -> usize {
+    got.chunks_exact(8).zip(want).filter(|(g, w)| i64::from_le_bytes([g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7]]) != *w).count()
+}
+
 /// Whether `got` is within `tol` of `want` (a NaN never is).
 pub fn within(got: f64, (want, tol): (f64, f64)) -> bool {
     (got - want).abs() <= tol
@@ -158,6 +176,18 @@ pub fn fingerprint(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A wrong low bit of an int64 result beyond 2^53 is invisible as f64 but caught here.
+    #[test]
+    fn int64_results_are_compared_exactly() {
+        let inputs = vec![vec![(1i64 << 53) as f64], vec![(1i64 << 53) as f64], vec![3.0]];
+        let want = int64_reference(ReduceOp::Sum, &inputs, 0);
+        assert_eq!(want, (1i64 << 54) + 3);
+        let off_by_one = (want + 1).to_le_bytes();
+        assert_eq!(((want + 1) as f64), (want as f64), "the f64 comparison cannot see it");
+        assert_eq!(int64_wrong(&off_by_one, std::iter::once(want)), 1);
+        assert_eq!(int64_wrong(&want.to_le_bytes(), std::iter::once(want)), 0);
+    }
 
     /// The CI failure that taught the subnormal floor: an f16 average of 2 ranks whose
     /// result (about -7.5e-6) is subnormal, rounded once to the nearest step of 2^-24.
