@@ -170,6 +170,40 @@ typedef struct {
 int gradwire_p2p_batch(gradwire_comm_t *comm, const gradwire_p2p_op_t *ops, size_t nops);
 int gradwire_ip2p_batch(gradwire_comm_t *comm, const gradwire_p2p_op_t *ops, size_t nops, gradwire_work_t **work);
 
+/* Training schemes (ALGORITHMS.md) on a communicator, driven by the framework step by
+ * step over a flat float32 parameter vector of n values (every buffer below holds n):
+ * scheme "ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour" or "eamsgd"; options
+ * "key=value,..." (NULL or "": defaults): lr, momentum, interval, node_interval, topk,
+ * warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level, bf16_wire,
+ * sending_chunk_size, fetch, push, tau, beta, rule (an unknown key or a bad value is
+ * GRADWIRE_ERR_INVALID_ARGUMENT naming it). init: the initial parameters (the parameter
+ * servers start from them). Collective: every rank of comm creates its scheme.
+ * When gradwire_strategy_framework_update says 1 (ssgd, daso, bsp), each step is
+ *   gradwire_strategy_before_update(grads)   (e.g. averages the gradients)
+ *   the framework's own optimizer step        (SGD with momentum, Adam, ...)
+ *   gradwire_strategy_after_update(params)   (e.g. DASO's merges, BSP's change average)
+ * otherwise gradwire_strategy_step(params, grads) applies the servers' rule. After each
+ * epoch gradwire_strategy_end_epoch (the loss averaged over ranks; DASO adapts its
+ * schedule), at the end gradwire_strategy_finish (the final model in params).
+ * gradwire_strategy_current_model writes the model to evaluate into params. */
+typedef struct gradwire_strategy gradwire_strategy_t;
+int gradwire_strategy_create(gradwire_comm_t *comm, const char *scheme, const char *options, const float *init,
+                             size_t n, gradwire_strategy_t **strategy);
+int gradwire_strategy_free(gradwire_strategy_t *strategy);
+int gradwire_strategy_framework_update(gradwire_strategy_t *strategy, int *yes);
+int gradwire_strategy_start(gradwire_strategy_t *strategy, float *params, size_t n);
+int gradwire_strategy_before_update(gradwire_strategy_t *strategy, float *grads, size_t n, int last_of_epoch);
+int gradwire_strategy_after_update(gradwire_strategy_t *strategy, float *params, size_t n, int last_of_epoch);
+int gradwire_strategy_step(gradwire_strategy_t *strategy, float *params, const float *grads, size_t n,
+                           int last_of_epoch);
+int gradwire_strategy_end_epoch(gradwire_strategy_t *strategy, float *params, size_t n, double loss,
+                                double *mean_loss);
+int gradwire_strategy_current_model(gradwire_strategy_t *strategy, float *params, size_t n);
+int gradwire_strategy_finish(gradwire_strategy_t *strategy, float *params, size_t n);
+int gradwire_strategy_bytes_sent(gradwire_strategy_t *strategy, uint64_t *bytes);
+/* The scheme's name and state (DASO's schedule, BSP's K), NUL-terminated, truncated to len. */
+int gradwire_strategy_describe(gradwire_strategy_t *strategy, char *buf, size_t len);
+
 /* Page-aligned memory shared with the ranks of this host (registered, zero-copy): an
  * allreduce of at least 256 KiB (4 MiB where the kernel refuses cross-memory attach)
  * whose buffers all come from here reads and writes the peers' buffers in place. */

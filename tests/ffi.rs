@@ -167,6 +167,37 @@ unsafe fn bad_inputs() {
     // A receive may not overlap another buffer of the batch (two sends may share one).
     let two = [op(GRADWIRE_P2P_SEND, 1, 0, xp), op(GRADWIRE_P2P_RECV, 1, 0, shifted)];
     expect(gradwire_p2p_batch(comm, two.as_ptr(), 2), INVALID, "overlaps another buffer");
+    // Training schemes: bad input, then a one-rank ssgd round trip.
+    let mut strat: *mut gradwire_strategy_t = std::ptr::null_mut();
+    let init = [0.5f32; 8];
+    let c = |s: &str| std::ffi::CString::new(s).unwrap();
+    let (ssgd, bsp, junk) = (c("ssgd"), c("bsp"), c("sgdx"));
+    expect(gradwire_strategy_create(comm, std::ptr::null(), std::ptr::null(), init.as_ptr(), 8, &mut strat), INVALID, "scheme is NULL");
+    expect(gradwire_strategy_create(comm, junk.as_ptr(), std::ptr::null(), init.as_ptr(), 8, &mut strat), INVALID, "unknown strategy 'sgdx'");
+    expect(gradwire_strategy_create(comm, bsp.as_ptr(), c("interval=0").as_ptr(), init.as_ptr(), 8, &mut strat), INVALID, "interval=0");
+    expect(gradwire_strategy_create(comm, ssgd.as_ptr(), std::ptr::null(), std::ptr::null(), 8, &mut strat), INVALID, "init is NULL");
+    expect(gradwire_strategy_create(comm, ssgd.as_ptr(), std::ptr::null(), init.as_ptr(), 8, std::ptr::null_mut()), INVALID, "strategy is NULL");
+    expect(gradwire_strategy_create(bogus, ssgd.as_ptr(), std::ptr::null(), init.as_ptr(), 8, &mut strat), INVALID, "not a live communicator");
+    assert_eq!(gradwire_strategy_create(comm, ssgd.as_ptr(), std::ptr::null(), init.as_ptr(), 8, &mut strat), 0, "{}", last_error());
+    let (mut p, mut g) = ([1.0f32; 8], [0.25f32; 8]);
+    expect(gradwire_strategy_start(strat, p.as_mut_ptr(), 7), INVALID, "7 values, but the scheme was made for 8 parameters");
+    expect(gradwire_strategy_before_update(strat, std::ptr::null_mut(), 8, 0), INVALID, "grads is NULL");
+    expect(gradwire_strategy_step(strat, p.as_mut_ptr(), g.as_ptr(), 8, 0), INVALID, "call before_update and after_update");
+    assert_eq!(gradwire_strategy_start(strat, p.as_mut_ptr(), 8), 0, "{}", last_error());
+    assert_eq!(gradwire_strategy_before_update(strat, g.as_mut_ptr(), 8, 1), 0, "{}", last_error());
+    assert_eq!(gradwire_strategy_after_update(strat, p.as_mut_ptr(), 8, 1), 0, "{}", last_error());
+    let mut mean = 0.0;
+    expect(gradwire_strategy_end_epoch(strat, p.as_mut_ptr(), 8, f64::NAN, &mut mean), INVALID, "not finite");
+    assert_eq!(gradwire_strategy_end_epoch(strat, p.as_mut_ptr(), 8, 2.5, &mut mean), 0, "{}", last_error());
+    assert_eq!(mean, 2.5);
+    let mut text = [0 as std::ffi::c_char; 5];
+    assert_eq!(gradwire_strategy_describe(strat, text.as_mut_ptr(), 5), 0, "{}", last_error());
+    // SAFETY: describe NUL-terminates within the 5 bytes.
+    assert_eq!(unsafe { CStr::from_ptr(text.as_ptr()) }.to_str().unwrap(), "ssgd");
+    assert_eq!(gradwire_strategy_finish(strat, p.as_mut_ptr(), 8), 0, "{}", last_error());
+    assert_eq!(gradwire_strategy_free(strat), 0, "{}", last_error());
+    expect(gradwire_strategy_free(strat), INVALID, "not a live strategy handle");
+    expect(gradwire_strategy_start(strat, p.as_mut_ptr(), 8), INVALID, "not a live strategy handle");
     // An empty batch is a no-op.
     assert_eq!(gradwire_p2p_batch(comm, std::ptr::null(), 0), 0, "{}", last_error());
     expect(gradwire_allgather(comm, xp, shifted, 4, 0), INVALID, "overlap");

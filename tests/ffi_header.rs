@@ -1,5 +1,5 @@
 //! The header is the ABI's source of truth: bindgen parses `ffi/gradwire.h`, syn parses the
-//! exports in `src/ffi.rs`, and every function must exist on both sides with the same
+//! exports in `src/ffi/`, and every function must exist on both sides with the same
 //! parameter and return types; the enum values must equal the Rust ones.
 
 use quote::ToTokens;
@@ -64,8 +64,14 @@ fn header_matches_rust_exports() {
             _ => {}
         }
     }
-    let src = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/src/ffi.rs")).unwrap();
-    let rust = syn::parse_file(&src).expect("src/ffi.rs parses");
+    // The C ABI's Rust side: every file of src/ffi/.
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/ffi");
+    let mut rust = syn::File { shebang: None, attrs: vec![], items: vec![] };
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let src = std::fs::read_to_string(&path).unwrap();
+        rust.items.extend(syn::parse_file(&src).unwrap_or_else(|e| panic!("{} parses: {e}", path.display())).items);
+    }
     let mut exported: BTreeMap<String, Sig> = BTreeMap::new();
     for item in &rust.items {
         if let syn::Item::Fn(f) = item {
@@ -92,14 +98,14 @@ fn header_matches_rust_exports() {
     let (c_structs, rust_structs) = (fields(&header), fields(&rust));
     for name in ["gradwire_p2p_op_t", "gradwire_unique_id_t"] {
         let c = c_structs.get(name).unwrap_or_else(|| panic!("{name} missing from gradwire.h"));
-        let r = rust_structs.get(name).unwrap_or_else(|| panic!("{name} missing from src/ffi.rs"));
+        let r = rust_structs.get(name).unwrap_or_else(|| panic!("{name} missing from src/ffi/"));
         // bindgen writes array lengths as numbers.
         let len = format!("{}usize", gradwire::bootstrap::unique_id::UNIQUE_ID_BYTES);
         let r: Vec<(String, String)> = r.iter().map(|(f, t)| (f.clone(), t.replace("UNIQUE_ID_BYTES", &len))).collect();
         assert_eq!(&r, c, "{name}: Rust fields differ from the header's");
     }
     for (name, sig) in &declared {
-        let mine = exported.get(name).unwrap_or_else(|| panic!("{name} is declared in gradwire.h but not exported by src/ffi.rs"));
+        let mine = exported.get(name).unwrap_or_else(|| panic!("{name} is declared in gradwire.h but not exported by src/ffi/"));
         assert_eq!(mine, sig, "{name}: Rust signature differs from the header's");
     }
     for name in exported.keys() {

@@ -155,6 +155,68 @@ static int check_world(gradwire_comm_t *c, int rank, int w) {
     return 0;
 }
 
+/* Training schemes driven as a framework drives them, on a toy least-squares model: rank
+ * r's gradient at p is p - target_r (target_r[k] = r + k), so the synchronous schemes
+ * reach mean_r target_r; asynchronous Downpour ends at some mix of the targets (the last
+ * pushes weigh most), inside their range. Every rank must end with the same parameters. */
+static int train_schemes(gradwire_comm_t *c, int rank, int w) {
+    enum { N = 16, EPOCHS = 6, BATCHES = 8 };
+    const char *schemes[][2] = {
+        {"ssgd", "momentum=0.5"},
+        {"bsp", "interval=2"},
+        {"daso", "epochs=6,warmup_epochs=1,cooldown_epochs=1"},
+        {"downpour", "lr=0.2,fetch=2,push=2"},
+    };
+    if (gradwire_strategy_create(c, "sgdx", NULL, NULL, 0, NULL) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "strategy NULL out accepted");
+    gradwire_strategy_t *s = NULL;
+    float init[N] = {0};
+    if (gradwire_strategy_create(c, "bsp", "interval=0", init, N, &s) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "interval=0 accepted");
+    for (size_t k = 0; k < sizeof schemes / sizeof schemes[0]; k++) {
+        float p[N], g[N];
+        for (int i = 0; i < N; i++) p[i] = (float)(rank * 100 + i); /* start apart: start() agrees */
+        if (gradwire_strategy_create(c, schemes[k][0], schemes[k][1], p, N, &s)) return fail(rank, schemes[k][0]);
+        int framework = -1;
+        if (gradwire_strategy_framework_update(s, &framework) || gradwire_strategy_start(s, p, N)) return fail(rank, "start");
+        for (int e = 0; e < EPOCHS; e++) {
+            double loss = 0, mean = 0;
+            for (int b = 0; b < BATCHES; b++) {
+                for (int i = 0; i < N; i++) {
+                    g[i] = p[i] - (float)(rank + i);
+                    loss += 0.5 * g[i] * g[i];
+                }
+                int last = b == BATCHES - 1, rc;
+                if (framework) {
+                    rc = gradwire_strategy_before_update(s, g, N, last);
+                    for (int i = 0; i < N && !rc; i++) p[i] -= 0.2f * g[i]; /* the framework's optimizer */
+                    rc = rc ? rc : gradwire_strategy_after_update(s, p, N, last);
+                } else {
+                    rc = gradwire_strategy_step(s, p, g, N, last);
+                }
+                if (rc) return fail(rank, schemes[k][0]);
+            }
+            if (gradwire_strategy_end_epoch(s, p, N, loss / BATCHES, &mean)) return fail(rank, "end_epoch");
+        }
+        if (gradwire_strategy_finish(s, p, N)) return fail(rank, "finish");
+        char state[128];
+        uint64_t bytes = 0;
+        if (gradwire_strategy_describe(s, state, sizeof state) || gradwire_strategy_bytes_sent(s, &bytes)) return fail(rank, "describe");
+        if (gradwire_strategy_free(s) || gradwire_strategy_free(s) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "free");
+        /* Identical on every rank, and near the mean target. */
+        float lo[N], hi[N];
+        if (gradwire_allreduce(c, p, lo, N, GRADWIRE_FLOAT32, GRADWIRE_MIN) || gradwire_allreduce(c, p, hi, N, GRADWIRE_FLOAT32, GRADWIRE_MAX)) return fail(rank, "compare");
+        for (int i = 0; i < N; i++) {
+            float want = (float)(w - 1) / 2 + (float)i, err = p[i] - want;
+            float tol = k == 3 ? (float)(w - 1) / 2 + 0.1f : 0.5f;
+            if (lo[i] != hi[i] || err > tol || err < -tol) {
+                fprintf(stderr, "rank %d: %s: parameter %d = %g (ranks from %g to %g), want about %g\n", rank, state, i, p[i], lo[i], hi[i], want);
+                return 1;
+            }
+        }
+        if (rank == 0) printf("%s: %llu bytes sent by rank 0\n", state, (unsigned long long)bytes);
+    }
+    return 0;
+}
+
 static int run_rank(int rank, int w, int (*world_pipes)[2], int (*even_pipes)[2]) {
     gradwire_unique_id_t id;
     int world_w[64], even_w[64];
@@ -164,6 +226,7 @@ static int run_rank(int rank, int w, int (*world_pipes)[2], int (*even_pipes)[2]
     gradwire_comm_t *world = NULL, *evens = NULL;
     if (gradwire_comm_init_rank(&world, &id, w, rank)) return fail(rank, "gradwire_comm_init_rank");
     if (check_world(world, rank, w)) return 1;
+    if (train_schemes(world, rank, w)) return 1;
     if (rank % 2 == 0) {
         int er = rank / 2, ew = (w + 1) / 2;
         if (share_id(er, ew, even_w, &even_pipes[rank][0], &id)) return 1;

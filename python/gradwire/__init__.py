@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "Comm",
+    "Strategy",
     "Work",
     "GradwireError",
     "ConfigError",
@@ -175,6 +176,18 @@ def load_library() -> ctypes.CDLL:
         "gradwire_send": [p, p, sz, u, i, u],
         "gradwire_recv": [p, p, sz, u, i, u],
         "gradwire_test": [p, ctypes.POINTER(ctypes.c_int)],
+        "gradwire_strategy_create": [p, ctypes.c_char_p, ctypes.c_char_p, p, sz, pp],
+        "gradwire_strategy_free": [p],
+        "gradwire_strategy_framework_update": [p, ctypes.POINTER(ctypes.c_int)],
+        "gradwire_strategy_start": [p, p, sz],
+        "gradwire_strategy_before_update": [p, p, sz, ctypes.c_int],
+        "gradwire_strategy_after_update": [p, p, sz, ctypes.c_int],
+        "gradwire_strategy_step": [p, p, p, sz, ctypes.c_int],
+        "gradwire_strategy_end_epoch": [p, p, sz, ctypes.c_double, ctypes.POINTER(ctypes.c_double)],
+        "gradwire_strategy_current_model": [p, p, sz],
+        "gradwire_strategy_finish": [p, p, sz],
+        "gradwire_strategy_bytes_sent": [p, ctypes.POINTER(ctypes.c_uint64)],
+        "gradwire_strategy_describe": [p, ctypes.c_char_p, sz],
         "gradwire_p2p_batch": [p, ctypes.POINTER(_P2pOp), sz],
         "gradwire_ip2p_batch": [p, ctypes.POINTER(_P2pOp), sz, pp],
         "gradwire_alloc": [p, sz, pp],
@@ -272,6 +285,78 @@ class Work:
             self._h = None
         _check(code)
         return self._keep[-1] if self._keep else None
+
+
+class Strategy:
+    """A training scheme of ALGORITHMS.md on a communicator, over a flat float32 parameter
+    vector (a contiguous NumPy array or CPU tensor of `len(init)` values). For ssgd, daso
+    and bsp (`framework_update` True) a step is before_update(grads), your optimizer's
+    step, after_update(params); for the parameter-server schemes it is step(params, grads).
+    `options`: "key=value,..." (see ffi/gradwire.h). Collective: every rank makes one."""
+
+    def __init__(self, comm: "Comm", scheme: str, init: Buffer, options: str = "") -> None:
+        p, n, dt = _buffer(init, "Strategy init")
+        if dt != _dtype("float32", "Strategy init"):
+            raise TypeError("Strategy: parameters must be float32")
+        h = ctypes.c_void_p()
+        _check(load_library().gradwire_strategy_create(comm._live(), scheme.encode(), options.encode(), p, n, ctypes.byref(h)))
+        self._h, self._n, self._comm = h, n, comm
+        yes = ctypes.c_int(0)
+        _check(load_library().gradwire_strategy_framework_update(h, ctypes.byref(yes)))
+        self.framework_update = bool(yes.value)
+
+    def _args(self, x: Buffer, what: str):
+        if self._h is None:
+            raise RuntimeError("strategy is freed")
+        p, n, dt = _buffer(x, what)
+        if dt != _dtype("float32", what) or n != self._n:
+            raise ValueError(f"{what}: expected {self._n} float32 values")
+        return p, n
+
+    def start(self, params: Buffer) -> None:
+        """Makes `params` the same on every rank (or the servers'). Collective."""
+        _check(load_library().gradwire_strategy_start(self._h, *self._args(params, "start")))
+
+    def before_update(self, grads: Buffer, last_of_epoch: bool = False) -> None:
+        _check(load_library().gradwire_strategy_before_update(self._h, *self._args(grads, "before_update"), int(last_of_epoch)))
+
+    def after_update(self, params: Buffer, last_of_epoch: bool = False) -> None:
+        _check(load_library().gradwire_strategy_after_update(self._h, *self._args(params, "after_update"), int(last_of_epoch)))
+
+    def step(self, params: Buffer, grads: Buffer, last_of_epoch: bool = False) -> None:
+        p, n = self._args(params, "step params")
+        g, _ = self._args(grads, "step grads")
+        _check(load_library().gradwire_strategy_step(self._h, p, g, n, int(last_of_epoch)))
+
+    def end_epoch(self, params: Buffer, loss: float) -> float:
+        """Returns the loss averaged over ranks (DASO adapts its schedule to it)."""
+        mean = ctypes.c_double()
+        _check(load_library().gradwire_strategy_end_epoch(self._h, *self._args(params, "end_epoch"), float(loss), ctypes.byref(mean)))
+        return mean.value
+
+    def current_model(self, out: Buffer) -> Buffer:
+        _check(load_library().gradwire_strategy_current_model(self._h, *self._args(out, "current_model")))
+        return out
+
+    def finish(self, params: Buffer) -> None:
+        """Leaves the final model in `params` on every rank. Collective."""
+        _check(load_library().gradwire_strategy_finish(self._h, *self._args(params, "finish")))
+
+    @property
+    def bytes_sent(self) -> int:
+        b = ctypes.c_uint64()
+        _check(load_library().gradwire_strategy_bytes_sent(self._h, ctypes.byref(b)))
+        return b.value
+
+    def describe(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        _check(load_library().gradwire_strategy_describe(self._h, buf, 256))
+        return buf.value.decode(errors="replace")
+
+    def free(self) -> None:
+        if self._h is not None:
+            _check(load_library().gradwire_strategy_free(self._h))
+            self._h = None
 
 
 def unique_id() -> bytes:

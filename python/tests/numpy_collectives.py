@@ -201,6 +201,40 @@ if world > 1:
         except (ValueError, TypeError, GradwireError):
             pass
 
+# Training schemes through the C ABI on a toy least-squares model (rank r's gradient at p
+# is p - target_r): every rank ends with the same parameters, near the mean target.
+from gradwire import Strategy  # noqa: E402
+
+target = np.arange(16, dtype=np.float32) + rank
+want = np.arange(16, dtype=np.float32) + (world - 1) / 2
+for scheme, options in [("ssgd", "momentum=0.5"), ("bsp", "interval=3,topk=0.5"), ("daso", "epochs=6,warmup_epochs=1,cooldown_epochs=1")]:
+    p = np.full(16, float(rank * 10), dtype=np.float32)
+    s = Strategy(comm, scheme, p, options)
+    s.start(p)
+    for epoch in range(6):
+        for b in range(8):
+            g = p - target
+            s.before_update(g, b == 7)
+            p -= 0.2 * g
+            s.after_update(p, b == 7)
+        s.end_epoch(p, float(((p - target) ** 2).sum()))
+    s.finish(p)
+    state = s.describe()
+    s.free()
+    lo, hi = comm.allreduce(p.copy(), op="min"), comm.allreduce(p.copy(), op="max")
+    cases += 1
+    if not (np.array_equal(lo, hi) and np.abs(p - want).max() < 0.5):
+        failures.append(f"rank {rank}: {state}: ranks from {lo[:3]} to {hi[:3]}, want about {want[:3]}")
+for bad, exc in [(lambda: Strategy(comm, "sgdx", np.zeros(4, dtype=np.float32)), InvalidArgumentError),
+                 (lambda: Strategy(comm, "bsp", np.zeros(4, dtype=np.float32), "interval=0"), InvalidArgumentError),
+                 (lambda: Strategy(comm, "ssgd", np.zeros(4, dtype=np.float64)), TypeError)]:
+    cases += 1
+    try:
+        bad()
+        failures.append(f"rank {rank}: a bad Strategy was accepted")
+    except exc:
+        pass
+
 if comm.split(rank % 2).size != (world + 1 - rank % 2) // 2:
     failures.append(f"rank {rank}: split sizes wrong")
 kept = comm.empty(1000, "float64")

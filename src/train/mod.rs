@@ -171,12 +171,65 @@ impl Default for StrategyConfig {
     }
 }
 
+impl StrategyConfig {
+    /// `scheme` with `options` ("key=value,key=value"; empty: the defaults), as a framework
+    /// hands them over the C ABI. Keys: lr, momentum, interval, node_interval, topk (bsp);
+    /// warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level, bf16_wire,
+    /// sending_chunk_size (daso); fetch, push (downpour); tau, beta (eamsgd); rule (ddcgu,
+    /// cyclic: sum, mean or staleness). An unknown key or a value out of range is an error
+    /// naming it.
+    pub fn parse(scheme: &str, options: &str) -> Result<StrategyConfig> {
+        if !STRATEGIES.contains(&scheme) {
+            return Err(invalid(format!("unknown strategy '{scheme}' (known: {})", STRATEGIES.join(", "))));
+        }
+        let mut cfg = StrategyConfig { strategy: scheme.into(), ..Default::default() };
+        for item in options.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (key, value) = item.split_once('=').ok_or_else(|| invalid(format!("option '{item}': expected key=value")))?;
+            let (key, value) = (key.trim(), value.trim());
+            let bad = |why: &str| invalid(format!("option {key}={value}: {why}"));
+            let real = |lo: f64, hi: f64| -> Result<f64> {
+                value.parse::<f64>().ok().filter(|v| v.is_finite() && (lo..=hi).contains(v)).ok_or_else(|| bad(&format!("expected a number in [{lo}, {hi}]")))
+            };
+            let count =
+                |lo: usize| -> Result<usize> { value.parse::<usize>().ok().filter(|v| *v >= lo).ok_or_else(|| bad(&format!("expected an integer >= {lo}"))) };
+            match key {
+                "lr" => cfg.lr = real(f64::MIN_POSITIVE, 1e6)? as f32,
+                "momentum" => cfg.momentum = real(0.0, 1.0)? as f32,
+                "interval" => cfg.interval = count(1)?,
+                "node_interval" => cfg.node_interval = count(0)?,
+                "topk" => cfg.topk = real(0.0, 1.0)?,
+                "warmup_epochs" => cfg.daso.warmup_epochs = count(0)?,
+                "cooldown_epochs" => cfg.daso.cooldown_epochs = count(0)?,
+                "epochs" => cfg.daso.epochs = count(1)?,
+                "max_global_skips" => cfg.daso.max_global_skips = count(1)?,
+                "stability_level" => cfg.daso.stability_level = real(0.0, 1.0)?,
+                "bf16_wire" => cfg.daso.bf16_wire = value.parse().map_err(|_| bad("expected true or false"))?,
+                "sending_chunk_size" => cfg.daso.sending_chunk_size = count(1)?,
+                "fetch" => cfg.fetch = count(1)?,
+                "push" => cfg.push = count(1)?,
+                "tau" => cfg.tau = count(1)?,
+                "beta" => cfg.beta = real(0.0, 1.0)? as f32,
+                "rule" => {
+                    cfg.rule = match value {
+                        "sum" => crate::rma::ApplyRule::Sum,
+                        "mean" => crate::rma::ApplyRule::Mean,
+                        "staleness" => crate::rma::ApplyRule::Staleness,
+                        _ => return Err(bad("expected sum, mean or staleness")),
+                    }
+                }
+                _ => return Err(invalid(format!("unknown option '{key}' for {scheme}"))),
+            }
+        }
+        Ok(cfg)
+    }
+}
+
 /// The strategies by name, in the order of the papers' claims.
 pub const STRATEGIES: [&str; 7] = ["ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour", "eamsgd"];
 
 /// Builds the strategy `cfg.strategy` on `comm`, for a model of `n` parameters with initial
 /// values `init` (the same on every rank: the parameter servers start from them).
-pub fn build<'c>(comm: &'c Communicator, cfg: &StrategyConfig, init: &[f32]) -> Result<Box<dyn Strategy + 'c>> {
+pub fn build<'c>(comm: &'c Communicator, cfg: &StrategyConfig, init: &[f32]) -> Result<Box<dyn Strategy + Send + 'c>> {
     Ok(match cfg.strategy.as_str() {
         "ssgd" => Box::new(ssgd::Ssgd::new(comm)),
         "bsp" => Box::new(bsp::Bsp::new(comm, cfg.interval, cfg.topk, cfg.node_interval)?),
@@ -209,6 +262,28 @@ pub(crate) fn f32_bytes(n: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn options_parse_and_refuse_clearly() {
+        let c = StrategyConfig::parse("bsp", "interval=8, topk=0.01,lr=0.1").unwrap();
+        assert_eq!((c.interval, c.topk, c.lr), (8, 0.01, 0.1));
+        let d = StrategyConfig::parse("daso", "epochs=20,warmup_epochs=2,bf16_wire=true,sending_chunk_size=1000").unwrap();
+        assert_eq!((d.daso.epochs, d.daso.warmup_epochs, d.daso.bf16_wire, d.daso.sending_chunk_size), (20, 2, true, 1000));
+        assert_eq!(StrategyConfig::parse("ssgd", "").unwrap().strategy, "ssgd");
+        for (scheme, options, want) in [
+            ("sgdx", "", "unknown strategy 'sgdx'"),
+            ("bsp", "interval=0", "option interval=0: expected an integer >= 1"),
+            ("bsp", "topk=2", "option topk=2: expected a number in [0, 1]"),
+            ("bsp", "lr=nan", "option lr=nan"),
+            ("daso", "bf16_wire=yes", "expected true or false"),
+            ("ddcgu", "rule=median", "expected sum, mean or staleness"),
+            ("ssgd", "colour=blue", "unknown option 'colour'"),
+            ("ssgd", "lr", "option 'lr': expected key=value"),
+        ] {
+            let e = StrategyConfig::parse(scheme, options).unwrap_err().to_string();
+            assert!(e.contains(want), "{scheme} {options}: {e}");
+        }
+    }
 
     #[test]
     fn sgd_momentum_matches_hand_computed_steps() {

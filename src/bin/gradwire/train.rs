@@ -223,7 +223,7 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
         let ran = strategy.describe();
         let t0 = Instant::now();
         let (mut loss_sum, mut batches) = (0f64, 0usize);
-        let mut step = |model: &mut Mlp, strategy: &mut Box<dyn train::Strategy + '_>, batch: &[usize], last: bool| -> Result<()> {
+        let mut step = |model: &mut Mlp, strategy: &mut Box<dyn train::Strategy + Send + '_>, batch: &[usize], last: bool| -> Result<()> {
             let c0 = Instant::now();
             loss_sum += model.loss_and_grad(&params, batch, &mut grads) as f64;
             batches += 1;

@@ -8,6 +8,9 @@
 //! host process.
 #![allow(non_camel_case_types)]
 
+mod train;
+pub use train::*;
+
 use crate::bootstrap::unique_id::{UniqueId, UNIQUE_ID_BYTES};
 use crate::collective::exchange::{Counts, P2pOp};
 use crate::collective::Request;
@@ -46,6 +49,8 @@ struct Registry {
     /// Registered buffers by the address the caller gave, with the communicator that
     /// registered them.
     registered: HashMap<usize, (u64, Registration)>,
+    /// Training schemes (`train.rs`), each behind its own lock: a step can take long.
+    strategies: HashMap<u64, Arc<Mutex<train::Scheme>>>,
 }
 
 /// Removes and returns `ptr`'s entry in `map`, which communicator `id` must own.
@@ -78,7 +83,7 @@ impl Registry {
     fn id(&mut self) -> u64 {
         loop {
             let id = rand::random::<u64>() & !0xf & (usize::MAX as u64);
-            if id != 0 && !self.comms.contains_key(&id) && !self.works.contains_key(&id) {
+            if id != 0 && !self.comms.contains_key(&id) && !self.works.contains_key(&id) && !self.strategies.contains_key(&id) {
                 return id;
             }
         }

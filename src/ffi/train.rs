@@ -1,0 +1,276 @@
+//! The C ABI of the training layer: a scheme of ALGORITHMS.md (`Strategy`) on a
+//! communicator, which a framework drives step by step. For ssgd, DASO and BSP the
+//! framework's own optimizer makes the local update between `before_update` (gradients)
+//! and `after_update` (parameters); the parameter-server schemes take whole steps.
+
+use super::{comm, gradwire_comm_t, guard, handle_id, out, put, registry, to_handle};
+use crate::comm::Communicator;
+use crate::error::{invalid, Result};
+use crate::train::{self, Strategy, StrategyConfig};
+use std::ffi::{c_char, c_int, CStr};
+use std::sync::{Arc, Mutex};
+
+/// Opaque strategy handle (never dereferenced; its address is a registry id).
+pub enum gradwire_strategy {}
+pub type gradwire_strategy_t = gradwire_strategy;
+
+/// A scheme and the communicator it runs on.
+pub(super) struct Scheme {
+    // Declared before `comm`: dropped first, as it borrows the communicator.
+    strategy: Box<dyn Strategy + Send + 'static>,
+    _comm: Arc<Communicator>,
+    /// Parameters in the model (every buffer handed in must hold exactly this many).
+    len: usize,
+}
+
+impl Scheme {
+    fn check(&self, n: usize, what: &str) -> Result<()> {
+        if n != self.len {
+            return Err(invalid(format!("{what}: {n} values, but the scheme was made for {} parameters", self.len)));
+        }
+        Ok(())
+    }
+}
+
+fn scheme(p: *const gradwire_strategy_t, what: &str) -> Result<Arc<Mutex<Scheme>>> {
+    if p.is_null() {
+        return Err(invalid(format!("{what}: strategy is NULL")));
+    }
+    registry().strategies.get(&handle_id(p)).cloned().ok_or_else(|| invalid(format!("{what}: strategy is not a live strategy handle (freed already?)")))
+}
+
+/// Runs `f` on the scheme behind `p`, with `n` checked against its parameter count.
+fn with_scheme(p: *const gradwire_strategy_t, n: usize, what: &str, f: impl FnOnce(&mut Scheme) -> Result<()>) -> c_int {
+    guard(|| {
+        let s = scheme(p, what)?;
+        let mut s = s.lock().unwrap_or_else(|e| e.into_inner());
+        s.check(n, what)?;
+        f(&mut s).map_err(|e| super::prefixed(e, what))
+    })
+}
+
+/// `n` floats at `p` as a mutable slice.
+///
+/// # Safety
+/// `p` must be NULL (with n 0) or valid for reads and writes of `n` floats, unaliased.
+unsafe fn floats<'a>(p: *mut f32, n: usize, what: &str, name: &str) -> Result<&'a mut [f32]> {
+    if n == 0 {
+        return Ok(&mut []);
+    }
+    if p.is_null() {
+        return Err(invalid(format!("{what}: {name} is NULL")));
+    }
+    // SAFETY: non-NULL and valid for n floats (the caller's contract).
+    Ok(unsafe { std::slice::from_raw_parts_mut(p, n) })
+}
+
+/// `n` floats at `p`, only read.
+///
+/// # Safety
+/// `p` must be NULL (with n 0) or valid for reads of `n` floats.
+unsafe fn floats_in<'a>(p: *const f32, n: usize, what: &str, name: &str) -> Result<&'a [f32]> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(invalid(format!("{what}: {name} is NULL")));
+    }
+    // SAFETY: non-NULL and readable for n floats (the caller's contract).
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// # Safety
+/// `scheme` and `options` must be NULL or NUL-terminated strings; `init` NULL (with n 0) or
+/// readable for `n` floats; `strategy` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_create(
+    comm_p: *mut gradwire_comm_t,
+    scheme: *const c_char,
+    options: *const c_char,
+    init: *const f32,
+    n: usize,
+    strategy: *mut *mut gradwire_strategy_t,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_strategy_create";
+        let (_, c) = comm(comm_p, w)?;
+        out(strategy, w, "strategy")?;
+        if scheme.is_null() {
+            return Err(invalid(format!("{w}: scheme is NULL")));
+        }
+        let text = |p: *const c_char, name: &str| -> Result<String> {
+            // SAFETY: a NUL-terminated string by contract (NULL is handled by the caller).
+            unsafe { CStr::from_ptr(p) }.to_str().map(str::to_string).map_err(|_| invalid(format!("{w}: {name} is not UTF-8")))
+        };
+        let scheme = text(scheme, "scheme")?;
+        let options = if options.is_null() { String::new() } else { text(options, "options")? };
+        let cfg = StrategyConfig::parse(&scheme, &options).map_err(|e| super::prefixed(e, w))?;
+        // SAFETY: readable for n floats by contract.
+        let init = unsafe { floats_in(init, n, w, "init")? }.to_vec();
+        // SAFETY: the reference lives in `Scheme` beside the Arc that keeps the communicator
+        // alive, and the strategy that holds it is dropped first (field order).
+        let c_ref: &'static Communicator = unsafe { &*Arc::as_ptr(&c) };
+        let built = train::build(c_ref, &cfg, &init).map_err(|e| super::prefixed(e, w))?;
+        let mut reg = registry();
+        let id = reg.id();
+        reg.strategies.insert(id, Arc::new(Mutex::new(Scheme { strategy: built, _comm: c, len: init.len() })));
+        drop(reg);
+        put(strategy, to_handle(id), w, "strategy")
+    })
+}
+
+/// Frees a strategy (its communicator stays as it is).
+#[no_mangle]
+pub extern "C" fn gradwire_strategy_free(strategy: *mut gradwire_strategy_t) -> c_int {
+    guard(|| {
+        let w = "gradwire_strategy_free";
+        if strategy.is_null() {
+            return Err(invalid(format!("{w}: strategy is NULL")));
+        }
+        let s = registry()
+            .strategies
+            .remove(&handle_id(strategy))
+            .ok_or_else(|| invalid(format!("{w}: strategy is not a live strategy handle (freed already?)")))?;
+        drop(s);
+        Ok(())
+    })
+}
+
+/// # Safety
+/// `yes` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_framework_update(strategy: *mut gradwire_strategy_t, yes: *mut c_int) -> c_int {
+    guard(|| {
+        let w = "gradwire_strategy_framework_update";
+        out(yes, w, "yes")?;
+        let s = scheme(strategy, w)?;
+        let v = c_int::from(s.lock().unwrap_or_else(|e| e.into_inner()).strategy.framework_update());
+        put(yes, v, w, "yes")
+    })
+}
+
+/// # Safety
+/// `params` must be NULL (with n 0) or valid for `n` floats, unaliased, during the call.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_start(strategy: *mut gradwire_strategy_t, params: *mut f32, n: usize) -> c_int {
+    let w = "gradwire_strategy_start";
+    // SAFETY: the caller's contract.
+    with_scheme(strategy, n, w, |s| s.strategy.start(unsafe { floats(params, n, w, "params")? }))
+}
+
+/// # Safety
+/// `grads` must be NULL (with n 0) or valid for `n` floats, unaliased, during the call.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_before_update(strategy: *mut gradwire_strategy_t, grads: *mut f32, n: usize, last_of_epoch: c_int) -> c_int {
+    let w = "gradwire_strategy_before_update";
+    // SAFETY: the caller's contract.
+    with_scheme(strategy, n, w, |s| s.strategy.before_update(unsafe { floats(grads, n, w, "grads")? }, last_of_epoch != 0))
+}
+
+/// # Safety
+/// `params` must be NULL (with n 0) or valid for `n` floats, unaliased, during the call.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_after_update(strategy: *mut gradwire_strategy_t, params: *mut f32, n: usize, last_of_epoch: c_int) -> c_int {
+    let w = "gradwire_strategy_after_update";
+    // SAFETY: the caller's contract.
+    with_scheme(strategy, n, w, |s| s.strategy.after_update(unsafe { floats(params, n, w, "params")? }, last_of_epoch != 0))
+}
+
+/// # Safety
+/// `params` and `grads` must be NULL (with n 0) or valid for `n` floats each, not
+/// overlapping, during the call.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_step(
+    strategy: *mut gradwire_strategy_t,
+    params: *mut f32,
+    grads: *const f32,
+    n: usize,
+    last_of_epoch: c_int,
+) -> c_int {
+    let w = "gradwire_strategy_step";
+    with_scheme(strategy, n, w, |s| {
+        // Checked before any slice exists: a `&mut` overlapping a `&` is undefined behaviour.
+        let (pa, ga, bytes) = (params as usize, grads as usize, 4 * n);
+        if n > 0 && pa < ga.wrapping_add(bytes) && ga < pa.wrapping_add(bytes) {
+            return Err(invalid(format!("{w}: params and grads overlap")));
+        }
+        // SAFETY: the caller's contract; disjoint (checked); grads is only read.
+        let (p, g) = unsafe { (floats(params, n, w, "params")?, floats_in(grads, n, w, "grads")?) };
+        s.strategy.step(p, g, last_of_epoch != 0)
+    })
+}
+
+/// # Safety
+/// `params` must be NULL (with n 0) or valid for `n` floats; `mean_loss` NULL or valid for
+/// a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_end_epoch(strategy: *mut gradwire_strategy_t, params: *mut f32, n: usize, loss: f64, mean_loss: *mut f64) -> c_int {
+    let w = "gradwire_strategy_end_epoch";
+    with_scheme(strategy, n, w, |s| {
+        out(mean_loss, w, "mean_loss")?;
+        if !loss.is_finite() {
+            return Err(invalid(format!("{w}: loss {loss} is not finite")));
+        }
+        // SAFETY: the caller's contract.
+        let mean = s.strategy.end_epoch(unsafe { floats(params, n, w, "params")? }, loss)?;
+        put(mean_loss, mean, w, "mean_loss")
+    })
+}
+
+/// # Safety
+/// `params` must be NULL (with n 0) or valid for `n` floats during the call.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_current_model(strategy: *mut gradwire_strategy_t, params: *mut f32, n: usize) -> c_int {
+    let w = "gradwire_strategy_current_model";
+    with_scheme(strategy, n, w, |s| {
+        // SAFETY: the caller's contract.
+        let p = unsafe { floats(params, n, w, "params")? };
+        let model = s.strategy.current_model(p)?;
+        p.copy_from_slice(&model);
+        Ok(())
+    })
+}
+
+/// # Safety
+/// `params` must be NULL (with n 0) or valid for `n` floats during the call.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_finish(strategy: *mut gradwire_strategy_t, params: *mut f32, n: usize) -> c_int {
+    let w = "gradwire_strategy_finish";
+    // SAFETY: the caller's contract.
+    with_scheme(strategy, n, w, |s| s.strategy.finish(unsafe { floats(params, n, w, "params")? }))
+}
+
+/// # Safety
+/// `bytes` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_bytes_sent(strategy: *mut gradwire_strategy_t, bytes: *mut u64) -> c_int {
+    guard(|| {
+        let w = "gradwire_strategy_bytes_sent";
+        out(bytes, w, "bytes")?;
+        let s = scheme(strategy, w)?;
+        let v = s.lock().unwrap_or_else(|e| e.into_inner()).strategy.bytes_sent();
+        put(bytes, v, w, "bytes")
+    })
+}
+
+/// # Safety
+/// `buf` must be NULL (with len 0) or valid for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_describe(strategy: *mut gradwire_strategy_t, buf: *mut c_char, len: usize) -> c_int {
+    guard(|| {
+        let w = "gradwire_strategy_describe";
+        if buf.is_null() || len == 0 {
+            return Err(invalid(format!("{w}: buf is NULL or len is 0")));
+        }
+        let s = scheme(strategy, w)?;
+        let s = s.lock().unwrap_or_else(|e| e.into_inner());
+        let text = format!("{}{}", s.strategy.name(), s.strategy.describe());
+        let n = text.len().min(len - 1);
+        // SAFETY: buf is valid for len bytes (the contract) and n + 1 <= len.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr() as *const c_char, buf, n);
+            *buf.add(n) = 0;
+        }
+        Ok(())
+    })
+}
