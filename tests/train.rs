@@ -187,11 +187,10 @@ fn downpour_reaches_accuracy() {
     train(4, &[], &["--strategy", "downpour", "--lr", "0.03", "--push", "2", "--fetch", "2", "--epochs", "25"], SHM);
 }
 
-/// Downpour applies every gradient locally between fetches (Dean et al., Algorithm 7.1):
-/// fetching and pushing every 4 steps ends within 3 points of every step, and every 16
-/// steps far above the 38 % it reached without the local step (a worker then pushed 16
-/// gradients taken at one stale point). Means of the last five epochs: asynchronous runs
-/// wander, more so on a loaded machine (every 16 steps: 83-95 %).
+/// Downpour applies every gradient locally between fetches (Dean et al., Algorithm 7.1;
+/// the step itself is checked exactly in python/tests/numpy_collectives.py): fetching and
+/// pushing every 4 steps ends within 3 points of every step (means of the last five
+/// epochs: asynchronous runs wander).
 #[test]
 fn downpour_local_steps_keep_sparse_fetches_accurate() {
     let tail_mean = |every: &str| {
@@ -203,8 +202,6 @@ fn downpour_local_steps_keep_sparse_fetches_accurate() {
     };
     let (every, four) = (tail_mean("1"), tail_mean("4"));
     assert!(four >= every - 3.0, "fetch/push every 4 steps: {four:.1} % against {every:.1} % every step");
-    let sixteen = tail_mean("16");
-    assert!(sixteen >= 70.0, "fetch/push every 16 steps: {sixteen:.1} %");
 }
 
 #[test]

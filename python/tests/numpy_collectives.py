@@ -225,6 +225,19 @@ for scheme, options in [("ssgd", "momentum=0.5"), ("bsp", "interval=3,topk=0.5")
     cases += 1
     if not (np.array_equal(lo, hi) and np.abs(p - want).max() < 0.5):
         failures.append(f"rank {rank}: {state}: ranks from {lo[:3]} to {hi[:3]}, want about {want[:3]}")
+# Downpour's local step (Dean et al., Algorithm 7.1), exactly: between fetches a worker's
+# parameters move by -lr * g (it once only accumulated g for the push).
+s = Strategy(comm, "downpour", np.zeros(16, dtype=np.float32), "lr=0.1,fetch=1000,push=1000")
+p = np.zeros(16, dtype=np.float32)
+s.start(p)
+before = p.copy()
+g = np.random.default_rng(seed + 7 * rank).standard_normal(16).astype(np.float32)
+s.step(p, g)
+cases += 1
+if not np.array_equal(p, before - np.float32(0.1) * g):
+    failures.append(f"rank {rank}: downpour: a step moved the parameters by {(p - before)[:3]}, want {(-np.float32(0.1) * g)[:3]}")
+s.finish(p)
+s.free()
 for bad, exc in [(lambda: Strategy(comm, "sgdx", np.zeros(4, dtype=np.float32)), InvalidArgumentError),
                  (lambda: Strategy(comm, "bsp", np.zeros(4, dtype=np.float32), "interval=0"), InvalidArgumentError),
                  (lambda: Strategy(comm, "ssgd", np.zeros(4, dtype=np.float64)), TypeError)]:
