@@ -173,11 +173,15 @@ int gradwire_ip2p_batch(gradwire_comm_t *comm, const gradwire_p2p_op_t *ops, siz
 /* Training schemes (ALGORITHMS.md) on a communicator, driven by the framework step by
  * step over a flat float32 parameter vector of n values (every buffer below holds n):
  * scheme "ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour" or "eamsgd"; options
- * "key=value,..." (NULL or "": defaults): lr, momentum, interval, node_interval, topk,
- * warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level, bf16_wire,
- * sending_chunk_size, fetch, push, tau, beta, rule (an unknown key or a bad value is
- * GRADWIRE_ERR_INVALID_ARGUMENT naming it). init: the initial parameters (the parameter
- * servers start from them). Collective: every rank of comm creates its scheme.
+ * "key=value,..." (NULL or "": defaults), per scheme: bsp: interval, node_interval, topk;
+ * daso: warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level,
+ * bf16_wire, sending_chunk_size; ddcgu, cyclic: lr, rule (sum, mean, staleness); downpour:
+ * lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none (ssgd, daso and bsp take no lr: the
+ * framework's optimizer makes their local step). A key the scheme does not take or a bad
+ * value is GRADWIRE_ERR_INVALID_ARGUMENT naming it. init: the initial parameters (the
+ * parameter servers start from them). Collective: every rank of comm creates its scheme,
+ * with the same scheme, options and n (checked). Every other call needs
+ * gradwire_strategy_start first. gradwire_finalize frees the communicator's strategies.
  * When gradwire_strategy_framework_update says 1 (ssgd, daso, bsp), each step is
  *   gradwire_strategy_before_update(grads)   (e.g. averages the gradients)
  *   the framework's own optimizer step        (SGD with momentum, Adam, ...)

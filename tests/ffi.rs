@@ -181,13 +181,18 @@ unsafe fn bad_inputs() {
     assert_eq!(gradwire_strategy_create(comm, ssgd.as_ptr(), std::ptr::null(), init.as_ptr(), 8, &mut strat), 0, "{}", last_error());
     let (mut p, mut g) = ([1.0f32; 8], [0.25f32; 8]);
     expect(gradwire_strategy_start(strat, p.as_mut_ptr(), 7), INVALID, "7 values, but the scheme was made for 8 parameters");
-    expect(gradwire_strategy_before_update(strat, std::ptr::null_mut(), 8, 0), INVALID, "grads is NULL");
-    expect(gradwire_strategy_step(strat, p.as_mut_ptr(), g.as_ptr(), 8, 0), INVALID, "call before_update and after_update");
+    expect(gradwire_strategy_before_update(strat, g.as_mut_ptr(), 8, 0), INVALID, "call gradwire_strategy_start first");
     assert_eq!(gradwire_strategy_start(strat, p.as_mut_ptr(), 8), 0, "{}", last_error());
+    expect(gradwire_strategy_before_update(strat, std::ptr::null_mut(), 8, 0), INVALID, "grads is NULL");
+    // SAFETY: pointer arithmetic inside `g`, to make a misaligned float pointer (refused
+    // before anything reads through it).
+    let odd = unsafe { (g.as_mut_ptr() as *mut u8).add(1) } as *mut f32;
+    expect(gradwire_strategy_before_update(strat, odd, 8, 0), INVALID, "grads is not aligned for float");
+    expect(gradwire_strategy_step(strat, p.as_mut_ptr(), g.as_ptr(), 8, 0), INVALID, "call before_update and after_update");
+    expect(gradwire_strategy_step(strat, p.as_mut_ptr(), p.as_ptr(), 8, 0), INVALID, "params and grads overlap");
     assert_eq!(gradwire_strategy_before_update(strat, g.as_mut_ptr(), 8, 1), 0, "{}", last_error());
     assert_eq!(gradwire_strategy_after_update(strat, p.as_mut_ptr(), 8, 1), 0, "{}", last_error());
     let mut mean = 0.0;
-    expect(gradwire_strategy_end_epoch(strat, p.as_mut_ptr(), 8, f64::NAN, &mut mean), INVALID, "not finite");
     assert_eq!(gradwire_strategy_end_epoch(strat, p.as_mut_ptr(), 8, 2.5, &mut mean), 0, "{}", last_error());
     assert_eq!(mean, 2.5);
     let mut text = [0 as std::ffi::c_char; 5];
@@ -198,6 +203,8 @@ unsafe fn bad_inputs() {
     assert_eq!(gradwire_strategy_free(strat), 0, "{}", last_error());
     expect(gradwire_strategy_free(strat), INVALID, "not a live strategy handle");
     expect(gradwire_strategy_start(strat, p.as_mut_ptr(), 8), INVALID, "not a live strategy handle");
+    let mut mean_bad = 0.0;
+    expect(gradwire_strategy_end_epoch(strat, p.as_mut_ptr(), 8, 1.0, &mut mean_bad), INVALID, "not a live strategy handle");
     // An empty batch is a no-op.
     assert_eq!(gradwire_p2p_batch(comm, std::ptr::null(), 0), 0, "{}", last_error());
     expect(gradwire_allgather(comm, xp, shifted, 4, 0), INVALID, "overlap");

@@ -162,7 +162,7 @@ static int check_world(gradwire_comm_t *c, int rank, int w) {
 static int train_schemes(gradwire_comm_t *c, int rank, int w) {
     enum { N = 16, EPOCHS = 6, BATCHES = 8 };
     const char *schemes[][2] = {
-        {"ssgd", "momentum=0.5"},
+        {"ssgd", ""},
         {"bsp", "interval=2"},
         {"daso", "epochs=6,warmup_epochs=1,cooldown_epochs=1"},
         {"downpour", "lr=0.2,fetch=2,push=2"},
@@ -171,6 +171,7 @@ static int train_schemes(gradwire_comm_t *c, int rank, int w) {
     gradwire_strategy_t *s = NULL;
     float init[N] = {0};
     if (gradwire_strategy_create(c, "bsp", "interval=0", init, N, &s) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "interval=0 accepted");
+    if (gradwire_strategy_create(c, "ssgd", "lr=0.1", init, N, &s) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "ssgd lr accepted");
     for (size_t k = 0; k < sizeof schemes / sizeof schemes[0]; k++) {
         float p[N], g[N];
         for (int i = 0; i < N; i++) p[i] = (float)(rank * 100 + i); /* start apart: start() agrees */
@@ -242,7 +243,12 @@ static int run_rank(int rank, int w, int (*world_pipes)[2], int (*even_pipes)[2]
         if (gradwire_finalize(evens)) return fail(rank, "finalize subgroup");
     }
     if (gradwire_barrier(world)) return fail(rank, "barrier");
+    /* A strategy left alive goes with its communicator. */
+    gradwire_strategy_t *left = NULL;
+    float one[1] = {1.0f};
+    if (gradwire_strategy_create(world, "ssgd", NULL, one, 1, &left)) return fail(rank, "strategy for finalize");
     if (gradwire_finalize(world)) return fail(rank, "finalize");
+    if (gradwire_strategy_free(left) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "strategy outlived its communicator");
     printf("rank %d: ok\n", rank);
     return 0;
 }

@@ -295,6 +295,8 @@ class Strategy:
     `options`: "key=value,..." (see ffi/gradwire.h). Collective: every rank makes one."""
 
     def __init__(self, comm: "Comm", scheme: str, init: Buffer, options: str = "") -> None:
+        if "\0" in scheme or "\0" in options:
+            raise ValueError("Strategy: scheme and options must not contain NUL characters")
         p, n, dt = _buffer(init, "Strategy init")
         if dt != _dtype("float32", "Strategy init"):
             raise TypeError("Strategy: parameters must be float32")
@@ -342,15 +344,20 @@ class Strategy:
         """Leaves the final model in `params` on every rank. Collective."""
         _check(load_library().gradwire_strategy_finish(self._h, *self._args(params, "finish")))
 
+    def _live(self):
+        if self._h is None:
+            raise RuntimeError("strategy is freed")
+        return self._h
+
     @property
     def bytes_sent(self) -> int:
         b = ctypes.c_uint64()
-        _check(load_library().gradwire_strategy_bytes_sent(self._h, ctypes.byref(b)))
+        _check(load_library().gradwire_strategy_bytes_sent(self._live(), ctypes.byref(b)))
         return b.value
 
     def describe(self) -> str:
         buf = ctypes.create_string_buffer(256)
-        _check(load_library().gradwire_strategy_describe(self._h, buf, 256))
+        _check(load_library().gradwire_strategy_describe(self._live(), buf, 256))
         return buf.value.decode(errors="replace")
 
     def free(self) -> None:

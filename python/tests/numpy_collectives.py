@@ -207,7 +207,7 @@ from gradwire import Strategy  # noqa: E402
 
 target = np.arange(16, dtype=np.float32) + rank
 want = np.arange(16, dtype=np.float32) + (world - 1) / 2
-for scheme, options in [("ssgd", "momentum=0.5"), ("bsp", "interval=3,topk=0.5"), ("daso", "epochs=6,warmup_epochs=1,cooldown_epochs=1")]:
+for scheme, options in [("ssgd", ""), ("bsp", "interval=3,topk=0.5"), ("daso", "epochs=6,warmup_epochs=1,cooldown_epochs=1")]:
     p = np.full(16, float(rank * 10), dtype=np.float32)
     s = Strategy(comm, scheme, p, options)
     s.start(p)
@@ -240,6 +240,8 @@ s.finish(p)
 s.free()
 for bad, exc in [(lambda: Strategy(comm, "sgdx", np.zeros(4, dtype=np.float32)), InvalidArgumentError),
                  (lambda: Strategy(comm, "bsp", np.zeros(4, dtype=np.float32), "interval=0"), InvalidArgumentError),
+                 (lambda: Strategy(comm, "ssgd", np.zeros(4, dtype=np.float32), "lr=0.1"), InvalidArgumentError),
+                 (lambda: Strategy(comm, "bsp", np.zeros(4, dtype=np.float32), "interval=2\0topk=0.5"), ValueError),
                  (lambda: Strategy(comm, "ssgd", np.zeros(4, dtype=np.float64)), TypeError)]:
     cases += 1
     try:

@@ -49,8 +49,9 @@ struct Registry {
     /// Registered buffers by the address the caller gave, with the communicator that
     /// registered them.
     registered: HashMap<usize, (u64, Registration)>,
-    /// Training schemes (`train.rs`), each behind its own lock: a step can take long.
-    strategies: HashMap<u64, Arc<Mutex<train::Scheme>>>,
+    /// Training schemes (`train.rs`) with the id of their communicator, each behind its
+    /// own lock: a step can take long.
+    strategies: HashMap<u64, (u64, Arc<Mutex<train::Scheme>>)>,
 }
 
 /// Removes and returns `ptr`'s entry in `map`, which communicator `id` must own.
@@ -826,17 +827,21 @@ pub extern "C" fn gradwire_deregister(comm_p: *mut gradwire_comm_t, ptr: *mut c_
 pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
     guard(|| {
         let (id, _) = comm(comm_p, "gradwire_finalize")?;
-        let (c, regions, registrations) = {
+        let (c0, c1, regions, registrations) = {
             let mut reg = registry();
             let c = reg.comms.remove(&id);
+            // The strategies on this communicator go with it: each holds it alive.
+            let ids: Vec<u64> = reg.strategies.iter().filter(|(_, (on, _))| *on == id).map(|(k, _)| *k).collect();
+            let strategies: Vec<_> = ids.iter().filter_map(|k| reg.strategies.remove(k)).collect();
             let regions = take_owned(&mut reg.allocs, id);
             let registrations = take_owned(&mut reg.registered, id);
-            (c, regions, registrations)
+            (c, strategies, regions, registrations)
         };
         // Dropped outside the registry lock: joining the progress thread may take until the
-        // running operation's deadline. The communicator first: a non-blocking operation
-        // may still be working in these regions.
-        drop(c);
+        // running operation's deadline. The strategies and communicator first: a
+        // non-blocking operation may still be working in these regions.
+        drop(c1);
+        drop(c0);
         drop(regions);
         // Not given back as private pages: the buffers may have been freed and hold other
         // objects now, which other threads may be writing (see `Registration::forget`).

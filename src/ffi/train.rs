@@ -21,6 +21,8 @@ pub(super) struct Scheme {
     _comm: Arc<Communicator>,
     /// Parameters in the model (every buffer handed in must hold exactly this many).
     len: usize,
+    /// Whether `start` has run (everything else needs it).
+    started: bool,
 }
 
 impl Scheme {
@@ -36,17 +38,45 @@ fn scheme(p: *const gradwire_strategy_t, what: &str) -> Result<Arc<Mutex<Scheme>
     if p.is_null() {
         return Err(invalid(format!("{what}: strategy is NULL")));
     }
-    registry().strategies.get(&handle_id(p)).cloned().ok_or_else(|| invalid(format!("{what}: strategy is not a live strategy handle (freed already?)")))
+    registry()
+        .strategies
+        .get(&handle_id(p))
+        .map(|(_, s)| s.clone())
+        .ok_or_else(|| invalid(format!("{what}: strategy is not a live strategy handle (freed already?)")))
 }
 
-/// Runs `f` on the scheme behind `p`, with `n` checked against its parameter count.
+/// Locks a scheme; one whose earlier call failed inside (a gradwire bug) stays refused.
+fn lock<'a>(s: &'a Mutex<Scheme>, what: &str) -> Result<std::sync::MutexGuard<'a, Scheme>> {
+    s.lock().map_err(|_| invalid(format!("{what}: an earlier call on this strategy failed inside gradwire; free it")))
+}
+
+/// Runs `f` on the started scheme behind `p`, with `n` checked against its parameter
+/// count.
 fn with_scheme(p: *const gradwire_strategy_t, n: usize, what: &str, f: impl FnOnce(&mut Scheme) -> Result<()>) -> c_int {
     guard(|| {
         let s = scheme(p, what)?;
-        let mut s = s.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = lock(&s, what)?;
         s.check(n, what)?;
+        if !s.started {
+            return Err(invalid(format!("{what}: call gradwire_strategy_start first")));
+        }
         f(&mut s).map_err(|e| super::prefixed(e, what))
     })
+}
+
+/// Checks a float buffer the C caller hands in: NULL only when empty, aligned, and no
+/// larger than any buffer can be.
+fn float_buffer(p: *const f32, n: usize, what: &str, name: &str) -> Result<()> {
+    if n > 0 && p.is_null() {
+        return Err(invalid(format!("{what}: {name} is NULL")));
+    }
+    if n > 0 && (p as usize) % std::mem::align_of::<f32>() != 0 {
+        return Err(invalid(format!("{what}: {name} is not aligned for float")));
+    }
+    if n > isize::MAX as usize / 4 {
+        return Err(invalid(format!("{what}: {n} floats are more than any buffer can hold")));
+    }
+    Ok(())
 }
 
 /// `n` floats at `p` as a mutable slice.
@@ -54,13 +84,11 @@ fn with_scheme(p: *const gradwire_strategy_t, n: usize, what: &str, f: impl FnOn
 /// # Safety
 /// `p` must be NULL (with n 0) or valid for reads and writes of `n` floats, unaliased.
 unsafe fn floats<'a>(p: *mut f32, n: usize, what: &str, name: &str) -> Result<&'a mut [f32]> {
+    float_buffer(p, n, what, name)?;
     if n == 0 {
         return Ok(&mut []);
     }
-    if p.is_null() {
-        return Err(invalid(format!("{what}: {name} is NULL")));
-    }
-    // SAFETY: non-NULL and valid for n floats (the caller's contract).
+    // SAFETY: non-NULL, aligned and valid for n floats (checked; the caller's contract).
     Ok(unsafe { std::slice::from_raw_parts_mut(p, n) })
 }
 
@@ -69,14 +97,17 @@ unsafe fn floats<'a>(p: *mut f32, n: usize, what: &str, name: &str) -> Result<&'
 /// # Safety
 /// `p` must be NULL (with n 0) or valid for reads of `n` floats.
 unsafe fn floats_in<'a>(p: *const f32, n: usize, what: &str, name: &str) -> Result<&'a [f32]> {
+    float_buffer(p, n, what, name)?;
     if n == 0 {
         return Ok(&[]);
     }
-    if p.is_null() {
-        return Err(invalid(format!("{what}: {name} is NULL")));
-    }
-    // SAFETY: non-NULL and readable for n floats (the caller's contract).
+    // SAFETY: non-NULL, aligned and readable for n floats (checked; the caller's contract).
     Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// A 32-bit FNV-1a of `text` (exact as an f64, for the agreement check).
+fn fingerprint(text: &str) -> u32 {
+    text.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193))
 }
 
 /// # Safety
@@ -93,7 +124,7 @@ pub unsafe extern "C" fn gradwire_strategy_create(
 ) -> c_int {
     guard(|| {
         let w = "gradwire_strategy_create";
-        let (_, c) = comm(comm_p, w)?;
+        let (comm_id, c) = comm(comm_p, w)?;
         out(strategy, w, "strategy")?;
         if scheme.is_null() {
             return Err(invalid(format!("{w}: scheme is NULL")));
@@ -110,10 +141,22 @@ pub unsafe extern "C" fn gradwire_strategy_create(
         // SAFETY: the reference lives in `Scheme` beside the Arc that keeps the communicator
         // alive, and the strategy that holds it is dropped first (field order).
         let c_ref: &'static Communicator = unsafe { &*Arc::as_ptr(&c) };
+        // Every rank must make the same scheme for the same model: checked here, before the
+        // scheme's own collectives could mismatch in harder-to-read ways.
+        let key = [n as f64, (fingerprint(&scheme) ^ fingerprint(&options)) as f64];
+        let (mut lo, mut hi) = (key, key);
+        c.allreduce(&mut lo, crate::dtype::ReduceOp::Min)?;
+        c.allreduce(&mut hi, crate::dtype::ReduceOp::Max)?;
+        if lo != hi {
+            return Err(invalid(format!(
+                "{w}: the ranks disagree on the scheme, its options or the parameter count ({n} here, {} to {} over the ranks)",
+                lo[0], hi[0]
+            )));
+        }
         let built = train::build(c_ref, &cfg, &init).map_err(|e| super::prefixed(e, w))?;
         let mut reg = registry();
         let id = reg.id();
-        reg.strategies.insert(id, Arc::new(Mutex::new(Scheme { strategy: built, _comm: c, len: init.len() })));
+        reg.strategies.insert(id, (comm_id, Arc::new(Mutex::new(Scheme { strategy: built, _comm: c, len: init.len(), started: false }))));
         drop(reg);
         put(strategy, to_handle(id), w, "strategy")
     })
@@ -144,7 +187,7 @@ pub unsafe extern "C" fn gradwire_strategy_framework_update(strategy: *mut gradw
         let w = "gradwire_strategy_framework_update";
         out(yes, w, "yes")?;
         let s = scheme(strategy, w)?;
-        let v = c_int::from(s.lock().unwrap_or_else(|e| e.into_inner()).strategy.framework_update());
+        let v = c_int::from(lock(&s, w)?.strategy.framework_update());
         put(yes, v, w, "yes")
     })
 }
@@ -153,9 +196,16 @@ pub unsafe extern "C" fn gradwire_strategy_framework_update(strategy: *mut gradw
 /// `params` must be NULL (with n 0) or valid for `n` floats, unaliased, during the call.
 #[no_mangle]
 pub unsafe extern "C" fn gradwire_strategy_start(strategy: *mut gradwire_strategy_t, params: *mut f32, n: usize) -> c_int {
-    let w = "gradwire_strategy_start";
-    // SAFETY: the caller's contract.
-    with_scheme(strategy, n, w, |s| s.strategy.start(unsafe { floats(params, n, w, "params")? }))
+    guard(|| {
+        let w = "gradwire_strategy_start";
+        let s = scheme(strategy, w)?;
+        let mut s = lock(&s, w)?;
+        s.check(n, w)?;
+        // SAFETY: the caller's contract.
+        s.strategy.start(unsafe { floats(params, n, w, "params")? }).map_err(|e| super::prefixed(e, w))?;
+        s.started = true;
+        Ok(())
+    })
 }
 
 /// # Safety
@@ -208,9 +258,8 @@ pub unsafe extern "C" fn gradwire_strategy_end_epoch(strategy: *mut gradwire_str
     let w = "gradwire_strategy_end_epoch";
     with_scheme(strategy, n, w, |s| {
         out(mean_loss, w, "mean_loss")?;
-        if !loss.is_finite() {
-            return Err(invalid(format!("{w}: loss {loss} is not finite")));
-        }
+        // A NaN loss is averaged like any other (every rank must make this call): the mean
+        // then tells every rank that one diverged.
         // SAFETY: the caller's contract.
         let mean = s.strategy.end_epoch(unsafe { floats(params, n, w, "params")? }, loss)?;
         put(mean_loss, mean, w, "mean_loss")
@@ -248,7 +297,7 @@ pub unsafe extern "C" fn gradwire_strategy_bytes_sent(strategy: *mut gradwire_st
         let w = "gradwire_strategy_bytes_sent";
         out(bytes, w, "bytes")?;
         let s = scheme(strategy, w)?;
-        let v = s.lock().unwrap_or_else(|e| e.into_inner()).strategy.bytes_sent();
+        let v = lock(&s, w)?.strategy.bytes_sent();
         put(bytes, v, w, "bytes")
     })
 }
@@ -263,7 +312,7 @@ pub unsafe extern "C" fn gradwire_strategy_describe(strategy: *mut gradwire_stra
             return Err(invalid(format!("{w}: buf is NULL or len is 0")));
         }
         let s = scheme(strategy, w)?;
-        let s = s.lock().unwrap_or_else(|e| e.into_inner());
+        let s = lock(&s, w)?;
         let text = format!("{}{}", s.strategy.name(), s.strategy.describe());
         let n = text.len().min(len - 1);
         // SAFETY: buf is valid for len bytes (the contract) and n + 1 <= len.

@@ -173,15 +173,22 @@ impl Default for StrategyConfig {
 
 impl StrategyConfig {
     /// `scheme` with `options` ("key=value,key=value"; empty: the defaults), as a framework
-    /// hands them over the C ABI. Keys: lr, momentum, interval, node_interval, topk (bsp);
-    /// warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level, bf16_wire,
-    /// sending_chunk_size (daso); fetch, push (downpour); tau, beta (eamsgd); rule (ddcgu,
-    /// cyclic: sum, mean or staleness). An unknown key or a value out of range is an error
-    /// naming it.
+    /// hands them over the C ABI. Keys, per scheme: bsp: interval, node_interval, topk;
+    /// daso: warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level,
+    /// bf16_wire, sending_chunk_size; ddcgu and cyclic: lr, rule (sum, mean or staleness);
+    /// downpour: lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none. ssgd, daso and bsp take
+    /// no lr: the framework's own optimizer makes their local step. A key the scheme does
+    /// not take, or a value out of range, is an error naming it.
     pub fn parse(scheme: &str, options: &str) -> Result<StrategyConfig> {
-        if !STRATEGIES.contains(&scheme) {
-            return Err(invalid(format!("unknown strategy '{scheme}' (known: {})", STRATEGIES.join(", "))));
-        }
+        let keys: &[&str] = match scheme {
+            "ssgd" => &[],
+            "bsp" => &["interval", "node_interval", "topk"],
+            "daso" => &["warmup_epochs", "cooldown_epochs", "epochs", "max_global_skips", "stability_level", "bf16_wire", "sending_chunk_size"],
+            "ddcgu" | "cyclic" => &["lr", "rule"],
+            "downpour" => &["lr", "fetch", "push"],
+            "eamsgd" => &["lr", "tau", "beta"],
+            _ => return Err(invalid(format!("unknown strategy '{scheme}' (known: {})", STRATEGIES.join(", ")))),
+        };
         let mut cfg = StrategyConfig { strategy: scheme.into(), ..Default::default() };
         for item in options.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let (key, value) = item.split_once('=').ok_or_else(|| invalid(format!("option '{item}': expected key=value")))?;
@@ -192,9 +199,13 @@ impl StrategyConfig {
             };
             let count =
                 |lo: usize| -> Result<usize> { value.parse::<usize>().ok().filter(|v| *v >= lo).ok_or_else(|| bad(&format!("expected an integer >= {lo}"))) };
+            if !keys.contains(&key) {
+                let takes = if keys.is_empty() { "none".to_string() } else { keys.join(", ") };
+                let why = if key == "lr" || key == "momentum" { " (the framework's optimizer makes its local step)" } else { "" };
+                return Err(invalid(format!("{scheme} takes no option '{key}'{why}; its options: {takes}")));
+            }
             match key {
-                "lr" => cfg.lr = real(f64::MIN_POSITIVE, 1e6)? as f32,
-                "momentum" => cfg.momentum = real(0.0, 1.0)? as f32,
+                "lr" => cfg.lr = real(f32::MIN_POSITIVE as f64, 1e6)? as f32,
                 "interval" => cfg.interval = count(1)?,
                 "node_interval" => cfg.node_interval = count(0)?,
                 "topk" => cfg.topk = real(0.0, 1.0)?,
@@ -217,7 +228,7 @@ impl StrategyConfig {
                         _ => return Err(bad("expected sum, mean or staleness")),
                     }
                 }
-                _ => return Err(invalid(format!("unknown option '{key}' for {scheme}"))),
+                other => return Err(invalid(format!("{scheme}: option '{other}' is listed but not handled (a gradwire bug)"))),
             }
         }
         Ok(cfg)
@@ -265,8 +276,10 @@ mod tests {
 
     #[test]
     fn options_parse_and_refuse_clearly() {
-        let c = StrategyConfig::parse("bsp", "interval=8, topk=0.01,lr=0.1").unwrap();
-        assert_eq!((c.interval, c.topk, c.lr), (8, 0.01, 0.1));
+        let c = StrategyConfig::parse("bsp", "interval=8, topk=0.01").unwrap();
+        assert_eq!((c.interval, c.topk), (8, 0.01));
+        let e = StrategyConfig::parse("eamsgd", "lr=0.1,tau=16").unwrap();
+        assert_eq!((e.lr, e.tau), (0.1, 16));
         let d = StrategyConfig::parse("daso", "epochs=20,warmup_epochs=2,bf16_wire=true,sending_chunk_size=1000").unwrap();
         assert_eq!((d.daso.epochs, d.daso.warmup_epochs, d.daso.bf16_wire, d.daso.sending_chunk_size), (20, 2, true, 1000));
         assert_eq!(StrategyConfig::parse("ssgd", "").unwrap().strategy, "ssgd");
@@ -274,10 +287,12 @@ mod tests {
             ("sgdx", "", "unknown strategy 'sgdx'"),
             ("bsp", "interval=0", "option interval=0: expected an integer >= 1"),
             ("bsp", "topk=2", "option topk=2: expected a number in [0, 1]"),
-            ("bsp", "lr=nan", "option lr=nan"),
+            ("downpour", "lr=nan", "option lr=nan"),
             ("daso", "bf16_wire=yes", "expected true or false"),
             ("ddcgu", "rule=median", "expected sum, mean or staleness"),
-            ("ssgd", "colour=blue", "unknown option 'colour'"),
+            ("ssgd", "colour=blue", "ssgd takes no option 'colour'"),
+            ("ssgd", "lr=0.1", "the framework's optimizer makes its local step"),
+            ("bsp", "fetch=2", "bsp takes no option 'fetch'; its options: interval, node_interval, topk"),
             ("ssgd", "lr", "option 'lr': expected key=value"),
         ] {
             let e = StrategyConfig::parse(scheme, options).unwrap_err().to_string();

@@ -11,6 +11,15 @@
 //! and namespaces through a pipe stops every group and removes the namespaces when that
 //! pipe closes without a "done". Ranks read end-of-file, not the terminal.
 
+/// One write per line: the ranks write to the same stderr, and a line written in pieces
+/// (as `eprintln!` writes its arguments) interleaves with theirs.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = std::io::stderr().write_all(format!("{}\n", format_args!($($t)*)).as_bytes());
+    }};
+}
+
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -166,7 +175,7 @@ fn remove_netns(id: u32, nodes: usize) {
         // now so nothing is left when we exit.
         let _ = ip(&["link", "del", &format!("gw{id}h{i}")]);
         if let Err(e) = ip(&["netns", "del", &format!("gw{id}n{i}")]) {
-            eprintln!("gradwire launch: cleanup: {e}");
+            say!("gradwire launch: cleanup: {e}");
         }
     }
     let _ = ip(&["link", "del", &format!("gwb{id}")]);
@@ -189,7 +198,7 @@ fn sweep_stale_netns() {
         }
     }
     for (pid, nodes) in stale {
-        eprintln!("gradwire launch: removing {nodes} network namespace(s) left by launcher {pid}, which is gone");
+        say!("gradwire launch: removing {nodes} network namespace(s) left by launcher {pid}, which is gone");
         remove_netns(pid, nodes);
     }
 }
@@ -374,7 +383,7 @@ pub fn guard() -> i32 {
     let now = scan_groups();
     let alive: Vec<u32> = groups.into_iter().filter(|g| now.get(g).is_some_and(|s| s.live)).collect();
     if !alive.is_empty() {
-        eprintln!("gradwire launch: the launcher died; stopping its {} rank(s) and everything they started", alive.len());
+        say!("gradwire launch: the launcher died; stopping its {} rank(s) and everything they started", alive.len());
     }
     stop_all(&alive, libc::SIGTERM, Duration::from_secs(2));
     if let Some((id, nodes)) = netns {
@@ -386,18 +395,18 @@ pub fn guard() -> i32 {
 /// Runs the job; returns the launcher's exit code.
 pub fn run(a: &LaunchArgs) -> i32 {
     if a.cmd.is_empty() {
-        eprintln!("gradwire launch: no command given (usage: gradwire launch -n N -- CMD ARGS...)");
+        say!("gradwire launch: no command given (usage: gradwire launch -n N -- CMD ARGS...)");
         return 2;
     }
     if a.nprocs == 0 || a.ranks_per_node == 0 || a.nprocs % a.ranks_per_node != 0 {
-        eprintln!("gradwire launch: -n {} must be a positive multiple of --ranks-per-node {}", a.nprocs, a.ranks_per_node);
+        say!("gradwire launch: -n {} must be a positive multiple of --ranks-per-node {}", a.nprocs, a.ranks_per_node);
         return 2;
     }
     install_handlers();
     let mut guard = match Guard::start() {
         Ok(g) => g,
         Err(e) => {
-            eprintln!("gradwire launch: {e}");
+            say!("gradwire launch: {e}");
             return 1;
         }
     };
@@ -415,13 +424,13 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
         match Netns::create(nodes, a.link_gbit) {
             Ok(n) => Some(n),
             Err(e) => {
-                eprintln!("gradwire launch: {e}");
+                say!("gradwire launch: {e}");
                 return 1;
             }
         }
     } else {
         if a.link_gbit.is_some() {
-            eprintln!("gradwire launch: --link-gbit needs --netns (there is no link to shape on loopback)");
+            say!("gradwire launch: --link-gbit needs --netns (there is no link to shape on loopback)");
             return 2;
         }
         None
@@ -442,7 +451,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
     let port = match gradwire::bootstrap::store::unused_ports(2) {
         Ok(p) => p.to_string(),
         Err(e) => {
-            eprintln!("gradwire launch: {e}");
+            say!("gradwire launch: {e}");
             return 1;
         }
     };
@@ -496,7 +505,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
                 children.push(Some(c));
             }
             Err(e) => {
-                eprintln!("gradwire launch: cannot start rank {r} ({}): {e}", a.cmd[0]);
+                say!("gradwire launch: cannot start rank {r} ({}): {e}", a.cmd[0]);
                 stop_all(&groups, libc::SIGTERM, STOP_GRACE);
                 children.iter_mut().flatten().for_each(|c| drop(c.wait()));
                 return 1;
@@ -512,7 +521,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
     loop {
         let sig = SIGNAL.load(Ordering::SeqCst);
         if sig != 0 {
-            eprintln!("gradwire launch: got signal {sig}; stopping all ranks");
+            say!("gradwire launch: got signal {sig}; stopping all ranks");
             stop_all(&groups, sig, STOP_GRACE);
             code = 128 + sig;
             break;
@@ -521,7 +530,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
             if start.elapsed() > t {
                 note_ended(&mut children, &mut ended, &mut unreaped);
                 let running: Vec<usize> = (0..children.len()).filter(|&r| children[r].is_some()).collect();
-                eprintln!("gradwire launch: timed out after {} s; ranks still running: {running:?}; stopping them", t.as_secs());
+                say!("gradwire launch: timed out after {} s; ranks still running: {running:?}; stopping them", t.as_secs());
                 stop_all(&groups, libc::SIGTERM, STOP_GRACE);
                 code = 124;
                 break;
@@ -544,7 +553,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
             let (r, why) = culprit(&ended, &stopped(&children));
             code = ended.iter().find(|(e, _)| *e == r).and_then(|(_, st)| st.code()).filter(|&c| c != 0).unwrap_or(1);
             if children.iter().any(|c| c.is_some()) {
-                eprintln!("gradwire launch: rank {r} failed ({why}); stopping the other ranks");
+                say!("gradwire launch: rank {r} failed ({why}); stopping the other ranks");
                 // A stopped rank will never report, and its open connections keep its peers
                 // (rank 0's store among them) waiting for it to leave: it goes first.
                 for (r, _) in stopped(&children).iter().enumerate().filter(|(_, &s)| s) {
@@ -563,7 +572,7 @@ fn launch_guarded(a: &LaunchArgs, guard: &mut Guard) -> i32 {
                 }
                 stop_all(&groups, libc::SIGTERM, STOP_GRACE);
             } else {
-                eprintln!("gradwire launch: rank {r} failed ({why})");
+                say!("gradwire launch: rank {r} failed ({why})");
             }
             break;
         }
