@@ -17,8 +17,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_problem  # the shared DDP test problem, beside this file
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -34,26 +35,13 @@ STEPS = 40
 
 
 def train(use_gradwire):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = ddp_problem.model()
     # Small buckets, so the hook runs several times per step.
     ddp = DDP(model, bucket_cap_mb=0.005)
     if use_gradwire:
         ddp.register_comm_hook(None, allreduce_hook(comm, op=op))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(1234 + rank)
-    w_true = torch.linspace(-1, 1, 16)
-    losses = []
-    for _ in range(STEPS):
-        x = torch.randn(32, 16, generator=g)
-        y = torch.sin(x @ w_true).unsqueeze(1)
-        loss = ((ddp(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    losses = ddp_problem.fit(ddp, opt, STEPS, rank, world)
     return losses, torch.cat([p.detach().flatten() for p in model.parameters()])
 
 

@@ -26,9 +26,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ddp_problem  # the shared DDP test problem, beside this file
 import gradwire.torch  # noqa: F401 (registers the backend)
 
 torch.set_num_threads(1)
@@ -321,8 +321,7 @@ def train(group, kind):
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
     from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = ddp_problem.model()
     ddp = DDP(model, process_group=group, bucket_cap_mb=0.005)  # several buckets per step
     if kind == "zero":
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, process_group=group, lr=0.05, momentum=0.9)
@@ -340,19 +339,7 @@ def train(group, kind):
         elif kind == "fp16-rounded-once":
             ddp.register_comm_hook(group, fp16_rounded_once_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(1234 + rank)
-    w_true = torch.linspace(-1, 1, 16)
-    losses = []
-    for _ in range(STEPS):
-        x = torch.randn(32, 16, generator=g)
-        y = torch.sin(x @ w_true).unsqueeze(1)
-        loss = ((ddp(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=gloo)
-        losses.append(mean.item() / world)
+    losses = ddp_problem.fit(ddp, opt, STEPS, rank, world, loss_group=gloo)
     return losses, torch.cat([p.detach().flatten() for p in model.parameters()])
 
 

@@ -179,17 +179,21 @@ pub extern "C" fn gradwire_strategy_free(strategy: *mut gradwire_strategy_t) -> 
     })
 }
 
+/// Writes what `f` reads of the scheme behind `p` into `out_p` (named `name`).
+fn query<T>(p: *const gradwire_strategy_t, out_p: *mut T, what: &str, name: &str, f: impl FnOnce(&Scheme) -> T) -> c_int {
+    guard(|| {
+        out(out_p, what, name)?;
+        let s = scheme(p, what)?;
+        let v = f(&*lock(&s, what)?);
+        put(out_p, v, what, name)
+    })
+}
+
 /// # Safety
 /// `yes` must be NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn gradwire_strategy_framework_update(strategy: *mut gradwire_strategy_t, yes: *mut c_int) -> c_int {
-    guard(|| {
-        let w = "gradwire_strategy_framework_update";
-        out(yes, w, "yes")?;
-        let s = scheme(strategy, w)?;
-        let v = c_int::from(lock(&s, w)?.strategy.framework_update());
-        put(yes, v, w, "yes")
-    })
+    query(strategy, yes, "gradwire_strategy_framework_update", "yes", |s| c_int::from(s.strategy.framework_update()))
 }
 
 /// # Safety
@@ -293,13 +297,7 @@ pub unsafe extern "C" fn gradwire_strategy_finish(strategy: *mut gradwire_strate
 /// `bytes` must be NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn gradwire_strategy_bytes_sent(strategy: *mut gradwire_strategy_t, bytes: *mut u64) -> c_int {
-    guard(|| {
-        let w = "gradwire_strategy_bytes_sent";
-        out(bytes, w, "bytes")?;
-        let s = scheme(strategy, w)?;
-        let v = lock(&s, w)?.strategy.bytes_sent();
-        put(bytes, v, w, "bytes")
-    })
+    query(strategy, bytes, "gradwire_strategy_bytes_sent", "bytes", |s| s.strategy.bytes_sent())
 }
 
 /// # Safety
