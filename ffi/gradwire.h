@@ -170,6 +170,27 @@ typedef struct {
 int gradwire_p2p_batch(gradwire_comm_t *comm, const gradwire_p2p_op_t *ops, size_t nops);
 int gradwire_ip2p_batch(gradwire_comm_t *comm, const gradwire_p2p_op_t *ops, size_t nops, gradwire_work_t **work);
 
+/* Hierarchical allreduce (the collective DASO and BSP's node level stand on): a node-local
+ * group and a cross-node group made once from comm (collective; every node must hold the
+ * same number of ranks), then allreduces over every rank of comm through them. SHARDED:
+ * reduce-scatter in the node, one cross-node allreduce per shard, allgather in the node
+ * (each rank's link carries 1/G of the cross-node bytes); LEADER: reduce to local rank 0,
+ * allreduce among those, broadcast in the node. sendbuf == recvbuf is in place. The
+ * non-blocking form is ordered with comm's other non-blocking calls; complete it with
+ * gradwire_wait or gradwire_test. gradwire_finalize(comm) frees its hierarchies. */
+typedef struct gradwire_hierarchy gradwire_hierarchy_t;
+typedef unsigned int gradwire_hierarchical_algo_t;
+#define GRADWIRE_HIERARCHICAL_SHARDED 0u
+#define GRADWIRE_HIERARCHICAL_LEADER 1u
+int gradwire_hierarchy_create(gradwire_comm_t *comm, gradwire_hierarchy_t **hier);
+int gradwire_hierarchy_free(gradwire_hierarchy_t *hier);
+int gradwire_hierarchy_nodes(gradwire_hierarchy_t *hier, int *nodes);
+int gradwire_hierarchical_allreduce(gradwire_hierarchy_t *hier, const void *sendbuf, void *recvbuf, size_t count,
+                                    gradwire_dtype_t dtype, gradwire_op_t op, gradwire_hierarchical_algo_t algo);
+int gradwire_hierarchical_iallreduce(gradwire_hierarchy_t *hier, const void *sendbuf, void *recvbuf, size_t count,
+                                     gradwire_dtype_t dtype, gradwire_op_t op, gradwire_hierarchical_algo_t algo,
+                                     gradwire_work_t **work);
+
 /* Training schemes (ALGORITHMS.md) on a communicator, driven by the framework step by
  * step over a flat float32 parameter vector of n values (every buffer below holds n):
  * scheme "ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour" or "eamsgd"; options

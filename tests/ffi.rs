@@ -24,13 +24,14 @@ fn c_example_with_four_ranks() {
 
 /// Communicators from unique ids, with no launcher and no rendezvous variables: the whole
 /// world, then a subgroup made by its members alone (ffi/examples/unique_id.c), over shm
-/// and tcp, with none of MASTER_ADDR, MASTER_PORT or GRADWIRE_JOB_SECRET set.
+/// and tcp (and across two "nodes" for the hierarchical allreduce), with none of MASTER_ADDR, MASTER_PORT or GRADWIRE_JOB_SECRET set.
 #[test]
 fn unique_ids_make_groups_without_a_launcher() {
     let exe = c_program("ffi/examples/unique_id.c", "unique-id-c-example");
-    for (transport, w) in [("shm", 4), ("tcp", 3), ("shm", 1)] {
+    // Auto with two "nodes": the hierarchical allreduce crosses them over tcp.
+    for (transport, w, nodes) in [("shm", 4, 1), ("tcp", 3, 1), ("shm", 1, 1), ("auto", 4, 2)] {
         let mut cmd = Command::new(&exe);
-        cmd.arg(w.to_string()).env("GRADWIRE_TRANSPORT", transport).env("GRADWIRE_TIMEOUT_MS", "30000");
+        cmd.arg(w.to_string()).env("GRADWIRE_TRANSPORT", transport).env("GRADWIRE_TIMEOUT_MS", "30000").env("UNIQUE_ID_NODES", nodes.to_string());
         for k in ["MASTER_ADDR", "MASTER_PORT", "GRADWIRE_MASTER_ADDR", "GRADWIRE_MASTER_PORT", "GRADWIRE_JOB_SECRET", "RANK", "WORLD_SIZE"] {
             cmd.env_remove(k);
         }

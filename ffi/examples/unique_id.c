@@ -6,11 +6,17 @@
  *                   pipes (a framework would use its own store); every rank joins with its
  *                   rank and checks an int64 sum, an int32 product, a bool or/and, an
  *                   int8 sum that wraps, an all-to-all (equal and uneven blocks) and tagged
- *                   send/recv around the ring. Then the even ranks alone make a subgroup from an
- *                   id of their own and check a sum there, while the odd ranks do nothing.
+ *                   send/recv around the ring; a hierarchical allreduce (both algorithms,
+ *                   blocking and not) and the training schemes. Then the even ranks alone
+ *                   make a subgroup from an id of their own and check a sum there, while the
+ *                   odd ranks do nothing.
+ *
+ * UNIQUE_ID_NODES=K splits the W ranks into K "nodes" of W/K ranks (GRADWIRE_HOST_ID), so
+ * the hierarchical allreduce crosses nodes over tcp.
  *
  * Prints "rank R: ok" per rank; exits non-zero if any rank failed.
  */
+#define _POSIX_C_SOURCE 200809L
 #include "gradwire.h"
 #include <stdint.h>
 #include <stdio.h>
@@ -218,15 +224,63 @@ static int train_schemes(gradwire_comm_t *c, int rank, int w) {
     return 0;
 }
 
+/* The hierarchical allreduce against the sum and mean computed here, for both algorithms,
+ * blocking out of place and non-blocking in place; bad arguments refused. */
+static int hierarchical(gradwire_comm_t *c, int rank, int w, int nodes_want) {
+    gradwire_hierarchy_t *h = NULL;
+    if (gradwire_hierarchy_create(c, NULL) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "hierarchy NULL out accepted");
+    if (gradwire_hierarchy_create(c, &h)) return fail(rank, "gradwire_hierarchy_create");
+    int nodes = 0;
+    if (gradwire_hierarchy_nodes(h, &nodes)) return fail(rank, "gradwire_hierarchy_nodes");
+    if (nodes != nodes_want) {
+        fprintf(stderr, "rank %d: %d nodes, want %d\n", rank, nodes, nodes_want);
+        return 1;
+    }
+    enum { N = 100003 }; /* not a multiple of any node size: the sharded form pads */
+    static float x[N], y[N];
+    gradwire_hierarchical_algo_t algos[2] = {GRADWIRE_HIERARCHICAL_SHARDED, GRADWIRE_HIERARCHICAL_LEADER};
+    for (int a = 0; a < 2; a++) {
+        for (int i = 0; i < N; i++) x[i] = (float)((rank + 1) * (i % 7));
+        if (gradwire_hierarchical_allreduce(h, x, y, N, GRADWIRE_FLOAT32, GRADWIRE_SUM, algos[a])) return fail(rank, "hierarchical sum");
+        gradwire_work_t *work = NULL;
+        if (gradwire_hierarchical_iallreduce(h, x, x, N, GRADWIRE_FLOAT32, GRADWIRE_AVG, algos[a], &work) || gradwire_wait(work, -1))
+            return fail(rank, "hierarchical non-blocking mean");
+        for (int i = 0; i < N; i++) {
+            /* Small integers and halves: exact in float, whatever the order of the sum. */
+            float sum = (float)((i % 7) * w * (w + 1) / 2), mean = (float)(i % 7) * (float)(w + 1) / 2.0f;
+            if (y[i] != sum || x[i] != mean) {
+                fprintf(stderr, "rank %d: algo %d element %d: sum %g (want %g), mean %g (want %g)\n", rank, a, i, y[i], sum, x[i], mean);
+                return 1;
+            }
+        }
+    }
+    int64_t v = 1;
+    if (gradwire_hierarchical_allreduce(h, &v, &v, 1, GRADWIRE_INT64, GRADWIRE_AVG, 0) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "int64 avg accepted");
+    if (gradwire_hierarchical_allreduce(h, &v, &v, 1, GRADWIRE_INT64, GRADWIRE_SUM, 7) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "algo 7 accepted");
+    if (gradwire_hierarchical_allreduce(NULL, &v, &v, 1, GRADWIRE_INT64, GRADWIRE_SUM, 0) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "NULL hierarchy accepted");
+    if (gradwire_hierarchical_allreduce(h, x, x + 1, 4, GRADWIRE_FLOAT32, GRADWIRE_SUM, 0) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "overlap accepted");
+    if (gradwire_hierarchy_free(h) || gradwire_hierarchy_free(h) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "hierarchy free");
+    return 0;
+}
+
 static int run_rank(int rank, int w, int (*world_pipes)[2], int (*even_pipes)[2]) {
     gradwire_unique_id_t id;
     int world_w[64], even_w[64];
     for (int r = 0; r < w; r++) world_w[r] = world_pipes[r][1];
     for (int r = 0; r < w; r += 2) even_w[r / 2] = even_pipes[r][1];
     if (share_id(rank, w, world_w, &world_pipes[rank][0], &id)) return 1;
+    const char *k = getenv("UNIQUE_ID_NODES");
+    int nodes = k ? atoi(k) : 1;
+    if (nodes < 1 || w % nodes) return fail(rank, "UNIQUE_ID_NODES must divide W");
+    if (nodes > 1) {
+        char host[64];
+        snprintf(host, sizeof host, "unique-id-example-node-%d", rank / (w / nodes));
+        setenv("GRADWIRE_HOST_ID", host, 1);
+    }
     gradwire_comm_t *world = NULL, *evens = NULL;
     if (gradwire_comm_init_rank(&world, &id, w, rank)) return fail(rank, "gradwire_comm_init_rank");
     if (check_world(world, rank, w)) return 1;
+    if (hierarchical(world, rank, w, nodes)) return 1;
     if (train_schemes(world, rank, w)) return 1;
     if (rank % 2 == 0) {
         int er = rank / 2, ew = (w + 1) / 2;
@@ -247,8 +301,11 @@ static int run_rank(int rank, int w, int (*world_pipes)[2], int (*even_pipes)[2]
     gradwire_strategy_t *left = NULL;
     float one[1] = {1.0f};
     if (gradwire_strategy_create(world, "ssgd", NULL, one, 1, &left)) return fail(rank, "strategy for finalize");
+    gradwire_hierarchy_t *left_h = NULL;
+    if (gradwire_hierarchy_create(world, &left_h)) return fail(rank, "hierarchy for finalize");
     if (gradwire_finalize(world)) return fail(rank, "finalize");
     if (gradwire_strategy_free(left) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "strategy outlived its communicator");
+    if (gradwire_hierarchy_free(left_h) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "hierarchy outlived its communicator");
     printf("rank %d: ok\n", rank);
     return 0;
 }

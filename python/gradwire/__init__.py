@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "Comm",
+    "Hierarchy",
     "Strategy",
     "Work",
     "GradwireError",
@@ -188,6 +189,11 @@ def load_library() -> ctypes.CDLL:
         "gradwire_strategy_finish": [p, p, sz],
         "gradwire_strategy_bytes_sent": [p, ctypes.POINTER(ctypes.c_uint64)],
         "gradwire_strategy_describe": [p, ctypes.c_char_p, sz],
+        "gradwire_hierarchy_create": [p, pp],
+        "gradwire_hierarchy_free": [p],
+        "gradwire_hierarchy_nodes": [p, ctypes.POINTER(i)],
+        "gradwire_hierarchical_allreduce": [p, p, p, sz, u, u, u],
+        "gradwire_hierarchical_iallreduce": [p, p, p, sz, u, u, u, pp],
         "gradwire_p2p_batch": [p, ctypes.POINTER(_P2pOp), sz],
         "gradwire_ip2p_batch": [p, ctypes.POINTER(_P2pOp), sz, pp],
         "gradwire_alloc": [p, sz, pp],
@@ -285,6 +291,51 @@ class Work:
             self._h = None
         _check(code)
         return self._keep[-1] if self._keep else None
+
+
+class Hierarchy:
+    """The node-local and cross-node groups of a communicator (`Comm.hierarchy()`), made
+    once, for hierarchical allreduces over every rank of that communicator. algo
+    "sharded": reduce-scatter in the node, one cross-node allreduce per shard, allgather in
+    the node; "leader": reduce to local rank 0, allreduce among those, broadcast."""
+
+    _ALGOS = {"sharded": 0, "leader": 1}
+
+    def __init__(self, comm: "Comm") -> None:
+        h = ctypes.c_void_p()
+        _check(load_library().gradwire_hierarchy_create(comm._live(), ctypes.byref(h)))
+        self._h, self._comm = h, comm
+        nodes = ctypes.c_int(0)
+        _check(load_library().gradwire_hierarchy_nodes(h, ctypes.byref(nodes)))
+        self.nodes = nodes.value
+
+    def _args(self, x, op, algo, what):
+        if algo not in self._ALGOS:
+            raise ValueError(f"{what}: unknown algo {algo!r} (sharded or leader)")
+        if self._h is None:
+            raise RuntimeError(f"{what}: hierarchy is freed")
+        p, n, dt = _buffer(x, what)
+        return p, n, dt, _op(op), self._ALGOS[algo]
+
+    def allreduce(self, x: Buffer, op: str = "sum", algo: str = "sharded") -> Buffer:
+        """Reduces `x` in place over every rank through the hierarchy; returns `x`."""
+        p, n, dt, o, a = self._args(x, op, algo, "hierarchical allreduce")
+        _check(load_library().gradwire_hierarchical_allreduce(self._h, p, p, n, dt, o, a))
+        return x
+
+    def iallreduce(self, x: Buffer, op: str = "sum", algo: str = "sharded") -> "Work":
+        """Starts an in-place hierarchical allreduce of `x`; a Work whose wait() returns `x`."""
+        p, n, dt, o, a = self._args(x, op, algo, "hierarchical iallreduce")
+        w = ctypes.c_void_p()
+        _check(load_library().gradwire_hierarchical_iallreduce(self._h, p, p, n, dt, o, a, ctypes.byref(w)))
+        return Work(w, [self, x])
+
+    def free(self) -> None:
+        """Frees the groups (also done by the communicator's finalize)."""
+        if self._h is not None:
+            h, self._h = self._h, None
+            if self._comm._h is not None:
+                _check(load_library().gradwire_hierarchy_free(h))
 
 
 class Strategy:
@@ -652,6 +703,11 @@ class Comm:
         if self._closing is not None and self._arrays == 0:
             h, self._closing = self._closing, None
             lib.gradwire_finalize(h)
+
+    def hierarchy(self) -> Hierarchy:
+        """The node-local and cross-node groups of this communicator (collective; every
+        node must hold the same number of ranks)."""
+        return Hierarchy(self)
 
     def split(self, color: int, key: int = 0) -> Optional["Comm"]:
         """Sub-communicator of the ranks with the same color (None for a negative color)."""

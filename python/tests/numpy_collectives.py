@@ -250,6 +250,29 @@ for bad, exc in [(lambda: Strategy(comm, "sgdx", np.zeros(4, dtype=np.float32)),
     except exc:
         pass
 
+# The hierarchical allreduce, blocking and not, both algorithms, on fresh random data:
+# every rank regenerates every rank's input from its seed for the reference.
+hier = comm.hierarchy()
+for algo in ["sharded", "leader"]:
+    n = 70001
+    inputs = [np.random.default_rng(seed + 1000 + r).standard_normal(n) for r in range(world)]
+    x = inputs[rank].copy()
+    hier.allreduce(x, "sum", algo)
+    y = inputs[rank].astype(np.float32)
+    hier.iallreduce(y, "avg", algo).wait()
+    cases += 1
+    want = np.sum(inputs, axis=0)
+    if np.abs(x - want).max() > 1e-9 * world or np.abs(y - want / world).max() > 1e-5:
+        failures.append(f"rank {rank}: hierarchical {algo}: off by {np.abs(x - want).max():.2e} (f64 sum), {np.abs(y - want / world).max():.2e} (f32 avg)")
+for bad, exc in [(lambda: hier.allreduce(np.zeros(4), "sum", "ring"), ValueError), (lambda: hier.allreduce(np.zeros(4, dtype=np.int64), "avg"), InvalidArgumentError)]:
+    cases += 1
+    try:
+        bad()
+        failures.append(f"rank {rank}: a bad hierarchical allreduce was accepted")
+    except exc:
+        pass
+hier.free()
+
 if comm.split(rank % 2).size != (world + 1 - rank % 2) // 2:
     failures.append(f"rank {rank}: split sizes wrong")
 kept = comm.empty(1000, "float64")

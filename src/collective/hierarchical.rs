@@ -131,6 +131,60 @@ impl Hierarchy {
         Ok(())
     }
 
+    /// Hierarchical allreduce of `count` elements from `send` into `recv` (equal pointers:
+    /// in place), for callers holding raw buffers (the C ABI).
+    ///
+    /// # Safety
+    /// `send` must be readable and `recv` writable for `count` elements of `dtype`, valid
+    /// and touched by no one else during the call; they are equal or do not overlap.
+    pub unsafe fn allreduce_raw(&self, dtype: DType, op: ReduceOp, algo: HierarchicalAlgo, send: *const u8, recv: *mut u8, count: usize) -> Result<()> {
+        let bytes =
+            count.checked_mul(dtype.size()).filter(|b| *b <= isize::MAX as usize).ok_or_else(|| invalid(format!("count {count} overflows a buffer")))?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        if send != recv as *const u8 {
+            // SAFETY: both valid for `bytes` and disjoint (the contract).
+            unsafe { std::ptr::copy_nonoverlapping(send, recv, bytes) };
+        }
+        // SAFETY: writable for `bytes`, exclusively ours during the call (the contract).
+        self.allreduce_bytes(dtype, unsafe { std::slice::from_raw_parts_mut(recv, bytes) }, op, algo)
+    }
+
+    /// Starts [`Hierarchy::allreduce_raw`] on `parent`'s progress thread (the communicator
+    /// this hierarchy was made from) and returns at once: it is ordered with `parent`'s
+    /// other non-blocking calls, and its node and cross-node steps run on their own groups.
+    ///
+    /// # Safety
+    /// As for [`Hierarchy::allreduce_raw`], until the returned work has completed.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn start_raw(
+        self: &std::sync::Arc<Self>,
+        parent: &Communicator,
+        dtype: DType,
+        op: ReduceOp,
+        algo: HierarchicalAlgo,
+        send: *const u8,
+        recv: *mut u8,
+        count: usize,
+    ) -> Result<crate::engine::Work> {
+        if parent.size() != self.world {
+            return Err(invalid(format!("hierarchical allreduce: started on a communicator of {} ranks, made for {}", parent.size(), self.world)));
+        }
+        op.check(dtype)?;
+        /// Buffer addresses moved to the progress thread.
+        struct Buffers(*const u8, *mut u8);
+        // SAFETY: the caller keeps both valid and untouched until the work completes.
+        unsafe impl Send for Buffers {}
+        let (me, bufs) = (self.clone(), Buffers(send, recv));
+        let job: crate::engine::Job = Box::new(move |_state, _deadline| {
+            let bufs = bufs;
+            // SAFETY: the contract of start_raw, which holds until this job completes.
+            unsafe { me.allreduce_raw(dtype, op, algo, bufs.0, bufs.1, count) }
+        });
+        Ok(parent.submit(format!("hierarchical allreduce(count {count}, {})", dtype.name()), job))
+    }
+
     /// Starts a cross-node allreduce of `buf` among the ranks with this local index and
     /// returns at once: it progresses on the cross-node group's own engine while this
     /// thread runs node-local work (DASO's delayed global parameter sync).

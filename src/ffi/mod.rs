@@ -8,7 +8,9 @@
 //! host process.
 #![allow(non_camel_case_types)]
 
+mod hierarchical;
 mod train;
+pub use hierarchical::*;
 pub use train::*;
 
 use crate::bootstrap::unique_id::{UniqueId, UNIQUE_ID_BYTES};
@@ -52,6 +54,8 @@ struct Registry {
     /// Training schemes (`train.rs`) with the id of their communicator, each behind its
     /// own lock: a step can take long.
     strategies: HashMap<u64, (u64, Arc<Mutex<train::Scheme>>)>,
+    /// Hierarchical groups (`hierarchical.rs`) with the id of their communicator.
+    hierarchies: HashMap<u64, (u64, Arc<crate::collective::hierarchical::Hierarchy>)>,
 }
 
 /// Removes and returns `ptr`'s entry in `map`, which communicator `id` must own.
@@ -67,8 +71,8 @@ fn take_one<T>(map: &mut HashMap<usize, (u64, T)>, id: u64, ptr: *mut c_void, w:
 }
 
 /// Removes and returns the entries of `map` that communicator `id` owns.
-fn take_owned<T>(map: &mut HashMap<usize, (u64, T)>, id: u64) -> Vec<(u64, T)> {
-    let mine: Vec<usize> = map.iter().filter(|(_, (owner, _))| *owner == id).map(|(a, _)| *a).collect();
+fn take_owned<K: Copy + Eq + std::hash::Hash, T>(map: &mut HashMap<K, (u64, T)>, id: u64) -> Vec<(u64, T)> {
+    let mine: Vec<K> = map.iter().filter(|(_, (owner, _))| *owner == id).map(|(a, _)| *a).collect();
     mine.into_iter().filter_map(|a| map.remove(&a)).collect()
 }
 
@@ -830,12 +834,13 @@ pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
         let (c0, c1, regions, registrations) = {
             let mut reg = registry();
             let c = reg.comms.remove(&id);
-            // The strategies on this communicator go with it: each holds it alive.
-            let ids: Vec<u64> = reg.strategies.iter().filter(|(_, (on, _))| *on == id).map(|(k, _)| *k).collect();
-            let strategies: Vec<_> = ids.iter().filter_map(|k| reg.strategies.remove(k)).collect();
+            // The strategies and hierarchies on this communicator go with it: each strategy
+            // holds it alive.
+            let strategies = take_owned(&mut reg.strategies, id);
+            let hierarchies = take_owned(&mut reg.hierarchies, id);
             let regions = take_owned(&mut reg.allocs, id);
             let registrations = take_owned(&mut reg.registered, id);
-            (c, strategies, regions, registrations)
+            (c, (strategies, hierarchies), regions, registrations)
         };
         // Dropped outside the registry lock: joining the progress thread may take until the
         // running operation's deadline. The strategies and communicator first: a
