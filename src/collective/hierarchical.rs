@@ -143,7 +143,7 @@ impl Hierarchy {
         if bytes == 0 {
             return Ok(());
         }
-        if send != recv as *const u8 {
+        if !std::ptr::eq(send, recv) {
             // SAFETY: both valid for `bytes` and disjoint (the contract).
             unsafe { std::ptr::copy_nonoverlapping(send, recv, bytes) };
         }

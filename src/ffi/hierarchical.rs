@@ -95,6 +95,7 @@ pub unsafe extern "C" fn gradwire_hierarchy_nodes(hier: *mut gradwire_hierarchy_
 
 /// Decodes and checks an allreduce's arguments against the communicator the hierarchy was
 /// made from; returns that communicator with the decoded call.
+#[allow(clippy::too_many_arguments)]
 fn decode(
     hier: *const gradwire_hierarchy_t,
     send: *const c_void,
