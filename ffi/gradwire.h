@@ -196,8 +196,8 @@ int gradwire_hierarchical_iallreduce(gradwire_hierarchy_t *hier, const void *sen
  * scheme "ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour" or "eamsgd"; options
  * "key=value,..." (NULL or "": defaults), per scheme: bsp: interval, node_interval, topk;
  * daso: warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level,
- * bf16_wire, sending_chunk_size; ddcgu, cyclic: lr, rule (sum, mean, staleness); downpour:
- * lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none (ssgd, daso and bsp take no lr: the
+ * bf16_wire, sending_chunk_size, skip_reduction_factor, local_skip_factor; ddcgu, cyclic:
+ * lr, rule (sum, mean, staleness); downpour: lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none (ssgd, daso and bsp take no lr: the
  * framework's optimizer makes their local step). A key the scheme does not take or a bad
  * value is GRADWIRE_ERR_INVALID_ARGUMENT naming it. init: the initial parameters (the
  * parameter servers start from them). Collective: every rank of comm creates its scheme,
@@ -226,6 +226,13 @@ int gradwire_strategy_end_epoch(gradwire_strategy_t *strategy, float *params, si
 int gradwire_strategy_current_model(gradwire_strategy_t *strategy, float *params, size_t n);
 int gradwire_strategy_finish(gradwire_strategy_t *strategy, float *params, size_t n);
 int gradwire_strategy_bytes_sent(gradwire_strategy_t *strategy, uint64_t *bytes);
+/* Whether the scheme's ranks draw minibatches from one pool per epoch (the asynchronous
+ * parameter-server schemes: a fast worker takes more of the epoch instead of waiting for a
+ * slow one) rather than each rank taking its fixed 1/W share. With a pool, before each
+ * minibatch gradwire_strategy_claim_batch(total = the epoch's minibatches over all ranks)
+ * says whether this rank may take one more (*yes = 1) or the epoch's pool is empty (0). */
+int gradwire_strategy_shared_pool(gradwire_strategy_t *strategy, int *yes);
+int gradwire_strategy_claim_batch(gradwire_strategy_t *strategy, size_t total, int *yes);
 /* The scheme's name and state (DASO's schedule, BSP's K), NUL-terminated, truncated to len. */
 int gradwire_strategy_describe(gradwire_strategy_t *strategy, char *buf, size_t len);
 

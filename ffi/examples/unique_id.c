@@ -182,16 +182,29 @@ static int train_schemes(gradwire_comm_t *c, int rank, int w) {
         float p[N], g[N];
         for (int i = 0; i < N; i++) p[i] = (float)(rank * 100 + i); /* start apart: start() agrees */
         if (gradwire_strategy_create(c, schemes[k][0], schemes[k][1], p, N, &s)) return fail(rank, schemes[k][0]);
-        int framework = -1;
-        if (gradwire_strategy_framework_update(s, &framework) || gradwire_strategy_start(s, p, N)) return fail(rank, "start");
+        int framework = -1, pool = -1, more = 0;
+        if (gradwire_strategy_framework_update(s, &framework) || gradwire_strategy_shared_pool(s, &pool)) return fail(rank, "queries");
+        if (gradwire_strategy_claim_batch(s, 8, &more) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "claim before start accepted");
+        if (gradwire_strategy_start(s, p, N)) return fail(rank, "start");
+        if (!pool && gradwire_strategy_claim_batch(s, 8, &more) != GRADWIRE_ERR_INVALID_ARGUMENT) return fail(rank, "claim without a pool accepted");
+        int64_t taken = 0;
         for (int e = 0; e < EPOCHS; e++) {
             double loss = 0, mean = 0;
-            for (int b = 0; b < BATCHES; b++) {
+            /* With a shared pool (the parameter-server schemes) the ranks draw the epoch's
+             * BATCHES * w minibatches from one pool; else each takes its BATCHES. */
+            for (int b = 0;; b++) {
+                if (pool) {
+                    if (gradwire_strategy_claim_batch(s, (size_t)BATCHES * w, &more)) return fail(rank, "claim_batch");
+                    if (!more) break;
+                } else if (b == BATCHES) {
+                    break;
+                }
+                taken++;
                 for (int i = 0; i < N; i++) {
                     g[i] = p[i] - (float)(rank + i);
                     loss += 0.5 * g[i] * g[i];
                 }
-                int last = b == BATCHES - 1, rc;
+                int last = !pool && b == BATCHES - 1, rc;
                 if (framework) {
                     rc = gradwire_strategy_before_update(s, g, N, last);
                     for (int i = 0; i < N && !rc; i++) p[i] -= 0.2f * g[i]; /* the framework's optimizer */
@@ -204,6 +217,12 @@ static int train_schemes(gradwire_comm_t *c, int rank, int w) {
             if (gradwire_strategy_end_epoch(s, p, N, loss / BATCHES, &mean)) return fail(rank, "end_epoch");
         }
         if (gradwire_strategy_finish(s, p, N)) return fail(rank, "finish");
+        /* Every minibatch of every epoch taken once, by some rank. */
+        if (gradwire_allreduce(c, &taken, &taken, 1, GRADWIRE_INT64, GRADWIRE_SUM)) return fail(rank, "count");
+        if (taken != (int64_t)EPOCHS * BATCHES * w) {
+            fprintf(stderr, "rank %d: %s took %lld minibatches, want %d\n", rank, schemes[k][0], (long long)taken, EPOCHS * BATCHES * w);
+            return 1;
+        }
         char state[128];
         uint64_t bytes = 0;
         if (gradwire_strategy_describe(s, state, sizeof state) || gradwire_strategy_bytes_sent(s, &bytes)) return fail(rank, "describe");

@@ -189,6 +189,8 @@ def load_library() -> ctypes.CDLL:
         "gradwire_strategy_finish": [p, p, sz],
         "gradwire_strategy_bytes_sent": [p, ctypes.POINTER(ctypes.c_uint64)],
         "gradwire_strategy_describe": [p, ctypes.c_char_p, sz],
+        "gradwire_strategy_shared_pool": [p, ctypes.POINTER(ctypes.c_int)],
+        "gradwire_strategy_claim_batch": [p, sz, ctypes.POINTER(ctypes.c_int)],
         "gradwire_hierarchy_create": [p, pp],
         "gradwire_hierarchy_free": [p],
         "gradwire_hierarchy_nodes": [p, ctypes.POINTER(i)],
@@ -405,6 +407,21 @@ class Strategy:
         b = ctypes.c_uint64()
         _check(load_library().gradwire_strategy_bytes_sent(self._live(), ctypes.byref(b)))
         return b.value
+
+    @property
+    def shared_pool(self) -> bool:
+        """Whether the ranks draw minibatches from one pool per epoch (claim_batch)."""
+        yes = ctypes.c_int(0)
+        _check(load_library().gradwire_strategy_shared_pool(self._live(), ctypes.byref(yes)))
+        return bool(yes.value)
+
+    def claim_batch(self, total: int) -> bool:
+        """With a shared pool: whether this rank may take one more of the epoch's `total`
+        minibatches (False: the epoch's pool is empty)."""
+        total = _int_arg(total, "claim_batch: total", 0, _SIZE_MAX)
+        yes = ctypes.c_int(0)
+        _check(load_library().gradwire_strategy_claim_batch(self._live(), total, ctypes.byref(yes)))
+        return bool(yes.value)
 
     def describe(self) -> str:
         buf = ctypes.create_string_buffer(256)

@@ -301,6 +301,33 @@ pub unsafe extern "C" fn gradwire_strategy_bytes_sent(strategy: *mut gradwire_st
 }
 
 /// # Safety
+/// `yes` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_shared_pool(strategy: *mut gradwire_strategy_t, yes: *mut c_int) -> c_int {
+    query(strategy, yes, "gradwire_strategy_shared_pool", "yes", |s| c_int::from(s.strategy.shared_pool()))
+}
+
+/// # Safety
+/// `yes` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_claim_batch(strategy: *mut gradwire_strategy_t, total: usize, yes: *mut c_int) -> c_int {
+    let w = "gradwire_strategy_claim_batch";
+    guard(|| {
+        out(yes, w, "yes")?;
+        let s = scheme(strategy, w)?;
+        let mut s = lock(&s, w)?;
+        if !s.started {
+            return Err(invalid(format!("{w}: call gradwire_strategy_start first")));
+        }
+        if !s.strategy.shared_pool() {
+            return Err(invalid(format!("{w}: {} gives each rank its own share of the epoch, not a shared pool", s.strategy.name())));
+        }
+        let more = s.strategy.claim_batch(total).map_err(|e| super::prefixed(e, w))?;
+        put(yes, c_int::from(more), w, "yes")
+    })
+}
+
+/// # Safety
 /// `buf` must be NULL (with len 0) or valid for `len` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn gradwire_strategy_describe(strategy: *mut gradwire_strategy_t, buf: *mut c_char, len: usize) -> c_int {

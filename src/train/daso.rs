@@ -59,6 +59,10 @@ pub struct DasoConfig {
     /// The cycling phase's global send is cut into allreduces of at most this many
     /// elements (Heat's `sending_chunk_size`).
     pub sending_chunk_size: usize,
+    /// On a plateau gs and ls are divided by this (Heat's `skip_reduction_factor`).
+    pub skip_reduction_factor: usize,
+    /// On a reset to gs = max, ls = W = max / this (Heat's `local_skip_factor`).
+    pub local_skip_factor: usize,
 }
 
 impl Default for DasoConfig {
@@ -71,6 +75,8 @@ impl Default for DasoConfig {
             stability_level: 0.05,
             bf16_wire: false,
             sending_chunk_size: 10_000_000,
+            skip_reduction_factor: 2,
+            local_skip_factor: 4,
         }
     }
 }
@@ -97,19 +103,29 @@ pub struct Plateau {
     stale_epochs: usize,
     stability_level: f64,
     max_global_skips: usize,
+    skip_reduction_factor: usize,
+    local_skip_factor: usize,
 }
 
 impl Plateau {
+    /// With Heat's default factors (skip reduction 2, local skip 4).
     pub fn new(stability_level: f64, max_global_skips: usize) -> Self {
-        Plateau { best: f64::INFINITY, stale_epochs: 0, stability_level, max_global_skips }
+        Self::with_factors(stability_level, max_global_skips, 2, 4)
+    }
+
+    /// `skip_reduction_factor` divides gs and ls on a plateau; a reset sets ls = W =
+    /// max / `local_skip_factor` (both at least 1).
+    pub fn with_factors(stability_level: f64, max_global_skips: usize, skip_reduction_factor: usize, local_skip_factor: usize) -> Self {
+        let (skip_reduction_factor, local_skip_factor) = (skip_reduction_factor.max(1), local_skip_factor.max(1));
+        Plateau { best: f64::INFINITY, stale_epochs: 0, stability_level, max_global_skips, skip_reduction_factor, local_skip_factor }
     }
 
     /// Feeds one epoch's loss; returns the schedule for the next epoch. As Heat's
     /// `DetectMetricPlateau(patience=2, threshold=stability_level)`: `best` moves only on a
     /// real improvement (below best·(1 − stability level)), so losses that fall a little
-    /// every epoch still make a plateau. A plateau (a third epoch without one) halves gs
-    /// and ls and decrements W (W ≥ 1 while gs > 0); at gs = 1 it resets to gs = max,
-    /// ls = W = max / 4.
+    /// every epoch still make a plateau. A plateau (a third epoch without one) divides gs
+    /// and ls by the skip reduction factor (2) and decrements W (W ≥ 1 while gs > 0); at
+    /// gs = 1 it resets to gs = max, ls = W = max / local skip factor (4).
     pub fn next(&mut self, loss: f64, s: Schedule) -> Schedule {
         if loss < self.best * (1.0 - self.stability_level) {
             self.best = loss;
@@ -122,10 +138,11 @@ impl Plateau {
         }
         self.stale_epochs = 0;
         if s.gs <= 1 {
-            let m = self.max_global_skips;
-            Schedule { gs: m, ls: (m / 4).max(1), wait: (m / 4).max(1) }
+            let (m, l) = (self.max_global_skips, self.local_skip_factor);
+            Schedule { gs: m, ls: (m / l).max(1), wait: (m / l).max(1) }
         } else {
-            Schedule { gs: s.gs / 2, ls: (s.ls / 2).max(1), wait: s.wait.saturating_sub(1).max(1) }
+            let f = self.skip_reduction_factor;
+            Schedule { gs: s.gs / f, ls: (s.ls / f).max(1), wait: s.wait.saturating_sub(1).max(1) }
         }
     }
 }
@@ -175,7 +192,7 @@ impl<'c> Daso<'c> {
         cfg.warmup_epochs = cfg.warmup_epochs.min(half);
         cfg.cooldown_epochs = cfg.cooldown_epochs.min(half);
         let groups = Hierarchy::new(comm)?;
-        let plateau = Plateau::new(cfg.stability_level, cfg.max_global_skips);
+        let plateau = Plateau::with_factors(cfg.stability_level, cfg.max_global_skips, cfg.skip_reduction_factor, cfg.local_skip_factor);
         Ok(Daso { comm, groups, cfg, schedule: None, plateau, epoch: 0, batch: 0, send_mod: 0, in_flight: VecDeque::new(), anchor: vec![], sent: 0 })
     }
 

@@ -175,7 +175,7 @@ impl StrategyConfig {
     /// `scheme` with `options` ("key=value,key=value"; empty: the defaults), as a framework
     /// hands them over the C ABI. Keys, per scheme: bsp: interval, node_interval, topk;
     /// daso: warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level,
-    /// bf16_wire, sending_chunk_size; ddcgu and cyclic: lr, rule (sum, mean or staleness);
+    /// bf16_wire, sending_chunk_size, skip_reduction_factor, local_skip_factor; ddcgu and cyclic: lr, rule (sum, mean or staleness);
     /// downpour: lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none. ssgd, daso and bsp take
     /// no lr: the framework's own optimizer makes their local step. A key the scheme does
     /// not take, or a value out of range, is an error naming it.
@@ -183,7 +183,17 @@ impl StrategyConfig {
         let keys: &[&str] = match scheme {
             "ssgd" => &[],
             "bsp" => &["interval", "node_interval", "topk"],
-            "daso" => &["warmup_epochs", "cooldown_epochs", "epochs", "max_global_skips", "stability_level", "bf16_wire", "sending_chunk_size"],
+            "daso" => &[
+                "warmup_epochs",
+                "cooldown_epochs",
+                "epochs",
+                "max_global_skips",
+                "stability_level",
+                "bf16_wire",
+                "sending_chunk_size",
+                "skip_reduction_factor",
+                "local_skip_factor",
+            ],
             "ddcgu" | "cyclic" => &["lr", "rule"],
             "downpour" => &["lr", "fetch", "push"],
             "eamsgd" => &["lr", "tau", "beta"],
@@ -216,6 +226,8 @@ impl StrategyConfig {
                 "stability_level" => cfg.daso.stability_level = real(0.0, 1.0)?,
                 "bf16_wire" => cfg.daso.bf16_wire = value.parse().map_err(|_| bad("expected true or false"))?,
                 "sending_chunk_size" => cfg.daso.sending_chunk_size = count(1)?,
+                "skip_reduction_factor" => cfg.daso.skip_reduction_factor = count(1)?,
+                "local_skip_factor" => cfg.daso.local_skip_factor = count(1)?,
                 "fetch" => cfg.fetch = count(1)?,
                 "push" => cfg.push = count(1)?,
                 "tau" => cfg.tau = count(1)?,
