@@ -12,10 +12,19 @@ fn python_has(module: &str) -> bool {
 }
 
 fn run_py(n: usize, script: &str, env: &[(&str, &str)]) -> String {
+    launch_py(n, &[], &format!("python/tests/{script}"), &[], env)
+}
+
+/// `gradwire launch -n N LAUNCH... -- python3 SCRIPT ARGS...` (SCRIPT relative to the
+/// repository) with the repository's package and library; fails the test if any rank does.
+fn launch_py(n: usize, launch: &[&str], script: &str, args: &[&str], env: &[(&str, &str)]) -> String {
     let root = env!("CARGO_MANIFEST_DIR");
     let lib = cdylib_dir().join("libgradwire.so");
     let mut cmd = Command::new(bin());
-    cmd.args(["launch", "-n", &n.to_string(), "--", "python3", &format!("{root}/python/tests/{script}")])
+    cmd.args(["launch", "-n", &n.to_string()])
+        .args(launch)
+        .args(["--", "python3", &format!("{root}/{script}")])
+        .args(args)
         .env("PYTHONPATH", format!("{root}/python"))
         .env("GRADWIRE_LIB", lib)
         .env("GLOO_SOCKET_IFNAME", "lo")
@@ -26,7 +35,7 @@ fn run_py(n: usize, script: &str, env: &[(&str, &str)]) -> String {
     let out = run_with_limit(cmd, Duration::from_secs(300));
     let t = text(&out);
     println!("{t}");
-    assert!(out.status.success(), "{script} with {n} ranks failed:\n{t}");
+    assert!(out.status.success(), "{script} with {n} ranks {launch:?} failed:\n{t}");
     t
 }
 
@@ -96,6 +105,91 @@ fn torch_backend_collectives_and_ddp_match_gloo() {
         assert!(out.status.success(), "2x2 namespaces: {t}");
         assert_eq!(t.matches(", 0 failed (seed").count(), 4, "{t}");
     }
+}
+
+/// gradwire.torch's DASO, BSP and ParameterServer against independent references of their
+/// math on random data (python/tests/torch_schemes.py): on one host, and on 2 namespace
+/// nodes of 2 ranks, where DASO's node-local and global groups differ.
+#[test]
+fn torch_schemes_match_their_references() {
+    if !python_has("torch") {
+        eprintln!("SKIP torch_schemes_match_their_references: torch is not importable");
+        return;
+    }
+    let mut layouts: Vec<&[&str]> = vec![&[]];
+    if can_netns("torch_schemes_match_their_references (2x2 namespaces part)") {
+        layouts.push(&["--netns", "--ranks-per-node", "2"]);
+    }
+    for launch in layouts {
+        let t = launch_py(4, launch, "python/tests/torch_schemes.py", &["math"], &[]);
+        assert_eq!(t.matches(", 0 failed").count(), 4, "{launch:?}: {t}");
+        assert!(!t.contains("FAIL"), "{t}");
+    }
+}
+
+/// A script written for Heat's DASO runs with its import changed (python/examples/
+/// heat_daso.py, a convolutional net), across 2 namespace nodes of 2 ranks: it learns, and
+/// every replica ends identical.
+#[test]
+fn heat_style_daso_script_runs_with_its_import_changed() {
+    if !python_has("torch") {
+        eprintln!("SKIP heat_style_daso_script_runs_with_its_import_changed: torch is not importable");
+        return;
+    }
+    let script = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/python/examples/heat_daso.py")).unwrap();
+    let code: Vec<&str> = script.lines().filter(|l| l.contains("gradwire") && !l.trim_start().starts_with("gradwire launch")).collect();
+    assert_eq!(
+        code,
+        ["It runs on gradwire with one line changed: `import heat as ht` became the import below.", "import gradwire.heat as ht  # was: import heat as ht"]
+    );
+    let launch: &[&str] =
+        if can_netns("heat_style_daso_script_runs_with_its_import_changed (namespaces)") { &["--netns", "--ranks-per-node", "2"] } else { &[] };
+    let t = launch_py(4, launch, "python/examples/heat_daso.py", &["--epochs", "6"], &[]);
+    // "final test acc A %, parameter checksum S1 S2" per rank (ranks' lines may interleave).
+    let finals: Vec<Vec<&str>> =
+        t.split(": final test acc ").skip(1).map(|r| r.split_whitespace().take(6).map(|w| w.trim_end_matches(char::is_alphabetic)).collect()).collect();
+    assert_eq!(finals.len(), 4, "{t}");
+    assert!(finals.iter().all(|f| *f == finals[0]), "replicas differ: {finals:?}");
+    let acc: f64 = finals[0][0].parse().unwrap();
+    assert!(acc >= 90.0, "final accuracy {acc} %: {t}");
+}
+
+/// A rank killed in the middle of a ddcgu epoch (gradwire.torch.ParameterServer) is a
+/// PeerLostError naming it on every survivor, within the deadline, not a hang.
+#[test]
+fn parameter_server_names_a_killed_rank() {
+    if !python_has("torch") {
+        eprintln!("SKIP parameter_server_names_a_killed_rank: torch is not importable");
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let (port, world, started) = (free_port(), 3, std::time::Instant::now());
+    let ranks: Vec<_> = (0..world)
+        .map(|r| {
+            let mut cmd = Command::new("python3");
+            cmd.arg(format!("{root}/python/tests/torch_schemes.py"))
+                .arg("kill")
+                .env("PYTHONPATH", format!("{root}/python"))
+                .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+                .env("GRADWIRE_TIMEOUT_MS", "3000")
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            rank_env(&mut cmd, r, world, port, "torch-schemes-kill-test");
+            cmd.spawn().expect("spawn python rank")
+        })
+        .collect();
+    for (r, c) in ranks.into_iter().enumerate() {
+        let out = wait_with_limit(c, Duration::from_secs(60));
+        let t = text(&out);
+        println!("rank {r} after {:?}: {t}", started.elapsed());
+        if r == 1 {
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(3), "rank {r} did not catch the fault:\n{t}");
+        assert!(t.contains("caught PeerLostError") && t.contains("rank 1"), "rank {r}'s error does not name rank 1:\n{t}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
 }
 
 /// A killed rank, a mismatched call and a send/recv pair with different tags on the torch

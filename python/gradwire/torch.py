@@ -497,3 +497,6 @@ def register() -> None:
 
 
 register()
+
+# The schemes as optimizers, beside the backend they may run on.
+from gradwire.optim import BSP, DASO, ParameterServer, PoolSampler  # noqa: E402,F401

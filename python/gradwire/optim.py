@@ -1,0 +1,436 @@
+"""The three papers' training schemes around a PyTorch model, each used as `opt.step()`
+after `loss.backward()` (re-exported by `gradwire.torch`):
+
+- `DASO(local_optimizer, total_epochs, ...)`: hierarchical, asynchronous global sync with
+  Heat's protocol (`step()`, `zero_grad()`, `last_batch`, `epoch_loss_logic(loss)`), so a
+  script written for Heat's DASO runs with its import changed (see `gradwire.heat`);
+- `BSP(local_optimizer, interval=K, topk=None)`: K local steps, then one allreduce of the
+  change (top-k with error feedback);
+- `ParameterServer(model, scheme="ddcgu"|"cyclic"|"downpour"|"eamsgd", ...)` with
+  `PoolSampler`, the shared minibatch pool the asynchronous schemes draw from.
+
+The model's parameters and gradients move into one gradwire buffer each (memory shared
+with the host's ranks): every parameter's `.data` and `.grad` become views into them, so a
+step hands the scheme one flat vector without copying. The communicator is `comm` if
+given, else the default process group's when it is "gradwire", else one made from the
+launcher's environment (`gradwire launch`, torchrun). Parameters must be float32 CPU
+tensors (CUDA: issue 32). The schemes themselves run in libgradwire (ALGORITHMS.md).
+"""
+
+import numbers
+import re
+from typing import Any, Iterable, Iterator, List, Optional, Union
+
+import torch
+
+from gradwire import Comm, Strategy
+
+__all__ = ["DASO", "BSP", "ParameterServer", "PoolSampler", "FlatParameters"]
+
+_world: Optional[Comm] = None
+
+
+def resolve_comm(comm: Any = None) -> Comm:
+    """`comm` as a gradwire communicator: a `gradwire.Comm`, a gradwire process group, or
+    None (the default process group's when it is gradwire's, else one for the whole job
+    from the launcher's environment, made once)."""
+    global _world
+    if isinstance(comm, Comm):
+        return comm
+    if comm is not None and isinstance(getattr(comm, "comm", None), Comm):
+        return comm.comm
+    if comm is not None:
+        raise TypeError(f"comm must be a gradwire.Comm or a gradwire process group, got {type(comm).__name__}")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        pg = dist.distributed_c10d._get_default_group()
+        if isinstance(getattr(pg, "comm", None), Comm):
+            return pg.comm
+    if _world is None:
+        _world = Comm()
+    return _world
+
+
+def _integer(value, name, lo):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be at least {lo}, got {value}")
+    return int(value)
+
+
+def _fraction(value, name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+    return float(value)
+
+
+class FlatParameters:
+    """`params` (deduplicated, in order) moved into one float32 buffer for the values and
+    one for the gradients, both from `comm.empty` (registered memory shared with the host's
+    ranks). Every parameter's `.data` and `.grad` become views into them."""
+
+    def __init__(self, params: Iterable[torch.Tensor], comm: Comm) -> None:
+        seen, self.params = set(), []
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.device.type != "cpu":
+                raise ValueError(f"a parameter is on {p.device}: gradwire's schemes take CPU parameters (CUDA models: issue 32)")
+            if p.dtype != torch.float32:
+                raise TypeError(f"a parameter is {p.dtype}: gradwire's schemes take float32 parameters")
+            self.params.append(p)
+        n = sum(p.numel() for p in self.params)
+        if n == 0:
+            raise ValueError("no parameters to train")
+        self.data = torch.from_numpy(comm.empty(n, "float32"))
+        self.grad = torch.from_numpy(comm.empty(n, "float32"))
+        self.grad.zero_()
+        self._views = []
+        at = 0
+        for p in self.params:
+            k = p.numel()
+            value, grad = self.data[at : at + k].view_as(p), self.grad[at : at + k].view_as(p)
+            with torch.no_grad():
+                value.copy_(p)
+                if p.grad is not None:
+                    grad.copy_(p.grad)
+            p.data = value
+            p.grad = grad
+            self._views.append((value, grad))
+            at += k
+
+    def __len__(self) -> int:
+        return self.data.numel()
+
+    def gather_grads(self) -> torch.Tensor:
+        """Makes every `.grad` a view into the buffer again and returns the buffer: a
+        `zero_grad(set_to_none=True)` or a parameter that took no part in backward leaves
+        None (a zero gradient), a replaced `.grad` is copied in once. A replaced `.data`
+        (e.g. `model.to(...)`) is an error: the scheme would no longer see the model."""
+        for p, (value, grad) in zip(self.params, self._views):
+            if p.data.data_ptr() != value.data_ptr():
+                raise RuntimeError("a parameter's .data was replaced after the scheme was made (model.to(), load_state_dict(assign=True)?): make the scheme after moving the model")
+            if p.grad is None:
+                grad.zero_()
+                p.grad = grad
+            elif p.grad.data_ptr() != grad.data_ptr():
+                with torch.no_grad():
+                    grad.copy_(p.grad)
+                p.grad = grad
+        return self.grad
+
+    def zero_grad(self) -> None:
+        """Zeroes the gradients in place (they stay views)."""
+        self.grad.zero_()
+        for p, (_, grad) in zip(self.params, self._views):
+            if p.grad is None or p.grad.data_ptr() != grad.data_ptr():
+                p.grad = grad
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"local_optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class _Scheme:
+    """A scheme of libgradwire over a model's flat parameters; the wrappers' common part."""
+
+    def __init__(self, params: Iterable[torch.Tensor], scheme: str, options: str, comm: Any) -> None:
+        self.comm = resolve_comm(comm)
+        self.flat = FlatParameters(params, self.comm)
+        self._scheme, self._options = scheme, options
+        self._strategy = Strategy(self.comm, scheme, self.flat.data, options)
+        self._strategy.start(self.flat.data)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zeroes the gradients in place (`set_to_none` is accepted and ignored: the
+        gradients stay views into the scheme's buffer)."""
+        del set_to_none
+        self.flat.zero_grad()
+
+    def end_epoch(self, loss: Union[float, torch.Tensor]) -> float:
+        """At an epoch's end, with this rank's mean training loss: returns it averaged over
+        the ranks. Collective."""
+        return self._strategy.end_epoch(self.flat.data, float(loss))
+
+    def current_model(self) -> torch.Tensor:
+        """The model to evaluate, flat (the agreed anchor, the servers' parameters, the
+        centre variable), as a new tensor; the model's own parameters are left as they are."""
+        return self._strategy.current_model(self.flat.data.clone())
+
+    def finish(self) -> None:
+        """Leaves the final model in the parameters on every rank. Collective."""
+        self._strategy.finish(self.flat.data)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank has sent for the scheme."""
+        return self._strategy.bytes_sent
+
+    def describe(self) -> str:
+        """The scheme's name and state (DASO's schedule, BSP's K)."""
+        return self._strategy.describe()
+
+
+class _FrameworkStep(_Scheme):
+    """Schemes whose local step is the framework's optimizer (DASO, BSP)."""
+
+    def __init__(self, local_optimizer: torch.optim.Optimizer, scheme: str, options: str, comm: Any) -> None:
+        super().__init__(_optimizer_params(local_optimizer), scheme, options, comm)
+        self.local_optimizer = local_optimizer
+        self.scaler = None
+
+    @property
+    def param_groups(self):
+        """The local optimizer's parameter groups (learning-rate schedules edit these)."""
+        return self.local_optimizer.param_groups
+
+    def _step(self, last_of_epoch: bool) -> None:
+        self._strategy.before_update(self.flat.gather_grads(), last_of_epoch)
+        if self.scaler is not None:
+            self.scaler.step(self.local_optimizer)
+            self.scaler.update()
+        else:
+            self.local_optimizer.step()
+        self._strategy.after_update(self.flat.data, last_of_epoch)
+
+
+class DASO(_FrameworkStep):
+    """Distributed Asynchronous and Selective Optimization (Coquelin et al.), with the
+    interface of Heat's `heat.optim.DASO`: node-local gradient averages every `local_skip`
+    batches, a non-blocking global parameter sum every `global_skip` batches merged
+    `batches_to_wait` batches later, synchronous warm-up and cool-down, and a plateau
+    controller fed by `epoch_loss_logic`. Nodes are the launcher's (host identity;
+    `gradwire launch --netns --ranks-per-node G`), and every node must hold the same number
+    of ranks.
+
+    A training loop, as with Heat::
+
+        daso = DASO(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), total_epochs=E)
+        for epoch in range(E):
+            daso.last_batch = len(loader) - 1
+            for data, target in loader:
+                daso.zero_grad()
+                loss_fn(model(data), target).backward()
+                daso.step()
+            daso.epoch_loss_logic(epoch_loss)
+
+    Differences from Heat (see src/train/daso.rs): the parameters are made equal at
+    construction (rank 0's), not re-initialised; the synchronous phases average the change
+    since the parameters last agreed (replicas stay identical); bfloat16 sums accumulate in
+    float32; warm-up plus cool-down are capped at half the run; `downcast_type=torch.half`
+    and `scheduler` are refused; `use_mpi_groups` has no effect."""
+
+    def __init__(
+        self,
+        local_optimizer: torch.optim.Optimizer,
+        total_epochs: int,
+        comm: Any = None,
+        warmup_epochs: int = 4,
+        cooldown_epochs: int = 4,
+        scheduler: Any = None,
+        stability_level: float = 0.05,
+        max_global_skips: int = 8,
+        sending_chunk_size: int = 10_000_000,
+        downcast_type: torch.dtype = torch.bfloat16,
+        use_mpi_groups: bool = True,
+        skip_reduction_factor: int = 2,
+        local_skip_factor: int = 4,
+        verbose: bool = False,
+    ) -> None:
+        if scheduler is not None:
+            raise ValueError("DASO: scheduler is not supported; step your learning-rate scheduler on local_optimizer beside DASO")
+        if downcast_type not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"DASO: downcast_type must be torch.bfloat16 or torch.float (the synchronous phases' wire), got {downcast_type}")
+        del use_mpi_groups  # gradwire's groups come from the launcher's topology
+        options = {
+            "epochs": _integer(total_epochs, "total_epochs", 1),
+            "warmup_epochs": _integer(warmup_epochs, "warmup_epochs", 0),
+            "cooldown_epochs": _integer(cooldown_epochs, "cooldown_epochs", 0),
+            "stability_level": _fraction(stability_level, "stability_level"),
+            "max_global_skips": _integer(max_global_skips, "max_global_skips", 1),
+            "sending_chunk_size": _integer(sending_chunk_size, "sending_chunk_size", 1),
+            "skip_reduction_factor": _integer(skip_reduction_factor, "skip_reduction_factor", 1),
+            "local_skip_factor": _integer(local_skip_factor, "local_skip_factor", 1),
+            "bf16_wire": "true" if downcast_type == torch.bfloat16 else "false",
+        }
+        super().__init__(local_optimizer, "daso", ",".join(f"{k}={v}" for k, v in options.items()), comm)
+        self.total_epochs = options["epochs"]
+        self.verbose = bool(verbose)
+        self.module: Optional[torch.nn.Module] = None
+        self.amp = False
+        self.last_batch: Optional[int] = None
+        self.current_batch = 0
+        self.epoch = 0
+
+    def set_model(self, model: torch.nn.Module) -> None:
+        """The model the local optimizer trains (`DataParallelMultiGPU` calls this)."""
+        mine = {id(p) for p in self.flat.params}
+        if any(p.requires_grad and id(p) not in mine for p in model.parameters()):
+            raise ValueError("DASO.set_model: the model has trainable parameters the local optimizer does not hold")
+        self.module = model
+
+    def add_scaler(self, scaler: Any) -> None:
+        """A `torch.amp.GradScaler`: step() then steps through it."""
+        self.scaler, self.amp = scaler, True
+
+    def step(self) -> None:
+        """After `loss.backward()`: the node-local gradient average when due, the local
+        optimizer's step, then the global parameter sync or merge when due; the batch
+        numbered `last_batch` ends the epoch with a blocking global sync."""
+        if self.last_batch is None:
+            raise ValueError("DASO.step: set last_batch to the index of the epoch's last batch (len(loader) - 1) first, as with Heat")
+        last = self.current_batch >= self.last_batch
+        self._step(last)
+        self.current_batch = 0 if last else self.current_batch + 1
+        self.epoch += int(last)
+
+    def epoch_loss_logic(self, loss: Union[float, torch.Tensor], loss_globally_averaged: bool = False) -> None:
+        """Once per epoch, with the epoch's training loss: averaged over the ranks (again,
+        harmlessly, when `loss_globally_averaged`), it drives the phase and the plateau
+        controller that adapts global_skip, local_skip and batches_to_wait. Collective."""
+        del loss_globally_averaged
+        value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)
+        mean = self.end_epoch(value)
+        self.print0(f"DASO: epoch {self.epoch} loss {mean:.6f} {self.describe()}")
+
+    def _schedule(self):
+        m = re.search(r"gs=(\d+) ls=(\d+) W=(\d+)", self.describe())
+        return tuple(int(v) for v in m.groups()) if m else (0, 0, 0)
+
+    @property
+    def global_skip(self) -> int:
+        """Batches between global sends (0: synchronous)."""
+        return self._schedule()[0]
+
+    @property
+    def local_skip(self) -> int:
+        """Batches between node-local gradient averages (0: every batch, synchronous)."""
+        return self._schedule()[1]
+
+    @property
+    def batches_to_wait(self) -> int:
+        """Batches between a global send and its merge (0: synchronous)."""
+        return self._schedule()[2]
+
+    def print0(self, *args: Any, **kwargs: Any) -> None:
+        """Prints on rank 0 when verbose."""
+        if self.verbose and self.comm.rank == 0:
+            print(*args, **kwargs)
+
+    def reset(self) -> None:
+        """Back to the start of training (warm-up, a fresh controller), keeping the current
+        parameters (made equal again). Collective."""
+        self._strategy.free()
+        self._strategy = Strategy(self.comm, self._scheme, self.flat.data, self._options)
+        self._strategy.start(self.flat.data)
+        self.current_batch, self.epoch = 0, 0
+        self.zero_grad()
+
+
+class BSP(_FrameworkStep):
+    """Aggregation-interval bulk-synchronous SGD: `interval` (K) local steps of
+    `local_optimizer` from the agreed anchor, then one allreduce averages every rank's
+    change and every rank moves to the anchor minus that average (the optimizer's state,
+    momentum included, stays local). `topk` (a fraction of the entries) sends only the
+    largest entries of the change, keeping the rest for the next interval (error feedback);
+    `node_interval` K1 (dividing K) also averages inside the node every K1 steps."""
+
+    def __init__(self, local_optimizer: torch.optim.Optimizer, interval: int = 4, topk: Optional[float] = None, node_interval: int = 0, comm: Any = None) -> None:
+        options = f"interval={_integer(interval, 'interval', 1)},node_interval={_integer(node_interval, 'node_interval', 0)}"
+        if topk is not None:
+            options += f",topk={_fraction(topk, 'topk')!r}"
+        super().__init__(local_optimizer, "bsp", options, comm)
+        self.interval = interval
+
+    def step(self, last_of_epoch: bool = False) -> None:
+        """After `loss.backward()`: the local optimizer's step, and every K-th step the
+        change averaged over the ranks."""
+        self._step(bool(last_of_epoch))
+
+
+_PS_OPTIONS = {"ddcgu": ("lr", "rule"), "cyclic": ("lr", "rule"), "downpour": ("lr", "fetch", "push"), "eamsgd": ("lr", "tau", "beta")}
+
+
+class ParameterServer(_Scheme):
+    """The parameter-server schemes, whose update rule runs on the servers as their papers
+    define it (no local optimizer): `ddcgu` (dynamic-delay cyclic gradient push over a
+    remote-memory token ring), `cyclic` (the fixed cyclic push), `downpour` (fetch every
+    `fetch` steps, push every `push`, local SGD between) and `eamsgd` (elastic averaging,
+    period `tau`, moving rate `beta`). Options as in ffi/gradwire.h: lr; rule ("sum",
+    "mean", "staleness") for ddcgu and cyclic. Draw minibatches with `sampler()`: a fast
+    worker takes more of the epoch's pool instead of waiting for a slow one."""
+
+    def __init__(self, model: Union[torch.nn.Module, Iterable[torch.Tensor]], scheme: str = "ddcgu", comm: Any = None, **options: Any) -> None:
+        if scheme not in _PS_OPTIONS:
+            raise ValueError(f"ParameterServer: scheme must be one of {', '.join(_PS_OPTIONS)}, got {scheme!r}")
+        for k in options:
+            if k not in _PS_OPTIONS[scheme]:
+                raise ValueError(f"ParameterServer: {scheme} takes no option {k!r}; its options: {', '.join(_PS_OPTIONS[scheme])}")
+        params = model.parameters() if isinstance(model, torch.nn.Module) else model
+        super().__init__(params, scheme, ",".join(f"{k}={v}" for k, v in options.items()), comm)
+        self.scheme = scheme
+
+    def step(self) -> None:
+        """After `loss.backward()`: the scheme's push, pull and update; the parameters are
+        then the next minibatch's."""
+        self._strategy.step(self.flat.data, self.flat.gather_grads())
+
+    @property
+    def shared_pool(self) -> bool:
+        """Whether the ranks draw from one minibatch pool per epoch (ddcgu, downpour,
+        eamsgd); `cyclic` gives every rank its fixed share (a DistributedSampler's)."""
+        return self._strategy.shared_pool
+
+    def claim_batch(self, total: int) -> bool:
+        """Whether this rank may take one more of the epoch's `total` minibatches."""
+        return self._strategy.claim_batch(total)
+
+    def sampler(self, dataset_size: int, batch_size: int, seed: int = 0) -> "PoolSampler":
+        """A batch sampler over the shared pool (`DataLoader(ds, batch_sampler=...)`)."""
+        if not self.shared_pool:
+            raise ValueError(f"{self.scheme} gives every rank its fixed share of the epoch: use torch's DistributedSampler")
+        return PoolSampler(self, dataset_size, batch_size, seed)
+
+
+class PoolSampler(torch.utils.data.Sampler):
+    """A batch sampler for the asynchronous schemes: each epoch the ranks share one pool of
+    `dataset_size // batch_size` minibatches; this rank yields a minibatch of indices (from
+    its own shuffled stream of the dataset) for every one it claims, until the pool is
+    empty. With DataLoader workers, batches are claimed as the loader prefetches them."""
+
+    def __init__(self, scheme: ParameterServer, dataset_size: int, batch_size: int, seed: int = 0) -> None:
+        self.scheme = scheme
+        self.dataset_size = _integer(dataset_size, "dataset_size", 1)
+        self.batch_size = _integer(batch_size, "batch_size", 1)
+        if self.batch_size > self.dataset_size:
+            raise ValueError(f"batch_size {batch_size} is larger than the dataset ({dataset_size})")
+        self.seed, self.epoch, self._passes = int(seed), 0, 0
+        self.total = self.dataset_size // self.batch_size
+
+    def __len__(self) -> int:
+        """This rank's even share (an estimate: a faster rank takes more)."""
+        return max(1, self.total // self.scheme.comm.size)
+
+    def _stream(self) -> Iterator[List[int]]:
+        while True:
+            self._passes += 1
+            # Ints hash alike in every process: each rank its own stream, each pass its order.
+            g = torch.Generator().manual_seed(hash((self.seed, self.scheme.comm.rank, self._passes)) & ((1 << 63) - 1))
+            order = torch.randperm(self.dataset_size, generator=g).tolist()
+            for i in range(0, self.dataset_size - self.batch_size + 1, self.batch_size):
+                yield order[i : i + self.batch_size]
+
+    def __iter__(self) -> Iterator[List[int]]:
+        stream = self._stream()
+        while self.scheme.claim_batch(self.total):
+            yield next(stream)
+        self.epoch += 1
