@@ -1,31 +1,48 @@
 #!/usr/bin/env bash
-# The three papers' claims, reproduced with `gradwire train` on this machine (see
-# REPRODUCTION.md): one command per claim, a table and a plot each.
+# The three papers' claims, reproduced on this machine (see REPRODUCTION.md): one command
+# per claim, a table and a plot each. With `gradwire train` on the built-in MLP:
 #
 #   benches/reproduce.sh daso     # DASO vs ssgd: 3 namespace nodes x 2 ranks, 1 Gbit/s links
 #   benches/reproduce.sh ddcgu    # ddcgu vs cyclic vs ssgd, rank 1 slowed 3x
 #   benches/reproduce.sh bsp      # bsp (K = 4, 16) vs downpour vs eamsgd vs ssgd, 4 nodes at 1 Gbit/s
-#   add --record to write the claim's section of REPRODUCTION.md (plots go to docs/reproduction/)
 #
-# Time to accuracy: the target is 99 % of the lowest best test accuracy among the runs, so
-# every run can reach it; each run's time is the wall clock (evaluation excluded) of the
-# first epoch at or above it.
+# On PyTorch models through gradwire.torch (benches/torch_reproduce.py; needs torch and
+# scikit-learn, whose digits it trains on), against DDP on gloo and on gradwire:
+#
+#   benches/reproduce.sh torch-daso      # 4 nodes x 2 ranks, 1 Gbit/s, the 10.8 M-parameter MLP
+#   benches/reproduce.sh torch-daso-10g  # the same at 10 Gbit/s
+#   benches/reproduce.sh torch-bsp       # bsp vs downpour vs eamsgd, 4 nodes x 1 rank, 1 Gbit/s
+#   benches/reproduce.sh torch-ddcgu     # ddcgu vs cyclic vs ssgd, conv net, rank 1 slowed 3x
+#
+# REPEATS=N runs every scheme N times (torch claims: 3 by default); the table gives the
+# median and the spread. Add --record to write the claim's section of REPRODUCTION.md
+# (plots, of the first repeat, go to docs/reproduction/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-claim=${1:?usage: benches/reproduce.sh daso|ddcgu|bsp [--record]}
+claim=${1:?usage: benches/reproduce.sh daso|ddcgu|bsp|torch-daso|torch-daso-10g|torch-bsp|torch-ddcgu [--record]}
 record=0
 [ "${2:-}" = --record ] && record=1
-cargo build --release --bin gradwire >&2
+cargo build --release --bin gradwire --lib >&2
 gw=$PWD/target/release/gradwire
 out=target/reproduce/$claim
 mkdir -p "$out" docs/reproduction
 rm -f "$out"/*.csv
+case $claim in torch-*) repeats=${REPEATS:-3} ;; *) repeats=${REPEATS:-1} ;; esac
+baseline=ssgd
 run() { # label, launch args..., --, train args...
   local label=$1; shift
   local launch=() ; while [ "$1" != -- ]; do launch+=("$1"); shift; done; shift
-  echo "== $label: gradwire launch ${launch[*]} -- gradwire train $*" >&2
-  "$gw" launch "${launch[@]}" -- "$gw" train --label "$label" --csv "$out/$label.csv" "$@" >&2
+  echo "== $label (repeat $rep): gradwire launch ${launch[*]} -- gradwire train $*" >&2
+  "$gw" launch "${launch[@]}" -- "$gw" train --label "$label" --csv "$out/$label.r$rep.csv" "$@" >&2
 }
+runpy() { # label, launch args..., --, benches/torch_reproduce.py args...
+  local label=$1; shift
+  local launch=() ; while [ "$1" != -- ]; do launch+=("$1"); shift; done; shift
+  echo "== $label (repeat $rep): gradwire launch ${launch[*]} -- python3 benches/torch_reproduce.py $*" >&2
+  PYTHONPATH=$PWD/python GRADWIRE_LIB=$PWD/target/release/libgradwire.so GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
+    "$gw" launch "${launch[@]}" -- python3 benches/torch_reproduce.py --label "$label" --csv "$out/$label.r$rep.csv" "$@" >&2
+}
+for rep in $(seq 1 "$repeats"); do
 case $claim in
   daso)
     title="DASO vs ssgd: 3 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MLP 256-512-512-10 (0.4 M parameters) on synthetic:12000:256:10, 8 epochs, batch 16 per rank"
@@ -53,35 +70,43 @@ case $claim in
     run downpour "${net[@]}" -- --strategy downpour --lr 0.05 "${common[@]}"
     run eamsgd "${net[@]}" -- --strategy eamsgd --lr 0.01 --tau 4 "${common[@]}"
     ;;
-  *) echo "unknown claim '$claim' (daso, ddcgu, bsp)" >&2; exit 2 ;;
+  torch-daso|torch-daso-10g)
+    gbit=1; [ $claim = torch-daso-10g ] && gbit=10
+    epochs=${EPOCHS:-12}; [ $gbit = 10 ] && epochs=${EPOCHS:-24}
+    title="PyTorch: DASO vs DDP (gloo, gradwire): 4 namespace nodes x 2 ranks, links shaped to $gbit Gbit/s, MLP 64-4096-2560-10 (10.8 M parameters) on the UCI digits, $epochs epochs, batch 16 per rank, SGD lr 0.02 momentum 0.9"
+    baseline=ddp-gloo
+    common=(--model wide --epochs "$epochs" --batch 16 --lr 0.02)
+    net=(-n 8 --netns --ranks-per-node 2 --link-gbit $gbit)
+    runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo "${common[@]}"
+    runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire "${common[@]}"
+    runpy daso "${net[@]}" -- --scheme daso --warmup 2 --cooldown 2 "${common[@]}"
+    ;;
+  torch-bsp)
+    epochs=${EPOCHS:-12}
+    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 4 namespace nodes x 1 rank, links shaped to 1 Gbit/s, MLP 64-4096-2560-10 (10.8 M parameters) on the UCI digits, $epochs epochs, batch 32 per rank; every scheme communicates every 4 steps (K, fetch/push, tau)"
+    baseline=ddp-gloo
+    common=(--model wide --epochs "$epochs")
+    net=(-n 4 --netns --link-gbit 1)
+    runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo --lr 0.02 "${common[@]}"
+    runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire --lr 0.02 "${common[@]}"
+    runpy bsp-K4 "${net[@]}" -- --scheme bsp --interval 4 --lr 0.02 "${common[@]}"
+    runpy downpour "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --lr 0.1 "${common[@]}"
+    runpy eamsgd "${net[@]}" -- --scheme eamsgd --tau 4 --lr 0.002 "${common[@]}"
+    ;;
+  torch-ddcgu)
+    epochs=${EPOCHS:-12}
+    title="PyTorch: ddcgu vs cyclic vs synchronous SGD (DDP on gradwire), rank 1 computes 3x slower: 4 namespace nodes x 1 rank, links shaped to 1 Gbit/s, conv net (0.3 M parameters) on the UCI digits, $epochs epochs, batch 32, plain SGD lr 0.1 everywhere"
+    common=(--model convnet --epochs "$epochs" --lr 0.1 --slow 1:3)
+    net=(-n 4 --netns --link-gbit 1)
+    runpy ssgd "${net[@]}" -- --scheme ddp --backend gradwire --momentum 0 "${common[@]}"
+    runpy cyclic "${net[@]}" -- --scheme cyclic "${common[@]}"
+    runpy ddcgu "${net[@]}" -- --scheme ddcgu "${common[@]}"
+    ;;
+  *) echo "unknown claim '$claim' (daso, ddcgu, bsp, torch-daso, torch-daso-10g, torch-bsp, torch-ddcgu)" >&2; exit 2 ;;
 esac
-"$gw" plot -o "docs/reproduction/$claim.svg" "$out"/*.csv
-python3 - "$claim" "$title" "$record" "$out"/*.csv <<'PY' | tee "$out/section.md"
-import csv, sys
-claim, title, record, files = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4:]
-runs = []
-for f in files:
-    rows = list(csv.DictReader(open(f)))
-    runs.append((rows[0]["label"], rows))
-target = 0.99 * min(max(float(r["test_acc"]) for r in rows) for _, rows in runs)
-def reach(rows):
-    for r in rows:
-        if float(r["test_acc"]) >= target:
-            return float(r["wall_s"]), int(r["epoch"])
-    return None, None
-base = dict(runs).get("ssgd")
-base_t = reach(base)[0] if base else None
-print(f"## {claim}\n\n{title}.\n")
-print(f"Target: {100*target:.1f} % test accuracy (99 % of the lowest best accuracy among the runs).\n")
-print("| run | time to target (s) | epochs to target | vs ssgd | final test acc | total wall (s) | MB sent per rank |")
-print("|---|---:|---:|---:|---:|---:|---:|")
-for label, rows in runs:
-    t, e = reach(rows)
-    last = rows[-1]
-    vs = f"{100*(t/base_t-1):+.0f} %" if t and base_t else "n/a"
-    print(f"| {label} | {t:.2f} | {e} | {vs} | {100*float(last['test_acc']):.1f} % | {float(last['wall_s']):.2f} | {float(last['mb_sent_per_rank_mean']):.1f} |" if t else f"| {label} | not reached | - | - | {100*float(last['test_acc']):.1f} % | {float(last['wall_s']):.2f} | {float(last['mb_sent_per_rank_mean']):.1f} |")
-print(f"\n![{claim}](docs/reproduction/{claim}.svg)\n")
-PY
+done
+"$gw" plot -o "docs/reproduction/$claim.svg" "$out"/*.r1.csv
+python3 benches/reproduce_table.py "$claim" "$title" "$baseline" "docs/reproduction/$claim.svg" "$out"/*.csv | tee "$out/section.md"
 [ $record = 1 ] || exit 0
 python3 - "$claim" "$out/section.md" <<'PY'
 import sys

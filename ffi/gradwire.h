@@ -175,9 +175,10 @@ int gradwire_ip2p_batch(gradwire_comm_t *comm, const gradwire_p2p_op_t *ops, siz
  * same number of ranks), then allreduces over every rank of comm through them. SHARDED:
  * reduce-scatter in the node, one cross-node allreduce per shard, allgather in the node
  * (each rank's link carries 1/G of the cross-node bytes); LEADER: reduce to local rank 0,
- * allreduce among those, broadcast in the node. sendbuf == recvbuf is in place. The
- * non-blocking form is ordered with comm's other non-blocking calls; complete it with
- * gradwire_wait or gradwire_test. gradwire_finalize(comm) frees its hierarchies. */
+ * allreduce among those, broadcast in the node. sendbuf == recvbuf is in place. Both forms
+ * run in order with comm's other calls (the blocking one after comm's queued non-blocking
+ * work); complete the non-blocking one with gradwire_wait or gradwire_test. Freeing a
+ * hierarchy, or gradwire_finalize(comm), while one runs is safe: it finishes first. */
 typedef struct gradwire_hierarchy gradwire_hierarchy_t;
 typedef unsigned int gradwire_hierarchical_algo_t;
 #define GRADWIRE_HIERARCHICAL_SHARDED 0u
@@ -229,8 +230,9 @@ int gradwire_strategy_bytes_sent(gradwire_strategy_t *strategy, uint64_t *bytes)
 /* Whether the scheme's ranks draw minibatches from one pool per epoch (the asynchronous
  * parameter-server schemes: a fast worker takes more of the epoch instead of waiting for a
  * slow one) rather than each rank taking its fixed 1/W share. With a pool, before each
- * minibatch gradwire_strategy_claim_batch(total = the epoch's minibatches over all ranks)
- * says whether this rank may take one more (*yes = 1) or the epoch's pool is empty (0). */
+ * minibatch gradwire_strategy_claim_batch(total = the epoch's minibatches over all ranks,
+ * the same on every rank) says whether this rank may take one more of the pool since the
+ * last gradwire_strategy_end_epoch (*yes = 1) or it is empty (0). */
 int gradwire_strategy_shared_pool(gradwire_strategy_t *strategy, int *yes);
 int gradwire_strategy_claim_batch(gradwire_strategy_t *strategy, size_t total, int *yes);
 /* The scheme's name and state (DASO's schedule, BSP's K), NUL-terminated, truncated to len. */

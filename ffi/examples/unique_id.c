@@ -256,19 +256,21 @@ static int hierarchical(gradwire_comm_t *c, int rank, int w, int nodes_want) {
         return 1;
     }
     enum { N = 100003 }; /* not a multiple of any node size: the sharded form pads */
-    static float x[N], y[N];
+    static float x[N], y[N], m[N];
     gradwire_hierarchical_algo_t algos[2] = {GRADWIRE_HIERARCHICAL_SHARDED, GRADWIRE_HIERARCHICAL_LEADER};
     for (int a = 0; a < 2; a++) {
-        for (int i = 0; i < N; i++) x[i] = (float)((rank + 1) * (i % 7));
-        if (gradwire_hierarchical_allreduce(h, x, y, N, GRADWIRE_FLOAT32, GRADWIRE_SUM, algos[a])) return fail(rank, "hierarchical sum");
+        for (int i = 0; i < N; i++) m[i] = x[i] = (float)((rank + 1) * (i % 7));
+        /* The blocking sum runs while the non-blocking mean may still be queued: both are
+         * ordered with the communicator's calls, so neither takes the other's data. */
         gradwire_work_t *work = NULL;
-        if (gradwire_hierarchical_iallreduce(h, x, x, N, GRADWIRE_FLOAT32, GRADWIRE_AVG, algos[a], &work) || gradwire_wait(work, -1))
-            return fail(rank, "hierarchical non-blocking mean");
+        if (gradwire_hierarchical_iallreduce(h, m, m, N, GRADWIRE_FLOAT32, GRADWIRE_AVG, algos[a], &work)) return fail(rank, "hierarchical non-blocking mean");
+        if (gradwire_hierarchical_allreduce(h, x, y, N, GRADWIRE_FLOAT32, GRADWIRE_SUM, algos[a])) return fail(rank, "hierarchical sum");
+        if (gradwire_wait(work, -1)) return fail(rank, "hierarchical non-blocking mean (wait)");
         for (int i = 0; i < N; i++) {
             /* Small integers and halves: exact in float, whatever the order of the sum. */
             float sum = (float)((i % 7) * w * (w + 1) / 2), mean = (float)(i % 7) * (float)(w + 1) / 2.0f;
-            if (y[i] != sum || x[i] != mean) {
-                fprintf(stderr, "rank %d: algo %d element %d: sum %g (want %g), mean %g (want %g)\n", rank, a, i, y[i], sum, x[i], mean);
+            if (y[i] != sum || m[i] != mean) {
+                fprintf(stderr, "rank %d: algo %d element %d: sum %g (want %g), mean %g (want %g)\n", rank, a, i, y[i], sum, m[i], mean);
                 return 1;
             }
         }

@@ -332,6 +332,13 @@ class Hierarchy:
         _check(load_library().gradwire_hierarchical_iallreduce(self._h, p, p, n, dt, o, a, ctypes.byref(w)))
         return Work(w, [self, x])
 
+    def __del__(self):
+        if getattr(self, "_h", None) is not None and not sys.is_finalizing():
+            try:
+                self.free()
+            except GradwireError:
+                pass
+
     def free(self) -> None:
         """Frees the groups (also done by the communicator's finalize)."""
         if self._h is not None:

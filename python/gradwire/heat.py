@@ -1,7 +1,9 @@
 """Heat's DASO interface on gradwire: a training script written for Heat's DASO runs with
 `import heat as ht` changed to `import gradwire.heat as ht`. It provides what such scripts
 use: `ht.optim.DASO`, `ht.nn.DataParallelMultiGPU` and `ht.MPI_WORLD` (`rank`, `size`).
-The ranks come from `gradwire launch` (or torchrun), not from mpirun."""
+The ranks come from `gradwire launch` (or torchrun), not from mpirun. As in Heat,
+`last_batch` is the index of the epoch's last batch (`len(loader) - 1`); a wrong one is an
+error at `epoch_loss_logic`, not a silent drift."""
 
 import types
 from typing import Any

@@ -102,7 +102,8 @@ class FlatParameters:
                 if p.grad is not None:
                     grad.copy_(p.grad)
             p.data = value
-            p.grad = grad
+            if p.requires_grad:
+                p.grad = grad
             self._views.append((value, grad))
             at += k
 
@@ -110,13 +111,18 @@ class FlatParameters:
         return self.data.numel()
 
     def gather_grads(self) -> torch.Tensor:
-        """Makes every `.grad` a view into the buffer again and returns the buffer: a
-        `zero_grad(set_to_none=True)` or a parameter that took no part in backward leaves
-        None (a zero gradient), a replaced `.grad` is copied in once. A replaced `.data`
-        (e.g. `model.to(...)`) is an error: the scheme would no longer see the model."""
+        """Makes every trainable parameter's `.grad` a view into the buffer again and
+        returns the buffer: after a `zero_grad(set_to_none=True)`, or for a parameter that
+        took no part in backward, None becomes a zero gradient (as DDP gives unused
+        parameters; every rank then steps the averaged one alike); a replaced `.grad` is
+        copied in once. Frozen parameters (requires_grad False) keep no gradient. A
+        replaced `.data` (e.g. `model.to(...)`) is an error: the scheme would no longer see
+        the model."""
         for p, (value, grad) in zip(self.params, self._views):
             if p.data.data_ptr() != value.data_ptr():
                 raise RuntimeError("a parameter's .data was replaced after the scheme was made (model.to(), load_state_dict(assign=True)?): make the scheme after moving the model")
+            if not p.requires_grad:
+                continue
             if p.grad is None:
                 grad.zero_()
                 p.grad = grad
@@ -130,7 +136,7 @@ class FlatParameters:
         """Zeroes the gradients in place (they stay views)."""
         self.grad.zero_()
         for p, (_, grad) in zip(self.params, self._views):
-            if p.grad is None or p.grad.data_ptr() != grad.data_ptr():
+            if p.requires_grad and (p.grad is None or p.grad.data_ptr() != grad.data_ptr()):
                 p.grad = grad
 
 
@@ -149,6 +155,7 @@ class _Scheme:
         self._scheme, self._options = scheme, options
         self._strategy = Strategy(self.comm, scheme, self.flat.data, options)
         self._strategy.start(self.flat.data)
+        self.epochs_ended = 0
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zeroes the gradients in place (`set_to_none` is accepted and ignored: the
@@ -159,7 +166,9 @@ class _Scheme:
     def end_epoch(self, loss: Union[float, torch.Tensor]) -> float:
         """At an epoch's end, with this rank's mean training loss: returns it averaged over
         the ranks. Collective."""
-        return self._strategy.end_epoch(self.flat.data, float(loss))
+        mean = self._strategy.end_epoch(self.flat.data, float(loss))
+        self.epochs_ended += 1
+        return mean
 
     def current_model(self) -> torch.Tensor:
         """The model to evaluate, flat (the agreed anchor, the servers' parameters, the
@@ -181,7 +190,9 @@ class _Scheme:
 
 
 class _FrameworkStep(_Scheme):
-    """Schemes whose local step is the framework's optimizer (DASO, BSP)."""
+    """Schemes whose local step is the framework's optimizer (DASO, BSP). The gradients are
+    averaged inside `step()`, just before the optimizer's step: gradient clipping between
+    backward and step sees this rank's own gradients, not the average (DDP's)."""
 
     def __init__(self, local_optimizer: torch.optim.Optimizer, scheme: str, options: str, comm: Any) -> None:
         super().__init__(_optimizer_params(local_optimizer), scheme, options, comm)
@@ -298,6 +309,11 @@ class DASO(_FrameworkStep):
         harmlessly, when `loss_globally_averaged`), it drives the phase and the plateau
         controller that adapts global_skip, local_skip and batches_to_wait. Collective."""
         del loss_globally_averaged
+        if self.current_batch != 0:
+            raise ValueError(
+                f"DASO.epoch_loss_logic: the epoch ended {self.current_batch} batches after its last flagged batch: "
+                f"last_batch ({self.last_batch}) must be the index of the epoch's last batch, len(loader) - 1"
+            )
         value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)
         mean = self.end_epoch(value)
         self.print0(f"DASO: epoch {self.epoch} loss {mean:.6f} {self.describe()}")
@@ -405,7 +421,8 @@ class PoolSampler(torch.utils.data.Sampler):
     """A batch sampler for the asynchronous schemes: each epoch the ranks share one pool of
     `dataset_size // batch_size` minibatches; this rank yields a minibatch of indices (from
     its own shuffled stream of the dataset) for every one it claims, until the pool is
-    empty. With DataLoader workers, batches are claimed as the loader prefetches them."""
+    empty. Call the scheme's `end_epoch` after each epoch (it moves the pool on). With
+    DataLoader workers, batches are claimed as the loader prefetches them."""
 
     def __init__(self, scheme: ParameterServer, dataset_size: int, batch_size: int, seed: int = 0) -> None:
         self.scheme = scheme
@@ -413,6 +430,7 @@ class PoolSampler(torch.utils.data.Sampler):
         self.batch_size = _integer(batch_size, "batch_size", 1)
         if self.batch_size > self.dataset_size:
             raise ValueError(f"batch_size {batch_size} is larger than the dataset ({dataset_size})")
+        # The epochs this sampler has been iterated for (each needs its end_epoch first).
         self.seed, self.epoch, self._passes = int(seed), 0, 0
         self.total = self.dataset_size // self.batch_size
 
@@ -430,7 +448,11 @@ class PoolSampler(torch.utils.data.Sampler):
                 yield order[i : i + self.batch_size]
 
     def __iter__(self) -> Iterator[List[int]]:
+        # The pool moves to the next epoch at the scheme's end_epoch: iterating twice in one
+        # epoch would silently find it empty.
+        if self.scheme.epochs_ended < self.epoch:
+            raise RuntimeError(f"PoolSampler: epoch {self.epoch} was iterated already; call end_epoch(loss) on the scheme after each epoch")
+        self.epoch = self.scheme.epochs_ended + 1
         stream = self._stream()
         while self.scheme.claim_batch(self.total):
             yield next(stream)
-        self.epoch += 1

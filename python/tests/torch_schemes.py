@@ -163,21 +163,37 @@ def daso_matches_reference():
             elif b == 1:
                 want = (2 * after_local[node[0]] + sent) / (2 + nodes)
                 check(close(now, want, 1e-6), f"daso merge: off (2S x + sum) / (2S + N) by {np.abs(now - want).max():.2e}")
+            if epoch == 1 and b == batches - 1:
+                # The epoch's last batch ends in a blocking sync: every replica identical.
+                every = gather(flat(model))
+                check((every == every[0]).all(), f"daso: replicas differ after the end-of-epoch sync by {np.abs(every - every[0]).max():.2e}")
         daso.epoch_loss_logic(1.0 / (epoch + 1))
         if epoch == 0:
             check((daso.global_skip, daso.local_skip, daso.batches_to_wait) == (4, 1, 1), f"daso: cycling starts at gs=4 ls=1 W=1, not {daso.describe()}")
     check(daso.epoch == 2 and daso.current_batch == 0, f"daso: epoch {daso.epoch}, batch {daso.current_batch} after two epochs")
+    # A last_batch past the epoch's end (Heat's docs once said len(loader)) is an error at
+    # the epoch's end, not a silent drift of the schedule.
+    daso.last_batch = batches
+    for b in range(batches):
+        daso.zero_grad()
+        x, y = batch(rank, 90 + b, s)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        daso.step()
+    try:
+        daso.epoch_loss_logic(0.5)
+        check(False, "daso: an epoch that never reached last_batch was accepted")
+    except ValueError as e:
+        check("last_batch" in str(e), f"daso: wrong last_batch: {e}")
 
 
-def plateau_follows_heat():
+def plateau_follows_heat(losses):
     """The schedule through epoch_loss_logic against Heat's epoch_loss_logic and
     DetectMetricPlateau(patience=2, threshold=stability_level), transcribed here."""
-    total, warm, cool, max_gs = 24, 2, 2, 8
+    total, warm, cool, max_gs = len(losses), 2, 2, 8
     p = torch.nn.Parameter(torch.zeros(4))
     daso = DASO(torch.optim.SGD([p], lr=0.1), total_epochs=total, warmup_epochs=warm, cooldown_epochs=cool, max_global_skips=max_gs, comm=comm)
-    rng = np.random.default_rng(seed + 4)
-    losses = np.cumprod(rng.uniform(0.9, 1.02, total))  # the same on every rank
     gs = ls = w = 0
+    resets = 0
     best, bad = math.inf, 0
     for epoch, loss in enumerate(losses, start=1):
         if epoch < warm:
@@ -199,9 +215,11 @@ def plateau_follows_heat():
                     gs, ls, w = gs // 2, max(ls // 2, 1), max(w - 1, 1)
                 elif stable and gs == 1:
                     gs, ls, w = max_gs, max_gs // 4, max_gs // 4
+                    resets += 1
         daso.epoch_loss_logic(float(loss))
         got = (daso.global_skip, daso.local_skip, daso.batches_to_wait)
         check(got == (gs, ls, w), f"daso controller after epoch {epoch} (loss {loss:.4f}): {got}, Heat's {(gs, ls, w)}")
+    return resets
 
 
 def servers_conserve(scheme, options, straggler):
@@ -230,7 +248,8 @@ def servers_conserve(scheme, options, straggler):
     ps.finish()
     counts = np.zeros(world)
     comm.allgather(np.array([float(taken)]), counts)
-    check(counts.sum() == epochs * total, f"{scheme}: {counts.sum():.0f} minibatches taken over {epochs} epochs of {total}")
+    if ps.shared_pool:  # (cyclic: the loop above fixes the shares)
+        check(counts.sum() == epochs * total, f"{scheme}: {counts.sum():.0f} minibatches taken over {epochs} epochs of {total}")
     if straggler and ps.shared_pool:
         # (Not against every other rank: on an oversubscribed host a rank may get no CPU
         # before the pool is empty.)
@@ -247,13 +266,36 @@ def pool_sampler_covers_the_epoch():
     p = torch.nn.Parameter(torch.zeros(8))
     ps = ParameterServer([p], "downpour", comm=comm, lr=0.1)
     sampler = ps.sampler(dataset_size=103, batch_size=5, seed=seed)
-    got = list(sampler)
-    ps.end_epoch(0.0)
-    counts = np.zeros(world)
-    comm.allgather(np.array([float(len(got))]), counts)
-    check(counts.sum() == 103 // 5, f"pool sampler: {counts.sum():.0f} minibatches over the ranks, want {103 // 5}")
-    check(all(len(b) == 5 and all(0 <= i < 103 for i in b) for b in got), "pool sampler: a minibatch of the wrong size or index")
+    for epoch in range(2):
+        got = list(sampler)
+        if epoch == 0:
+            try:
+                list(sampler)
+                check(False, "pool sampler: a second pass in one epoch was accepted (it finds the pool empty)")
+            except RuntimeError:
+                pass
+        ps.end_epoch(0.0)
+        counts = np.zeros(world)
+        comm.allgather(np.array([float(len(got))]), counts)
+        check(counts.sum() == 103 // 5, f"pool sampler epoch {epoch}: {counts.sum():.0f} minibatches over the ranks, want {103 // 5}")
+        check(all(len(b) == 5 and all(0 <= i < 103 for i in b) for b in got), "pool sampler: a minibatch of the wrong size or index")
     ps.finish()
+
+
+def frozen_and_unused_parameters():
+    """A frozen parameter keeps no gradient, so weight decay leaves it alone (as without
+    gradwire); a trainable one unused in backward gets a zero gradient (as DDP gives)."""
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = BSP(torch.optim.SGD([frozen, used, unused], lr=0.1, weight_decay=0.5), interval=1, comm=comm)
+    opt.zero_grad(set_to_none=True)
+    for q in (used, unused):
+        q.grad = None
+    (used * 2).sum().backward()
+    opt.step()
+    check(torch.equal(frozen.detach(), torch.ones(3)) and frozen.grad is None, f"frozen parameter moved to {frozen.detach().tolist()}")
+    check(torch.allclose(used.detach(), torch.full((3,), 1 - 0.1 * (2 + 0.5))), f"used parameter: {used.detach().tolist()}")
+    check(unused.grad is not None and torch.equal(unused.grad, torch.zeros(3)), "unused parameter: no zero gradient")
 
 
 def bad_arguments_are_refused():
@@ -289,7 +331,9 @@ if mode == "kill":
         for epoch in range(1000):
             steps = 0
             while ps.claim_batch(40 * world):
-                if rank == 1 and epoch == 1 and steps == 5:
+                # Mid-epoch: at its first minibatch from the second epoch on (under load a
+                # rank may get none of an epoch's pool).
+                if rank == 1 and epoch >= 1:
                     os._exit(1)
                 p.grad = torch.ones(1000)
                 ps.step()
@@ -304,11 +348,14 @@ if mode == "kill":
 bsp_matches_reference()
 topk_conserves_mass()
 daso_matches_reference()
-plateau_follows_heat()
+rng = np.random.default_rng(seed + 4)
+plateau_follows_heat(np.cumprod(rng.uniform(0.9, 1.02, 24)))  # the same on every rank
+check(plateau_follows_heat(np.full(24, 0.7)) > 0, "daso controller: a flat loss never reached the reset to max_global_skips")
 for scheme, options in [("ddcgu", {"rule": "sum"}), ("cyclic", {"rule": "sum"}), ("downpour", {"fetch": 2, "push": 3})]:
     servers_conserve(scheme, options, straggler=False)
     servers_conserve(scheme, options, straggler=True)
 pool_sampler_covers_the_epoch()
+frozen_and_unused_parameters()
 bad_arguments_are_refused()
 for f in failures:
     print("FAIL", f)

@@ -151,9 +151,63 @@ impl Hierarchy {
         self.allreduce_bytes(dtype, unsafe { std::slice::from_raw_parts_mut(recv, bytes) }, op, algo)
     }
 
-    /// Starts [`Hierarchy::allreduce_raw`] on `parent`'s progress thread (the communicator
-    /// this hierarchy was made from) and returns at once: it is ordered with `parent`'s
-    /// other non-blocking calls, and its node and cross-node steps run on their own groups.
+    /// [`Hierarchy::allreduce_raw`] as a job of `parent`'s progress thread (the
+    /// communicator this hierarchy was made from), so that it is ordered with `parent`'s
+    /// other calls on every rank alike; its node and cross-node steps run on their own
+    /// groups.
+    ///
+    /// # Safety
+    /// As for [`Hierarchy::allreduce_raw`], until the job has run.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn job(
+        self: &std::sync::Arc<Self>,
+        parent: &Communicator,
+        dtype: DType,
+        op: ReduceOp,
+        algo: HierarchicalAlgo,
+        send: *const u8,
+        recv: *mut u8,
+        count: usize,
+    ) -> Result<crate::engine::Job> {
+        if parent.size() != self.world {
+            return Err(invalid(format!("hierarchical allreduce: called on a communicator of {} ranks, made for {}", parent.size(), self.world)));
+        }
+        op.check(dtype)?;
+        /// Buffer addresses moved to the progress thread.
+        struct Buffers(*const u8, *mut u8);
+        // SAFETY: the caller keeps both valid and untouched until the job has run.
+        unsafe impl Send for Buffers {}
+        let (me, bufs) = (self.clone(), Buffers(send, recv));
+        Ok(Box::new(move |_state, _deadline| {
+            let bufs = bufs;
+            // SAFETY: the contract of `job`, which holds until this job has run.
+            unsafe { me.allreduce_raw(dtype, op, algo, bufs.0, bufs.1, count) }
+        }))
+    }
+
+    /// Runs [`Hierarchy::allreduce_raw`] in order with `parent`'s other calls (after its
+    /// queued non-blocking ones; on this thread when none is queued).
+    ///
+    /// # Safety
+    /// As for [`Hierarchy::allreduce_raw`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_raw(
+        self: &std::sync::Arc<Self>,
+        parent: &Communicator,
+        dtype: DType,
+        op: ReduceOp,
+        algo: HierarchicalAlgo,
+        send: *const u8,
+        recv: *mut u8,
+        count: usize,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract; the job has run when run_blocking returns.
+        let job = unsafe { self.job(parent, dtype, op, algo, send, recv, count)? };
+        parent.run_blocking(|| format!("hierarchical allreduce(count {count}, {})", dtype.name()), job)
+    }
+
+    /// Starts [`Hierarchy::allreduce_raw`] in order with `parent`'s other calls and returns
+    /// at once.
     ///
     /// # Safety
     /// As for [`Hierarchy::allreduce_raw`], until the returned work has completed.
@@ -168,20 +222,8 @@ impl Hierarchy {
         recv: *mut u8,
         count: usize,
     ) -> Result<crate::engine::Work> {
-        if parent.size() != self.world {
-            return Err(invalid(format!("hierarchical allreduce: started on a communicator of {} ranks, made for {}", parent.size(), self.world)));
-        }
-        op.check(dtype)?;
-        /// Buffer addresses moved to the progress thread.
-        struct Buffers(*const u8, *mut u8);
-        // SAFETY: the caller keeps both valid and untouched until the work completes.
-        unsafe impl Send for Buffers {}
-        let (me, bufs) = (self.clone(), Buffers(send, recv));
-        let job: crate::engine::Job = Box::new(move |_state, _deadline| {
-            let bufs = bufs;
-            // SAFETY: the contract of start_raw, which holds until this job completes.
-            unsafe { me.allreduce_raw(dtype, op, algo, bufs.0, bufs.1, count) }
-        });
+        // SAFETY: forwarded contract, until the work completes.
+        let job = unsafe { self.job(parent, dtype, op, algo, send, recv, count)? };
         Ok(parent.submit(format!("hierarchical allreduce(count {count}, {})", dtype.name()), job))
     }
 

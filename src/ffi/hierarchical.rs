@@ -62,7 +62,8 @@ pub unsafe extern "C" fn gradwire_hierarchy_create(comm_p: *mut gradwire_comm_t,
     })
 }
 
-/// Frees a hierarchy (its communicator stays). Not while one of its allreduces runs.
+/// Frees a hierarchy (its communicator stays); an allreduce still running keeps its groups
+/// until it completes.
 #[no_mangle]
 pub extern "C" fn gradwire_hierarchy_free(hier: *mut gradwire_hierarchy_t) -> c_int {
     guard(|| {
@@ -115,7 +116,8 @@ fn decode(
 }
 
 /// Allreduce of `count` elements over every rank of the hierarchy's communicator, through
-/// the node-local and cross-node groups; `sendbuf == recvbuf` is in place.
+/// the node-local and cross-node groups, in order with the communicator's other calls;
+/// `sendbuf == recvbuf` is in place.
 ///
 /// # Safety
 /// `sendbuf` must be readable and `recvbuf` writable for `count` elements of `dt` during
@@ -133,9 +135,9 @@ pub unsafe extern "C" fn gradwire_hierarchical_allreduce(
 ) -> c_int {
     guard(|| {
         let w = "gradwire_hierarchical_allreduce";
-        let (h, _, req, a) = decode(hier, sendbuf, recvbuf, count, dt, op, al, w)?;
+        let (h, c, req, a) = decode(hier, sendbuf, recvbuf, count, dt, op, al, w)?;
         // SAFETY: checked buffers (sizes, overlap), valid for the call by contract.
-        unsafe { h.allreduce_raw(req.dtype, req.redop, a, sendbuf as *const u8, recvbuf as *mut u8, count) }.map_err(|e| prefixed(e, w))
+        unsafe { h.run_raw(&c, req.dtype, req.redop, a, sendbuf as *const u8, recvbuf as *mut u8, count) }.map_err(|e| prefixed(e, w))
     })
 }
 

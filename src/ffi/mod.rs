@@ -88,7 +88,8 @@ impl Registry {
     fn id(&mut self) -> u64 {
         loop {
             let id = rand::random::<u64>() & !0xf & (usize::MAX as u64);
-            if id != 0 && !self.comms.contains_key(&id) && !self.works.contains_key(&id) && !self.strategies.contains_key(&id) {
+            let taken = self.comms.contains_key(&id) || self.works.contains_key(&id) || self.strategies.contains_key(&id) || self.hierarchies.contains_key(&id);
+            if id != 0 && !taken {
                 return id;
             }
         }

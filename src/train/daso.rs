@@ -338,8 +338,12 @@ impl Strategy for Daso<'_> {
     }
 
     fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
-        // The epoch's last step already synchronised (blocking) in the cycling phase.
-        let _ = params;
+        // The epoch's last step already synchronised (blocking) in the cycling phase; a
+        // framework that never flagged it (a wrong last batch) still ends the epoch with
+        // nothing in flight, as every rank has the same sends outstanding.
+        if !self.in_flight.is_empty() {
+            self.blocking_sync(params)?;
+        }
         let loss = mean_loss(self.comm, loss)?;
         self.epoch += 1;
         self.batch = 0;

@@ -55,6 +55,17 @@ impl BatchPool {
     fn claim(&self, total: usize) -> Result<bool> {
         Ok(self.win.fetch_add(0, 8 * (self.epoch % POOL_EPOCHS), 1)? < total as u64)
     }
+
+    /// Moves to the next epoch. Rank 0 clears the counter two epochs ahead, so the ring of
+    /// counters can be reused past POOL_EPOCHS: nobody claims from it before every rank
+    /// has passed the next epoch's end (a barrier rank 0 reaches only after this).
+    fn advance(&mut self, me: usize) -> Result<()> {
+        self.epoch += 1;
+        if me == 0 {
+            self.win.write(0, 8 * ((self.epoch + 1) % POOL_EPOCHS), &[0; 8])?;
+        }
+        Ok(())
+    }
 }
 
 /// Waits (without blocking the token) until every rank has arrived, then agrees on the
@@ -97,15 +108,16 @@ impl<'c> Servers<'c> {
         Ok(theta)
     }
 
-    fn next_epoch(&mut self) {
-        if let Some(p) = &mut self.pool {
-            p.epoch += 1;
+    fn next_epoch(&mut self) -> Result<()> {
+        match &mut self.pool {
+            Some(p) => p.advance(self.comm.rank()),
+            None => Ok(()),
         }
     }
 
     /// The epoch's end for the strategies with nothing else to settle: the mean loss.
     fn end_epoch(&mut self, loss: f64) -> Result<f64> {
-        self.next_epoch();
+        self.next_epoch()?;
         gather_loss(self.comm, loss, || Ok(()))
     }
 
@@ -216,7 +228,7 @@ impl Strategy for TokenRing<'_> {
 
     fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
         let loss = self.settle(params, loss)?;
-        self.ps.next_epoch();
+        self.ps.next_epoch()?;
         Ok(loss)
     }
 
