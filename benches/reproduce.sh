@@ -12,7 +12,7 @@
 #   benches/reproduce.sh torch-daso      # 4 nodes x 2 ranks, 1 Gbit/s, the 10.8 M-parameter MLP
 #   benches/reproduce.sh torch-daso-10g  # the same at 10 Gbit/s
 #   benches/reproduce.sh torch-bsp       # bsp vs downpour vs eamsgd, 4 nodes x 1 rank, 1 Gbit/s
-#   benches/reproduce.sh torch-ddcgu     # ddcgu vs cyclic vs ssgd, conv net, rank 1 slowed 3x
+#   benches/reproduce.sh torch-ddcgu     # ddcgu vs cyclic vs ssgd, conv net, 2 nodes, rank 1 slowed 3x
 #
 # REPEATS=N runs every scheme N times (torch claims: 3 by default); the table gives the
 # median and the spread. Add --record to write the claim's section of REPRODUCTION.md
@@ -94,13 +94,13 @@ case $claim in
     runpy eamsgd "${net[@]}" -- --scheme eamsgd --tau 4 --lr 0.002 "${common[@]}"
     ;;
   torch-ddcgu)
-    epochs=${EPOCHS:-12}
-    title="PyTorch: ddcgu vs cyclic vs synchronous SGD (DDP on gradwire), rank 1 computes 3x slower: 4 namespace nodes x 1 rank, links shaped to 1 Gbit/s, conv net (0.3 M parameters) on the UCI digits, $epochs epochs, batch 32, plain SGD lr 0.1 everywhere"
+    epochs=${EPOCHS:-60}
+    title="PyTorch: ddcgu vs cyclic vs synchronous SGD (DDP on gradwire), rank 1 computes 3x slower: 2 namespace nodes x 1 rank (one per core: with more ranks than cores the token waits for the scheduler), links shaped to 1 Gbit/s, conv net (0.3 M parameters) on the UCI digits, $epochs epochs, batch 32, plain SGD lr 0.1 everywhere, the servers applying each push's sum"
     common=(--model convnet --epochs "$epochs" --lr 0.1 --slow 1:3)
-    net=(-n 4 --netns --link-gbit 1)
+    net=(-n 2 --netns --link-gbit 1)
     runpy ssgd "${net[@]}" -- --scheme ddp --backend gradwire --momentum 0 "${common[@]}"
-    runpy cyclic "${net[@]}" -- --scheme cyclic "${common[@]}"
-    runpy ddcgu "${net[@]}" -- --scheme ddcgu "${common[@]}"
+    runpy cyclic "${net[@]}" -- --scheme cyclic --rule sum "${common[@]}"
+    runpy ddcgu "${net[@]}" -- --scheme ddcgu --rule sum "${common[@]}"
     ;;
   *) echo "unknown claim '$claim' (daso, ddcgu, bsp, torch-daso, torch-daso-10g, torch-bsp, torch-ddcgu)" >&2; exit 2 ;;
 esac

@@ -42,6 +42,7 @@ p.add_argument("--fetch", type=int, default=1)
 p.add_argument("--push", type=int, default=1)
 p.add_argument("--tau", type=int, default=4)
 p.add_argument("--beta", type=float, default=0.9)
+p.add_argument("--rule", default="sum", choices=["sum", "mean", "staleness"], help="ddcgu, cyclic: how the servers apply a push")
 p.add_argument("--warmup", type=int, default=2, help="daso")
 p.add_argument("--cooldown", type=int, default=2, help="daso")
 p.add_argument("--slow", default="", help="RANK:FACTOR: that rank's compute takes FACTOR times as long")
@@ -108,7 +109,7 @@ else:
     elif a.scheme == "bsp":
         scheme = BSP(torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum), interval=a.interval, topk=a.topk, comm=comm)
     else:
-        options = {"downpour": dict(lr=a.lr, fetch=a.fetch, push=a.push), "eamsgd": dict(lr=a.lr, tau=a.tau, beta=a.beta)}.get(a.scheme, dict(lr=a.lr))
+        options = {"downpour": dict(lr=a.lr, fetch=a.fetch, push=a.push), "eamsgd": dict(lr=a.lr, tau=a.tau, beta=a.beta)}.get(a.scheme, dict(lr=a.lr, rule=a.rule))
         scheme = ParameterServer(model, a.scheme, comm=comm, **options)
     step_fn = scheme.step
     label = a.label or a.scheme
