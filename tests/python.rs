@@ -154,6 +154,42 @@ fn heat_style_daso_script_runs_with_its_import_changed() {
     assert!(acc >= 90.0, "final accuracy {acc} %: {t}");
 }
 
+/// Starts `world` ranks of `python3 SCRIPT MODE` directly (no launcher, so nothing but
+/// the fault stops them), with a 3 s deadline; returns each rank's output once it exits.
+/// Survivors are expected to print "caught KIND: ..." and exit 3; `dead` is the rank the
+/// fault kills (its output is not checked). Panics unless every survivor caught an error
+/// of `kind` naming `expect`, all within 30 s.
+fn faulty_ranks(script: &str, mode: &str, world: usize, dead: Option<usize>, kind: &str, expect: &str) {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let (port, started) = (free_port(), std::time::Instant::now());
+    let ranks: Vec<_> = (0..world)
+        .map(|r| {
+            let mut cmd = Command::new("python3");
+            cmd.arg(format!("{root}/python/tests/{script}"))
+                .arg(mode)
+                .env("PYTHONPATH", format!("{root}/python"))
+                .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+                .env("GRADWIRE_TIMEOUT_MS", "3000")
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            rank_env(&mut cmd, r, world, port, "python-fault-test");
+            cmd.spawn().expect("spawn python rank")
+        })
+        .collect();
+    for (r, c) in ranks.into_iter().enumerate() {
+        let out = wait_with_limit(c, Duration::from_secs(60));
+        let t = text(&out);
+        println!("{script} {mode}, rank {r} after {:?}: {t}", started.elapsed());
+        if dead == Some(r) {
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(3), "{mode}: rank {r} did not catch the fault:\n{t}");
+        assert!(t.contains(&format!("caught {kind}")) && t.contains(expect), "{mode}: rank {r}'s error is not a {kind} naming {expect}:\n{t}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(30), "{mode}: took {:?}", started.elapsed());
+}
+
 /// A rank killed in the middle of a ddcgu epoch (gradwire.torch.ParameterServer) is a
 /// PeerLostError naming it on every survivor, within the deadline, not a hang.
 #[test]
@@ -162,34 +198,7 @@ fn parameter_server_names_a_killed_rank() {
         eprintln!("SKIP parameter_server_names_a_killed_rank: torch is not importable");
         return;
     }
-    let root = env!("CARGO_MANIFEST_DIR");
-    let (port, world, started) = (free_port(), 3, std::time::Instant::now());
-    let ranks: Vec<_> = (0..world)
-        .map(|r| {
-            let mut cmd = Command::new("python3");
-            cmd.arg(format!("{root}/python/tests/torch_schemes.py"))
-                .arg("kill")
-                .env("PYTHONPATH", format!("{root}/python"))
-                .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
-                .env("GRADWIRE_TIMEOUT_MS", "3000")
-                .env("OMP_NUM_THREADS", "1")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
-            rank_env(&mut cmd, r, world, port, "torch-schemes-kill-test");
-            cmd.spawn().expect("spawn python rank")
-        })
-        .collect();
-    for (r, c) in ranks.into_iter().enumerate() {
-        let out = wait_with_limit(c, Duration::from_secs(60));
-        let t = text(&out);
-        println!("rank {r} after {:?}: {t}", started.elapsed());
-        if r == 1 {
-            continue;
-        }
-        assert_eq!(out.status.code(), Some(3), "rank {r} did not catch the fault:\n{t}");
-        assert!(t.contains("caught PeerLostError") && t.contains("rank 1"), "rank {r}'s error does not name rank 1:\n{t}");
-    }
-    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+    faulty_ranks("torch_schemes.py", "kill", 3, Some(1), "PeerLostError", "rank 1");
 }
 
 /// A killed rank, a mismatched call and a send/recv pair with different tags on the torch
@@ -201,36 +210,8 @@ fn torch_backend_faults_name_the_rank() {
         eprintln!("SKIP torch_backend_faults_name_the_rank: torch is not importable");
         return;
     }
-    let root = env!("CARGO_MANIFEST_DIR");
     for (mode, expect, world) in [("kill", "rank 1", 3), ("mismatch", "rank 1", 3), ("tag", "tag 2", 2)] {
-        let port = free_port();
-        let started = std::time::Instant::now();
-        let ranks: Vec<_> = (0..world)
-            .map(|r| {
-                let mut cmd = Command::new("python3");
-                cmd.arg(format!("{root}/python/tests/torch_faults.py"))
-                    .arg(mode)
-                    .env("PYTHONPATH", format!("{root}/python"))
-                    .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
-                    .env("GRADWIRE_TIMEOUT_MS", "3000")
-                    .env("OMP_NUM_THREADS", "1")
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped());
-                rank_env(&mut cmd, r, world, port, "unused-by-the-backend");
-                cmd.spawn().expect("spawn python rank")
-            })
-            .collect();
-        for (r, c) in ranks.into_iter().enumerate() {
-            let out = wait_with_limit(c, Duration::from_secs(60));
-            let t = text(&out);
-            println!("{mode}, rank {r} after {:?}: {t}", started.elapsed());
-            if mode == "kill" && r == 1 {
-                continue;
-            }
-            assert_eq!(out.status.code(), Some(3), "{mode}: rank {r} did not catch the fault:\n{t}");
-            assert!(t.contains("caught RuntimeError") && t.contains(expect), "{mode}: rank {r}'s error does not name {expect}:\n{t}");
-        }
-        assert!(started.elapsed() < Duration::from_secs(30), "{mode}: took {:?}", started.elapsed());
+        faulty_ranks("torch_faults.py", mode, world, (mode == "kill").then_some(1), "RuntimeError", expect);
     }
 }
 

@@ -35,6 +35,29 @@ impl std::str::FromStr for HierarchicalAlgo {
     }
 }
 
+/// A hierarchical allreduce on raw buffers, as the C ABI hands them over.
+#[derive(Clone, Copy, Debug)]
+pub struct RawAllreduce {
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub algo: HierarchicalAlgo,
+    pub send: *const u8,
+    /// Equal to `send` for in place.
+    pub recv: *mut u8,
+    /// Elements.
+    pub count: usize,
+}
+
+// SAFETY: only addresses; whoever submits the call keeps the buffers valid and untouched
+// until it has run (the contracts of `Hierarchy::run_raw` and `start_raw`).
+unsafe impl Send for RawAllreduce {}
+
+impl RawAllreduce {
+    fn describe(&self) -> String {
+        format!("hierarchical allreduce(count {}, {})", self.count, self.dtype.name())
+    }
+}
+
 /// The two groups of a hierarchical allreduce, made once (two `split`s) and reused.
 pub struct Hierarchy {
     /// The ranks of this node.
@@ -131,13 +154,14 @@ impl Hierarchy {
         Ok(())
     }
 
-    /// Hierarchical allreduce of `count` elements from `send` into `recv` (equal pointers:
-    /// in place), for callers holding raw buffers (the C ABI).
+    /// Hierarchical allreduce on the raw buffers of `call` (for the C ABI).
     ///
     /// # Safety
-    /// `send` must be readable and `recv` writable for `count` elements of `dtype`, valid
-    /// and touched by no one else during the call; they are equal or do not overlap.
-    pub unsafe fn allreduce_raw(&self, dtype: DType, op: ReduceOp, algo: HierarchicalAlgo, send: *const u8, recv: *mut u8, count: usize) -> Result<()> {
+    /// `call.send` must be readable and `call.recv` writable for `call.count` elements of
+    /// `call.dtype`, valid and touched by no one else during the call; they are equal (in
+    /// place) or do not overlap.
+    pub unsafe fn allreduce_raw(&self, call: RawAllreduce) -> Result<()> {
+        let RawAllreduce { dtype, op, algo, send, recv, count } = call;
         let bytes =
             count.checked_mul(dtype.size()).filter(|b| *b <= isize::MAX as usize).ok_or_else(|| invalid(format!("count {count} overflows a buffer")))?;
         if bytes == 0 {
@@ -158,30 +182,16 @@ impl Hierarchy {
     ///
     /// # Safety
     /// As for [`Hierarchy::allreduce_raw`], until the job has run.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn job(
-        self: &std::sync::Arc<Self>,
-        parent: &Communicator,
-        dtype: DType,
-        op: ReduceOp,
-        algo: HierarchicalAlgo,
-        send: *const u8,
-        recv: *mut u8,
-        count: usize,
-    ) -> Result<crate::engine::Job> {
+    unsafe fn job(self: &std::sync::Arc<Self>, parent: &Communicator, call: RawAllreduce) -> Result<crate::engine::Job> {
         if parent.size() != self.world {
             return Err(invalid(format!("hierarchical allreduce: called on a communicator of {} ranks, made for {}", parent.size(), self.world)));
         }
-        op.check(dtype)?;
-        /// Buffer addresses moved to the progress thread.
-        struct Buffers(*const u8, *mut u8);
-        // SAFETY: the caller keeps both valid and untouched until the job has run.
-        unsafe impl Send for Buffers {}
-        let (me, bufs) = (self.clone(), Buffers(send, recv));
+        call.op.check(call.dtype)?;
+        let me = self.clone();
         Ok(Box::new(move |_state, _deadline| {
-            let bufs = bufs;
+            let call = call;
             // SAFETY: the contract of `job`, which holds until this job has run.
-            unsafe { me.allreduce_raw(dtype, op, algo, bufs.0, bufs.1, count) }
+            unsafe { me.allreduce_raw(call) }
         }))
     }
 
@@ -190,20 +200,10 @@ impl Hierarchy {
     ///
     /// # Safety
     /// As for [`Hierarchy::allreduce_raw`].
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn run_raw(
-        self: &std::sync::Arc<Self>,
-        parent: &Communicator,
-        dtype: DType,
-        op: ReduceOp,
-        algo: HierarchicalAlgo,
-        send: *const u8,
-        recv: *mut u8,
-        count: usize,
-    ) -> Result<()> {
+    pub unsafe fn run_raw(self: &std::sync::Arc<Self>, parent: &Communicator, call: RawAllreduce) -> Result<()> {
         // SAFETY: forwarded contract; the job has run when run_blocking returns.
-        let job = unsafe { self.job(parent, dtype, op, algo, send, recv, count)? };
-        parent.run_blocking(|| format!("hierarchical allreduce(count {count}, {})", dtype.name()), job)
+        let job = unsafe { self.job(parent, call)? };
+        parent.run_blocking(|| call.describe(), job)
     }
 
     /// Starts [`Hierarchy::allreduce_raw`] in order with `parent`'s other calls and returns
@@ -211,20 +211,10 @@ impl Hierarchy {
     ///
     /// # Safety
     /// As for [`Hierarchy::allreduce_raw`], until the returned work has completed.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn start_raw(
-        self: &std::sync::Arc<Self>,
-        parent: &Communicator,
-        dtype: DType,
-        op: ReduceOp,
-        algo: HierarchicalAlgo,
-        send: *const u8,
-        recv: *mut u8,
-        count: usize,
-    ) -> Result<crate::engine::Work> {
+    pub unsafe fn start_raw(self: &std::sync::Arc<Self>, parent: &Communicator, call: RawAllreduce) -> Result<crate::engine::Work> {
         // SAFETY: forwarded contract, until the work completes.
-        let job = unsafe { self.job(parent, dtype, op, algo, send, recv, count)? };
-        Ok(parent.submit(format!("hierarchical allreduce(count {count}, {})", dtype.name()), job))
+        let job = unsafe { self.job(parent, call)? };
+        Ok(parent.submit(call.describe(), job))
     }
 
     /// Starts a cross-node allreduce of `buf` among the ranks with this local index and

@@ -6,7 +6,7 @@ use super::{
     check_buffers, comm, dtype, gradwire_comm_t, gradwire_dtype_t, gradwire_op_t, gradwire_work_t, guard, handle_id, out, prefixed, put, put_work, redop,
     registry, to_handle,
 };
-use crate::collective::hierarchical::{HierarchicalAlgo, Hierarchy};
+use crate::collective::hierarchical::{HierarchicalAlgo, Hierarchy, RawAllreduce};
 use crate::collective::Request;
 use crate::error::{invalid, Result};
 use crate::transport::frame::OpKind;
@@ -95,7 +95,7 @@ pub unsafe extern "C" fn gradwire_hierarchy_nodes(hier: *mut gradwire_hierarchy_
 }
 
 /// Decodes and checks an allreduce's arguments against the communicator the hierarchy was
-/// made from; returns that communicator with the decoded call.
+/// made from; returns the hierarchy, that communicator and the decoded call.
 #[allow(clippy::too_many_arguments)]
 fn decode(
     hier: *const gradwire_hierarchy_t,
@@ -106,13 +106,14 @@ fn decode(
     op: gradwire_op_t,
     al: gradwire_hierarchical_algo_t,
     w: &str,
-) -> Result<(Arc<Hierarchy>, Arc<crate::comm::Communicator>, Request, HierarchicalAlgo)> {
+) -> Result<(Arc<Hierarchy>, Arc<crate::comm::Communicator>, RawAllreduce)> {
     let (comm_id, h) = hierarchy(hier, w)?;
     let c = registry().comms.get(&comm_id).cloned().ok_or_else(|| invalid(format!("{w}: the hierarchy's communicator is finalized")))?;
     let req = Request::new(OpKind::Allreduce, dtype(dt, w)?, redop(op, w)?, count);
     check_buffers(&c, &req, send, recv, w)?;
     req.redop.check(req.dtype).map_err(|e| prefixed(e, w))?;
-    Ok((h, c, req, algo(al, w)?))
+    let call = RawAllreduce { dtype: req.dtype, op: req.redop, algo: algo(al, w)?, send: send as *const u8, recv: recv as *mut u8, count };
+    Ok((h, c, call))
 }
 
 /// Allreduce of `count` elements over every rank of the hierarchy's communicator, through
@@ -135,14 +136,14 @@ pub unsafe extern "C" fn gradwire_hierarchical_allreduce(
 ) -> c_int {
     guard(|| {
         let w = "gradwire_hierarchical_allreduce";
-        let (h, c, req, a) = decode(hier, sendbuf, recvbuf, count, dt, op, al, w)?;
+        let (h, c, call) = decode(hier, sendbuf, recvbuf, count, dt, op, al, w)?;
         // SAFETY: checked buffers (sizes, overlap), valid for the call by contract.
-        unsafe { h.run_raw(&c, req.dtype, req.redop, a, sendbuf as *const u8, recvbuf as *mut u8, count) }.map_err(|e| prefixed(e, w))
+        unsafe { h.run_raw(&c, call) }.map_err(|e| prefixed(e, w))
     })
 }
 
-/// The non-blocking form: ordered with the communicator's other non-blocking calls;
-/// complete it with `gradwire_wait` or `gradwire_test`.
+/// The non-blocking form: ordered with the communicator's other calls; complete it with
+/// `gradwire_wait` or `gradwire_test`.
 ///
 /// # Safety
 /// As for `gradwire_hierarchical_allreduce`, until the work completes; `work` must be NULL
@@ -162,9 +163,9 @@ pub unsafe extern "C" fn gradwire_hierarchical_iallreduce(
     guard(|| {
         let w = "gradwire_hierarchical_iallreduce";
         out(work, w, "work")?;
-        let (h, c, req, a) = decode(hier, sendbuf, recvbuf, count, dt, op, al, w)?;
+        let (h, c, call) = decode(hier, sendbuf, recvbuf, count, dt, op, al, w)?;
         // SAFETY: checked buffers; the caller keeps them valid until the work completes.
-        let handle = unsafe { h.start_raw(&c, req.dtype, req.redop, a, sendbuf as *const u8, recvbuf as *mut u8, count) }.map_err(|e| prefixed(e, w))?;
+        let handle = unsafe { h.start_raw(&c, call) }.map_err(|e| prefixed(e, w))?;
         put_work(work, handle, w)
     })
 }
