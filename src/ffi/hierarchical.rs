@@ -3,8 +3,8 @@
 //! blocking and non-blocking allreduces through them.
 
 use super::{
-    check_buffers, comm, dtype, gradwire_comm_t, gradwire_dtype_t, gradwire_op_t, gradwire_work_t, guard, handle_id, out, prefixed, put, put_work, redop,
-    registry, to_handle,
+    check_buffers, comm, dtype, gradwire_comm_t, gradwire_dtype_t, gradwire_op_t, gradwire_work_t, guard, live_handle, out, prefixed, put, put_work, redop,
+    registry, take_handle, to_handle,
 };
 use crate::collective::hierarchical::{HierarchicalAlgo, Hierarchy, RawAllreduce};
 use crate::collective::Request;
@@ -32,14 +32,7 @@ fn algo(v: gradwire_hierarchical_algo_t, w: &str) -> Result<HierarchicalAlgo> {
 
 /// The hierarchy behind `p` and the id of the communicator it was made from.
 fn hierarchy(p: *const gradwire_hierarchy_t, w: &str) -> Result<(u64, Arc<Hierarchy>)> {
-    if p.is_null() {
-        return Err(invalid(format!("{w}: hierarchy is NULL")));
-    }
-    registry()
-        .hierarchies
-        .get(&handle_id(p))
-        .cloned()
-        .ok_or_else(|| invalid(format!("{w}: hierarchy is not a live hierarchy handle (freed already, or its communicator finalized?)")))
+    live_handle(&registry().hierarchies, p, w, "hierarchy")
 }
 
 /// Makes the node-local and cross-node groups of `comm` (collective: every rank calls it).
@@ -66,18 +59,11 @@ pub unsafe extern "C" fn gradwire_hierarchy_create(comm_p: *mut gradwire_comm_t,
 /// until it completes.
 #[no_mangle]
 pub extern "C" fn gradwire_hierarchy_free(hier: *mut gradwire_hierarchy_t) -> c_int {
+    // Dropped after the `let` that held the registry lock: a running non-blocking
+    // allreduce holds its own reference, and the groups close when the last goes.
     guard(|| {
-        let w = "gradwire_hierarchy_free";
-        if hier.is_null() {
-            return Err(invalid(format!("{w}: hierarchy is NULL")));
-        }
-        let h = registry()
-            .hierarchies
-            .remove(&handle_id(hier))
-            .ok_or_else(|| invalid(format!("{w}: hierarchy is not a live hierarchy handle (freed already?)")))?;
-        // Dropped outside the registry lock: a running non-blocking allreduce holds its own
-        // reference, and the groups close when the last goes.
-        drop(h);
+        let taken = take_handle(&mut registry().hierarchies, hier, "gradwire_hierarchy_free", "hierarchy")?;
+        drop(taken);
         Ok(())
     })
 }

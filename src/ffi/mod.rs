@@ -70,6 +70,28 @@ fn take_one<T>(map: &mut HashMap<usize, (u64, T)>, id: u64, ptr: *mut c_void, w:
     }
 }
 
+/// The entry of `p`, a handle of `kind` ("strategy", "hierarchy"), in `map` (id to owning
+/// communicator and object): NULL and stale handles are errors naming `w`.
+fn live_handle<T, V: Clone>(map: &HashMap<u64, (u64, V)>, p: *const T, w: &str, kind: &str) -> Result<(u64, V)> {
+    if p.is_null() {
+        return Err(invalid(format!("{w}: {kind} is NULL")));
+    }
+    map.get(&handle_id(p)).cloned().ok_or_else(|| stale(w, kind))
+}
+
+/// Removes `p`'s entry (as [`live_handle`] finds it) from `map` and returns its object, to be
+/// dropped by the caller outside the registry lock.
+fn take_handle<T, V>(map: &mut HashMap<u64, (u64, V)>, p: *const T, w: &str, kind: &str) -> Result<V> {
+    if p.is_null() {
+        return Err(invalid(format!("{w}: {kind} is NULL")));
+    }
+    map.remove(&handle_id(p)).map(|(_, v)| v).ok_or_else(|| stale(w, kind))
+}
+
+fn stale(w: &str, kind: &str) -> Error {
+    invalid(format!("{w}: {kind} is not a live {kind} handle (freed already, or its communicator finalized?)"))
+}
+
 /// Removes and returns the entries of `map` that communicator `id` owns.
 fn take_owned<K: Copy + Eq + std::hash::Hash, T>(map: &mut HashMap<K, (u64, T)>, id: u64) -> Vec<(u64, T)> {
     let mine: Vec<K> = map.iter().filter(|(_, (owner, _))| *owner == id).map(|(a, _)| *a).collect();

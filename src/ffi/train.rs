@@ -3,7 +3,7 @@
 //! framework's own optimizer makes the local update between `before_update` (gradients)
 //! and `after_update` (parameters); the parameter-server schemes take whole steps.
 
-use super::{comm, gradwire_comm_t, guard, handle_id, out, put, registry, to_handle};
+use super::{comm, gradwire_comm_t, guard, live_handle, out, put, registry, take_handle, to_handle};
 use crate::comm::Communicator;
 use crate::error::{invalid, Result};
 use crate::train::{self, Strategy, StrategyConfig};
@@ -35,14 +35,7 @@ impl Scheme {
 }
 
 fn scheme(p: *const gradwire_strategy_t, what: &str) -> Result<Arc<Mutex<Scheme>>> {
-    if p.is_null() {
-        return Err(invalid(format!("{what}: strategy is NULL")));
-    }
-    registry()
-        .strategies
-        .get(&handle_id(p))
-        .map(|(_, s)| s.clone())
-        .ok_or_else(|| invalid(format!("{what}: strategy is not a live strategy handle (freed already?)")))
+    live_handle(&registry().strategies, p, what, "strategy").map(|(_, s)| s)
 }
 
 /// Locks a scheme; one whose earlier call failed inside (a gradwire bug) stays refused.
@@ -165,16 +158,10 @@ pub unsafe extern "C" fn gradwire_strategy_create(
 /// Frees a strategy (its communicator stays as it is).
 #[no_mangle]
 pub extern "C" fn gradwire_strategy_free(strategy: *mut gradwire_strategy_t) -> c_int {
+    // Dropped after the `let` that held the registry lock.
     guard(|| {
-        let w = "gradwire_strategy_free";
-        if strategy.is_null() {
-            return Err(invalid(format!("{w}: strategy is NULL")));
-        }
-        let s = registry()
-            .strategies
-            .remove(&handle_id(strategy))
-            .ok_or_else(|| invalid(format!("{w}: strategy is not a live strategy handle (freed already?)")))?;
-        drop(s);
+        let taken = take_handle(&mut registry().strategies, strategy, "gradwire_strategy_free", "strategy")?;
+        drop(taken);
         Ok(())
     })
 }
