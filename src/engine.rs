@@ -19,17 +19,13 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// What a running operation may use: the links, the one-host shared segments, its deadline.
+/// What a running operation may use: the links and the one-host shared segments (whose
+/// abort flags the engine sets when it fails).
 pub struct EngineState {
     pub rank: usize,
     pub world: usize,
     pub links: Links,
     pub shm: Option<Arc<ShmDomain>>,
-    /// True when `shm` covers every rank of the communicator.
-    pub shm_all: bool,
-    pub spin: Duration,
-    /// What the one-host allreduce keeps between calls.
-    pub shm_allreduce: crate::collective::shm_allreduce::ShmAllreduceState,
     pub abort: Arc<AtomicBool>,
     failed: Option<String>,
     /// Collectives executed so far: the sequence number in every message header.
@@ -248,27 +244,10 @@ impl Engine {
 }
 
 impl EngineState {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        rank: usize,
-        world: usize,
-        links: Links,
-        shm: Option<Arc<ShmDomain>>,
-        shm_all: bool,
-        spin: Duration,
-        abort: Arc<AtomicBool>,
-        global: Vec<usize>,
-    ) -> Self {
+    pub fn new(rank: usize, world: usize, links: Links, shm: Option<Arc<ShmDomain>>, abort: Arc<AtomicBool>, global: Vec<usize>) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        EngineState { rank, world, links, shm, shm_all, spin, shm_allreduce: Default::default(), abort, failed: None, seq: 0, global, id, store: None }
-    }
-
-    /// How the one-host allreduce picks its stores (`GRADWIRE_SHM_STORES`) and whether it
-    /// may use cross-memory attach (`GRADWIRE_SHM_CMA`).
-    pub fn with_shm_allreduce(mut self, stores: crate::config::StagedStores, cross_memory_attach: bool) -> Self {
-        self.shm_allreduce = crate::collective::shm_allreduce::ShmAllreduceState::new(stores, cross_memory_attach);
-        self
+        EngineState { rank, world, links, shm, abort, failed: None, seq: 0, global, id, store: None }
     }
 
     /// Lets failures be explained through the rendezvous store (see `store`).
@@ -367,7 +346,7 @@ mod tests {
     fn a_panicking_job_fails_its_work_instead_of_hanging() {
         let abort = Arc::new(AtomicBool::new(false));
         let links = Links::new(0, vec![None], abort.clone(), Duration::ZERO);
-        let state = EngineState::new(0, 1, links, None, true, Duration::ZERO, abort, vec![0]);
+        let state = EngineState::new(0, 1, links, None, abort, vec![0]);
         let engine = Engine::start(state, Duration::from_secs(5), "panic-test".into()).unwrap();
         let boom: Job = Box::new(|_, _| panic!("injected fault"));
         let e = engine.submit("boom#0".into(), boom).wait().expect_err("a panicking job must fail");

@@ -27,6 +27,7 @@ pub mod ffi;
 pub mod gpu;
 pub mod mem;
 pub mod rma;
+pub mod sys;
 #[cfg(test)]
 mod test_support;
 pub mod train;

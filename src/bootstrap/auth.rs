@@ -278,8 +278,7 @@ where
                 return;
             }
             let mut pfd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd, exclusively borrowed for the call.
-            if unsafe { libc::poll(&mut pfd, 1, ACCEPT_POLL) } <= 0 || stopped.load(Ordering::Acquire) {
+            if crate::sys::poll::poll(std::slice::from_mut(&mut pfd), ACCEPT_POLL) <= 0 || stopped.load(Ordering::Acquire) {
                 continue;
             }
             let (mut s, peer) = match listener.accept() {

@@ -3,7 +3,7 @@
 //! floating-point types), on any communicator (including ones made by `split`).
 //!
 //! Algorithm choice for allreduce (`GRADWIRE_ALGO=auto`): on one host with shared memory,
-//! the shared-buffer reduction ([`shm_allreduce()`]); otherwise recursive doubling below
+//! the shared-buffer reduction ([`shm`]); otherwise recursive doubling below
 //! `GRADWIRE_SMALL_BYTES` and the ring above it. f16 and bf16 are reduced in f32 and
 //! rounded once per element on every automatic path (the one-host forms read every copy;
 //! over links, [`algos::half_allreduce`] and [`algos::direct_reduce_scatter`] bring every
@@ -15,7 +15,7 @@ pub mod algos;
 pub mod exchange;
 pub mod hierarchical;
 pub mod reduce;
-pub mod shm_allreduce;
+pub mod shm;
 
 use crate::comm::Communicator;
 use crate::config::Algo;
@@ -24,7 +24,7 @@ use crate::engine::{EngineState, Work};
 use crate::error::{invalid, Result};
 use crate::transport::frame::{CallHeader, OpKind};
 use algos::Ctx;
-use shm_allreduce::{encode_call, shm_allreduce, ShmCtx};
+use shm::OneHost;
 use std::time::Instant;
 
 /// A buffer address handed to the progress thread.
@@ -111,6 +111,7 @@ impl Communicator {
         }
         let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes };
         let default_algo = self.config.algo;
+        let one_host = self.one_host.clone();
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
         let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
             let (s, r) = (s, r);
@@ -125,7 +126,7 @@ impl Communicator {
                 _ => Some(unsafe { std::slice::from_raw_parts(s.0, slen) }),
             };
             let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
-            run(st, deadline, call, req, req.algo.unwrap_or(default_algo), tune, sbuf, rbuf)
+            run(st, one_host.as_deref(), deadline, call, req, req.algo.unwrap_or(default_algo), tune, sbuf, rbuf)
         });
         Ok(job)
     }
@@ -268,11 +269,22 @@ struct Sizes {
 
 /// Runs one collective on the progress thread; `send` is `None` in place.
 #[allow(clippy::too_many_arguments)]
-fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, algo: Algo, tune: Sizes, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
+fn run(
+    st: &mut EngineState,
+    one_host: Option<&OneHost>,
+    deadline: Instant,
+    call: CallHeader,
+    req: Request,
+    algo: Algo,
+    tune: Sizes,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+) -> Result<()> {
     let (rank, world) = (st.rank, st.world);
-    if let Some(dom) = &st.shm {
-        dom.set_call(&encode_call(&call));
+    if let Some(one_host) = one_host {
+        one_host.announce(&call);
     }
+    let on_one_host = one_host.filter(|h| h.covers_all());
     let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
     // A rank that only sends in a rooted tree never reads a header: every rooted
     // collective first agrees on its arguments (see `agree`).
@@ -288,20 +300,19 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                 return Ok(());
             }
             let algo = match algo {
-                Algo::Auto if st.shm_all => Algo::SharedMemory,
+                Algo::Auto if on_one_host.is_some() => Algo::SharedMemory,
                 Algo::Auto if matches!(req.dtype, DType::F16 | DType::BF16) => return algos::half_allreduce(&mut cx, recv, tune.small, tune.ring_chunk),
                 Algo::Auto if recv.len() < tune.small => Algo::RecursiveDoubling,
                 Algo::Auto => Algo::Ring,
-                Algo::SharedMemory if !st.shm_all => {
+                Algo::SharedMemory if on_one_host.is_none() => {
                     return Err(invalid("GRADWIRE_ALGO=shm needs every rank on one host with the shm transport"));
                 }
                 a => a,
             };
             match algo {
                 Algo::SharedMemory => {
-                    let dom = st.shm.as_ref().ok_or_else(|| invalid("no shared memory"))?;
-                    let scx = ShmCtx { dom, rank, world, call, deadline, abort: &st.abort, spin: st.spin };
-                    shm_allreduce(&scx, &mut st.shm_allreduce, recv, req.dtype, req.redop)
+                    let one_host = on_one_host.ok_or_else(|| invalid("no shared memory"))?;
+                    one_host.allreduce(rank, world, call, deadline, &st.abort, recv, req.dtype, req.redop)
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),
                 Algo::HalvingDoubling => algos::halving_doubling_allreduce(&mut cx, recv),

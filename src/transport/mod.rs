@@ -13,6 +13,7 @@ pub mod tcp;
 pub mod verbs;
 
 use crate::error::{Error, Result};
+use crate::sys::poll::poll;
 use frame::{CallHeader, FrameHeader, FrameKind, OpKind, HEADER_LEN};
 use std::io::IoSlice;
 use std::marker::PhantomData;
@@ -710,11 +711,6 @@ impl Links {
             }
         }
     }
-}
-
-fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> i32 {
-    // SAFETY: fds is a valid, exclusively borrowed array of pollfd for the call.
-    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) }
 }
 
 /// See [`payload_bytes_sent`].

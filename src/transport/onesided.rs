@@ -356,7 +356,7 @@ impl Window {
     /// Why `peer` is gone, for peers whose death no connection reports (shared memory, and
     /// verbs peers on this host).
     pub fn peer_gone(&self, peer: usize) -> Option<String> {
-        self.pids.get(peer).copied().flatten().and_then(super::shm::process_gone)
+        self.pids.get(peer).copied().flatten().and_then(crate::sys::proc::process_gone)
     }
 
     /// This rank's number in the window's communicator.

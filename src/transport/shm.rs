@@ -11,6 +11,7 @@ use crate::bootstrap::StoreClient;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::mem::{page_size, Region};
+use crate::sys::proc::process_gone;
 use std::io::IoSlice;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -23,25 +24,11 @@ const ABORT_AT: usize = 64;
 const REASON_LEN_AT: usize = 68;
 const REASON_AT: usize = 72;
 const REASON_MAX: usize = 1024;
-const PHASE_AT: usize = 1152;
-const CALL_AT: usize = 1216;
-/// Which forms of the current large one-host allreduce this rank can take with every peer
-/// (`Reach`): bit 0, it mapped every peer's buffer; bit 1, it reached every peer's buffer
-/// through cross-memory attach.
-const REACH_AT: usize = 1280;
-/// The phase before which this rank writes nothing more into peers' buffers, set by a
-/// large allreduce that failed (a finished one says so by its phase counter).
-const WRITES_DONE_AT: usize = 1344;
-/// Where the buffer of the current large allreduce lies in a shared region of ours
-/// (`mem::shared_cover`): region id (0: it does not), descriptor, region length, the
-/// offset in it of the buffer's first covered byte, and the bytes at the buffer's start
-/// and end outside it (a registered buffer's partial pages), 8 bytes each.
-const SHARED_AT: usize = 1408;
-/// The buffer's address in this process, for peers' cross-memory attach (0: this rank
-/// cannot attach).
-const ADDRESS_AT: usize = 1456;
-/// Shared regions of one peer kept mapped; its oldest goes first.
-const MAX_PEER_MAPS: usize = 4;
+/// Where the part of the control page that the one-host collectives own begins (see
+/// `collective::shm::control`); it runs to the end of the page.
+const COLLECTIVE_AT: usize = 1152;
+/// Bytes of the collectives' part of a control page.
+pub(crate) const COLLECTIVE_AREA: usize = CONTROL - COLLECTIVE_AT;
 const RING_HEAD: usize = 0;
 const RING_TAIL: usize = 64;
 const RING_DATA: usize = 128;
@@ -74,26 +61,6 @@ pub struct ShmDomain {
     pids: Vec<u32>,
     /// Local ranks (including this one), ascending.
     pub members: Vec<usize>,
-    /// Peers' shared regions mapped here, oldest first.
-    peer_maps: std::sync::Mutex<Vec<PeerMap>>,
-}
-
-/// How a rank can reach every peer's buffer of the current large allreduce.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Reach {
-    /// It mapped every peer's buffer (all of them come from `gradwire_alloc`).
-    pub mapped: bool,
-    /// It read every peer's buffer through cross-memory attach.
-    pub attach: bool,
-}
-
-/// A peer's shared region as this rank sees it.
-struct PeerMap {
-    peer: usize,
-    /// The peer's region id and its descriptor there.
-    id: u64,
-    fd: u64,
-    region: Region,
 }
 
 // SAFETY: the regions are plain shared memory; all concurrent access goes through atomics
@@ -101,13 +68,13 @@ struct PeerMap {
 unsafe impl Sync for ShmDomain {}
 unsafe impl Send for ShmDomain {}
 
-fn atomic_u64(base: *mut u8, at: usize) -> &'static AtomicU64 {
+pub(crate) fn atomic_u64(base: *mut u8, at: usize) -> &'static AtomicU64 {
     // SAFETY: `at` is 8-aligned inside a live mapping that outlives every use (the domain
     // is held by an Arc for as long as links or collectives use it).
     unsafe { &*(base.add(at) as *const AtomicU64) }
 }
 
-fn atomic_u32(base: *mut u8, at: usize) -> &'static AtomicU32 {
+pub(crate) fn atomic_u32(base: *mut u8, at: usize) -> &'static AtomicU32 {
     // SAFETY: as for atomic_u64.
     unsafe { &*(base.add(at) as *const AtomicU32) }
 }
@@ -150,111 +117,7 @@ impl ShmDomain {
         }
         pids[rank] = pid;
         segs[rank] = Some(own);
-        Ok(Arc::new(ShmDomain { rank, layout, segs, pids, members: members.to_vec(), peer_maps: Default::default() }))
-    }
-
-    /// Publishes where this rank's buffer of the current large allreduce lies: in a shared
-    /// region of ours (`gradwire_alloc`), so that peers can map it, or not; and, when this
-    /// rank can attach, its address in this process, for peers' cross-memory attach (0:
-    /// it cannot).
-    pub fn publish_buffer(&self, buf: &[u8], can_attach: bool) {
-        let base = self.base(self.rank);
-        let shared = crate::mem::shared_cover(buf)
-            .map_or([0; 6], |c| [c.region.id, c.region.fd as u64, c.region.len as u64, c.offset as u64, c.head as u64, c.tail as u64]);
-        for (i, v) in shared.into_iter().enumerate() {
-            atomic_u64(base, SHARED_AT + 8 * i).store(v, Ordering::Relaxed);
-        }
-        atomic_u64(base, ADDRESS_AT).store(if can_attach { buf.as_ptr() as u64 } else { 0 }, Ordering::Relaxed);
-    }
-
-    /// Local rank `r`'s process and the address of its published buffer there, 0 if it
-    /// cannot attach (read after its phase announcement).
-    pub fn peer_address(&self, r: usize) -> (u32, u64) {
-        (self.pids[r], atomic_u64(self.base(r), ADDRESS_AT).load(Ordering::Relaxed))
-    }
-
-    /// Whether local rank `r` published a buffer in a shared region (read after its phase
-    /// announcement).
-    pub fn buffer_is_shared(&self, r: usize) -> bool {
-        self.published_cover(r)[0] != 0
-    }
-
-    /// What local rank `r` published at `SHARED_AT` (read after its phase announcement).
-    fn published_cover(&self, r: usize) -> [u64; 6] {
-        std::array::from_fn(|i| atomic_u64(self.base(r), SHARED_AT + 8 * i).load(Ordering::Relaxed))
-    }
-
-    /// Bytes at the start and end of local rank `r`'s published buffer that lie outside its
-    /// shared region (read after its phase announcement).
-    pub fn uncovered(&self, r: usize) -> (usize, usize) {
-        let [.., head, tail] = self.published_cover(r);
-        (head as usize, tail as usize)
-    }
-
-    /// Publishes how this rank can reach every peer's buffer (before a phase announcement).
-    pub fn set_reach(&self, reach: Reach) {
-        let bits = reach.mapped as u64 | (reach.attach as u64) << 1;
-        atomic_u64(self.base(self.rank), REACH_AT).store(bits, Ordering::Relaxed);
-    }
-
-    /// How local rank `r` can reach every peer's buffer (read after its phase announcement).
-    pub fn reach(&self, r: usize) -> Reach {
-        let bits = atomic_u64(self.base(r), REACH_AT).load(Ordering::Relaxed);
-        Reach { mapped: bits & 1 != 0, attach: bits & 2 != 0 }
-    }
-
-    /// Announces that this rank writes nothing more into peers' buffers before `phase`.
-    pub fn set_writes_done(&self, phase: u64) {
-        atomic_u64(self.base(self.rank), WRITES_DONE_AT).store(phase, Ordering::Release);
-    }
-
-    /// Whether local rank `r` writes nothing more into peers' buffers before `phase`: it
-    /// reached it, said so, or exited. (Its abort flag is no answer: another thread of its
-    /// process may set that while its collective is still writing.)
-    pub fn writes_done(&self, r: usize, phase: u64) -> bool {
-        let base = self.base(r);
-        atomic_u64(base, PHASE_AT).load(Ordering::Acquire) >= phase
-            || atomic_u64(base, WRITES_DONE_AT).load(Ordering::Acquire) >= phase
-            || process_gone(self.pids[r]).is_some()
-    }
-
-    /// Bytes `from..from + len` of local rank `r`'s published buffer (counted from its start,
-    /// and lying in its shared region) mapped into this process, when we can map that
-    /// region (read after its phase announcement). The mapping stays until the peer
-    /// publishes another region under the same descriptor (it closed this one) or
-    /// `MAX_PEER_MAPS` newer ones of the same peer push it out
-    /// (so looking up another peer never unmaps what an earlier lookup returned).
-    pub fn peer_buffer(&self, r: usize, from: usize, len: usize) -> Option<*mut u8> {
-        let [id, fd, region_len, covered_at, head, _] = self.published_cover(r);
-        let off = (from as u64).checked_sub(head).and_then(|skip| covered_at.checked_add(skip));
-        let off = off.filter(|o| id != 0 && o.checked_add(len as u64).is_some_and(|end| end <= region_len))?;
-        let mut maps = self.peer_maps.lock().unwrap_or_else(|e| e.into_inner());
-        let at = match maps.iter().position(|m| m.peer == r && m.id == id) {
-            // Most recently used last: eviction takes the peer's least recently used.
-            Some(i) => {
-                let hit = maps.remove(i);
-                maps.push(hit);
-                maps.len() - 1
-            }
-            None => {
-                maps.retain(|m| !(m.peer == r && m.fd == fd));
-                let of_peer: Vec<usize> = (0..maps.len()).filter(|&i| maps[i].peer == r).collect();
-                if of_peer.len() >= MAX_PEER_MAPS {
-                    maps.remove(of_peer[0]);
-                }
-                // A failure is not kept: it may be passing (a descriptor limit), and the
-                // next call tries again.
-                let region = Region::open_shared(self.pids[r], fd as i32, region_len as usize)
-                    .inspect_err(|e| log::info!("rank {}: cannot map rank {r}'s shared buffer ({e}); this allreduce stages through shared memory", self.rank))
-                    .ok()?;
-                log::debug!("rank {}: mapped rank {r}'s shared buffer (region {id}, {region_len} bytes)", self.rank);
-                maps.push(PeerMap { peer: r, id, fd, region });
-                maps.len() - 1
-            }
-        };
-        // SAFETY: off + len lies inside the mapping (checked above; open_shared checked the
-        // region's length), which lives until it leaves `peer_maps`, after this call.
-        Some(unsafe { maps[at].region.as_ptr().add(off as usize) })
+        Ok(Arc::new(ShmDomain { rank, layout, segs, pids, members: members.to_vec() }))
     }
 
     fn base(&self, r: usize) -> *mut u8 {
@@ -271,24 +134,16 @@ impl ShmDomain {
         self.layout.stage
     }
 
-    /// The one-host allreduce's phase counter of rank `r`.
-    pub fn phase(&self, r: usize) -> &AtomicU64 {
-        atomic_u64(self.base(r), PHASE_AT)
+    /// The part of local rank `r`'s control page that the one-host collectives own:
+    /// [`COLLECTIVE_AREA`] bytes, 64-aligned, zeroed at creation.
+    pub(crate) fn collective_area(&self, r: usize) -> *mut u8 {
+        // SAFETY: COLLECTIVE_AT + COLLECTIVE_AREA is the end of the control page.
+        unsafe { self.base(r).add(COLLECTIVE_AT) }
     }
 
-    /// Publishes this rank's current call header (read by peers to detect mismatches).
-    pub fn set_call(&self, header: &[u8; super::frame::HEADER_LEN]) {
-        // SAFETY: CALL_AT..+HEADER_LEN lies in our own control page; peers read it only
-        // after observing a phase increment that we store with Release after this write.
-        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), self.base(self.rank).add(CALL_AT), header.len()) };
-    }
-
-    /// Reads rank `r`'s published call header.
-    pub fn call_of(&self, r: usize) -> [u8; super::frame::HEADER_LEN] {
-        let mut h = [0u8; super::frame::HEADER_LEN];
-        // SAFETY: reads our peer's control page; ordered after an Acquire load of its phase.
-        unsafe { std::ptr::copy_nonoverlapping(self.base(r).add(CALL_AT), h.as_mut_ptr(), h.len()) };
-        h
+    /// Local rank `r`'s process id.
+    pub(crate) fn pid(&self, r: usize) -> u32 {
+        self.pids[r]
     }
 
     /// Why rank `r` is gone or aborted, if it is.
@@ -323,17 +178,6 @@ impl ShmDomain {
         unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), base.add(REASON_AT), n) };
         atomic_u32(base, REASON_LEN_AT).store(n as u32, Ordering::Relaxed);
         flag.store(1, Ordering::Release);
-    }
-}
-
-/// Whether a process has exited (gone from /proc or a zombie not yet reaped).
-pub fn process_gone(pid: u32) -> Option<String> {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => Some(format!("process {pid} exited")),
-        Ok(s) => {
-            let state = s.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()).unwrap_or("");
-            matches!(state, "Z" | "X").then(|| format!("process {pid} exited"))
-        }
     }
 }
 

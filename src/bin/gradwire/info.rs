@@ -42,7 +42,7 @@ pub fn run(settings_only: bool) -> i32 {
     println!("host identity      {}", gradwire::bootstrap::host_id());
     println!(
         "cpus               {} for this job's ranks on this host (online CPUs, capped by the control group's cpuset and CPU quota; ranks spin only when they do not outnumber them)",
-        gradwire::comm::host_cpus()
+        gradwire::sys::cpus::host_cpus()
     );
     let shm_ok = gradwire::Region::shared("gradwire-info", 4096).is_ok();
     println!("transports");

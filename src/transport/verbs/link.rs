@@ -542,7 +542,7 @@ impl Link for VerbsLink {
         if let Err(e) = self.progress() {
             return Some(e.to_string());
         }
-        if let Some(why) = self.remote.local_pid().and_then(crate::transport::shm::process_gone) {
+        if let Some(why) = self.remote.local_pid().and_then(crate::sys::proc::process_gone) {
             return Some(why);
         }
         // Credits (and a grant) held back while the sender may be waiting for them.

@@ -646,7 +646,7 @@ impl RmaPeer {
             }
             // A dead peer on this host is seen through /proc long before transport retries.
             if naps % 1000 == 999 {
-                if let Some(why) = self.local_pid().and_then(crate::transport::shm::process_gone) {
+                if let Some(why) = self.local_pid().and_then(crate::sys::proc::process_gone) {
                     return Err(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, format!("RDMA {what}: {why}")));
                 }
             }

@@ -1,0 +1,328 @@
+//! One-host allreduce through shared memory, in four forms chosen by size, by where the
+//! buffers live and by what the kernel allows (see [`OneHost::allreduce`]):
+//!
+//! - small (at most [`SMALL_MAX`]): one barrier; every rank reduces every input itself;
+//! - staged: per segment of the buffer (at most the staging size, about 1 MiB, so that
+//!   the segments of all ranks stay in cache): (1) every rank copies the parts it does not
+//!   own into its staging area; (2) rank r reduces part r of the peers' staging areas into
+//!   its own buffer and copies the result into its staging area; (3) every rank copies the
+//!   other finished parts from their owners' staging areas. Two barriers per segment and
+//!   one more at the end of the call (part p always has slot p of a staging area, so the
+//!   next segment's copy-in never touches what peers may still be copying out),
+//!   made of per-rank phase counters (no shared contended line). What peers read is
+//!   written with plain or streaming stores, whichever [`StoreChooser`] has timed faster;
+//! - zero-copy (from [`LARGE_MIN`], when every rank's buffer comes from
+//!   `gradwire_alloc` or is registered in place, and every rank maps every other's): rank
+//!   r reduces part r straight out of the peers' buffers and writes it straight into them
+//!   (a registered buffer's partial first and last pages, which stay private, every rank
+//!   reduces itself from copies all ranks staged);
+//! - cross-memory attach (from [`LARGE_MIN`], private buffers, when the kernel lets every
+//!   rank read every peer's memory): the zero-copy form's pattern, with the kernel copying
+//!   part r of every peer's buffer into a scratch and each finished block into the peers'
+//!   buffers, once, where the staged form copies every byte in and out of shared memory.
+//!
+//! The small form reads its peers' staging after its only barrier, while they may have
+//! returned already; so it has an area of its own at the end of the staging area, which
+//! the staged form never writes.
+//!
+//! Files: this one holds the entry, the forms' shared waiting and failure handling, and
+//! the layout of the staging area; [`control`] the collectives' part of every rank's control
+//! page; [`small`], [`staged`] and [`peer_buffers`] the forms; [`stores`] the staged form's
+//! store tuner. The transport (`transport::shm`) owns the segments and their rings.
+
+mod control;
+mod peer_buffers;
+mod small;
+mod staged;
+mod stores;
+
+pub use stores::StoreChooser;
+
+use crate::config::StagedStores;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::transport::frame::{CallHeader, FrameHeader, FrameKind, HEADER_LEN};
+use crate::transport::shm::ShmDomain;
+use crate::transport::Backoff;
+use control::Control;
+use peer_buffers::{agree_on_form, shm_allreduce_in_peer_buffers, Agreed, Attach, PeerAccess};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The one-host allreduce of one communicator: the shared segments of the ranks on this
+/// host, the collectives' part of their control pages, and what the forms learn between
+/// calls. Calls run one at a time (the engine orders them), so the state's lock is never
+/// contended.
+pub(crate) struct OneHost {
+    ctl: Control,
+    /// True when the segments cover every rank of the communicator.
+    all: bool,
+    spin: Duration,
+    state: Mutex<ShmAllreduceState>,
+}
+
+impl OneHost {
+    /// The one-host allreduce over `domain`; `all` when it holds every rank of the
+    /// communicator. `stores` and `cross_memory_attach` come from `GRADWIRE_SHM_STORES`
+    /// and `GRADWIRE_SHM_CMA`.
+    pub(crate) fn new(domain: Arc<ShmDomain>, all: bool, spin: Duration, stores: StagedStores, cross_memory_attach: bool) -> Self {
+        OneHost { ctl: Control::new(domain), all, spin, state: Mutex::new(ShmAllreduceState::new(stores, cross_memory_attach)) }
+    }
+
+    /// Whether every rank of the communicator is on this host (the one-host forms apply).
+    pub(crate) fn covers_all(&self) -> bool {
+        self.all
+    }
+
+    /// Publishes the call this rank is in. Every collective does, whatever its algorithm:
+    /// a peer waiting in a one-host allreduce reads it to report a mismatched call at once
+    /// instead of at the deadline.
+    pub(crate) fn announce(&self, call: &CallHeader) {
+        self.ctl.set_call(&encode_call(call));
+    }
+
+    /// In-place allreduce of `buf` among all ranks (all on this host).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn allreduce(
+        &self,
+        rank: usize,
+        world: usize,
+        call: CallHeader,
+        deadline: Instant,
+        abort: &AtomicBool,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let cx = ShmCtx { ctl: &self.ctl, rank, world, call, deadline, abort, spin: self.spin };
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        shm_allreduce(&cx, &mut state, buf, dtype, op)
+    }
+}
+
+/// Waits shorter than this do not look for a dead peer in /proc (see `check_peer`).
+const PROC_CHECK_AFTER: Duration = Duration::from_micros(100);
+
+/// What a form needs of one call: the control pages, who we are, the call, its deadline.
+struct ShmCtx<'a> {
+    ctl: &'a Control,
+    rank: usize,
+    world: usize,
+    call: CallHeader,
+    deadline: Instant,
+    abort: &'a AtomicBool,
+    spin: Duration,
+}
+
+impl ShmCtx<'_> {
+    /// Waits until every other rank's phase counter reaches `target`.
+    fn wait_all(&self, target: u64) -> Result<()> {
+        let backoff = Backoff::new(self.spin);
+        for p in 0..self.world {
+            if p == self.rank {
+                continue;
+            }
+            let ph = self.ctl.phase(p);
+            let mut iter = 0u64;
+            while ph.load(Ordering::Acquire) < target {
+                iter += 1;
+                if iter % 64 == 0 {
+                    if let Err(e) = self.check_peer(p, backoff.idle()) {
+                        // The peer may have reached the phase, then exited, after our load.
+                        if ph.load(Ordering::Acquire) >= target {
+                            break;
+                        }
+                        return Err(e);
+                    }
+                }
+                backoff.pause();
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every rank's published call against ours.
+    fn check_calls(&self) -> Result<()> {
+        for p in 0..self.world {
+            let h = FrameHeader::decode(&self.ctl.call_of(p)).map_err(|e| Error::Protocol(format!("rank {p}'s shared call header: {e}")))?;
+            if h.call != self.call {
+                return Err(Error::Mismatch { rank: self.rank, mine: self.call.to_string(), peer: p, theirs: h.call.to_string() });
+            }
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, p: usize, waited: Duration) -> Result<()> {
+        if self.abort.load(Ordering::Acquire) {
+            return Err(Error::Aborted { rank: self.rank, peer: self.rank, reason: "aborted locally".into() });
+        }
+        // The abort flag is a shared-memory read; asking /proc whether the process lives
+        // costs microseconds, which a short wait cannot afford (the peer would arrive while
+        // we sit in the syscall), so that waits until the wait is no longer short.
+        let gone = if waited >= PROC_CHECK_AFTER { self.ctl.peer_gone(p) } else { self.ctl.aborted_reason(p) };
+        if let Some(why) = gone {
+            return Err(Error::PeerLost { rank: self.rank, peer: p, op: self.call.to_string(), cause: why });
+        }
+        // A peer that started a different call with the same sequence number will never
+        // reach our phase: report the mismatch now instead of at the deadline.
+        if let Ok(h) = FrameHeader::decode(&self.ctl.call_of(p)) {
+            if h.call.seq == self.call.seq && h.call != self.call {
+                return Err(Error::Mismatch { rank: self.rank, mine: self.call.to_string(), peer: p, theirs: h.call.to_string() });
+            }
+        }
+        if Instant::now() >= self.deadline {
+            return Err(Error::Timeout { rank: self.rank, peer: p, op: format!("{} (shared-memory phase)", self.call), waited_ms: waited.as_millis() as u64 });
+        }
+        Ok(())
+    }
+
+    fn advance(&self, to: u64) {
+        self.ctl.phase(self.rank).store(to, Ordering::Release);
+    }
+
+    /// A call in the peers' buffers (zero-copy or cross-memory attach) failed after peers
+    /// may have started writing into our buffer: the caller must not get it back before
+    /// they write no more. We say that we write no more (so that a peer doing the same does
+    /// not wait for us) and fail the communicator now rather than after returning (peers
+    /// waiting for our phase fail at once, and stop writing into our buffer).
+    fn fail_in_peer_buffers(&self, e: Error, done: u64) -> Error {
+        self.ctl.set_writes_done(done);
+        self.ctl.set_aborted(&e.to_string());
+        self.let_writers_finish(done);
+        e
+    }
+
+    /// After a failed call in the peers' buffers: waits until no peer writes into our buffer
+    /// any more before phase `done` (see `ShmDomain::writes_done`). A peer never waits for
+    /// us on the way there, so this ends; the bound is for a peer that is frozen (it checks
+    /// our abort flag before each block it writes, so at most one block may still land).
+    fn let_writers_finish(&self, done: u64) {
+        let until = Instant::now() + WRITERS_GRACE;
+        for p in (0..self.world).filter(|&p| p != self.rank) {
+            while !self.ctl.writes_done(p, done) {
+                if Instant::now() >= until {
+                    log::error!(
+                        "rank {}: rank {p} neither finished nor failed its part of {} within {WRITERS_GRACE:?}; it may still write one block into this buffer",
+                        self.rank,
+                        self.call
+                    );
+                    return;
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+}
+
+/// Longest a failed call in the peers' buffers waits for peers still writing into its
+/// buffer.
+const WRITERS_GRACE: Duration = Duration::from_secs(2);
+
+/// Encodes a call for publication in the shared control page.
+fn encode_call(call: &CallHeader) -> [u8; HEADER_LEN] {
+    FrameHeader { kind: FrameKind::Data, call: *call, step: 0, len: 0 }.encode()
+}
+
+/// What the one-host allreduce keeps between calls.
+struct ShmAllreduceState {
+    /// What the staged form has learned about this host's stores.
+    stores: StoreChooser,
+    /// Cross-memory attach for private buffers.
+    attach: Attach,
+    /// Size from which the ranks agree on a large form: [`LARGE_MIN`], or
+    /// [`ZERO_COPY_MIN`] once some rank cannot attach (every rank learns it in the same
+    /// call, from the same published addresses).
+    agree_from: usize,
+}
+
+impl Default for ShmAllreduceState {
+    fn default() -> Self {
+        ShmAllreduceState::new(StagedStores::Auto, true)
+    }
+}
+
+impl ShmAllreduceState {
+    fn new(stores: StagedStores, cross_memory_attach: bool) -> Self {
+        let attach = Attach { enabled: cross_memory_attach, scratch: Vec::new() };
+        ShmAllreduceState { stores: StoreChooser::new(stores), attach, agree_from: LARGE_MIN }
+    }
+}
+
+/// In-place allreduce of `buf` among all ranks of the domain (all on this host), in the
+/// form its size calls for. Every rank picks the same: the sizes match (checked), and
+/// which large form runs is agreed in its first one or two barriers.
+fn shm_allreduce(cx: &ShmCtx<'_>, state: &mut ShmAllreduceState, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    if buf.len() <= cx.small_capacity() && buf.len() * cx.world <= SMALL_READ_MAX {
+        return small::shm_allreduce_small(cx, buf, dtype, op);
+    }
+    if buf.len() >= state.agree_from {
+        let access = match agree_on_form(cx, &mut state.attach, buf, dtype.size())? {
+            Agreed::Mapped { peers, body } => Some((PeerAccess::Mapped(peers), body)),
+            Agreed::Attach(peers) => Some((PeerAccess::Attach { peers, scratch: &mut state.attach.scratch }, 0..buf.len())),
+            Agreed::Staged { someone_cannot_attach } => {
+                if someone_cannot_attach && state.agree_from < ZERO_COPY_MIN {
+                    state.agree_from = ZERO_COPY_MIN;
+                    log::debug!("rank {}: not every rank can attach; only calls from {ZERO_COPY_MIN} bytes look for mapped buffers from now on", cx.rank);
+                }
+                None
+            }
+        };
+        if let Some((access, body)) = access {
+            return shm_allreduce_in_peer_buffers(cx, buf, body, dtype, op, access);
+        }
+    }
+    let stores = &mut state.stores;
+    let streaming = stores.choose(buf.len(), dtype);
+    let took = staged::shm_allreduce_staged(cx, buf, dtype, op, streaming)?;
+    if let Some(flip) = stores.record(buf.len(), dtype, streaming, took) {
+        log::debug!("rank {}: the staged allreduce of {flip}", cx.rank);
+    }
+    Ok(())
+}
+
+/// Largest buffer for the one-barrier small form.
+pub const SMALL_MAX: usize = 64 << 10;
+
+/// The small form has every rank read every input (W·S bytes); beyond this the staged
+/// form, where each rank reduces 1/W of them, wins. Alternating runs, 4 ranks: 4 KiB
+/// 6.2-6.7 µs against 11.7-17.5 staged, 16 KiB 13-19 against 17, 32 KiB 22-32 against
+/// 22-23, 64 KiB 39-48 against 34-42; 2 ranks: even at 64 KiB.
+const SMALL_READ_MAX: usize = 128 << 10;
+
+/// Room for the call header in front of each half of the small form's area (a cache line).
+const SMALL_HEADER: usize = 64;
+
+impl ShmCtx<'_> {
+    /// Bytes of each of the small form's two halves: a call header and the data (the
+    /// area is at most a quarter of the staging area; whole cache lines).
+    fn small_half(&self) -> usize {
+        (self.ctl.stage_len() / 8).min(SMALL_HEADER + SMALL_MAX) / 64 * 64
+    }
+
+    /// Largest buffer the small form takes.
+    fn small_capacity(&self) -> usize {
+        self.small_half().saturating_sub(SMALL_HEADER)
+    }
+
+    /// Bytes of the staging area the staged form uses: all but the small form's area.
+    fn staged_capacity(&self) -> usize {
+        self.ctl.stage_len() - 2 * self.small_half()
+    }
+}
+
+/// From this size on, the ranks agree on a form that works in the peers' buffers: buffers
+/// that every rank maps take the zero-copy form, private ones cross-memory attach where
+/// the kernel lets every rank reach every peer. Agreeing costs a call that stages anyway
+/// one barrier, about 5 % at 2-4 MiB and 4 ranks (30-40 % at 128-512 KiB), while mapped
+/// buffers gain 2-6x over staging at every size from 128 KiB (2 ranks, alternating runs),
+/// and private ones through cross-memory attach, against staged (3-4 alternating turns):
+/// 2 ranks 256 KiB 20-24 against 36-46 us, 512 KiB 38-40 against 78-89, 1-2 MiB 12.3-14.4
+/// against 6.4-7.9 GB/s busbw; 4 ranks on 2 cores, 256 KiB 79-85 against 83-96 us, 512 KiB
+/// 152-159 against 160-196, 1 MiB 353-376 against 385-424, 2 MiB 736-984 against 745-779.
+pub const LARGE_MIN: usize = 256 << 10;
+
+/// Where some rank cannot attach, only calls from this size agree (on zero-copy or not):
+/// the agreement's barrier costs a call that stages more at smaller sizes than mapped
+/// buffers gain there.
+pub const ZERO_COPY_MIN: usize = 4 << 20;

@@ -1,0 +1,138 @@
+//! The staged form (see the module comment of `collective::shm`): per segment of about
+//! 1 MiB, copy in, reduce one's part, copy out, through the ranks' staging areas.
+
+use super::ShmCtx;
+use crate::collective::reduce::reduce_all;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{Error, Result};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// Reduction block: every source's block is combined into the destination block while it
+/// is still in L1/L2.
+const BLOCK: usize = 32 << 10;
+
+/// Staged allreduce (see the module comment). A rank's own part does not pass through
+/// staging on the way in: it is reduced in its buffer, then staged once for the peers
+/// (2 ranks, medians of 5 alternating runs: 1 MiB 14.8 against 8.2 GB/s busbw, 64 MiB
+/// 9.4 against 7.0, with every part staged both ways). Segments of about 1 MiB keep the
+/// staging areas in cache (every part staged, 16 and 64 MiB: 2 ranks 4.3-4.4 GB/s with
+/// 16 MiB segments, 6.7-7.1 with 2 MiB and 6.2-7.3 with 1 MiB; 4 ranks 3.0-3.6 with
+/// 4 MiB, 3.7-4.5 with 2 MiB, 4.1-4.8 with 1 MiB).
+///
+/// Returns how long the call took, less the wait for the peers to arrive at its first
+/// barrier: what [`StoreChooser`] compares.
+pub(super) fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, streaming: bool) -> Result<Duration> {
+    let (w, me) = (cx.world, cx.rank);
+    let elem = dtype.size();
+    // Part p of every segment has the same slot in the staging areas, whatever the
+    // segment's length: whole cache lines where there is room, and always a multiple of
+    // every element size.
+    let slot_len = match cx.staged_capacity() / w {
+        n if n >= 64 => n / 64 * 64,
+        n => n / 8 * 8,
+    };
+    if slot_len == 0 {
+        return Err(Error::InvalidArgument(format!("GRADWIRE_SHM_STAGE_BYTES={} leaves no staging room for {w} ranks", cx.ctl.stage_len())));
+    }
+    let slot = |p: usize| p * slot_len;
+    let seg = slot_len * w;
+    let mut base = cx.ctl.phase(me).load(Ordering::Relaxed);
+    let mut off = 0;
+    let others = || (0..w).filter(move |&p| p != me);
+    // Timed: the first copy-in, then everything after the first barrier (not the wait for
+    // the peers to arrive, which has nothing to do with the stores).
+    let started = Instant::now();
+    let (mut first_copy_in, mut since) = (Duration::ZERO, started);
+    loop {
+        let len = (buf.len() - off).min(seg);
+        let bounds = crate::collective::algos::part_bounds(len / elem, w, elem);
+        let part = |p: usize| bounds[p]..bounds[p + 1];
+        // (1) Copy in the parts the peers reduce, publish.
+        debug_assert!((0..w).all(|p| part(p).len() <= slot_len));
+        for p in others() {
+            // SAFETY: our own staging area, slot p (a part is at most a slot); peers read
+            // it only after the Release store below and stop before barrier base+2. What
+            // peers may still read of ours, from the segment before, is slot `me`.
+            unsafe { copy_for_peers(cx.ctl.stage(me).add(slot(p)), &buf[off..][part(p)], streaming) };
+        }
+        if off == 0 {
+            first_copy_in = started.elapsed();
+        }
+        cx.advance(base + 1);
+        cx.wait_all(base + 1)?;
+        if off == 0 {
+            cx.check_calls()?;
+            since = Instant::now();
+        }
+        // (2) Reduce my part of every peer's staging area into my buffer, block by block,
+        // and stage each finished block for the peers while it is in cache.
+        let mine = &mut buf[off..][part(me)];
+        for b in (0..mine.len()).step_by(BLOCK) {
+            let e = (b + BLOCK).min(mine.len());
+            // SAFETY: slot `me` of every peer's staging area is only read, by us, until
+            // barrier base+2; the range lies in it.
+            let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.ctl.stage(p).add(slot(me) + b), e - b) });
+            reduce_all(dtype, op, w, &mut mine[b..e], theirs);
+            // SAFETY: slot `me` of our staging area: only we write it; peers read it only
+            // after barrier base+2, and have finished reading it for the segment
+            // before, since they have passed barrier base+1.
+            unsafe { copy_for_peers(cx.ctl.stage(me).add(slot(me) + b), &mine[b..e], streaming) };
+        }
+        cx.advance(base + 2);
+        cx.wait_all(base + 2)?;
+        // (3) Copy the peers' finished parts out of their staging areas. No barrier after
+        // it between segments: p writes slot p again only in phase (2) of its next segment,
+        // after a barrier that we pass only once this copy is done.
+        for p in others() {
+            // SAFETY: slot p of p's staging area is final after barrier base+2 and is not
+            // written again before our next barrier (above).
+            unsafe { std::ptr::copy_nonoverlapping(cx.ctl.stage(p).add(slot(p)), buf.as_mut_ptr().add(off + bounds[p]), part(p).len()) };
+        }
+        base += 2;
+        off += len;
+        if off >= buf.len() {
+            // The call ends with every copy-out done, as every other form ends: no later
+            // call needs to reason about this one, and the time [`StoreChooser`] compares
+            // ends at the same moment on every rank (without it, ranks timed differently
+            // and fell out of step on their choice: 4 ranks, 512 KiB, 213 against 324 us).
+            cx.advance(base + 1);
+            cx.wait_all(base + 1)?;
+            return Ok(first_copy_in + since.elapsed());
+        }
+    }
+}
+
+/// Copies `src` to `dst` in our staging area, for peers to read: with non-temporal stores
+/// when `streaming` (x86-64), so the lines go to memory instead of staying modified in this
+/// core's cache, from where every peer's read has to fetch them. How fast that fetch is
+/// changes on a virtual machine from one minute to the next: two processes handing 512 KiB
+/// back and forth (benches/peers/handoff.c) ran at 3.4-4.8 GB/s with plain copies against
+/// 16-20 with streaming ones in some minutes, and 14-16 either way in others, where plain
+/// stores win by keeping everything in cache (2 ranks, 1-4 MiB: 12-13 against 6.3 GB/s
+/// busbw). Hence [`StoreChooser`].
+///
+/// # Safety
+/// `dst..dst + src.len()` is writable and does not overlap `src`.
+unsafe fn copy_for_peers(dst: *mut u8, src: &[u8], streaming: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if streaming {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let n = src.len();
+        let head = dst.align_offset(16).min(n);
+        let body_end = head + (n - head) / 16 * 16;
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head);
+        for i in (head..body_end).step_by(16) {
+            // SAFETY: dst + i is 16-aligned and i + 16 <= n; SSE2 is part of x86-64.
+            _mm_stream_si128(dst.add(i) as *mut __m128i, _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i));
+        }
+        std::ptr::copy_nonoverlapping(src.as_ptr().add(body_end), dst.add(body_end), n - body_end);
+        // Streaming stores are weakly ordered: make them visible before the phase store
+        // that publishes them.
+        _mm_sfence();
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = streaming;
+    std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
+}
