@@ -4,15 +4,15 @@
 use crate::bootstrap::{Bootstrap, StoreClient, Topology};
 use crate::collective::algos::{dissemination_barrier, Ctx};
 use crate::collective::shm::OneHost;
-use crate::config::{Config, TransportChoice};
+use crate::config::Config;
 use crate::dtype::{DType, ReduceOp};
 use crate::engine::{Engine, EngineState, Job, Work};
 use crate::error::{config, Error, Result};
 use crate::mem::Region;
+use crate::transport::backend::{connect_links, Connected, Setup};
 use crate::transport::frame::{CallHeader, OpKind};
 use crate::transport::onesided::{RmaService, Window, WindowSetup};
-use crate::transport::shm::{ShmDomain, ShmLink};
-use crate::transport::{tcp, LinkTable, Links};
+use crate::transport::{Links, Transport};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -32,8 +32,8 @@ pub struct Communicator {
     pub(crate) store: Option<Arc<StoreClient>>,
     secret: String,
     pub(crate) prefix: String,
-    /// Transport used to reach each peer ("self", "shm", "tcp", "verbs").
-    link_kinds: Vec<&'static str>,
+    /// Transport used to reach each peer (`None`: this rank).
+    link_kinds: Vec<Option<Transport>>,
     /// Global rank of each rank of this communicator.
     global_ranks: Vec<usize>,
     /// The one-host allreduce, when some peers share this host through shared memory.
@@ -114,36 +114,10 @@ impl Communicator {
         boot: Option<Arc<Bootstrap>>,
         global_ranks: Vec<usize>,
     ) -> Result<Self> {
-        let local = topology.local_ranks(rank);
-        if cfg.transport == TransportChoice::Shm && !topology.single_host() {
-            let other = (0..size).find(|&r| !topology.same_host(rank, r)).unwrap_or(0);
-            return Err(config(format!("GRADWIRE_TRANSPORT=shm, but rank {rank} and rank {other} are on different hosts (use auto or tcp)")));
-        }
-        let use_shm = !matches!(cfg.transport, TransportChoice::Tcp | TransportChoice::Verbs);
-        let shm_peers: Vec<usize> = if use_shm { local.iter().copied().filter(|&p| p != rank).collect() } else { vec![] };
-        let remote: Vec<usize> = (0..size).filter(|&p| p != rank && !shm_peers.contains(&p)).collect();
-        let (verbs, verbs_peers) = verbs_peers(&prefix, rank, &cfg, &remote, store.as_deref(), deadline)?;
-        let tcp_peers: Vec<usize> = remote.iter().copied().filter(|p| !verbs_peers.contains(p)).collect();
         let abort = Arc::new(AtomicBool::new(false));
-        let (mut links, shm): (LinkTable, Option<Arc<ShmDomain>>) = match &store {
-            None => ((0..size).map(|_| None).collect(), None),
-            Some(store) => {
-                let shm = if shm_peers.is_empty() { None } else { Some(ShmDomain::create(&prefix, rank, size, &local, &cfg, store, deadline)?) };
-                let mut links = tcp::connect_all(&prefix, rank, size, &tcp_peers, store, &secret, deadline)?;
-                if let Some(dom) = &verbs {
-                    for (p, l) in crate::transport::verbs::link::connect_all(&prefix, rank, &verbs_peers, store, dom, &cfg, deadline)? {
-                        links[p] = Some(l);
-                    }
-                }
-                (links, shm)
-            }
-        };
-        if let Some(dom) = &shm {
-            for &p in &shm_peers {
-                links[p] = Some(Box::new(ShmLink::new(dom.clone(), p)));
-            }
-        }
-        let link_kinds = (0..size).map(|p| if p == rank { "self" } else { links[p].as_ref().map(|l| l.kind()).unwrap_or("none") }).collect();
+        let setup = store.as_deref().map(|store| Setup { prefix: &prefix, rank, size, store, secret: &secret, cfg: &cfg, deadline });
+        let Connected { links, shm, shm_peers, verbs } = connect_links(&cfg, rank, size, &topology, setup.as_ref())?;
+        let link_kinds = (0..size).map(|p| links[p].as_ref().map(|l| l.kind())).collect();
         let shm_all = shm.is_some() && shm_peers.len() + 1 == size;
         // Spinning only pays when every rank on this machine has a core of its own (ranks
         // in other network namespaces of this machine count: `launch --netns`).
@@ -218,9 +192,17 @@ impl Communicator {
         &self.global_ranks
     }
 
-    /// The transport used to reach each rank ("self", "shm", "tcp" or "verbs").
-    pub fn link_kinds(&self) -> &[&'static str] {
+    /// The transport used to reach each rank (`None` for this one).
+    pub fn link_kinds(&self) -> &[Option<Transport>] {
         &self.link_kinds
+    }
+
+    /// The transports this rank's links use, each once, in order.
+    pub fn transports_used(&self) -> Vec<Transport> {
+        let mut used: Vec<Transport> = self.link_kinds.iter().flatten().copied().collect();
+        used.sort();
+        used.dedup();
+        used
     }
 
     pub fn config(&self) -> &Config {
@@ -278,8 +260,8 @@ impl Communicator {
     /// [`Window::accumulate`] to `region`.
     pub fn expose_with(&self, region: Arc<Region>, accumulate: Option<Arc<dyn crate::transport::onesided::Accumulate>>) -> Result<Window> {
         let id = self.windows.fetch_add(1, Ordering::Relaxed);
-        let shm_peer: Vec<bool> = self.link_kinds.iter().map(|k| *k == "shm").collect();
-        let service = if self.link_kinds.contains(&"tcp") {
+        let shm_peer: Vec<bool> = self.link_kinds.iter().map(|k| *k == Some(Transport::Shm)).collect();
+        let service = if self.link_kinds.contains(&Some(Transport::Tcp)) {
             let store = self.store.as_ref().ok_or_else(|| config("no rendezvous store"))?;
             if self.rma.get().is_none() {
                 let svc = RmaService::start(store.local_ip()?, &self.secret, &format!("rma:{}", self.prefix), self.rank)?;
@@ -289,7 +271,7 @@ impl Communicator {
         } else {
             None
         };
-        let verbs_peer: Vec<bool> = self.link_kinds.iter().map(|k| *k == "verbs").collect();
+        let verbs_peer: Vec<bool> = self.link_kinds.iter().map(|k| *k == Some(Transport::Verbs)).collect();
         let w = WindowSetup {
             verbs: self.verbs.as_ref().map(|d| (d, verbs_peer.as_slice())),
             prefix: &self.prefix,
@@ -316,43 +298,6 @@ impl Communicator {
     pub fn split_cross_node(&self) -> Result<Communicator> {
         let local_index = self.topology.local_ranks(self.rank).iter().position(|&r| r == self.rank).unwrap_or(0) as i32;
         self.split(local_index, self.rank as i32)?.ok_or_else(|| config("cross-node split produced no group"))
-    }
-}
-
-/// The verbs domain (when used) and the peers reached over verbs: with `verbs` all remote
-/// peers; with `auto` the peers where both ends have a usable RDMA port (each rank
-/// publishes whether it has one, so both ends of a pair agree).
-fn verbs_peers(prefix: &str, rank: usize, cfg: &Config, remote: &[usize], store: Option<&StoreClient>, deadline: Instant) -> Result<(VerbsDomain, Vec<usize>)> {
-    use crate::transport::verbs::Domain;
-    let Some(store) = store.filter(|_| !remote.is_empty()) else { return Ok((None, vec![])) };
-    let ip = store.local_ip().ok();
-    match cfg.transport {
-        TransportChoice::Verbs => Ok((Some(Domain::get(ip)?), remote.to_vec())),
-        TransportChoice::Auto => {
-            let dom = match Domain::get(ip) {
-                Ok(d) => Some(d),
-                Err(e) => {
-                    // RDMA hardware the kernel knows but gradwire cannot use is worth a
-                    // warning; a host without any is the ordinary TCP case.
-                    if crate::transport::verbs::device::kernel_devices().is_empty() {
-                        log::info!("rank {rank}: no verbs between hosts ({e}); using tcp");
-                    } else {
-                        log::warn!("rank {rank}: the kernel has RDMA devices but verbs are unusable ({e}); using tcp");
-                    }
-                    None
-                }
-            };
-            store.set(&format!("{prefix}/ib-up/{rank}"), if dom.is_some() { b"1" } else { b"0" })?;
-            let mut peers = Vec::new();
-            for &p in remote {
-                let theirs = store.get(&format!("{prefix}/ib-up/{p}"), deadline)?;
-                if dom.is_some() && theirs.as_deref() == Some(b"1") {
-                    peers.push(p);
-                }
-            }
-            Ok((dom.filter(|_| !peers.is_empty()), peers))
-        }
-        _ => Ok((None, vec![])),
     }
 }
 

@@ -42,3 +42,4 @@ pub use engine::Work;
 pub use error::{Error, Result};
 pub use mem::{GradBuffer, Region, RegionKind, Registration};
 pub use transport::frame::OpKind;
+pub use transport::Transport;

@@ -6,6 +6,7 @@
 //! one deadline, reducing received data as it arrives when asked to, and checking every
 //! message's [`CallHeader`] against the local call.
 
+pub(crate) mod backend;
 pub mod frame;
 pub mod onesided;
 pub mod shm;
@@ -22,10 +23,38 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The transports a link can run over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Transport {
+    /// Shared memory between processes of one host.
+    Shm,
+    /// TCP sockets.
+    Tcp,
+    /// RDMA verbs (InfiniBand, RoCE, soft-RoCE).
+    Verbs,
+}
+
+impl Transport {
+    /// The name messages and settings use (`GRADWIRE_TRANSPORT`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Shm => "shm",
+            Transport::Tcp => "tcp",
+            Transport::Verbs => "verbs",
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A non-blocking ordered byte stream to one peer.
 pub trait Link: Send {
-    /// Transport name for messages ("shm", "tcp", "verbs").
-    fn kind(&self) -> &'static str;
+    /// The transport it runs over.
+    fn kind(&self) -> Transport;
     /// Writes as much of `bufs` as fits now; `Ok(0)` means "try later".
     fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize>;
     /// Reads what is available now into `buf`; `Ok(0)` means "nothing yet". A closed

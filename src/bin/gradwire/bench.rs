@@ -90,12 +90,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
     } else {
         None
     };
-    let kinds: Vec<&str> = {
-        let mut k: Vec<&str> = comm.link_kinds().iter().copied().filter(|k| *k != "self").collect();
-        k.sort();
-        k.dedup();
-        k
-    };
+    let kinds: Vec<&str> = comm.transports_used().into_iter().map(|t| t.name()).collect();
     if me == 0 {
         println!(
             "# gradwire bench {}: {} ranks, {} host(s), links {:?}, algo {}, dtype {}, op {}, iters {}, warmup {}, buffers {:?}",

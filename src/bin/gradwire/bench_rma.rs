@@ -15,7 +15,7 @@ pub fn write(comm: &Communicator, sizes: &[usize], iters: usize) -> Result<()> {
     let max = sizes.iter().copied().max().unwrap_or(8).max(8);
     let win = comm.expose(Arc::new(Region::shared("bench-write", max)?))?;
     if comm.rank() == 0 {
-        println!("# gradwire bench write: rank 0 writes into rank 1's window; links {:?}", comm.link_kinds()[1]);
+        println!("# gradwire bench write: rank 0 writes into rank 1's window; links {:?}", comm.link_kinds()[1].map_or("self", |t| t.name()));
         println!("{:>12} {:>8} {:>12} {:>12}", "size(B)", "iters", "GB/s", "MB/s");
         let src = win.local().clone();
         for &size in sizes {
@@ -46,7 +46,7 @@ pub fn ps(comm: &Communicator, sizes: &[usize], iters: usize, check: bool) -> Re
     let seed = crate::check::job_seed(comm)?;
     let mut all_ok = true;
     if me == 0 {
-        println!("# gradwire bench ps: shard on rank 0, rank 1 pushes and pulls; links {:?}", comm.link_kinds()[1]);
+        println!("# gradwire bench ps: shard on rank 0, rank 1 pushes and pulls; links {:?}", comm.link_kinds()[1].map_or("self", |t| t.name()));
         println!("{:>12} {:>12} {:>12} {:>8} {:>12} {:>12} {:>8}", "size(B)", "write GB/s", "push GB/s", "push %", "read GB/s", "pull GB/s", "pull %");
     }
     let max = sizes.iter().copied().max().unwrap_or(0);
@@ -136,7 +136,7 @@ pub fn token_ring(comm: &Communicator, rounds: usize) -> Result<()> {
     let per_round = t.elapsed().as_secs_f64() / rounds.max(1) as f64;
     comm.barrier()?;
     if comm.rank() == 0 {
-        println!("# gradwire bench token-ring: {} ranks, links {:?}", comm.size(), comm.link_kinds().iter().filter(|k| **k != "self").collect::<Vec<_>>());
+        println!("# gradwire bench token-ring: {} ranks, links {:?}", comm.size(), comm.link_kinds().iter().flatten().map(|t| t.name()).collect::<Vec<_>>());
         println!("token round time: {:.1} us per round ({:.2} us per hand-off), {rounds} rounds", per_round * 1e6, per_round * 1e6 / comm.size() as f64);
     }
     Ok(())

@@ -111,7 +111,7 @@ const BLOCK: usize = 1 << 16;
 pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
     let (w, me) = (comm.size(), comm.rank());
     let seed = job_seed(comm)?;
-    let single_shm = comm.link_kinds().iter().all(|k| *k == "self" || *k == "shm");
+    let single_shm = comm.transports_used().iter().all(|&t| t == gradwire::transport::Transport::Shm);
     let mut allreduce_algos = vec![None, Some(Algo::Ring), Some(Algo::RecursiveDoubling), Some(Algo::HalvingDoubling)];
     if single_shm && w > 1 {
         allreduce_algos.push(Some(Algo::SharedMemory));
@@ -196,12 +196,7 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
     for f in &failures {
         eprintln!("FAIL {f}");
     }
-    let kinds: Vec<&str> = {
-        let mut k: Vec<&str> = comm.link_kinds().iter().copied().filter(|k| *k != "self").collect();
-        k.sort();
-        k.dedup();
-        k
-    };
+    let kinds: Vec<&str> = comm.transports_used().into_iter().map(|t| t.name()).collect();
     if me == 0 {
         let failed = total[0] as u64;
         let rank_cases = cases * w as u64;

@@ -199,7 +199,7 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
             "# gradwire train: {} on {} ranks ({}), MLP {}-{}-{} ({} parameters), {} training examples, batch {} per rank",
             a.strategy,
             w,
-            comm.link_kinds().iter().filter(|k| **k != "self").copied().collect::<Vec<_>>().join("/"),
+            comm.link_kinds().iter().flatten().map(|t| t.name()).collect::<Vec<_>>().join("/"),
             data.features,
             a.hidden.replace(',', "-"),
             data.classes,

@@ -31,9 +31,7 @@
 //! ends in a retry-exceeded completion. While waiting, the link posts a zero-length RDMA
 //! WRITE probe now and then to learn this even when it has nothing to send.
 
-use super::{completion_error, sys, Cq, Domain, Endpoint, Mr, Qp, Wr};
-use crate::bootstrap::StoreClient;
-use crate::config::Config;
+use super::{completion_error, sys, Cq, Endpoint, Mr, Qp, Wr};
 use crate::error::{Error, Result};
 use crate::mem::Region;
 use crate::transport::Link;
@@ -47,9 +45,9 @@ const WR_DATA: u64 = 1;
 const WR_CREDIT: u64 = 2;
 const WR_PROBE: u64 = 3;
 /// Receives posted on `credit_qp` (landed slots, hello, close) and on `data_qp` (credits).
-const WR_RECV_DATA: u64 = 4;
+pub(super) const WR_RECV_DATA: u64 = 4;
 const WR_CTRL: u64 = 5;
-const WR_RECV_CREDIT: u64 = 6;
+pub(super) const WR_RECV_CREDIT: u64 = 6;
 const WR_ZONE: u64 = 7;
 const WR_GRANT: u64 = 8;
 
@@ -64,13 +62,13 @@ const ZONE_FLAG: u32 = 1 << 30;
 /// Largest rendezvous write: large, because a zone has no slots to fill (on rxe, 2 MiB
 /// writes beat 1 MiB and 4 MiB ones: 30.6-33.2 against 28.2-29.3 and 23.4-27.0 MB/s for a
 /// 16 MiB allreduce), and half the staging ring, so one chunk fills while the other is out.
-const MAX_ZONE_CHUNK: usize = 2 << 20;
+pub(super) const MAX_ZONE_CHUNK: usize = 2 << 20;
 /// Room after the staging ring where the peer writes its grants (address, key, length).
-const MAILBOX: usize = 64;
+pub(super) const MAILBOX: usize = 64;
 
 /// Largest slot: big enough that a slot's fixed cost is small, small enough that a reduce
 /// on receive starts while the rest of a chunk is still in flight.
-const MAX_SLOT: usize = 128 << 10;
+pub(super) const MAX_SLOT: usize = 128 << 10;
 const PROBE_EVERY: Duration = Duration::from_millis(200);
 
 /// One stretch of received bytes, oldest first: a ring slot, or a write into the zone.
@@ -117,7 +115,7 @@ struct Zone {
 
 /// A link to one peer over RDMA verbs.
 pub struct VerbsLink {
-    peer: usize,
+    pub(super) peer: usize,
     /// Our slots go out here; the peer's credits come in here.
     data_qp: Qp,
     /// The peer's slots land through here; our credits go out here.
@@ -178,6 +176,76 @@ pub struct VerbsLink {
     grant_due: bool,
 }
 
+/// A connected pair of queue pairs and rings, as `connect::connect_all` made them.
+pub(super) struct NewLink {
+    pub(super) peer: usize,
+    pub(super) data_qp: Qp,
+    pub(super) credit_qp: Qp,
+    pub(super) cq: Arc<Cq>,
+    pub(super) remote: Endpoint,
+    pub(super) remote_mailbox: (u64, u32),
+    pub(super) tx_mr: Mr,
+    pub(super) rx_mr: Mr,
+    pub(super) tx: Region,
+    pub(super) rx: Region,
+    pub(super) slots: usize,
+    pub(super) slot: usize,
+    pub(super) depth: usize,
+    pub(super) rendezvous_from: usize,
+    pub(super) zone_bytes: usize,
+    pub(super) zone_chunk: usize,
+}
+
+impl VerbsLink {
+    /// A link over a new connection, before its hello.
+    pub(super) fn new(n: NewLink) -> Self {
+        VerbsLink {
+            peer: n.peer,
+            data_qp: n.data_qp,
+            credit_qp: n.credit_qp,
+            cq: n.cq,
+            remote: n.remote,
+            remote_mailbox: n.remote_mailbox,
+            tx_mr: n.tx_mr,
+            rx_mr: n.rx_mr,
+            tx: n.tx,
+            rx: n.rx,
+            slots: n.slots,
+            slot: n.slot,
+            sent: 0,
+            credits: n.slots,
+            sq_busy: 0,
+            credit_busy: 0,
+            sq_cap: n.depth,
+            arrived: VecDeque::new(),
+            ring_unread: 0,
+            taken: 0,
+            read_off: 0,
+            freed: 0,
+            probe_out: false,
+            last_probe: Instant::now(),
+            peer_hello: false,
+            peer_closed: false,
+            failed: None,
+            send_left: 0,
+            grant: None,
+            no_zone_ahead: false,
+            zone_chunk: n.zone_chunk,
+            zone_busy: 0,
+            zone_posted: 0,
+            ring_busy: 0,
+            rendezvous_from: n.rendezvous_from,
+            zone: None,
+            zone_max: n.zone_bytes,
+            recv_left: 0,
+            piece: 0,
+            piece_landed: 0,
+            piece_read: 0,
+            grant_due: false,
+        }
+    }
+}
+
 impl VerbsLink {
     fn fail(&mut self, e: std::io::Error) -> std::io::Error {
         let text = e.to_string();
@@ -186,7 +254,7 @@ impl VerbsLink {
     }
 
     /// Drains the completion queue: landed slots, credits, control words, finished sends.
-    fn progress(&mut self) -> std::io::Result<()> {
+    pub(super) fn progress(&mut self) -> std::io::Result<()> {
         if let Some(f) = &self.failed {
             return Err(std::io::Error::other(f.clone()));
         }
@@ -445,8 +513,8 @@ impl VerbsLink {
 }
 
 impl Link for VerbsLink {
-    fn kind(&self) -> &'static str {
-        "verbs"
+    fn kind(&self) -> crate::transport::Transport {
+        crate::transport::Transport::Verbs
     }
 
     fn rendezvous_from(&self) -> Option<usize> {
@@ -576,149 +644,12 @@ impl Link for VerbsLink {
     }
 }
 
-fn lost(rank: usize, peer: usize, cause: String) -> Error {
+pub(super) fn lost(rank: usize, peer: usize, cause: String) -> Error {
     Error::PeerLost { rank, peer, op: "verbs connect".into(), cause }
 }
 
-/// Connects this rank to every peer in `peers` over verbs: one RC queue pair and one ring
-/// per direction per peer; endpoints (QP numbers, GID, ring address and key) go through the
-/// rendezvous store. Before returning, every pair exchanges a hello over the new queue
-/// pairs, so an unreachable peer (wrong GID, wrong port) fails here, named, and not in the
-/// first collective.
-pub fn connect_all(
-    prefix: &str,
-    rank: usize,
-    peers: &[usize],
-    store: &StoreClient,
-    dom: &Arc<Domain>,
-    cfg: &Config,
-    deadline: Instant,
-) -> Result<Vec<(usize, Box<dyn Link>)>> {
-    let (ring_bytes, zone_bytes) = (cfg.ib_ring_bytes, cfg.ib_zone_bytes);
-    let started = Instant::now();
-    if peers.is_empty() {
-        return Ok(vec![]);
-    }
-    let slot = MAX_SLOT.min(ring_bytes / 4);
-    let slots = ring_bytes / slot;
-    // Each queue holds a whole ring of slots (or of credits) plus control words.
-    let depth = slots + 16;
-    let rendezvous_from = ring_bytes / 2;
-    struct Pending {
-        peer: usize,
-        data_qp: Qp,
-        credit_qp: Qp,
-        cq: Arc<Cq>,
-        tx: Region,
-        rx: Region,
-        tx_mr: Mr,
-        rx_mr: Mr,
-        psn: (u32, u32),
-    }
-    let mut pending = Vec::new();
-    let mut made = Vec::new();
-    for &p in peers {
-        let cq = dom.create_cq(4 * depth)?;
-        let data_qp = dom.create_qp(&cq, depth as u32, depth as u32)?;
-        let credit_qp = dom.create_qp(&cq, depth as u32, depth as u32)?;
-        // The mailbox after each ring: grants arrive in the staging region's, and leave
-        // from the receive region's.
-        let tx = Region::anonymous(ring_bytes + MAILBOX)?;
-        let rx = Region::anonymous(ring_bytes + MAILBOX)?;
-        // SAFETY: both regions live in the link next to (and longer than) their registrations.
-        let (tx_mr, rx_mr) = unsafe { (dom.register_raw(tx.as_ptr(), tx.len())?, dom.register_raw(rx.as_ptr(), rx.len())?) };
-        let psn = (super::fresh_psn(), super::fresh_psn());
-        store.set(&format!("{prefix}/ib/{rank}>{p}/data"), data_qp.endpoint(psn.0, Some(&tx_mr)).encode().as_bytes())?;
-        store.set(&format!("{prefix}/ib/{rank}>{p}/credit"), credit_qp.endpoint(psn.1, Some(&rx_mr)).encode().as_bytes())?;
-        pending.push(Pending { peer: p, data_qp, credit_qp, cq, tx, rx, tx_mr, rx_mr, psn });
-    }
-    for pd in pending {
-        let p = pd.peer;
-        let fetch = |which: &str| -> Result<Endpoint> {
-            let v = store.get(&format!("{prefix}/ib/{p}>{rank}/{which}"), deadline)?.ok_or_else(|| Error::Timeout {
-                rank,
-                peer: p,
-                op: format!("verbs connect (peer never published its {which} queue pair)"),
-                waited_ms: started.elapsed().as_millis() as u64,
-            })?;
-            Endpoint::decode(&String::from_utf8_lossy(&v)).map_err(|e| Error::Protocol(format!("rank {p}: {e}")))
-        };
-        let (remote_data, remote) = (fetch("data")?, fetch("credit")?);
-        if remote.len < ring_bytes as u64 || remote_data.len < (ring_bytes + MAILBOX) as u64 {
-            return Err(Error::Config(format!(
-                "rank {p} has a {}-byte verbs ring, rank {rank} {ring_bytes}: set GRADWIRE_IB_RING_BYTES alike on every rank",
-                remote.len
-            )));
-        }
-        // Our data queue pair talks to the peer's credit queue pair, and the other way round.
-        pd.data_qp.connect(pd.psn.0, &remote).map_err(|e| lost(rank, p, e.to_string()))?;
-        pd.credit_qp.connect(pd.psn.1, &remote_data).map_err(|e| lost(rank, p, e.to_string()))?;
-        for _ in 0..depth {
-            pd.credit_qp.post_recv(WR_RECV_DATA).map_err(|e| Error::io(format!("post receive for rank {p}"), e))?;
-            pd.data_qp.post_recv(WR_RECV_CREDIT).map_err(|e| Error::io(format!("post receive for rank {p}"), e))?;
-        }
-        made.push(VerbsLink {
-            peer: p,
-            data_qp: pd.data_qp,
-            credit_qp: pd.credit_qp,
-            cq: pd.cq,
-            remote,
-            remote_mailbox: (remote_data.addr + ring_bytes as u64, remote_data.rkey),
-            tx_mr: pd.tx_mr,
-            rx_mr: pd.rx_mr,
-            tx: pd.tx,
-            rx: pd.rx,
-            slots,
-            slot,
-            sent: 0,
-            credits: slots,
-            sq_busy: 0,
-            credit_busy: 0,
-            sq_cap: depth,
-            arrived: VecDeque::new(),
-            ring_unread: 0,
-            taken: 0,
-            read_off: 0,
-            freed: 0,
-            probe_out: false,
-            last_probe: Instant::now(),
-            peer_hello: false,
-            peer_closed: false,
-            failed: None,
-            send_left: 0,
-            grant: None,
-            no_zone_ahead: false,
-            zone_chunk: MAX_ZONE_CHUNK.min(ring_bytes / 2),
-            zone_busy: 0,
-            zone_posted: 0,
-            ring_busy: 0,
-            rendezvous_from,
-            zone: None,
-            zone_max: zone_bytes,
-            recv_left: 0,
-            piece: 0,
-            piece_landed: 0,
-            piece_read: 0,
-            grant_due: false,
-        });
-    }
-    // Every queue pair of ours is ready to receive; wait until the peers' are too, so a
-    // hello never meets a queue pair that is not listening yet.
-    store.set(&format!("{prefix}/ib/ready/{rank}"), b"1")?;
-    for &p in peers {
-        store.get(&format!("{prefix}/ib/ready/{p}"), deadline)?.ok_or_else(|| Error::Timeout {
-            rank,
-            peer: p,
-            op: "verbs connect (peer never became ready)".into(),
-            waited_ms: started.elapsed().as_millis() as u64,
-        })?;
-    }
-    hello(rank, &mut made, deadline, started)?;
-    Ok(made.into_iter().map(|l| (l.peer, Box::new(l) as Box<dyn Link>)).collect())
-}
-
 /// Sends a hello to every peer and waits for theirs.
-fn hello(rank: usize, links: &mut [VerbsLink], deadline: Instant, started: Instant) -> Result<()> {
+pub(super) fn hello(rank: usize, links: &mut [VerbsLink], deadline: Instant, started: Instant) -> Result<()> {
     for l in links.iter_mut() {
         l.data_qp.post(WR_CTRL, Wr::SendImm(IMM_HELLO)).map_err(|e| lost(rank, l.peer, format!("hello: {e}")))?;
         l.sq_busy += 1;

@@ -11,13 +11,17 @@
 //!   IMMEDIATE into a slotted ring at the peer, with credits returned by the receiver.
 //! - One-sided write/read/fetch-add of windows: [`RmaPeer`].
 
+pub mod connect;
 pub mod device;
 pub mod link;
 
 pub mod sys;
 
+use crate::config::TransportChoice;
 use crate::error::{Error, Result};
 use crate::mem::Region;
+use crate::transport::backend::{Backend, Setup};
+use crate::transport::{Link, Transport};
 use std::ffi::CStr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -705,6 +709,60 @@ impl RmaPeer {
         old.copy_from_slice(unsafe { std::slice::from_raw_parts(self.bounce.as_ptr(), 8) });
         // Atomics return the remote word in host order on the responder's host.
         Ok(u64::from_ne_bytes(old))
+    }
+}
+
+/// The verbs backend of one communicator: the RDMA device its links and windows use.
+pub(crate) struct VerbsBackend {
+    pub(crate) domain: Arc<Domain>,
+}
+
+impl Backend for VerbsBackend {
+    fn transport(&self) -> Transport {
+        Transport::Verbs
+    }
+
+    fn connect(&self, s: &Setup<'_>, peers: &[usize]) -> Result<Vec<(usize, Box<dyn Link>)>> {
+        connect::connect_all(s.prefix, s.rank, peers, s.store, &self.domain, s.cfg, s.deadline)
+    }
+}
+
+/// The verbs domain (when used) and the peers reached over verbs: with `verbs` all remote
+/// peers; with `auto` the peers where both ends have a usable RDMA port (each rank
+/// publishes whether it has one, so both ends of a pair agree).
+pub(crate) fn choose_peers(s: &Setup<'_>, remote: &[usize]) -> Result<(Option<VerbsBackend>, Vec<usize>)> {
+    if remote.is_empty() {
+        return Ok((None, vec![]));
+    }
+    let (prefix, rank, store, deadline) = (s.prefix, s.rank, s.store, s.deadline);
+    let ip = store.local_ip().ok();
+    match s.cfg.transport {
+        TransportChoice::Verbs => Ok((Some(VerbsBackend { domain: Domain::get(ip)? }), remote.to_vec())),
+        TransportChoice::Auto => {
+            let dom = match Domain::get(ip) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    // RDMA hardware the kernel knows but gradwire cannot use is worth a
+                    // warning; a host without any is the ordinary TCP case.
+                    if device::kernel_devices().is_empty() {
+                        log::info!("rank {rank}: no verbs between hosts ({e}); using tcp");
+                    } else {
+                        log::warn!("rank {rank}: the kernel has RDMA devices but verbs are unusable ({e}); using tcp");
+                    }
+                    None
+                }
+            };
+            store.set(&format!("{prefix}/ib-up/{rank}"), if dom.is_some() { b"1" } else { b"0" })?;
+            let mut peers = Vec::new();
+            for &p in remote {
+                let theirs = store.get(&format!("{prefix}/ib-up/{p}"), deadline)?;
+                if dom.is_some() && theirs.as_deref() == Some(b"1") {
+                    peers.push(p);
+                }
+            }
+            Ok((dom.filter(|_| !peers.is_empty()).map(|domain| VerbsBackend { domain }), peers))
+        }
+        _ => Ok((None, vec![])),
     }
 }
 

@@ -1,57 +1,14 @@
-//! TCP transport: one authenticated, non-blocking stream per peer pair, vectored writes,
-//! Nagle off. Works on loopback, across network namespaces and across hosts.
+//! How TCP links are set up: lower ranks listen, higher ranks dial, every connection proves
+//! the job secret.
 
-use super::{Link, LinkTable};
+use super::link::TcpLink;
 use crate::bootstrap::{auth, StoreClient};
 use crate::error::{Error, Result};
-use std::io::{IoSlice, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use crate::transport::{Link, LinkTable};
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// A link to one peer over TCP.
-pub struct TcpLink {
-    stream: TcpStream,
-}
-
-fn would_block(e: &std::io::Error) -> bool {
-    matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted)
-}
-
-impl Link for TcpLink {
-    fn kind(&self) -> &'static str {
-        "tcp"
-    }
-
-    fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
-        match self.stream.write_vectored(bufs) {
-            Ok(n) => Ok(n),
-            Err(e) if would_block(&e) => Ok(0),
-            Err(e) => Err(e),
-        }
-    }
-
-    fn try_read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        if buf.is_empty() {
-            return Ok(0);
-        }
-        match self.stream.read(buf) {
-            Ok(0) => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "peer closed the connection")),
-            Ok(n) => Ok(n),
-            Err(e) if would_block(&e) => Ok(0),
-            Err(e) => Err(e),
-        }
-    }
-
-    fn poll_fd(&self) -> Option<RawFd> {
-        Some(self.stream.as_raw_fd())
-    }
-
-    fn shutdown(&mut self) {
-        let _ = self.stream.shutdown(Shutdown::Both);
-    }
-}
 
 /// Connects this rank to every peer in `peers` (global ranks of this communicator that
 /// need a TCP link). Lower ranks listen, higher ranks dial; every connection proves the job
