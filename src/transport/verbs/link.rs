@@ -332,7 +332,7 @@ impl VerbsLink {
         if self.freed == 0 || self.credit_busy >= self.sq_cap {
             return Ok(());
         }
-        self.credit_qp.post(WR_CREDIT, Wr::SendImm(self.freed as u32))?;
+        self.credit_qp.send_imm(WR_CREDIT, self.freed as u32)?;
         self.credit_busy += 1;
         self.freed = 0;
         Ok(())
@@ -391,7 +391,7 @@ impl VerbsLink {
             self.zone_max = 0;
         }
         if self.zone_max == 0 {
-            self.credit_qp.post(WR_CREDIT, Wr::SendImm(IMM_NO_ZONE))?;
+            self.credit_qp.send_imm(WR_CREDIT, IMM_NO_ZONE)?;
             self.credit_busy += 1;
             self.recv_left = 0;
             self.piece = 0;
@@ -409,9 +409,13 @@ impl VerbsLink {
             std::slice::from_raw_parts(p, GRANT_BYTES)
         };
         let (remote_addr, rkey) = self.remote_mailbox;
-        self.credit_qp.post(WR_GRANT, Wr::Write { local: Some((src, self.rx_mr.lkey())), remote_addr, rkey, imm: None })?;
+        let wr = Wr::Write { local: Some((src, self.rx_mr.lkey())), remote_addr, rkey, imm: None };
+        // SAFETY: the mailbox lies in the receive region's registration, which lives with
+        // the link, and is not rewritten before the peer has used this grant (see above);
+        // the peer's mailbox is registered for our writes for the link's life.
+        unsafe { self.credit_qp.post(WR_GRANT, wr)? };
         self.credit_busy += 1;
-        self.credit_qp.post(WR_CREDIT, Wr::SendImm(IMM_GRANT))?;
+        self.credit_qp.send_imm(WR_CREDIT, IMM_GRANT)?;
         self.credit_busy += 1;
         self.recv_left -= piece;
         self.piece = piece;
@@ -490,7 +494,10 @@ impl VerbsLink {
             let dst = unsafe { std::slice::from_raw_parts_mut(self.tx.as_ptr().add(at), take) };
             gather(bufs, n, dst);
             let wr = Wr::Write { local: Some((dst, self.tx_mr.lkey())), remote_addr: g.addr + g.used as u64, rkey: g.rkey, imm: Some(ZONE_FLAG | take as u32) };
-            if let Err(e) = self.data_qp.post(WR_ZONE, wr) {
+            // SAFETY: `dst` lies in the staging registration, which lives with the link, and
+            // is not written again before this write completes (zone_busy counts it); the
+            // peer granted its zone for our writes until it has read the payload.
+            if let Err(e) = unsafe { self.data_qp.post(WR_ZONE, wr) } {
                 return Err(self.fail(e));
             }
             g.used += take;
@@ -565,7 +572,10 @@ impl Link for VerbsLink {
         let data = unsafe { std::slice::from_raw_parts(dst, n) };
         let at = (self.sent % self.slots as u64) as usize * self.slot;
         let wr = Wr::Write { local: Some((data, self.tx_mr.lkey())), remote_addr: self.remote.addr + at as u64, rkey: self.remote.rkey, imm: Some(n as u32) };
-        if let Err(e) = self.data_qp.post(WR_DATA, wr) {
+        // SAFETY: `data` lies in the staging registration, which lives with the link, and
+        // its slot is not written again before the peer returns its credit (after the write
+        // landed); the peer's ring is registered for our writes for the link's life.
+        if let Err(e) = unsafe { self.data_qp.post(WR_DATA, wr) } {
             return Err(self.fail(e));
         }
         self.sent += 1;
@@ -620,7 +630,9 @@ impl Link for VerbsLink {
         }
         if !self.probe_out && self.last_probe.elapsed() >= PROBE_EVERY && self.sq_busy < self.sq_cap {
             let wr = Wr::Write { local: None, remote_addr: self.remote.addr, rkey: self.remote.rkey, imm: None };
-            if let Err(e) = self.data_qp.post(WR_PROBE, wr) {
+            // SAFETY: a write of no bytes: it names no local memory and touches none of the
+            // peer's.
+            if let Err(e) = unsafe { self.data_qp.post(WR_PROBE, wr) } {
                 return Some(self.fail(e).to_string());
             }
             self.probe_out = true;
@@ -631,7 +643,7 @@ impl Link for VerbsLink {
     }
 
     fn shutdown(&mut self) {
-        if self.failed.is_some() || self.sq_busy >= self.sq_cap || self.data_qp.post(WR_CTRL, Wr::SendImm(IMM_CLOSE)).is_err() {
+        if self.failed.is_some() || self.sq_busy >= self.sq_cap || self.data_qp.send_imm(WR_CTRL, IMM_CLOSE).is_err() {
             return;
         }
         self.sq_busy += 1;
@@ -651,7 +663,7 @@ pub(super) fn lost(rank: usize, peer: usize, cause: String) -> Error {
 /// Sends a hello to every peer and waits for theirs.
 pub(super) fn hello(rank: usize, links: &mut [VerbsLink], deadline: Instant, started: Instant) -> Result<()> {
     for l in links.iter_mut() {
-        l.data_qp.post(WR_CTRL, Wr::SendImm(IMM_HELLO)).map_err(|e| lost(rank, l.peer, format!("hello: {e}")))?;
+        l.data_qp.send_imm(WR_CTRL, IMM_HELLO).map_err(|e| lost(rank, l.peer, format!("hello: {e}")))?;
         l.sq_busy += 1;
     }
     loop {

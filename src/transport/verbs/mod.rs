@@ -493,7 +493,17 @@ impl Qp {
     }
 
     /// Posts one signaled work request.
-    pub fn post(&self, wr_id: u64, wr: Wr<'_>) -> std::io::Result<()> {
+    ///
+    /// # Safety
+    /// The device reads and writes the memory a request names after this call returns, until
+    /// its completion is polled from the queue pair's completion queue (or the queue pair is
+    /// destroyed). Until then: a write's `local` bytes must stay valid and unchanged (inline
+    /// ones excepted: they are copied at the call); a read's or fetch-and-add's `local`
+    /// memory must stay valid and be neither read nor written by anyone else. Local memory
+    /// must lie in the registration whose key the request carries, and `remote_addr`/`rkey`
+    /// must name memory the peer registered for this access. (A send with an immediate and
+    /// no data names no memory: [`Qp::send_imm`] posts it safely.)
+    pub unsafe fn post(&self, wr_id: u64, wr: Wr<'_>) -> std::io::Result<()> {
         use sys::*;
         let mut sge = ibv_sge::default();
         let mut w = ibv_send_wr { wr_id, send_flags: IBV_SEND_SIGNALED, ..Default::default() };
@@ -532,13 +542,19 @@ impl Qp {
         w.sg_list = &mut sge;
         let mut bad = std::ptr::null_mut();
         // SAFETY: live QP; the WR and its SGE live for the call; the memory they name is
-        // registered (or inline) and outlives the request by the caller's protocol.
+        // registered (or inline) and outlives the request: this function's contract.
         let rc = unsafe { post_send(self.raw, &mut w, &mut bad) };
         if rc != 0 {
             let e = std::io::Error::from_raw_os_error(rc);
             return Err(std::io::Error::new(e.kind(), format!("ibv_post_send on queue pair {}: {e}", self.qpn())));
         }
         Ok(())
+    }
+
+    /// Posts a SEND WITH IMMEDIATE of no data (credits and control words).
+    pub fn send_imm(&self, wr_id: u64, imm: u32) -> std::io::Result<()> {
+        // SAFETY: the request names no memory, local or remote.
+        unsafe { self.post(wr_id, Wr::SendImm(imm)) }
     }
 
     /// Posts one receive without buffers (it only catches an immediate).
@@ -600,6 +616,9 @@ pub struct RmaPeer {
     bounce_mr: Mr,
     bounce: Region,
     next_id: std::sync::atomic::AtomicU64,
+    /// A request that outlived its call's deadline (0: none): the device may still use the
+    /// bounce buffer for it, so the next call first waits for its completion.
+    unfinished: std::sync::atomic::AtomicU64,
 }
 
 const BOUNCE_BYTES: usize = 1 << 20;
@@ -617,7 +636,7 @@ impl RmaPeer {
         let region = Region::anonymous(BOUNCE_BYTES)?;
         // SAFETY: the region lives in the same struct and outlives the registration.
         let mr = unsafe { dom.register_raw(region.as_ptr(), region.len())? };
-        Ok(RmaPeer { qp, cq, remote, bounce_mr: mr, bounce: region, next_id: 1.into() })
+        Ok(RmaPeer { qp, cq, remote, bounce_mr: mr, bounce: region, next_id: 1.into(), unfinished: 0.into() })
     }
 
     pub fn remote_len(&self) -> usize {
@@ -630,20 +649,54 @@ impl RmaPeer {
     }
 
     /// Posts `wr` and waits for its completion until `deadline`.
-    fn run(&self, wr: Wr<'_>, what: &str, deadline: Instant) -> std::io::Result<()> {
-        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.qp.post(id, wr)?;
+    ///
+    /// # Safety
+    /// As for [`Qp::post`], except that a request that does not complete by `deadline` is
+    /// waited for by the next call (see [`RmaPeer::settle`]): memory that stays valid while
+    /// this `RmaPeer` lives (the bounce buffer) is safe to name even then.
+    unsafe fn run(&self, wr: Wr<'_>, what: &str, deadline: Instant) -> std::io::Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.settle(what, deadline)?;
+        let id = self.next_id.fetch_add(1, Relaxed);
+        // SAFETY: this function's contract.
+        unsafe { self.qp.post(id, wr)? };
+        self.wait_for(id, what, deadline).unwrap_or_else(|never_completed| {
+            self.unfinished.store(id, Relaxed);
+            Err(never_completed)
+        })
+    }
+
+    /// Waits for a request an earlier call gave up on: until it completes, the device may
+    /// still read or write the bounce buffer. Every operation settles before it touches
+    /// the bounce buffer.
+    fn settle(&self, what: &str, deadline: Instant) -> std::io::Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let earlier = self.unfinished.load(Relaxed);
+        if earlier != 0 {
+            // Its own outcome was reported by the call that gave up on it.
+            let _ = self.wait_for(earlier, what, deadline).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("RDMA {what}: an earlier request to this peer never completed ({e}); its buffer is still the device's"))
+            })?;
+            self.unfinished.store(0, Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Waits until request `id` completes, and gives its status; `Err` when it has not
+    /// completed by `deadline` or its peer is gone (completions of other requests are of
+    /// earlier calls that already failed).
+    fn wait_for(&self, id: u64, what: &str, deadline: Instant) -> std::result::Result<std::io::Result<()>, std::io::Error> {
         let mut wc = [sys::ibv_wc::default(); 4];
         let mut naps = 0u32;
         loop {
             for c in self.cq.poll(&mut wc)? {
                 if c.wr_id != id {
-                    continue; // a request of an earlier call that timed out
+                    continue;
                 }
                 if !c.is_ok() {
-                    return Err(completion_error(c, what, self.qp.domain()));
+                    return Ok(Err(completion_error(c, what, self.qp.domain())));
                 }
-                return Ok(());
+                return Ok(Ok(()));
             }
             if Instant::now() >= deadline {
                 return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("RDMA {what}: no completion before the deadline")));
@@ -668,10 +721,16 @@ impl RmaPeer {
         let dom = self.qp.domain();
         if let Some(mr) = dom.lookup(data.as_ptr(), data.len()) {
             let wr = Wr::Write { local: Some((data, mr.lkey())), remote_addr: self.remote.addr + off as u64, rkey: self.remote.rkey, imm: None };
-            return self.run(wr, "write", deadline);
+            // SAFETY: `data` lies in registration `mr` and is borrowed until the write
+            // completes, or until it fails at the deadline: then the device may still read
+            // it, and what lands at the peer is undefined (the write has failed), but the
+            // registration keeps any read it makes inside mapped memory.
+            return unsafe { self.run(wr, "write", deadline) };
         }
+        self.settle("write", deadline)?;
         for (i, chunk) in data.chunks(BOUNCE_BYTES).enumerate() {
-            // SAFETY: the bounce buffer is ours and no request on it is pending.
+            // SAFETY: the bounce buffer is ours and no request on it is pending (settled
+            // above, and each chunk's write completed before the next).
             let bounce = unsafe { std::slice::from_raw_parts_mut(self.bounce.as_ptr(), chunk.len()) };
             bounce.copy_from_slice(chunk);
             let wr = Wr::Write {
@@ -680,20 +739,23 @@ impl RmaPeer {
                 rkey: self.remote.rkey,
                 imm: None,
             };
-            self.run(wr, "write", deadline)?;
+            // SAFETY: the bounce buffer lives as long as this RmaPeer, in its registration.
+            unsafe { self.run(wr, "write", deadline)? };
         }
         Ok(())
     }
 
     /// RDMA READ of `buf.len()` bytes at `off` of the peer's region.
     pub fn read(&self, off: usize, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+        self.settle("read", deadline)?;
         for (i, chunk) in buf.chunks_mut(BOUNCE_BYTES).enumerate() {
             let wr = Wr::Read {
                 local: (self.bounce.as_ptr(), chunk.len(), self.bounce_mr.lkey()),
                 remote_addr: self.remote.addr + (off + i * BOUNCE_BYTES) as u64,
                 rkey: self.remote.rkey,
             };
-            self.run(wr, "read", deadline)?;
+            // SAFETY: as for the bounce buffer in `write`.
+            unsafe { self.run(wr, "read", deadline)? };
             // SAFETY: the read completed into our bounce buffer.
             chunk.copy_from_slice(unsafe { std::slice::from_raw_parts(self.bounce.as_ptr(), chunk.len()) });
         }
@@ -702,8 +764,10 @@ impl RmaPeer {
 
     /// Atomic fetch-and-add on the u64 at `off` (8-aligned); returns the old value.
     pub fn fetch_add(&self, off: usize, add: u64, deadline: Instant) -> std::io::Result<u64> {
+        self.settle("fetch-add", deadline)?;
         let wr = Wr::FetchAdd { local: (self.bounce.as_ptr(), self.bounce_mr.lkey()), remote_addr: self.remote.addr + off as u64, rkey: self.remote.rkey, add };
-        self.run(wr, "fetch-add", deadline)?;
+        // SAFETY: as for the bounce buffer in `write`.
+        unsafe { self.run(wr, "fetch-add", deadline)? };
         let mut old = [0u8; 8];
         // SAFETY: the atomic completed into the first 8 bytes of the bounce buffer.
         old.copy_from_slice(unsafe { std::slice::from_raw_parts(self.bounce.as_ptr(), 8) });
