@@ -1,3 +1,4 @@
+#![warn(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 //! gradwire: a communication backend for distributed deep-learning training.
 //!
 //! Layers, bottom-up (each calls only the ones below it):

@@ -52,7 +52,8 @@ pub fn part_bounds(count: usize, w: usize, elem: usize) -> Vec<usize> {
 /// `base` must be valid for `hi` bytes, and the caller must not create overlapping views
 /// that are used at the same time.
 unsafe fn view<'a>(base: *mut u8, lo: usize, hi: usize) -> &'a mut [u8] {
-    std::slice::from_raw_parts_mut(base.add(lo), hi - lo)
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts_mut(base.add(lo), hi - lo) }
 }
 
 /// The steps of a ring over the parts given by `bounds`: at step g rank r sends part
@@ -354,6 +355,7 @@ pub fn chain_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usi
         // SAFETY: pieces k and k-1 are disjoint ranges of `buf`.
         let mut sends: Vec<SendOp<'_>> = send_piece.map(|p| SendOp::new(next, p as u32, unsafe { view(base, bound(p), bound(p + 1)) })).into_iter().collect();
         let mut recvs: Vec<RecvOp<'_>> = recv_piece
+            // SAFETY: as for the send: piece p of `buf`, disjoint from the piece sent.
             .map(|p| RecvOp { peer: prev, step: p as u32, sink: Sink::Copy(unsafe { view(base, bound(p), bound(p + 1)) }.into()) })
             .into_iter()
             .collect();

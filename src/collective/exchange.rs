@@ -93,6 +93,7 @@ impl Communicator {
             let (s, r) = (s, r);
             // SAFETY: lengths and validity are the caller's contract (see start_alltoall).
             let sbuf: &[u8] = if slen == 0 { &[] } else { unsafe { std::slice::from_raw_parts(s.0, slen) } };
+            // SAFETY: as for `sbuf`.
             let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
             let es = dtype.size();
             // Block boundaries in bytes: 0, then the running sums of the counts.

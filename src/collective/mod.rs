@@ -123,8 +123,10 @@ impl Communicator {
             let sbuf: Option<&[u8]> = match slen {
                 0 => Some(&[]),
                 _ if std::ptr::eq(s.0, r.0) => None,
+                // SAFETY: lengths and validity are the caller's contract (see `start`).
                 _ => Some(unsafe { std::slice::from_raw_parts(s.0, slen) }),
             };
+            // SAFETY: as for `sbuf`.
             let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
             run(st, one_host.as_deref(), deadline, call, req, req.algo.unwrap_or(default_algo), tune, sbuf, rbuf)
         });

@@ -81,9 +81,10 @@ mod f16c {
     #[target_feature(enable = "avx,f16c")]
     pub unsafe fn combine(op: ReduceOp, d: &mut [f16], s: &[f16]) {
         for i in (0..d.len()).step_by(8) {
-            let dp = d.as_mut_ptr().add(i) as *mut __m128i;
-            let a = _mm256_cvtph_ps(_mm_loadu_si128(dp));
-            let b = _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(i) as *const __m128i));
+            // SAFETY: i + 8 <= len of both slices (the caller's contract): 16 bytes each.
+            let (dp, sp) = unsafe { (d.as_mut_ptr().add(i) as *mut __m128i, s.as_ptr().add(i) as *const __m128i) };
+            // SAFETY: as above; unaligned loads.
+            let (a, b) = unsafe { (_mm256_cvtph_ps(_mm_loadu_si128(dp)), _mm256_cvtph_ps(_mm_loadu_si128(sp))) };
             // Same semantics as the f32 kernel: min = s < d ? s : d, max = s > d ? s : d.
             let r = match op {
                 ReduceOp::Sum | ReduceOp::Avg => _mm256_add_ps(a, b),
@@ -91,7 +92,8 @@ mod f16c {
                 ReduceOp::Max => _mm256_max_ps(b, a),
                 ReduceOp::Product => _mm256_mul_ps(a, b),
             };
-            _mm_storeu_si128(dp, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+            // SAFETY: as above; an unaligned store of the 8 results.
+            unsafe { _mm_storeu_si128(dp, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r)) };
         }
     }
 }
@@ -158,6 +160,7 @@ pub fn reduce_bytes(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
         for (dc, sc) in dst.chunks_mut(32768).zip(src.chunks(32768)) {
             // SAFETY: u64 buffers viewed as bytes.
             let ab = unsafe { std::slice::from_raw_parts_mut(a.as_mut_ptr() as *mut u8, dc.len()) };
+            // SAFETY: as for `ab`.
             let bb = unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut u8, sc.len()) };
             ab.copy_from_slice(dc);
             bb.copy_from_slice(sc);

@@ -829,7 +829,7 @@ pub unsafe extern "C" fn gradwire_register(comm_p: *mut gradwire_comm_t, ptr: *m
         // Outside the registry lock, which every call takes: this copies the buffer. Two
         // threads registering the same buffer at once cannot both succeed (the overlap).
         // SAFETY: the caller's promise above.
-        let registration = Registration::new(ptr.cast(), bytes).map_err(|e| match e {
+        let registration = unsafe { Registration::new(ptr.cast(), bytes) }.map_err(|e| match e {
             Error::InvalidArgument(why) => invalid(format!("{w}: {why}")),
             other => other,
         })?;

@@ -4,6 +4,7 @@
 pub fn host_memory() -> u64 {
     // SAFETY: a zeroed sysinfo is valid, and sysinfo writes only into it.
     let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is a valid sysinfo, exclusively borrowed for the call.
     if unsafe { libc::sysinfo(&mut info) } != 0 {
         return 0;
     }

@@ -138,12 +138,16 @@ mod tests {
         let p = page_size();
         let buf = v[range.clone()].as_mut_ptr();
         // SAFETY (all): the Vec's memory, which nothing else touches during the test.
+        // SAFETY: as above.
         let small = unsafe { Registration::new(buf, p) }.unwrap_err().to_string();
         assert!(small.contains("no whole page"), "{small}");
+        // SAFETY: as above.
         let reg = unsafe { Registration::new(buf, range.len()) }.unwrap();
+        // SAFETY: as above.
         let twice = unsafe { Registration::new(buf.add(p), range.len() - p) }.unwrap_err().to_string();
         assert!(twice.contains("overlap"), "{twice}");
         drop(reg);
+        // SAFETY: as above.
         drop(unsafe { Registration::new(buf, range.len()) }.expect("free again after deregistering"));
     }
 
@@ -165,11 +169,13 @@ mod tests {
         };
         assert_eq!(at as usize, start, "the range was taken meanwhile");
         // SAFETY (all writes and reads below): start..start+n is that mapping.
+        // SAFETY: as above.
         unsafe { *(start as *mut u8) = 0xab };
         drop(reg);
         // SAFETY: a second mapping of our own memfd.
         let mut view = unsafe { MmapOptions::new().len(n).map_mut(&other) }.unwrap();
         view[1] = 0xcd;
+        // SAFETY: as above.
         assert_eq!(unsafe { (*(start as *const u8), *((start + 1) as *const u8)) }, (0xab, 0xcd), "deregistering replaced someone else's mapping");
         assert!(shared_cover_at(start, len).is_none(), "the mapping is not ours: not shared any more");
         // SAFETY: our mapping at start.
@@ -181,13 +187,17 @@ mod tests {
         let n = 4 * page_size();
         let file = memfd("a-file", n).unwrap();
         // SAFETY (all): mappings of our own memfd, which nothing else touches.
+        // SAFETY: as above.
         let mut shared = unsafe { MmapOptions::new().len(n).map_mut(&file) }.unwrap();
+        // SAFETY: as above.
         let mut private = unsafe { MmapOptions::new().len(n).map_copy(&file) }.unwrap();
         for map in [&mut shared, &mut private] {
+            // SAFETY: as above.
             let e = unsafe { Registration::new(map.as_mut_ptr(), n) }.unwrap_err().to_string();
             assert!(e.contains("only private anonymous memory") && e.contains("memfd:a-file"), "{e}");
         }
         let alloc = Region::shared("t", n).unwrap();
+        // SAFETY: as above.
         let e = unsafe { Registration::new(alloc.as_ptr(), n) }.unwrap_err().to_string();
         assert!(e.contains("overlap"), "{e}");
     }

@@ -69,9 +69,9 @@ impl Registration {
         // never goes unmapped, so other threads reading the buffer's neighbours never fault.
         let fresh = map_at_any(n, libc::MAP_SHARED, file.as_raw_fd())?;
         // SAFETY: both ranges are n bytes, mapped and disjoint; the caller lets us read ours.
-        std::ptr::copy_nonoverlapping(start as *const u8, fresh, n);
+        unsafe { std::ptr::copy_nonoverlapping(start as *const u8, fresh, n) };
         // SAFETY: `fresh` is our own mapping of n bytes; start..stop is the caller's memory.
-        move_over(fresh, start, n, &file)?;
+        unsafe { move_over(fresh, start, n, &file)? };
         regions.insert(start, SharedRegion { id, fd: file.as_raw_fd(), len: n, in_place: true });
         log::debug!("registered {len} bytes at {ptr:p}: {n} bytes shared in place from {start:#x} (region {id})");
         Ok(Registration { start, len: n, id, file: Some(file) })
@@ -167,13 +167,17 @@ impl std::fmt::Debug for Registration {
 /// # Safety
 /// `from` is a mapping of ours of `len` bytes; `to..to + len` may be replaced.
 unsafe fn move_over(from: *mut u8, to: usize, len: usize, memfd: &File) -> Result<()> {
-    let moved = libc::mremap(from.cast(), len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, to as *mut libc::c_void);
+    // SAFETY: the caller's contract: `from` is ours, `to..to + len` may be replaced.
+    let moved = unsafe { libc::mremap(from.cast(), len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, to as *mut libc::c_void) };
     if moved != libc::MAP_FAILED {
         return Ok(());
     }
     let e = std::io::Error::last_os_error();
-    libc::munmap(from.cast(), len);
-    let back = libc::mmap(to as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, memfd.as_raw_fd(), 0);
+    // SAFETY: `from` is ours (the caller's contract) and nothing refers to it any more.
+    unsafe { libc::munmap(from.cast(), len) };
+    // SAFETY: `to..to + len` may be replaced (the caller's contract).
+    let back =
+        unsafe { libc::mmap(to as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, memfd.as_raw_fd(), 0) };
     let what = if back == libc::MAP_FAILED { "and mapping the memfd there failed too: the buffer is lost" } else { "the memfd is mapped there" };
     Err(Error::io(format!("mremap {len} bytes over {to:#x} ({what})"), e))
 }

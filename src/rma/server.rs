@@ -39,8 +39,9 @@ impl Update<'_> {
     /// # Safety
     /// `base` maps a whole shard window and the caller holds the shard lock until `finish`.
     pub(super) unsafe fn begin(base: *mut u8, rule: ApplyRule, lr: f32, count: u64, pulled_at: u64) -> Self {
-        let version = &*(base.add(VERSION_AT) as *const AtomicU64);
-        let applied = &*(base.add(APPLIED_AT) as *const AtomicU64);
+        // SAFETY: 8-aligned words of the shard window (the caller's contract), which
+        // outlives the update.
+        let (version, applied) = unsafe { (&*(base.add(VERSION_AT) as *const AtomicU64), &*(base.add(APPLIED_AT) as *const AtomicU64)) };
         let done = applied.load(Ordering::Relaxed);
         let scale = match rule {
             ApplyRule::Sum => lr,
@@ -48,7 +49,9 @@ impl Update<'_> {
             ApplyRule::Staleness => lr / (count.max(1) * (done.wrapping_sub(pulled_at) & 0xFF_FFFF).max(1)) as f32,
         };
         version.fetch_add(1, Ordering::AcqRel);
-        Update { version, applied, done, params: base.add(PARAMS_AT) as *mut f32, scale }
+        // SAFETY: the parameters lie in the shard window (the caller's contract).
+        let params = unsafe { base.add(PARAMS_AT) as *mut f32 };
+        Update { version, applied, done, params, scale }
     }
 
     /// θ[at..] −= scale · grads.
@@ -56,7 +59,8 @@ impl Update<'_> {
     /// # Safety
     /// `at + grads.len()` is within the shard.
     pub(super) unsafe fn add(&self, at: usize, grads: &[f32]) {
-        let params = std::slice::from_raw_parts_mut(self.params.add(at), grads.len());
+        // SAFETY: within the shard (the caller's contract), whose lock we hold.
+        let params = unsafe { std::slice::from_raw_parts_mut(self.params.add(at), grads.len()) };
         params.iter_mut().zip(grads).for_each(|(p, g)| *p -= self.scale * g);
     }
 

@@ -24,9 +24,12 @@ type CrossMemoryCall = unsafe extern "C" fn(libc::pid_t, *const libc::iovec, lib
 unsafe fn cross_memory(pid: u32, local: *mut u8, remote: u64, len: usize, call: CrossMemoryCall) -> std::io::Result<()> {
     let mut done = 0;
     while done < len {
-        let l = libc::iovec { iov_base: local.add(done).cast(), iov_len: len - done };
+        // SAFETY: done < len, inside the caller's range.
+        let l = libc::iovec { iov_base: unsafe { local.add(done) }.cast(), iov_len: len - done };
         let r = libc::iovec { iov_base: (remote as usize + done) as *mut libc::c_void, iov_len: len - done };
-        match call(pid as libc::pid_t, &l, 1, &r, 1, 0) {
+        // SAFETY: one valid iovec each side; the local one is valid for `call` (the caller's
+        // contract), the kernel checks the remote one.
+        match unsafe { call(pid as libc::pid_t, &l, 1, &r, 1, 0) } {
             n if n > 0 => done += n as usize,
             0 => return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "no bytes moved")),
             _ => {

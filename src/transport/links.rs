@@ -51,7 +51,8 @@ impl<'a> Span<'a> {
         if self.len == 0 {
             &[]
         } else {
-            std::slice::from_raw_parts(self.ptr, self.len)
+            // SAFETY: the caller's contract.
+            unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
         }
     }
 
@@ -62,7 +63,8 @@ impl<'a> Span<'a> {
         if self.len == 0 {
             &mut []
         } else {
-            std::slice::from_raw_parts_mut(self.ptr, self.len)
+            // SAFETY: the caller's contract.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
         }
     }
 }

@@ -38,6 +38,7 @@ pub(super) fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType,
     // rewritten before everyone has arrived at the next call.
     for p in (0..w).filter(|&p| p != me) {
         let mut theirs = [0u8; crate::transport::frame::HEADER_LEN];
+        // SAFETY: as above: every rank's half is complete and stays until the next call.
         unsafe { std::ptr::copy_nonoverlapping(slot(p), theirs.as_mut_ptr(), theirs.len()) };
         if theirs != header {
             // A peer in another form of the call wrote no header here: name its call from
@@ -47,6 +48,7 @@ pub(super) fn shm_allreduce_small(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType,
         }
     }
     let len = buf.len();
+    // SAFETY: as above: every rank's half is complete and stays until the next call.
     let data = |p: usize| unsafe { std::slice::from_raw_parts(slot(p).add(SMALL_HEADER), len) };
     // Rank 0's buffer already holds its input.
     if me != 0 {

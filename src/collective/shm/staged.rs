@@ -121,18 +121,22 @@ unsafe fn copy_for_peers(dst: *mut u8, src: &[u8], streaming: bool) {
         let n = src.len();
         let head = dst.align_offset(16).min(n);
         let body_end = head + (n - head) / 16 * 16;
-        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head);
+        // SAFETY: the first `head` bytes of both ranges (the caller's contract).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head) };
         for i in (head..body_end).step_by(16) {
             // SAFETY: dst + i is 16-aligned and i + 16 <= n; SSE2 is part of x86-64.
-            _mm_stream_si128(dst.add(i) as *mut __m128i, _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i));
+            unsafe { _mm_stream_si128(dst.add(i) as *mut __m128i, _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i)) };
         }
-        std::ptr::copy_nonoverlapping(src.as_ptr().add(body_end), dst.add(body_end), n - body_end);
+        // SAFETY: the last bytes of both ranges (the caller's contract).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(body_end), dst.add(body_end), n - body_end) };
         // Streaming stores are weakly ordered: make them visible before the phase store
         // that publishes them.
-        _mm_sfence();
+        // SAFETY: SSE2 is part of x86-64.
+        unsafe { _mm_sfence() };
         return;
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = streaming;
-    std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
 }

@@ -28,6 +28,7 @@ impl ShmLink {
         let l = domain.layout;
         // SAFETY: ring offsets lie within both segments (same layout everywhere).
         let rx = unsafe { domain.base(me).add(l.ring_at(peer)) };
+        // SAFETY: as for `rx`.
         let tx = unsafe { domain.base(peer).add(l.ring_at(me)) };
         ShmLink { cap: l.ring, domain, peer, rx, tx }
     }

@@ -61,6 +61,7 @@ pub struct ShmDomain {
 // SAFETY: the regions are plain shared memory; all concurrent access goes through atomics
 // or through ranges whose ownership the protocol hands over with acquire/release.
 unsafe impl Sync for ShmDomain {}
+// SAFETY: as for Sync.
 unsafe impl Send for ShmDomain {}
 
 pub(crate) fn atomic_u64(base: *mut u8, at: usize) -> &'static AtomicU64 {

@@ -45,6 +45,7 @@ pub struct Context {
 
 // SAFETY: libibverbs contexts are thread-safe (verbs calls lock internally).
 unsafe impl Send for Context {}
+// SAFETY: as for Send.
 unsafe impl Sync for Context {}
 
 impl Context {
@@ -127,6 +128,7 @@ pub struct Domain {
 
 // SAFETY: the protection domain is used only through thread-safe verbs calls.
 unsafe impl Send for Domain {}
+// SAFETY: as for Send.
 unsafe impl Sync for Domain {}
 
 impl Drop for Domain {
@@ -267,6 +269,7 @@ pub struct Cq {
 
 // SAFETY: polled by one thread at a time (each owner keeps its CQ to itself).
 unsafe impl Send for Cq {}
+// SAFETY: as for Send.
 unsafe impl Sync for Cq {}
 
 impl Cq {
@@ -298,6 +301,7 @@ pub struct Mr {
 
 // SAFETY: keys are plain numbers; deregistration happens once, on drop.
 unsafe impl Send for Mr {}
+// SAFETY: as for Send.
 unsafe impl Sync for Mr {}
 
 impl Mr {
@@ -388,6 +392,7 @@ pub struct Qp {
 
 // SAFETY: posting is thread-safe in libibverbs; each owner posts from one thread.
 unsafe impl Send for Qp {}
+// SAFETY: as for Send.
 unsafe impl Sync for Qp {}
 
 impl Drop for Qp {

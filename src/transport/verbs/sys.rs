@@ -483,6 +483,7 @@ fn load(path: Option<&str>) -> Result<Verbs, String> {
 pub unsafe fn poll_cq(cq: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {
     // SAFETY: the caller's contract; a live CQ's context and ops table are the library's.
     match unsafe { (*(*cq).context).ops.poll_cq } {
+        // SAFETY: the caller's contract; `f` is the provider's entry point for this object.
         Some(f) => unsafe { f(cq, n, wc) },
         None => -libc::EOPNOTSUPP,
     }
@@ -496,6 +497,7 @@ pub unsafe fn poll_cq(cq: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {
 pub unsafe fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> c_int {
     // SAFETY: the caller's contract.
     match unsafe { (*(*qp).context).ops.post_send } {
+        // SAFETY: the caller's contract; `f` is the provider's entry point for this object.
         Some(f) => unsafe { f(qp, wr, bad) },
         None => libc::EOPNOTSUPP,
     }
@@ -508,6 +510,7 @@ pub unsafe fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ib
 pub unsafe fn post_recv(qp: *mut ibv_qp, wr: *mut ibv_recv_wr, bad: *mut *mut ibv_recv_wr) -> c_int {
     // SAFETY: the caller's contract.
     match unsafe { (*(*qp).context).ops.post_recv } {
+        // SAFETY: the caller's contract; `f` is the provider's entry point for this object.
         Some(f) => unsafe { f(qp, wr, bad) },
         None => libc::EOPNOTSUPP,
     }
