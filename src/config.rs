@@ -6,8 +6,11 @@ use std::time::Duration;
 
 /// One documented setting.
 pub struct Setting {
+    /// The environment variable's name.
     pub env: &'static str,
+    /// The value used when the variable is unset or empty, as shown to users.
     pub default: &'static str,
+    /// What the setting does and which values it accepts.
     pub help: &'static str,
 }
 
@@ -118,9 +121,13 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 /// Which point-to-point transport to use between ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportChoice {
+    /// Shared memory inside a host; between hosts verbs when an RDMA port is up, else TCP.
     Auto,
+    /// Shared memory only: an error if the ranks span hosts.
     Shm,
+    /// TCP sockets to every peer.
     Tcp,
+    /// RDMA verbs to every peer, also inside a host.
     Verbs,
 }
 
@@ -140,10 +147,16 @@ impl std::str::FromStr for TransportChoice {
 /// Allreduce algorithm selection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algo {
+    /// Shared-buffer reduction when all ranks share a host, else recursive doubling below
+    /// `small_bytes` and the ring above.
     Auto,
+    /// Ring reduce-scatter then allgather (`ring`).
     Ring,
+    /// Recursive doubling (`rd`).
     RecursiveDoubling,
+    /// Recursive halving then doubling (`hd`).
     HalvingDoubling,
+    /// One-host shared-buffer reduction (`shm`).
     SharedMemory,
 }
 
@@ -202,18 +215,31 @@ pub const MAX_SPIN_US: u64 = 1_000_000;
 /// The settings a communicator runs with, read once from the environment.
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// Deadline of every wait (`GRADWIRE_TIMEOUT_MS`, 1 ms to [`MAX_TIMEOUT_MS`]; default 60 s).
     pub timeout: Duration,
+    /// Point-to-point transport (`GRADWIRE_TRANSPORT`).
     pub transport: TransportChoice,
+    /// Allreduce algorithm (`GRADWIRE_ALGO`).
     pub algo: Algo,
+    /// Size in bytes below which `auto` prefers latency-bound algorithms (`GRADWIRE_SMALL_BYTES`).
     pub small_bytes: usize,
+    /// Chunk size in bytes of the ring collectives' pipelining (`GRADWIRE_RING_CHUNK_BYTES`, 16 B to 4 GiB).
     pub ring_chunk_bytes: usize,
+    /// Capacity in bytes of each shared-memory point-to-point ring (`GRADWIRE_SHM_RING_BYTES`, power of two, 4 KiB to 1 GiB).
     pub shm_ring_bytes: usize,
+    /// Per-rank staging area in bytes of the one-host allreduce (`GRADWIRE_SHM_STAGE_BYTES`, 4 KiB to 4 GiB).
     pub shm_stage_bytes: usize,
+    /// Store kind of the one-host staged allreduce (`GRADWIRE_SHM_STORES`).
     pub shm_stores: StagedStores,
+    /// Whether one-host allreduces may use cross-memory attach (`GRADWIRE_SHM_CMA`).
     pub shm_cma: bool,
+    /// How long a waiting rank spins before it yields (`GRADWIRE_SPIN_US`, at most [`MAX_SPIN_US`]).
     pub spin: Duration,
+    /// Whether regions ask for huge pages (`GRADWIRE_HUGEPAGES`).
     pub hugepages: bool,
+    /// Per-peer, per-direction verbs receive ring in bytes (`GRADWIRE_IB_RING_BYTES`, power of two, 64 KiB to 1 GiB).
     pub ib_ring_bytes: usize,
+    /// Largest verbs rendezvous landing zone per peer in bytes (`GRADWIRE_IB_ZONE_BYTES`; 0: no rendezvous).
     pub ib_zone_bytes: usize,
 }
 

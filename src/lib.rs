@@ -1,4 +1,4 @@
-#![warn(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+#![warn(missing_docs, unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 //! gradwire: a communication backend for distributed deep-learning training.
 //!
 //! Layers, bottom-up (each calls only the ones below it):
@@ -21,7 +21,7 @@ pub mod collective;
 pub mod comm;
 pub mod config;
 pub mod dtype;
-pub mod engine;
+pub(crate) mod engine;
 pub mod error;
 pub mod ffi;
 #[cfg(feature = "cuda")]
@@ -35,12 +35,11 @@ pub mod train;
 pub mod transport;
 
 pub use collective::hierarchical::{HierarchicalAlgo, Hierarchy};
-pub use collective::{Pending, Request};
+pub use collective::{Collective, Pending, Request};
 pub use comm::Communicator;
 pub use config::{Algo, Config, TransportChoice};
 pub use dtype::{DType, Element, ReduceOp};
 pub use engine::Work;
 pub use error::{Error, Result};
 pub use mem::{GradBuffer, Region, RegionKind, Registration};
-pub use transport::frame::OpKind;
 pub use transport::Transport;

@@ -15,7 +15,7 @@ use super::Request;
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{config, invalid, Result};
-use crate::transport::frame::OpKind;
+use crate::collective::Collective;
 
 /// How the cross-node step is organised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,11 +118,11 @@ impl Hierarchy {
                 let at_root = |op| Request { root: 0, ..Request::new(op, dtype, inner, n) };
                 // SAFETY: `buf` is exclusively borrowed and each run() completes before the next.
                 unsafe {
-                    self.node.run(at_root(OpKind::Reduce), p, p)?;
+                    self.node.run(at_root(Collective::Reduce), p, p)?;
                     if self.node.rank() == 0 {
-                        self.cross.run(Request::new(OpKind::Allreduce, dtype, inner, n), p, p)?;
+                        self.cross.run(Request::new(Collective::Allreduce, dtype, inner, n), p, p)?;
                     }
-                    self.node.run(at_root(OpKind::Broadcast), p, p)?;
+                    self.node.run(at_root(Collective::Broadcast), p, p)?;
                 }
             }
             HierarchicalAlgo::Sharded => {
@@ -143,9 +143,9 @@ impl Hierarchy {
                 // and each run() completes before the next.
                 unsafe {
                     std::ptr::copy_nonoverlapping(p, pp, buf.len());
-                    self.node.run(Request::new(OpKind::ReduceScatter, dtype, inner, shard), pp, mp)?;
-                    self.cross.run(Request::new(OpKind::Allreduce, dtype, inner, shard), mp, mp)?;
-                    self.node.run(Request::new(OpKind::Allgather, dtype, inner, shard), mp, pp)?;
+                    self.node.run(Request::new(Collective::ReduceScatter, dtype, inner, shard), pp, mp)?;
+                    self.cross.run(Request::new(Collective::Allreduce, dtype, inner, shard), mp, mp)?;
+                    self.node.run(Request::new(Collective::Allgather, dtype, inner, shard), mp, pp)?;
                     std::ptr::copy_nonoverlapping(pp, p, buf.len());
                 }
             }

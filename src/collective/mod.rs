@@ -10,12 +10,12 @@
 //! copy of a part to one rank); an explicitly chosen ring, recursive doubling or halving-
 //! doubling rounds at each of its steps.
 
-pub mod agree;
-pub mod algos;
-pub mod exchange;
-pub mod hierarchical;
+pub(crate) mod agree;
+pub(crate) mod algos;
+pub(crate) mod exchange;
+pub(crate) mod hierarchical;
 pub mod reduce;
-pub mod shm;
+pub(crate) mod shm;
 
 use crate::comm::Communicator;
 use crate::config::Algo;
@@ -34,10 +34,48 @@ struct Ptr(*mut u8);
 // completes (see `Communicator::start`).
 unsafe impl Send for Ptr {}
 
+/// Which collective a [`Request`] runs. (The wire format's `OpKind` also names
+/// point-to-point messages and all-to-all, which run through calls of their own.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// Every rank gets the reduction of every rank's buffer.
+    Allreduce,
+    /// Rank r gets the reduction of part r of every rank's buffer.
+    ReduceScatter,
+    /// Every rank gets every rank's part, in rank order.
+    Allgather,
+    /// Every rank gets the root's buffer.
+    Broadcast,
+    /// The root gets the reduction of every rank's buffer.
+    Reduce,
+    /// Returns once every rank has entered it.
+    Barrier,
+}
+
+impl Collective {
+    /// Its name in messages, e.g. `reduce_scatter`.
+    pub fn name(self) -> &'static str {
+        OpKind::from(self).name()
+    }
+}
+
+impl From<Collective> for OpKind {
+    fn from(c: Collective) -> OpKind {
+        match c {
+            Collective::Allreduce => OpKind::Allreduce,
+            Collective::ReduceScatter => OpKind::ReduceScatter,
+            Collective::Allgather => OpKind::Allgather,
+            Collective::Broadcast => OpKind::Broadcast,
+            Collective::Reduce => OpKind::Reduce,
+            Collective::Barrier => OpKind::Barrier,
+        }
+    }
+}
+
 /// A collective call, in bytes.
 #[derive(Clone, Copy, Debug)]
 pub struct Request {
-    pub op: OpKind,
+    pub op: Collective,
     pub dtype: DType,
     pub redop: ReduceOp,
     /// Elements per rank as the C/MPI conventions count them: the buffer for allreduce,
@@ -49,7 +87,7 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn new(op: OpKind, dtype: DType, redop: ReduceOp, count: usize) -> Self {
+    pub fn new(op: Collective, dtype: DType, redop: ReduceOp, count: usize) -> Self {
         Request { op, dtype, redop, count, root: 0, algo: None }
     }
 
@@ -58,14 +96,14 @@ impl Request {
         let b = self.count.checked_mul(self.dtype.size()).ok_or_else(|| invalid(format!("count {} overflows", self.count)))?;
         let wb = b.checked_mul(w).ok_or_else(|| invalid(format!("count {} x {w} ranks overflows", self.count)))?;
         // No buffer is larger than isize::MAX bytes: a longer slice is undefined behaviour.
-        let largest = if matches!(self.op, OpKind::ReduceScatter | OpKind::Allgather) { wb } else { b };
+        let largest = if matches!(self.op, Collective::ReduceScatter | Collective::Allgather) { wb } else { b };
         if largest > isize::MAX as usize {
             return Err(invalid(format!("count {} makes a buffer of {largest} bytes, more than any buffer can hold", self.count)));
         }
         Ok(match self.op {
-            OpKind::ReduceScatter => (wb, b),
-            OpKind::Allgather => (b, wb),
-            OpKind::Barrier | OpKind::Send | OpKind::AllToAll => (0, 0),
+            Collective::ReduceScatter => (wb, b),
+            Collective::Allgather => (b, wb),
+            Collective::Barrier => (0, 0),
             _ => (b, b),
         })
     }
@@ -96,13 +134,10 @@ impl Communicator {
 
     /// Validates a request and packages it for the engine.
     fn job(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<crate::engine::Job> {
-        if matches!(req.op, OpKind::Broadcast | OpKind::Reduce) && req.root >= self.size() {
+        if matches!(req.op, Collective::Broadcast | Collective::Reduce) && req.root >= self.size() {
             return Err(invalid(format!("root {} is not a rank of this communicator (size {})", req.root, self.size())));
         }
-        if matches!(req.op, OpKind::Send | OpKind::AllToAll) {
-            return Err(invalid("send/recv and alltoall run through their own calls (collective::exchange)"));
-        }
-        if matches!(req.op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) {
+        if matches!(req.op, Collective::Allreduce | Collective::ReduceScatter | Collective::Reduce) {
             req.redop.check(req.dtype)?;
         }
         let (slen, rlen) = req.lengths(self.size())?;
@@ -116,7 +151,7 @@ impl Communicator {
         let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
             let (s, r) = (s, r);
             // Sequence numbers are given at execution, in the order operations run.
-            let call = CallHeader { op: req.op, dtype: req.dtype, redop: req.redop, root: req.root as u32, count: req.count as u64, seq: st.next_seq() };
+            let call = CallHeader { op: req.op.into(), dtype: req.dtype, redop: req.redop, root: req.root as u32, count: req.count as u64, seq: st.next_seq() };
             // In place, the receive buffer is the only view of the bytes: a shared view of
             // them beside the mutable one would break Rust's aliasing rules.
             // SAFETY: lengths and validity are the caller's contract (see `start`).
@@ -140,7 +175,7 @@ impl Communicator {
 
     /// Allreduce in place with an explicit algorithm (`None`: automatic).
     pub fn allreduce_with<T: Element>(&self, buf: &mut [T], op: ReduceOp, algo: Option<Algo>) -> Result<()> {
-        let req = Request { algo, ..Request::new(OpKind::Allreduce, T::DTYPE, op, buf.len()) };
+        let req = Request { algo, ..Request::new(Collective::Allreduce, T::DTYPE, op, buf.len()) };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: `buf` is exclusively borrowed until run() returns, which is after the
         // engine is done with it.
@@ -153,7 +188,7 @@ impl Communicator {
         if send.len() != recv.len() * self.size() {
             return Err(invalid(format!("reduce_scatter: send has {} elements, expected {} x {}", send.len(), recv.len(), self.size())));
         }
-        let req = Request::new(OpKind::ReduceScatter, T::DTYPE, op, recv.len());
+        let req = Request::new(Collective::ReduceScatter, T::DTYPE, op, recv.len());
         // SAFETY: borrows outlive wait().
         unsafe { self.run(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8) }
     }
@@ -163,14 +198,14 @@ impl Communicator {
         if recv.len() != send.len() * self.size() {
             return Err(invalid(format!("allgather: recv has {} elements, expected {} x {}", recv.len(), send.len(), self.size())));
         }
-        let req = Request::new(OpKind::Allgather, T::DTYPE, ReduceOp::Sum, send.len());
+        let req = Request::new(Collective::Allgather, T::DTYPE, ReduceOp::Sum, send.len());
         // SAFETY: borrows outlive wait().
         unsafe { self.run(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8) }
     }
 
     /// Broadcast `buf` from `root` to every rank.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let req = Request { root, ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len()) };
+        let req = Request { root, ..Request::new(Collective::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len()) };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: borrow outlives wait().
         unsafe { self.run(req, p, p) }
@@ -178,7 +213,7 @@ impl Communicator {
 
     /// Reduce to `root` in place; other ranks' buffers are left unchanged.
     pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
-        let req = Request { root, ..Request::new(OpKind::Reduce, T::DTYPE, op, buf.len()) };
+        let req = Request { root, ..Request::new(Collective::Reduce, T::DTYPE, op, buf.len()) };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: borrow outlives wait().
         unsafe { self.run(req, p, p) }
@@ -186,14 +221,14 @@ impl Communicator {
 
     /// Returns once every rank has entered the barrier.
     pub fn barrier(&self) -> Result<()> {
-        let req = Request::new(OpKind::Barrier, DType::F32, ReduceOp::Sum, 0);
+        let req = Request::new(Collective::Barrier, DType::F32, ReduceOp::Sum, 0);
         // SAFETY: no buffers.
         unsafe { self.run(req, std::ptr::null(), std::ptr::null_mut()) }
     }
 
     /// Non-blocking allreduce of an owned vector; `Pending::wait` gives it back reduced.
     pub fn iallreduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Result<Pending<Vec<T>>> {
-        let req = Request::new(OpKind::Allreduce, T::DTYPE, op, buf.len());
+        let req = Request::new(Collective::Allreduce, T::DTYPE, op, buf.len());
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: the vector's heap block does not move while `Pending` owns it, and
         // `Pending` waits for completion before handing it back or dropping it.
@@ -203,7 +238,7 @@ impl Communicator {
 
     /// Non-blocking broadcast of an owned vector.
     pub fn ibroadcast<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Result<Pending<Vec<T>>> {
-        let req = Request { root, ..Request::new(OpKind::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len()) };
+        let req = Request { root, ..Request::new(Collective::Broadcast, T::DTYPE, ReduceOp::Sum, buf.len()) };
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: as in iallreduce.
         let work = unsafe { self.start(req, p, p)? };
@@ -226,7 +261,7 @@ impl Communicator {
 
     /// Non-blocking barrier.
     pub fn ibarrier(&self) -> Result<Work> {
-        let req = Request::new(OpKind::Barrier, DType::F32, ReduceOp::Sum, 0);
+        let req = Request::new(Collective::Barrier, DType::F32, ReduceOp::Sum, 0);
         // SAFETY: no buffers.
         unsafe { self.start(req, std::ptr::null(), std::ptr::null_mut()) }
     }
@@ -290,11 +325,11 @@ fn run(
     let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
     // A rank that only sends in a rooted tree never reads a header: every rooted
     // collective first agrees on its arguments (see `agree`).
-    if world > 1 && matches!(req.op, OpKind::Broadcast | OpKind::Reduce) {
+    if world > 1 && matches!(req.op, Collective::Broadcast | Collective::Reduce) {
         agree::agree_on_call(&mut cx)?;
     }
     match req.op {
-        OpKind::Allreduce => {
+        Collective::Allreduce => {
             if let Some(send) = send {
                 recv.copy_from_slice(send);
             }
@@ -321,7 +356,7 @@ fn run(
                 _ => algos::ring_allreduce(&mut cx, recv, tune.ring_chunk),
             }
         }
-        OpKind::ReduceScatter => {
+        Collective::ReduceScatter => {
             let mut work = send.ok_or_else(|| invalid("reduce-scatter cannot run in place (its send and receive buffers are the same)"))?.to_vec();
             let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
             if matches!(req.dtype, DType::F16 | DType::BF16) {
@@ -332,13 +367,13 @@ fn run(
             recv.copy_from_slice(&work[bounds[rank]..bounds[rank + 1]]);
             Ok(())
         }
-        OpKind::Allgather => {
+        Collective::Allgather => {
             let send = send.ok_or_else(|| invalid("allgather cannot run in place (its send and receive buffers are the same)"))?;
             let bounds: Vec<usize> = (0..=world).map(|i| i * send.len()).collect();
             recv[bounds[rank]..bounds[rank + 1]].copy_from_slice(send);
             algos::ring_allgather(&mut cx, recv, &bounds, 0, tune.ring_chunk)
         }
-        OpKind::Broadcast => {
+        Collective::Broadcast => {
             if world == 1 {
                 Ok(())
             } else if recv.len() < tune.small {
@@ -348,14 +383,13 @@ fn run(
                 algos::chain_broadcast(&mut cx, recv, req.root, piece)
             }
         }
-        OpKind::Reduce => {
+        Collective::Reduce => {
             if let Some(send) = send {
                 recv.copy_from_slice(send);
             }
             algos::binomial_reduce(&mut cx, recv, req.root)
         }
-        OpKind::Barrier => algos::dissemination_barrier(&mut cx),
-        OpKind::Send | OpKind::AllToAll => Err(invalid("send/recv and alltoall run through their own calls (collective::exchange)")),
+        Collective::Barrier => algos::dissemination_barrier(&mut cx),
     }
 }
 

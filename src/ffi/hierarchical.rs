@@ -9,7 +9,7 @@ use super::{
 use crate::collective::hierarchical::{HierarchicalAlgo, Hierarchy, RawAllreduce};
 use crate::collective::Request;
 use crate::error::{invalid, Result};
-use crate::transport::frame::OpKind;
+use crate::collective::Collective;
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::Arc;
 
@@ -95,7 +95,7 @@ fn decode(
 ) -> Result<(Arc<Hierarchy>, Arc<crate::comm::Communicator>, RawAllreduce)> {
     let (comm_id, h) = hierarchy(hier, w)?;
     let c = registry().comms.get(&comm_id).cloned().ok_or_else(|| invalid(format!("{w}: the hierarchy's communicator is finalized")))?;
-    let req = Request::new(OpKind::Allreduce, dtype(dt, w)?, redop(op, w)?, count);
+    let req = Request::new(Collective::Allreduce, dtype(dt, w)?, redop(op, w)?, count);
     check_buffers(&c, &req, send, recv, w)?;
     req.redop.check(req.dtype).map_err(|e| prefixed(e, w))?;
     let call = RawAllreduce { dtype: req.dtype, op: req.redop, algo: algo(al, w)?, send: send as *const u8, recv: recv as *mut u8, count };

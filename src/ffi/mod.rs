@@ -21,7 +21,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::engine::Work;
 use crate::error::{invalid, Error, Result};
 use crate::mem::{Region, Registration};
-use crate::transport::frame::OpKind;
+use crate::collective::Collective;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
@@ -214,7 +214,7 @@ fn check_buffers(c: &Communicator, req: &Request, send: *const c_void, recv: *mu
         return Err(invalid(format!("{what}: recvbuf is NULL")));
     }
     let (s, r) = (send as usize, recv as usize);
-    let in_place_ok = matches!(req.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
+    let in_place_ok = matches!(req.op, Collective::Allreduce | Collective::Broadcast | Collective::Reduce);
     if slen > 0 && rlen > 0 && !(in_place_ok && s == r) && s < r.saturating_add(rlen) && r < s.saturating_add(slen) {
         return Err(invalid(format!("{what}: sendbuf and recvbuf overlap{}", if in_place_ok { " (pass the same pointer for in place)" } else { "" })));
     }
@@ -225,7 +225,7 @@ fn check_buffers(c: &Communicator, req: &Request, send: *const c_void, recv: *mu
 #[allow(clippy::too_many_arguments)]
 fn reducing(
     comm_p: *mut gradwire_comm_t,
-    kind: OpKind,
+    kind: Collective,
     count: usize,
     dt: gradwire_dtype_t,
     op: gradwire_op_t,
@@ -352,7 +352,7 @@ pub unsafe extern "C" fn gradwire_allreduce(
     dt: gradwire_dtype_t,
     op: gradwire_op_t,
 ) -> c_int {
-    reducing(comm_p, OpKind::Allreduce, count, dt, op, sendbuf, recvbuf, "gradwire_allreduce")
+    reducing(comm_p, Collective::Allreduce, count, dt, op, sendbuf, recvbuf, "gradwire_allreduce")
 }
 
 /// # Safety
@@ -369,7 +369,7 @@ pub unsafe extern "C" fn gradwire_iallreduce(
     work: *mut *mut gradwire_work_t,
 ) -> c_int {
     let w = "gradwire_iallreduce";
-    nonblocking(comm_p, w, work, sendbuf, recvbuf, || Ok(Request::new(OpKind::Allreduce, dtype(dt, w)?, redop(op, w)?, count)))
+    nonblocking(comm_p, w, work, sendbuf, recvbuf, || Ok(Request::new(Collective::Allreduce, dtype(dt, w)?, redop(op, w)?, count)))
 }
 
 /// Starts the collective `req()` describes and puts its work handle in `work`.
@@ -419,7 +419,7 @@ pub unsafe extern "C" fn gradwire_ibroadcast(
     work: *mut *mut gradwire_work_t,
 ) -> c_int {
     let w = "gradwire_ibroadcast";
-    nonblocking(comm_p, w, work, buf, buf, || Ok(Request { root: root_of(root, w)?, ..Request::new(OpKind::Broadcast, dtype(dt, w)?, ReduceOp::Sum, count) }))
+    nonblocking(comm_p, w, work, buf, buf, || Ok(Request { root: root_of(root, w)?, ..Request::new(Collective::Broadcast, dtype(dt, w)?, ReduceOp::Sum, count) }))
 }
 
 /// # Safety
@@ -434,7 +434,7 @@ pub unsafe extern "C" fn gradwire_iallgather(
     work: *mut *mut gradwire_work_t,
 ) -> c_int {
     let w = "gradwire_iallgather";
-    nonblocking(comm_p, w, work, sendbuf, recvbuf, || Ok(Request::new(OpKind::Allgather, dtype(dt, w)?, ReduceOp::Sum, sendcount)))
+    nonblocking(comm_p, w, work, sendbuf, recvbuf, || Ok(Request::new(Collective::Allgather, dtype(dt, w)?, ReduceOp::Sum, sendcount)))
 }
 
 /// # Safety
@@ -450,7 +450,7 @@ pub unsafe extern "C" fn gradwire_ireduce_scatter(
     work: *mut *mut gradwire_work_t,
 ) -> c_int {
     let w = "gradwire_ireduce_scatter";
-    nonblocking(comm_p, w, work, sendbuf, recvbuf, || Ok(Request::new(OpKind::ReduceScatter, dtype(dt, w)?, redop(op, w)?, recvcount)))
+    nonblocking(comm_p, w, work, sendbuf, recvbuf, || Ok(Request::new(Collective::ReduceScatter, dtype(dt, w)?, redop(op, w)?, recvcount)))
 }
 
 /// # Safety
@@ -468,7 +468,7 @@ pub unsafe extern "C" fn gradwire_reduce(
 ) -> c_int {
     let w = "gradwire_reduce";
     match (dtype(dt, w), redop(op, w), root_of(root, w)) {
-        (Ok(d), Ok(o), Ok(root)) => blocking(comm_p, Request { root, ..Request::new(OpKind::Reduce, d, o, count) }, sendbuf, recvbuf, w),
+        (Ok(d), Ok(o), Ok(root)) => blocking(comm_p, Request { root, ..Request::new(Collective::Reduce, d, o, count) }, sendbuf, recvbuf, w),
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => guard(|| Err(e)),
     }
 }
@@ -726,7 +726,7 @@ pub unsafe extern "C" fn gradwire_test(work: *mut gradwire_work_t, done: *mut c_
 pub unsafe extern "C" fn gradwire_broadcast(comm_p: *mut gradwire_comm_t, buf: *mut c_void, count: usize, dt: gradwire_dtype_t, root: c_int) -> c_int {
     let w = "gradwire_broadcast";
     match (dtype(dt, w), usize::try_from(root)) {
-        (Ok(d), Ok(root)) => blocking(comm_p, Request { root, ..Request::new(OpKind::Broadcast, d, ReduceOp::Sum, count) }, buf, buf, w),
+        (Ok(d), Ok(root)) => blocking(comm_p, Request { root, ..Request::new(Collective::Broadcast, d, ReduceOp::Sum, count) }, buf, buf, w),
         (Err(e), _) => guard(|| Err(e)),
         (_, Err(_)) => guard(|| Err(invalid(format!("{w}: root {root} is negative")))),
     }
@@ -745,7 +745,7 @@ pub unsafe extern "C" fn gradwire_allgather(
 ) -> c_int {
     let w = "gradwire_allgather";
     match dtype(dt, w) {
-        Ok(d) => blocking(comm_p, Request::new(OpKind::Allgather, d, ReduceOp::Sum, sendcount), sendbuf, recvbuf, w),
+        Ok(d) => blocking(comm_p, Request::new(Collective::Allgather, d, ReduceOp::Sum, sendcount), sendbuf, recvbuf, w),
         Err(e) => guard(|| Err(e)),
     }
 }
@@ -762,7 +762,7 @@ pub unsafe extern "C" fn gradwire_reduce_scatter(
     dt: gradwire_dtype_t,
     op: gradwire_op_t,
 ) -> c_int {
-    reducing(comm_p, OpKind::ReduceScatter, recvcount, dt, op, sendbuf, recvbuf, "gradwire_reduce_scatter")
+    reducing(comm_p, Collective::ReduceScatter, recvcount, dt, op, sendbuf, recvbuf, "gradwire_reduce_scatter")
 }
 
 #[no_mangle]

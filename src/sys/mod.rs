@@ -3,7 +3,7 @@
 //! (Memory mapping stays with the memory layer, verbs with the verbs device, process
 //! control with the launcher: each has one user.)
 
-pub mod cma;
+pub(crate) mod cma;
 pub mod cpus;
-pub mod poll;
-pub mod proc;
+pub(crate) mod poll;
+pub(crate) mod proc;

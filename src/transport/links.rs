@@ -41,10 +41,6 @@ impl<'a> Span<'a> {
         self.len
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// # Safety
     /// See [`Span::raw`]: only while working on this span's operation.
     unsafe fn bytes(&self) -> &[u8] {

@@ -13,15 +13,17 @@
 
 pub(crate) mod backend;
 pub mod frame;
-pub mod links;
+pub(crate) mod links;
 pub mod onesided;
-pub mod shm;
-pub mod tcp;
-pub mod verbs;
+pub(crate) mod shm;
+pub(crate) mod tcp;
+pub(crate) mod verbs;
 mod wait;
 
-pub use links::{payload_bytes_sent, Links, RecvOp, SendOp, Sink, Span};
-pub use wait::Backoff;
+pub use links::payload_bytes_sent;
+pub use verbs::report as verbs_report;
+pub(crate) use links::{Links, RecvOp, SendOp, Sink, Span};
+pub(crate) use wait::Backoff;
 
 use std::io::IoSlice;
 use std::os::fd::RawFd;

@@ -2,12 +2,12 @@
 //! #wrong), run under `gradwire launch`; CSV and JSON output for scripts.
 
 use crate::check::{job_seed, run_bytes, run_case, Buffers};
-use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, Region, RegionKind, Registration, Request, Result};
+use gradwire::{Algo, Communicator, DType, Collective, ReduceOp, Region, RegionKind, Registration, Request, Result};
 use std::io::Write;
 use std::time::Instant;
 
 pub struct BenchArgs {
-    pub op: OpKind,
+    pub op: Collective,
     pub min: usize,
     pub max: usize,
     pub factor: usize,
@@ -28,11 +28,11 @@ pub struct BenchArgs {
 }
 
 /// nccl-tests' bus-bandwidth factor: what each rank's link carries relative to S/t.
-pub fn busbw_factor(op: OpKind, w: usize) -> f64 {
+pub fn busbw_factor(op: Collective, w: usize) -> f64 {
     let w = w as f64;
     match op {
-        OpKind::Allreduce => 2.0 * (w - 1.0) / w,
-        OpKind::ReduceScatter | OpKind::Allgather => (w - 1.0) / w,
+        Collective::Allreduce => 2.0 * (w - 1.0) / w,
+        Collective::ReduceScatter | Collective::Allgather => (w - 1.0) / w,
         _ => 1.0,
     }
 }
@@ -112,8 +112,8 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             "# busbw = algbw x {:.3} ({})",
             busbw_factor(a.op, w),
             match a.op {
-                OpKind::Allreduce => "2(W-1)/W",
-                OpKind::ReduceScatter | OpKind::Allgather => "(W-1)/W",
+                Collective::Allreduce => "2(W-1)/W",
+                Collective::ReduceScatter | Collective::Allgather => "(W-1)/W",
                 _ => "1",
             }
         );
@@ -123,7 +123,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
         );
     }
     let hierarchy = match a.hierarchical {
-        Some(_) if a.op != OpKind::Allreduce => return Err(gradwire::Error::InvalidArgument("--hierarchical applies to allreduce".into())),
+        Some(_) if a.op != Collective::Allreduce => return Err(gradwire::Error::InvalidArgument("--hierarchical applies to allreduce".into())),
         Some(algo) => Some((gradwire::Hierarchy::new(comm)?, algo)),
         None => None,
     };
@@ -131,11 +131,11 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
     for (si, &size) in sizes.iter().enumerate() {
         let total = size / es;
         let count = match a.op {
-            OpKind::ReduceScatter | OpKind::Allgather => total / w,
+            Collective::ReduceScatter | Collective::Allgather => total / w,
             _ => total,
         };
         let req = Request { algo: a.algo, root: a.root, ..Request::new(a.op, a.dtype, a.redop, count) };
-        let inplace = matches!(a.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
+        let inplace = matches!(a.op, Collective::Allreduce | Collective::Broadcast | Collective::Reduce);
         let mut once = || -> Result<()> {
             let recv = &mut recv.as_mut_slice()[skew..];
             if let Some((h, algo)) = &hierarchy {
@@ -158,7 +158,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
         let mut slowest = [mine];
         comm.allreduce(&mut slowest, ReduceOp::Max)?;
         let t = slowest[0];
-        let bytes = (count * es * if matches!(a.op, OpKind::ReduceScatter | OpKind::Allgather) { w } else { 1 }) as f64;
+        let bytes = (count * es * if matches!(a.op, Collective::ReduceScatter | Collective::Allgather) { w } else { 1 }) as f64;
         let algbw = bytes / t / 1e9;
         let busbw = algbw * busbw_factor(a.op, w);
         let wrong = if a.check {

@@ -4,7 +4,7 @@
 
 use crate::verify::{count_wrong, decode, encode, fingerprint, int64_reference, int64_wrong, reference, reference_rounded_once, round_to, within};
 use gradwire::transport::onesided::{Accumulate, AccumulateError};
-use gradwire::{Algo, Communicator, DType, HierarchicalAlgo, Hierarchy, OpKind, ReduceOp, Request, Result};
+use gradwire::{Algo, Communicator, DType, HierarchicalAlgo, Hierarchy, Collective, ReduceOp, Request, Result};
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +12,7 @@ use std::time::Duration;
 pub struct CheckArgs {
     pub counts: Vec<usize>,
     pub large_bytes: usize,
-    pub collectives: Vec<OpKind>,
+    pub collectives: Vec<Collective>,
     pub dtypes: Vec<DType>,
     pub ops: Vec<ReduceOp>,
     pub verbose: bool,
@@ -62,7 +62,7 @@ impl std::str::FromStr for Buffers {
 /// Runs a request on byte buffers and waits.
 pub fn run_bytes(comm: &Communicator, req: Request, send: &[u8], recv: &mut [u8]) -> Result<()> {
     let (sl, rl) = req.lengths(comm.size())?;
-    let in_place = send.is_empty() && matches!(req.op, OpKind::Allreduce | OpKind::Broadcast | OpKind::Reduce);
+    let in_place = send.is_empty() && matches!(req.op, Collective::Allreduce | Collective::Broadcast | Collective::Reduce);
     if (!in_place && send.len() < sl) || recv.len() < rl {
         return Err(gradwire::Error::InvalidArgument(format!("buffers ({} and {} bytes) shorter than the request ({sl} and {rl})", send.len(), recv.len())));
     }
@@ -119,27 +119,27 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
     let mut cases = 0u64;
     let mut failures: Vec<String> = Vec::new();
     let mut failed_cases = 0u64;
-    let mut plan: Vec<(OpKind, DType, ReduceOp, usize, Option<Algo>)> = Vec::new();
+    let mut plan: Vec<(Collective, DType, ReduceOp, usize, Option<Algo>)> = Vec::new();
     let hierarchy = if args.hierarchical { Some(Hierarchy::new(comm)?) } else { None };
     let hier_algos: Vec<Option<HierarchicalAlgo>> =
         if args.hierarchical { vec![Some(HierarchicalAlgo::Sharded), Some(HierarchicalAlgo::Leader)] } else { vec![None] };
     for &op in &args.collectives {
-        if args.hierarchical && op != OpKind::Allreduce {
+        if args.hierarchical && op != Collective::Allreduce {
             continue;
         }
         for &dt in &args.dtypes {
-            let redops: Vec<ReduceOp> = if matches!(op, OpKind::Allreduce | OpKind::ReduceScatter | OpKind::Reduce) {
+            let redops: Vec<ReduceOp> = if matches!(op, Collective::Allreduce | Collective::ReduceScatter | Collective::Reduce) {
                 args.ops.iter().copied().filter(|o| o.check(dt).is_ok()).collect()
             } else {
                 vec![ReduceOp::Sum]
             };
             for &ro in &redops {
                 for &n in &args.counts {
-                    if op == OpKind::Allreduce && !args.hierarchical {
+                    if op == Collective::Allreduce && !args.hierarchical {
                         for &a in &allreduce_algos {
                             plan.push((op, dt, ro, n, a));
                         }
-                    } else if op != OpKind::Barrier || (dt == DType::F32 && n == args.counts[0]) {
+                    } else if op != Collective::Barrier || (dt == DType::F32 && n == args.counts[0]) {
                         plan.push((op, dt, ro, n, None));
                     }
                 }
@@ -148,13 +148,13 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
     }
     if args.large_bytes > 0 {
         let n = args.large_bytes / 4;
-        if args.collectives.contains(&OpKind::Allreduce) {
+        if args.collectives.contains(&Collective::Allreduce) {
             for a in [None, Some(Algo::Ring)] {
-                plan.push((OpKind::Allreduce, DType::F32, ReduceOp::Sum, n, a));
+                plan.push((Collective::Allreduce, DType::F32, ReduceOp::Sum, n, a));
             }
         }
-        if args.collectives.contains(&OpKind::Broadcast) {
-            plan.push((OpKind::Broadcast, DType::F32, ReduceOp::Sum, n, None));
+        if args.collectives.contains(&Collective::Broadcast) {
+            plan.push((Collective::Broadcast, DType::F32, ReduceOp::Sum, n, None));
         }
     }
     let plan: Vec<_> = plan.into_iter().flat_map(|p| hier_algos.iter().map(move |h| (p, *h))).collect();
@@ -170,7 +170,7 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
             dtype.name(),
             redop.name(),
             algo.map(|a| format!(" algo={a:?}")).unwrap_or_default(),
-            if matches!(op, OpKind::Broadcast | OpKind::Reduce) { format!(" root={root}") } else { String::new() }
+            if matches!(op, Collective::Broadcast | Collective::Reduce) { format!(" root={root}") } else { String::new() }
         );
         let hier = hierarchy.as_ref().zip(hier_algo);
         let wrong = run_case(comm, seed, case, req, hier, args.buffers, &label, &mut failures)?;
@@ -252,10 +252,10 @@ pub fn run_case(
     let once = matches!(dtype, DType::F16 | DType::BF16)
         && hier.is_none()
         && matches!(redop, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Product)
-        && (op == OpKind::ReduceScatter || (op == OpKind::Allreduce && matches!(algo, Algo::Auto | Algo::SharedMemory)));
+        && (op == Collective::ReduceScatter || (op == Collective::Allreduce && matches!(algo, Algo::Auto | Algo::SharedMemory)));
     let reference = |inputs: &[Vec<f64>], i| if once { reference_rounded_once(redop, dtype, inputs, i) } else { reference(redop, dtype, inputs, i) };
     Ok(match op {
-        OpKind::Allreduce | OpKind::Reduce => {
+        Collective::Allreduce | Collective::Reduce => {
             let (mut private, mut shared);
             let buf: &mut [u8] = if buffers.shared_on(me) {
                 shared = gradwire::Region::shared("gradwire-check", n * es)?;
@@ -291,7 +291,7 @@ pub fn run_case(
                 None => run_bytes(comm, req, &[], buf)?,
             }
             drop(registration);
-            if op == OpKind::Allreduce {
+            if op == Collective::Allreduce {
                 let fp = fingerprint(buf);
                 let mut all = vec![0f64; 2 * w];
                 comm.allgather(&[(fp >> 32) as f64, (fp & 0xffff_ffff) as f64], &mut all)?;
@@ -310,11 +310,11 @@ pub fn run_case(
                 let mine = mine_gen.take(m);
                 let got = decode(dtype, &buf[off * es..(off + m) * es]);
                 let want: Vec<(f64, f64)> =
-                    if op == OpKind::Reduce && me != root { mine.iter().map(|&v| (v, 0.0)).collect() } else { (0..m).map(|i| reference(&inputs, i)).collect() };
+                    if op == Collective::Reduce && me != root { mine.iter().map(|&v| (v, 0.0)).collect() } else { (0..m).map(|i| reference(&inputs, i)).collect() };
                 let mut bad = count_wrong(&got, &want);
                 if dtype == DType::I64 {
                     let bytes = &buf[off * es..(off + m) * es];
-                    bad = if op == OpKind::Reduce && me != root {
+                    bad = if op == Collective::Reduce && me != root {
                         int64_wrong(bytes, mine.iter().map(|&v| v as i64))
                     } else {
                         int64_wrong(bytes, (0..m).map(|i| int64_reference(redop, &inputs, i)))
@@ -330,7 +330,7 @@ pub fn run_case(
             }
             wrong
         }
-        OpKind::ReduceScatter => {
+        Collective::ReduceScatter => {
             let inputs: Vec<Vec<f64>> = (0..w).map(|r| Gen::new(seed, r, case, dtype).take(n * w)).collect();
             let mut send = vec![0u8; n * w * es];
             encode(dtype, &inputs[me], &mut send);
@@ -342,7 +342,7 @@ pub fn run_case(
             let want: Vec<(f64, f64)> = (me * n..(me + 1) * n).map(|i| reference(&inputs, i)).collect();
             count_wrong(&decode(dtype, &recv), &want)
         }
-        OpKind::Allgather => {
+        Collective::Allgather => {
             let inputs: Vec<Vec<f64>> = (0..w).map(|r| Gen::new(seed, r, case, dtype).take(n)).collect();
             let mut send = vec![0u8; n * es];
             encode(dtype, &inputs[me], &mut send);
@@ -351,7 +351,7 @@ pub fn run_case(
             let want: Vec<(f64, f64)> = inputs.iter().flatten().map(|&v| (v, 0.0)).collect();
             count_wrong(&decode(dtype, &recv), &want)
         }
-        OpKind::Broadcast => {
+        Collective::Broadcast => {
             let root_data = Gen::new(seed, root, case, dtype).take(n);
             let mut buf = vec![0u8; n * es];
             let mine = if me == root { root_data.clone() } else { Gen::new(seed, me, case, dtype).take(n) };
@@ -359,11 +359,10 @@ pub fn run_case(
             run_bytes(comm, req, &[], &mut buf)?;
             count_wrong(&decode(dtype, &buf), &root_data.iter().map(|&v| (v, 0.0)).collect::<Vec<_>>())
         }
-        OpKind::Barrier => {
+        Collective::Barrier => {
             comm.barrier()?;
             0
         }
-        OpKind::Send | OpKind::AllToAll => 0,
     })
 }
 

@@ -48,8 +48,8 @@ pub fn run(settings_only: bool) -> i32 {
     println!("transports");
     println!("  shm              {}", if shm_ok { "available (memfd shared through /proc/<pid>/fd)" } else { "UNAVAILABLE: memfd_create failed" });
     println!("  tcp              available");
-    match gradwire::transport::verbs::overrides() {
-        Ok(o) => print!("{}", gradwire::transport::verbs::device::explain(bootstrap_ip(), &o)),
+    match gradwire::transport::verbs_report(bootstrap_ip()) {
+        Ok(report) => print!("{report}"),
         Err(e) => println!("  verbs            INVALID override: {e}"),
     }
     #[cfg(feature = "cuda")]

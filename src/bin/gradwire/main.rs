@@ -13,7 +13,7 @@ mod verify;
 
 use clap::{Parser, Subcommand};
 use gradwire::config::parse_size;
-use gradwire::{Algo, Communicator, DType, OpKind, ReduceOp, TransportChoice};
+use gradwire::{Algo, Communicator, DType, Collective, ReduceOp, TransportChoice};
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -34,7 +34,7 @@ fn size_arg(s: &str) -> Result<usize, String> {
 /// What `gradwire bench` measures: a collective, or the remote-memory layer.
 #[derive(Clone, Copy)]
 enum BenchTarget {
-    Collective(OpKind),
+    Collective(Collective),
     Ps,
     TokenRing,
     Write,
@@ -49,14 +49,14 @@ fn bench_arg(s: &str) -> Result<BenchTarget, String> {
     }
 }
 
-fn collective_arg(s: &str) -> Result<OpKind, String> {
+fn collective_arg(s: &str) -> Result<Collective, String> {
     Ok(match s {
-        "allreduce" | "all_reduce" => OpKind::Allreduce,
-        "reduce_scatter" | "reducescatter" | "reduce-scatter" => OpKind::ReduceScatter,
-        "allgather" | "all_gather" => OpKind::Allgather,
-        "broadcast" | "bcast" => OpKind::Broadcast,
-        "reduce" => OpKind::Reduce,
-        "barrier" => OpKind::Barrier,
+        "allreduce" | "all_reduce" => Collective::Allreduce,
+        "reduce_scatter" | "reducescatter" | "reduce-scatter" => Collective::ReduceScatter,
+        "allgather" | "all_gather" => Collective::Allgather,
+        "broadcast" | "bcast" => Collective::Broadcast,
+        "reduce" => Collective::Reduce,
+        "barrier" => Collective::Barrier,
         _ => return Err(format!("unknown collective {s:?} (allreduce, reduce_scatter, allgather, broadcast, reduce, barrier)")),
     })
 }
@@ -150,7 +150,7 @@ enum Cmd {
         #[arg(long, default_value = "0", value_parser = size_arg)]
         large: usize,
         #[arg(long, value_delimiter = ',', value_parser = collective_arg, default_value = "allreduce,reduce_scatter,allgather,broadcast,reduce,barrier")]
-        collectives: Vec<OpKind>,
+        collectives: Vec<Collective>,
         #[arg(long, value_delimiter = ',', default_value = "float32,float64,float16,bfloat16,int8,uint8,int32,int64,bool")]
         dtypes: Vec<DType>,
         #[arg(long, value_delimiter = ',', default_value = "sum,avg,min,max,product")]

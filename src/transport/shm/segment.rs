@@ -54,8 +54,6 @@ pub struct ShmDomain {
     pub(super) layout: Layout,
     segs: Vec<Option<Region>>,
     pids: Vec<u32>,
-    /// Local ranks (including this one), ascending.
-    pub members: Vec<usize>,
 }
 
 // SAFETY: the regions are plain shared memory; all concurrent access goes through atomics
@@ -113,7 +111,7 @@ impl ShmDomain {
         }
         pids[rank] = pid;
         segs[rank] = Some(own);
-        Ok(Arc::new(ShmDomain { rank, layout, segs, pids, members: members.to_vec() }))
+        Ok(Arc::new(ShmDomain { rank, layout, segs, pids }))
     }
 
     pub(super) fn base(&self, r: usize) -> *mut u8 {

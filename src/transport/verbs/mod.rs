@@ -11,11 +11,11 @@
 //!   IMMEDIATE into a slotted ring at the peer, with credits returned by the receiver.
 //! - One-sided write/read/fetch-add of windows: [`RmaPeer`].
 
-pub mod connect;
+pub(crate) mod connect;
 pub mod device;
-pub mod link;
+pub(crate) mod link;
 
-pub mod sys;
+pub(crate) mod sys;
 
 use crate::config::TransportChoice;
 use crate::error::{Error, Result};
@@ -137,6 +137,13 @@ impl Drop for Domain {
         // SAFETY: every QP/CQ/MR holds an Arc<Domain>, so none is left.
         unsafe { (self.ctx.v.ibv_dealloc_pd)(self.pd) };
     }
+}
+
+/// What `gradwire info` says of verbs on this host: the devices, ports and GID tables,
+/// and the choice the settings (`GRADWIRE_IB_*`) lead to; an error for an invalid setting.
+/// `local` is the address of the interface the job's rendezvous goes through.
+pub fn report(local: Option<std::net::IpAddr>) -> Result<String> {
+    Ok(device::explain(local, &overrides()?))
 }
 
 /// The overrides from the environment.
