@@ -174,10 +174,12 @@ impl Communicator {
         self.run_blocking(|| "communicator setup".into(), job)
     }
 
+    /// This rank's index in the communicator.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// Ranks in the communicator.
     pub fn size(&self) -> usize {
         self.size
     }
@@ -205,6 +207,7 @@ impl Communicator {
         used
     }
 
+    /// The settings it was made with (`GRADWIRE_*`).
     pub fn config(&self) -> &Config {
         &self.config
     }

@@ -17,6 +17,7 @@
 //! | CLI | `src/bin` | `gradwire launch`, `bench`, `check`, `info`, `train`, `plot` |
 
 pub mod bootstrap;
+pub mod check;
 pub mod collective;
 pub mod comm;
 pub mod config;

@@ -75,18 +75,23 @@ impl From<Collective> for OpKind {
 /// A collective call, in bytes.
 #[derive(Clone, Copy, Debug)]
 pub struct Request {
+    /// The collective.
     pub op: Collective,
+    /// Element type of the buffers.
     pub dtype: DType,
+    /// Reduction, for allreduce, reduce-scatter and reduce.
     pub redop: ReduceOp,
     /// Elements per rank as the C/MPI conventions count them: the buffer for allreduce,
     /// broadcast and reduce; the receive part for reduce-scatter; the send part for allgather.
     pub count: usize,
+    /// Root rank of broadcast and reduce.
     pub root: usize,
     /// Allreduce override; `None` follows `GRADWIRE_ALGO`.
     pub algo: Option<Algo>,
 }
 
 impl Request {
+    /// A request of `count` elements, root 0, algorithm from the settings.
     pub fn new(op: Collective, dtype: DType, redop: ReduceOp, count: usize) -> Self {
         Request { op, dtype, redop, count, root: 0, algo: None }
     }

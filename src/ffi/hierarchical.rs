@@ -7,15 +7,17 @@ use super::{
     registry, take_handle, to_handle,
 };
 use crate::collective::hierarchical::{HierarchicalAlgo, Hierarchy, RawAllreduce};
+use crate::collective::Collective;
 use crate::collective::Request;
 use crate::error::{invalid, Result};
-use crate::collective::Collective;
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::Arc;
 
 /// Opaque hierarchy handle (never dereferenced; its address is a registry id).
 pub enum gradwire_hierarchy {}
+/// The hierarchy handle type of ffi/gradwire.h.
 pub type gradwire_hierarchy_t = gradwire_hierarchy;
+/// A hierarchical allreduce algorithm code (see ffi/gradwire.h).
 pub type gradwire_hierarchical_algo_t = c_uint;
 /// Reduce-scatter in the node, one cross-node allreduce per shard, allgather in the node.
 pub const GRADWIRE_HIERARCHICAL_SHARDED: gradwire_hierarchical_algo_t = 0;

@@ -15,13 +15,13 @@ pub use train::*;
 
 use crate::bootstrap::unique_id::{UniqueId, UNIQUE_ID_BYTES};
 use crate::collective::exchange::{Counts, P2pOp};
+use crate::collective::Collective;
 use crate::collective::Request;
 use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
 use crate::engine::Work;
 use crate::error::{invalid, Error, Result};
 use crate::mem::{Region, Registration};
-use crate::collective::Collective;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
@@ -33,11 +33,16 @@ use std::time::Duration;
 pub enum gradwire_comm {}
 /// Opaque work handle.
 pub enum gradwire_work {}
+/// The communicator handle type of ffi/gradwire.h.
 pub type gradwire_comm_t = gradwire_comm;
+/// The work handle type of ffi/gradwire.h.
 pub type gradwire_work_t = gradwire_work;
+/// An element type code (`GRADWIRE_FLOAT32`, ...; see ffi/gradwire.h).
 pub type gradwire_dtype_t = c_uint;
+/// A reduction code (`GRADWIRE_SUM`, ...; see ffi/gradwire.h).
 pub type gradwire_op_t = c_uint;
 
+/// Success.
 pub const GRADWIRE_OK: c_int = 0;
 /// A caught panic: a gradwire bug.
 pub const GRADWIRE_ERR_INTERNAL: c_int = -1;
@@ -266,6 +271,7 @@ pub unsafe extern "C" fn gradwire_init(comm_out: *mut *mut gradwire_comm_t) -> c
 /// A unique id's bytes (`gradwire_unique_id_t`).
 #[repr(C)]
 pub struct gradwire_unique_id_t {
+    /// The id's bytes (opaque to the caller).
     pub internal: [c_char; UNIQUE_ID_BYTES],
 }
 
@@ -419,7 +425,9 @@ pub unsafe extern "C" fn gradwire_ibroadcast(
     work: *mut *mut gradwire_work_t,
 ) -> c_int {
     let w = "gradwire_ibroadcast";
-    nonblocking(comm_p, w, work, buf, buf, || Ok(Request { root: root_of(root, w)?, ..Request::new(Collective::Broadcast, dtype(dt, w)?, ReduceOp::Sum, count) }))
+    nonblocking(comm_p, w, work, buf, buf, || {
+        Ok(Request { root: root_of(root, w)?, ..Request::new(Collective::Broadcast, dtype(dt, w)?, ReduceOp::Sum, count) })
+    })
 }
 
 /// # Safety
@@ -565,11 +573,17 @@ pub const GRADWIRE_P2P_RECV: c_uint = 1;
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct gradwire_p2p_op_t {
+    /// [`GRADWIRE_P2P_SEND`] or [`GRADWIRE_P2P_RECV`].
     pub kind: c_uint,
+    /// The other rank.
     pub peer: c_int,
+    /// Matched in order between two ranks: sender's and receiver's must agree.
     pub tag: c_uint,
+    /// Element type.
     pub dtype: gradwire_dtype_t,
+    /// Elements.
     pub count: usize,
+    /// The message's data (read for a send, written for a receive).
     pub buf: *mut c_void,
 }
 
@@ -679,6 +693,9 @@ fn prefixed(e: Error, what: &str) -> Error {
     }
 }
 
+/// Waits up to `timeout_ms` for a non-blocking call (negative: until it completes, within
+/// its own deadline); frees the handle once it has completed and returns its result
+/// (`GRADWIRE_ERR_TIMEOUT`, the handle still valid, when it is still running).
 #[no_mangle]
 pub extern "C" fn gradwire_wait(work: *mut gradwire_work_t, timeout_ms: i64) -> c_int {
     guard(|| {
@@ -765,6 +782,7 @@ pub unsafe extern "C" fn gradwire_reduce_scatter(
     reducing(comm_p, Collective::ReduceScatter, recvcount, dt, op, sendbuf, recvbuf, "gradwire_reduce_scatter")
 }
 
+/// Returns once every rank of the communicator has entered the barrier.
 #[no_mangle]
 pub extern "C" fn gradwire_barrier(comm_p: *mut gradwire_comm_t) -> c_int {
     guard(|| comm(comm_p, "gradwire_barrier")?.1.barrier())
@@ -792,6 +810,7 @@ pub unsafe extern "C" fn gradwire_alloc(comm_p: *mut gradwire_comm_t, bytes: usi
     })
 }
 
+/// Frees memory `gradwire_alloc` gave on this communicator.
 #[no_mangle]
 pub extern "C" fn gradwire_free(comm_p: *mut gradwire_comm_t, ptr: *mut c_void) -> c_int {
     guard(|| {
@@ -838,6 +857,8 @@ pub unsafe extern "C" fn gradwire_register(comm_p: *mut gradwire_comm_t, ptr: *m
     })
 }
 
+/// Gives back memory registered with `gradwire_register`: its pages become private again,
+/// with their contents.
 #[no_mangle]
 pub extern "C" fn gradwire_deregister(comm_p: *mut gradwire_comm_t, ptr: *mut c_void) -> c_int {
     guard(|| {
@@ -850,6 +871,7 @@ pub extern "C" fn gradwire_deregister(comm_p: *mut gradwire_comm_t, ptr: *mut c_
     })
 }
 
+/// Destroys a communicator, its strategies and hierarchies; waits for its pending calls.
 #[no_mangle]
 pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
     guard(|| {
@@ -878,6 +900,7 @@ pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
     })
 }
 
+/// The message of this thread's last failed call (valid until its next call), or "".
 #[no_mangle]
 pub extern "C" fn gradwire_last_error() -> *const c_char {
     // After this thread's locals are gone (a C++ thread_local destructor), empty text.

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 
 /// Opaque strategy handle (never dereferenced; its address is a registry id).
 pub enum gradwire_strategy {}
+/// The strategy handle type of ffi/gradwire.h.
 pub type gradwire_strategy_t = gradwire_strategy;
 
 /// A scheme and the communicator it runs on.

@@ -11,17 +11,26 @@ use std::fmt;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum OpKind {
+    /// [`crate::Collective::Allreduce`].
     Allreduce = 1,
+    /// [`crate::Collective::ReduceScatter`].
     ReduceScatter = 2,
+    /// [`crate::Collective::Allgather`].
     Allgather = 3,
+    /// [`crate::Collective::Broadcast`].
     Broadcast = 4,
+    /// [`crate::Collective::Reduce`].
     Reduce = 5,
+    /// [`crate::Collective::Barrier`].
     Barrier = 6,
+    /// A point-to-point message (its tag travels as the root).
     Send = 7,
+    /// An all-to-all exchange.
     AllToAll = 8,
 }
 
 impl OpKind {
+    /// Its name in messages, e.g. `reduce_scatter`.
     pub fn name(self) -> &'static str {
         match self {
             OpKind::Allreduce => "allreduce",
@@ -53,11 +62,17 @@ impl OpKind {
 /// One collective call as a rank issued it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CallHeader {
+    /// The operation.
     pub op: OpKind,
+    /// Element type of the buffers.
     pub dtype: DType,
+    /// Reduction (sum for operations that do not reduce).
     pub redop: ReduceOp,
+    /// Root rank of a rooted collective; a point-to-point message's tag.
     pub root: u32,
+    /// Elements, as the call counts them (see [`crate::Request::count`]).
     pub count: u64,
+    /// The communicator's sequence number of the call (point-to-point: per peer).
     pub seq: u64,
 }
 
@@ -77,6 +92,7 @@ impl fmt::Display for CallHeader {
     }
 }
 
+/// Bytes of an encoded [`FrameHeader`].
 pub const HEADER_LEN: usize = 40;
 const MAGIC: u32 = u32::from_le_bytes(*b"GWF1");
 
@@ -84,6 +100,7 @@ const MAGIC: u32 = u32::from_le_bytes(*b"GWF1");
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum FrameKind {
+    /// A message of a call (header, then `len` payload bytes).
     Data = 1,
     /// The sender aborted its communicator; the payload is its error text.
     Abort = 2,
@@ -92,13 +109,18 @@ pub enum FrameKind {
 /// A decoded frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FrameHeader {
+    /// Data or abort.
     pub kind: FrameKind,
+    /// The call the message belongs to.
     pub call: CallHeader,
+    /// The algorithm's step (messages of one call between two ranks are told apart by it).
     pub step: u32,
+    /// Payload bytes that follow the header.
     pub len: u64,
 }
 
 impl FrameHeader {
+    /// The header's wire form (little-endian, starting with a magic number).
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
@@ -114,6 +136,8 @@ impl FrameHeader {
         b
     }
 
+    /// Parses a header received from a peer: an error for anything a correct peer never
+    /// sends (bad magic, unknown codes).
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Self> {
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or_default());
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());

@@ -21,8 +21,8 @@ pub(crate) mod verbs;
 mod wait;
 
 pub use links::payload_bytes_sent;
-pub use verbs::report as verbs_report;
 pub(crate) use links::{Links, RecvOp, SendOp, Sink, Span};
+pub use verbs::report as verbs_report;
 pub(crate) use wait::Backoff;
 
 use std::io::IoSlice;

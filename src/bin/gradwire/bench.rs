@@ -1,8 +1,8 @@
 //! `gradwire bench`: nccl-tests style tables (size, count, type, redop, time, algbw, busbw,
 //! #wrong), run under `gradwire launch`; CSV and JSON output for scripts.
 
-use crate::check::{job_seed, run_bytes, run_case, Buffers};
-use gradwire::{Algo, Communicator, DType, Collective, ReduceOp, Region, RegionKind, Registration, Request, Result};
+use gradwire::check::{job_seed, run_bytes, run_case, Buffers};
+use gradwire::{Algo, Collective, Communicator, DType, ReduceOp, Region, RegionKind, Registration, Request, Result};
 use std::io::Write;
 use std::time::Instant;
 

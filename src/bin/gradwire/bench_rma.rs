@@ -43,7 +43,7 @@ pub fn ps(comm: &Communicator, sizes: &[usize], iters: usize, check: bool) -> Re
         return Err(gradwire::Error::InvalidArgument("bench ps needs at least 2 ranks".into()));
     }
     let me = comm.rank();
-    let seed = crate::check::job_seed(comm)?;
+    let seed = gradwire::check::job_seed(comm)?;
     let mut all_ok = true;
     if me == 0 {
         println!("# gradwire bench ps: shard on rank 0, rank 1 pushes and pulls; links {:?}", comm.link_kinds()[1].map_or("self", |t| t.name()));

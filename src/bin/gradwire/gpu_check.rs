@@ -13,7 +13,7 @@ fn inputs(seed: u64, rank: usize, n: usize) -> Vec<f32> {
 }
 
 pub fn run(comm: &Communicator, hierarchical: bool) -> Result<bool> {
-    let seed = crate::check::job_seed(comm)?;
+    let seed = gradwire::check::job_seed(comm)?;
     let node = comm.split_node_local()?;
     let devices = cudarc::driver::CudaContext::device_count().unwrap_or(1).max(1) as usize;
     let nccl = NcclGroup::new(&node, node.rank() % devices)?;

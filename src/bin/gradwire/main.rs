@@ -2,18 +2,16 @@
 
 mod bench;
 mod bench_rma;
-mod check;
 #[cfg(feature = "cuda")]
 mod gpu_check;
 mod info;
 mod launch;
 mod plot;
 mod train;
-mod verify;
 
 use clap::{Parser, Subcommand};
 use gradwire::config::parse_size;
-use gradwire::{Algo, Communicator, DType, Collective, ReduceOp, TransportChoice};
+use gradwire::{Algo, Collective, Communicator, DType, ReduceOp, TransportChoice};
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -138,7 +136,7 @@ enum Cmd {
         /// these buffers without a copy), registered (private, made shared in place by
         /// `gradwire_register`) or mixed (shared on even ranks).
         #[arg(long, default_value = "private")]
-        buffers: check::Buffers,
+        buffers: gradwire::check::Buffers,
     },
     /// Correctness matrix: every collective x dtype x op x count against an independent
     /// reference on fresh random data (run under `gradwire launch`).
@@ -181,7 +179,7 @@ enum Cmd {
         /// Allreduce buffers: private, shared (gradwire's allocator), registered (private,
         /// made shared in place) or mixed (shared on even ranks).
         #[arg(long, default_value = "private")]
-        buffers: check::Buffers,
+        buffers: gradwire::check::Buffers,
         #[arg(short, long)]
         verbose: bool,
     },
@@ -300,7 +298,7 @@ fn main() {
                     // Pushes under the dynamic-delay policy with randomized worker speeds; it
                     // always checks conservation, and the verdict decides the exit status
                     // under --check.
-                    let conserved = check::token_ring(&c, 300, false, None)?;
+                    let conserved = gradwire::check::token_ring(&c, 300, false, None)?;
                     Ok(conserved || !check)
                 }),
             )
@@ -332,14 +330,14 @@ fn main() {
         Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, hierarchical, overlap, token_ring, cyclic, kill, buffers, verbose } => {
             let kill = kill.and_then(|k| k.split_once(':').and_then(|(r, s)| Some((r.parse().ok()?, s.parse().ok()?))));
             set_transport(transport);
-            let args = check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose, hierarchical, buffers };
+            let args = gradwire::check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose, hierarchical, buffers };
             exit_code(
                 "check",
                 Communicator::init().and_then(|c| match (overlap, split) {
-                    _ if token_ring.is_some() => check::token_ring(&c, token_ring.unwrap_or(0), cyclic, kill),
-                    (Some(iters), _) => check::overlap(&c, iters),
-                    (None, true) => check::run_split(&c, &args),
-                    (None, false) => check::run(&c, &args),
+                    _ if token_ring.is_some() => gradwire::check::token_ring(&c, token_ring.unwrap_or(0), cyclic, kill),
+                    (Some(iters), _) => gradwire::check::overlap(&c, iters),
+                    (None, true) => gradwire::check::run_split(&c, &args),
+                    (None, false) => gradwire::check::run(&c, &args),
                 }),
             )
         }

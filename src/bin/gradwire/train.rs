@@ -153,7 +153,7 @@ fn strategy_config(a: &TrainArgs) -> Result<StrategyConfig> {
 /// "  replicas identical" when every rank's parameters are bit-identical, else how far
 /// apart they are. Collective.
 fn replica_state(comm: &Communicator, params: &[f32]) -> Result<String> {
-    let fp = crate::verify::fingerprint(&params.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<u8>>());
+    let fp = gradwire::check::reference::fingerprint(&params.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<u8>>());
     let mut all = vec![0f64; 2 * comm.size()];
     comm.allgather(&[(fp >> 32) as f64, (fp & 0xffff_ffff) as f64], &mut all)?;
     if all.chunks(2).all(|c| c == &all[..2]) {

@@ -1,11 +1,11 @@
 //! Random test data and the independent reference every correctness check compares with.
 //!
 //! Every rank can regenerate every other rank's input from (seed, rank, case) (see
-//! `check::Gen`), so the reference is computed here in f64 straight from the inputs — no
+//! `check::case`), so the reference is computed here in f64 straight from the inputs — no
 //! gradwire code involved. Integer inputs are drawn where f64 holds them exactly; their
 //! reference is computed in 128-bit wrapping arithmetic and wrapped to the type, as C does.
 
-use gradwire::{DType, ReduceOp};
+use crate::{DType, ReduceOp};
 use half::{bf16, f16};
 
 /// Rounds an f64 to the nearest value of `dtype`; an integral value wraps into an integer
