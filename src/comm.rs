@@ -3,6 +3,7 @@
 
 use crate::bootstrap::{Bootstrap, StoreClient, Topology};
 use crate::collective::algos::{dissemination_barrier, Ctx};
+use crate::collective::exchange::P2pCounters;
 use crate::collective::shm::OneHost;
 use crate::config::Config;
 use crate::dtype::{DType, ReduceOp};
@@ -11,7 +12,7 @@ use crate::error::{config, Error, Result};
 use crate::mem::Region;
 use crate::transport::backend::{connect_links, Connected, Setup};
 use crate::transport::frame::{CallHeader, OpKind};
-use crate::transport::onesided::{RmaService, Window, WindowSetup};
+use crate::transport::onesided::{RmaService, Window, WindowSetup, Windows};
 use crate::transport::{Links, Transport};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,32 +27,44 @@ pub struct Communicator {
     size: usize,
     /// Host index of every rank of this communicator.
     topology: Topology,
-    pub(crate) config: Config,
-    engine: Engine,
-    splits: AtomicU64,
-    pub(crate) store: Option<Arc<StoreClient>>,
-    secret: String,
-    pub(crate) prefix: String,
-    /// Transport used to reach each peer (`None`: this rank).
-    link_kinds: Vec<Option<Transport>>,
     /// Global rank of each rank of this communicator.
     global_ranks: Vec<usize>,
+    pub(crate) config: Config,
+    pub(crate) rendezvous: Rendezvous,
+    /// Transport used to reach each peer (`None`: this rank).
+    link_kinds: Vec<Option<Transport>>,
+    engine: Engine,
     /// The one-host allreduce, when some peers share this host through shared memory.
     pub(crate) one_host: Option<Arc<OneHost>>,
-    /// Serves one-sided operations from tcp peers; started by the first `expose`.
-    rma: std::sync::OnceLock<RmaService>,
-    /// The RDMA device this communicator's verbs links (and windows) use.
-    verbs: VerbsDomain,
-    windows: AtomicU64,
-    /// Per-peer message counters of point-to-point send/recv (their header sequence).
-    pub(crate) p2p_sent: Vec<AtomicU64>,
-    pub(crate) p2p_received: Vec<AtomicU64>,
-    _bootstrap: Option<Arc<Bootstrap>>,
+    windows: Windows,
+    pub(crate) p2p: P2pCounters,
+}
+
+/// Where a communicator meets its peers outside its links: the rendezvous store under the
+/// communicator's key prefix, and the job secret that proves a connection is the job's.
+pub(crate) struct Rendezvous {
+    /// `None` for a group of one.
+    pub(crate) store: Option<Arc<StoreClient>>,
+    pub(crate) secret: String,
+    pub(crate) prefix: String,
+    /// Sub-communicators made so far (each gets a prefix of its own).
+    pub(crate) splits: AtomicU64,
+    /// What keeps the store (on rank 0) alive while any communicator of the job lives.
+    pub(crate) bootstrap: Option<Arc<Bootstrap>>,
+}
+
+impl Rendezvous {
+    /// A sub-communicator's: the same store (unless it is a group of one) and secret, its
+    /// own prefix.
+    pub(crate) fn child(&self, prefix: String, alone: bool) -> Rendezvous {
+        let store = if alone { None } else { self.store.clone() };
+        Rendezvous { store, secret: self.secret.clone(), prefix, splits: AtomicU64::new(0), bootstrap: self.bootstrap.clone() }
+    }
 }
 
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Communicator({}, rank {}/{})", self.prefix, self.rank, self.size)
+        write!(f, "Communicator({}, rank {}/{})", self.rendezvous.prefix, self.rank, self.size)
     }
 }
 
@@ -91,31 +104,33 @@ impl Communicator {
         let boot = Arc::new(Bootstrap::new(env, deadline)?);
         let (rank, size) = (boot.env.rank, boot.env.world);
         let topo = boot.topology.clone();
-        let store = boot.store.clone();
-        let secret = boot.env.secret.clone();
-        let prefix = format!("w{}", boot.generation);
-        let comm = Self::build(rank, size, topo, cfg, store, secret, prefix, deadline, Some(boot.clone()), (0..size).collect())?;
+        let rendezvous = Rendezvous {
+            store: boot.store.clone(),
+            secret: boot.env.secret.clone(),
+            prefix: format!("w{}", boot.generation),
+            splits: AtomicU64::new(0),
+            bootstrap: Some(boot.clone()),
+        };
+        let comm = Self::build(rank, size, topo, cfg, rendezvous, deadline, (0..size).collect())?;
         // Before the closing barrier: after it a rank may exit, rank 0's store with it.
         boot.check_setup()?;
         comm.closing_agreement(deadline)?;
         Ok(comm)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn build(
+    /// Connects this rank to its peers (`topology`'s ranks) and starts its engine.
+    pub(crate) fn build(
         rank: usize,
         size: usize,
         topology: Topology,
         cfg: Config,
-        store: Option<Arc<StoreClient>>,
-        secret: String,
-        prefix: String,
+        rendezvous: Rendezvous,
         deadline: Instant,
-        boot: Option<Arc<Bootstrap>>,
         global_ranks: Vec<usize>,
     ) -> Result<Self> {
+        let (store, secret, prefix) = (&rendezvous.store, &rendezvous.secret, &rendezvous.prefix);
         let abort = Arc::new(AtomicBool::new(false));
-        let setup = store.as_deref().map(|store| Setup { prefix: &prefix, rank, size, store, secret: &secret, cfg: &cfg, deadline });
+        let setup = store.as_deref().map(|store| Setup { prefix, rank, size, store, secret, cfg: &cfg, deadline });
         let Connected { links, shm, shm_peers, verbs } = connect_links(&cfg, rank, size, &topology, setup.as_ref())?;
         let link_kinds = (0..size).map(|p| links[p].as_ref().map(|l| l.kind())).collect();
         let shm_all = shm.is_some() && shm_peers.len() + 1 == size;
@@ -126,36 +141,28 @@ impl Communicator {
         log::debug!("rank {rank}: {here} ranks on this host, {cpus} CPUs for them: spin {} us before yielding", spin.as_micros());
         let links = Links::new(rank, links, abort.clone(), spin);
         let one_host = shm.clone().map(|dom| Arc::new(OneHost::new(dom, shm_all, spin, cfg.shm_stores, cfg.shm_cma)));
-        let state = EngineState::new(rank, size, links, shm, abort, global_ranks.clone()).with_store(store.clone(), &prefix);
+        let state = EngineState::new(rank, size, links, shm, abort, global_ranks.clone()).with_store(store.clone(), prefix);
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
-        let comm = Communicator {
+        Ok(Communicator {
             rank,
             size,
             topology,
-            config: cfg,
-            engine,
-            splits: AtomicU64::new(0),
-            store,
-            secret,
-            prefix,
-            link_kinds,
-            one_host,
-            rma: std::sync::OnceLock::new(),
-            verbs,
             global_ranks,
-            windows: AtomicU64::new(0),
-            p2p_sent: (0..size).map(|_| AtomicU64::new(0)).collect(),
-            p2p_received: (0..size).map(|_| AtomicU64::new(0)).collect(),
-            _bootstrap: boot,
-        };
-        Ok(comm)
+            config: cfg,
+            rendezvous,
+            link_kinds,
+            engine,
+            one_host,
+            windows: Windows::new(verbs),
+            p2p: P2pCounters::new(size),
+        })
     }
 
     /// The last step of setup: returns once every rank has finished its own, so that a
     /// rank may exit as soon as init returns without a peer still opening its shared
     /// memory or asking its store (rank 0) for something. A barrier over the new links
     /// (proving them too), outside the collectives' sequence numbers.
-    fn closing_agreement(&self, deadline: Instant) -> Result<()> {
+    pub(crate) fn closing_agreement(&self, deadline: Instant) -> Result<()> {
         if self.size == 1 {
             return Ok(());
         }
@@ -226,31 +233,6 @@ impl Communicator {
         self.engine.run_blocking(what, job)
     }
 
-    /// Splits into sub-communicators by `color` (ranks with equal colour form one group,
-    /// ordered by `key`, then by rank). A negative colour joins no group (`None`). Every
-    /// rank must call it, in the same order relative to other collectives.
-    pub fn split(&self, color: i32, key: i32) -> Result<Option<Communicator>> {
-        let n = self.splits.fetch_add(1, Ordering::Relaxed);
-        let mine = [color as f64, key as f64];
-        let mut all = vec![0f64; 2 * self.size];
-        self.allgather(&mine, &mut all)?;
-        if color < 0 {
-            return Ok(None);
-        }
-        let mut members: Vec<(i32, usize)> = (0..self.size).filter(|&r| all[2 * r] as i32 == color).map(|r| (all[2 * r + 1] as i32, r)).collect();
-        members.sort();
-        let ranks: Vec<usize> = members.iter().map(|m| m.1).collect();
-        let new_rank = ranks.iter().position(|&r| r == self.rank).unwrap_or(0);
-        let topo = self.topology.subset(&ranks);
-        let prefix = format!("{}/s{n}c{color}", self.prefix);
-        let deadline = Instant::now() + self.config.timeout;
-        let store = if ranks.len() > 1 { self.store.clone() } else { None };
-        let global = ranks.iter().map(|&r| self.global_ranks[r]).collect();
-        let sub = Self::build(new_rank, ranks.len(), topo, self.config.clone(), store, self.secret.clone(), prefix, deadline, self._bootstrap.clone(), global)?;
-        sub.closing_agreement(deadline)?;
-        Ok(Some(sub))
-    }
-
     /// Exposes `region` for one-sided write/read/fetch-add by every rank and connects to
     /// every rank's exposed region. Collective: every rank calls it, in the same order.
     /// Ranks on this host map the region directly, so it must be `Region::shared` when the
@@ -262,46 +244,29 @@ impl Communicator {
     /// [`Communicator::expose`], with `accumulate` applying what tcp peers send through
     /// [`Window::accumulate`] to `region`.
     pub fn expose_with(&self, region: Arc<Region>, accumulate: Option<Arc<dyn crate::transport::onesided::Accumulate>>) -> Result<Window> {
-        let id = self.windows.fetch_add(1, Ordering::Relaxed);
+        let id = self.windows.next_id();
         let shm_peer: Vec<bool> = self.link_kinds.iter().map(|k| *k == Some(Transport::Shm)).collect();
+        let rdv = &self.rendezvous;
         let service = if self.link_kinds.contains(&Some(Transport::Tcp)) {
-            let store = self.store.as_ref().ok_or_else(|| config("no rendezvous store"))?;
-            if self.rma.get().is_none() {
-                let svc = RmaService::start(store.local_ip()?, &self.secret, &format!("rma:{}", self.prefix), self.rank)?;
-                let _ = self.rma.set(svc);
-            }
-            self.rma.get()
+            let store = rdv.store.as_ref().ok_or_else(|| config("no rendezvous store"))?;
+            Some(self.windows.service(|| RmaService::start(store.local_ip()?, &rdv.secret, &format!("rma:{}", rdv.prefix), self.rank))?)
         } else {
             None
         };
         let verbs_peer: Vec<bool> = self.link_kinds.iter().map(|k| *k == Some(Transport::Verbs)).collect();
         let w = WindowSetup {
-            verbs: self.verbs.as_ref().map(|d| (d, verbs_peer.as_slice())),
-            prefix: &self.prefix,
+            verbs: self.windows.verbs().map(|d| (d, verbs_peer.as_slice())),
+            prefix: &rdv.prefix,
             id,
             rank: self.rank,
             world: self.size,
             shm_peer: &shm_peer,
-            store: self.store.as_deref(),
+            store: rdv.store.as_deref(),
             service,
-            secret: &self.secret,
+            secret: &rdv.secret,
             timeout: self.config.timeout,
             accumulate,
         };
         Window::create(w, region)
     }
-
-    /// The ranks of this rank's host, as a communicator (the intra-node group).
-    pub fn split_node_local(&self) -> Result<Communicator> {
-        let host = self.topology.host_of[self.rank] as i32;
-        self.split(host, self.rank as i32)?.ok_or_else(|| config("node-local split produced no group"))
-    }
-
-    /// One rank per host with the same local index (the cross-node group of that index).
-    pub fn split_cross_node(&self) -> Result<Communicator> {
-        let local_index = self.topology.local_ranks(self.rank).iter().position(|&r| r == self.rank).unwrap_or(0) as i32;
-        self.split(local_index, self.rank as i32)?.ok_or_else(|| config("cross-node split produced no group"))
-    }
 }
-
-type VerbsDomain = Option<Arc<crate::transport::verbs::Domain>>;

@@ -8,19 +8,28 @@ use half::{bf16, f16};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum DType {
+    /// IEEE 754 single precision (`float32`).
     F32 = 0,
+    /// IEEE 754 double precision (`float64`).
     F64 = 1,
+    /// IEEE 754 half precision (`float16`).
     F16 = 2,
+    /// bfloat16: single precision's exponent with an 8-bit significand (`bfloat16`).
     BF16 = 3,
+    /// Signed 8-bit integer (`int8`).
     I8 = 4,
+    /// Unsigned 8-bit integer (`uint8`).
     U8 = 5,
+    /// Signed 32-bit integer (`int32`).
     I32 = 6,
+    /// Signed 64-bit integer (`int64`).
     I64 = 7,
     /// One byte, 0 false and anything else true (as C's and torch's `bool`).
     Bool = 8,
 }
 
 impl DType {
+    /// Every type, indexed by its discriminant (so `ALL[code]` decodes a wire/C value).
     pub const ALL: [DType; 9] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I8, DType::U8, DType::I32, DType::I64, DType::Bool];
     /// The floating-point types (the ones `avg` is defined for).
     pub const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
@@ -95,9 +104,13 @@ impl std::str::FromStr for DType {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum ReduceOp {
+    /// Elementwise sum.
     Sum = 0,
+    /// Elementwise sum divided by the number of ranks (floating-point types only).
     Avg = 1,
+    /// Elementwise minimum.
     Min = 2,
+    /// Elementwise maximum.
     Max = 3,
     /// Integers wrap on overflow, as in C and torch; on `bool`, sum and max are a logical
     /// or, product and min a logical and.
@@ -105,8 +118,10 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// Every operation, indexed by its discriminant (so `ALL[code]` decodes a wire/C value).
     pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max, ReduceOp::Product];
 
+    /// Short name as used by the CLI and in messages.
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
@@ -149,8 +164,12 @@ impl std::str::FromStr for ReduceOp {
 /// A Rust element type gradwire can reduce. Sealed to the wire types (`bool` excepted: a
 /// reduced byte need not be 0 or 1, which a Rust `bool` must be).
 pub trait Element: Copy + Send + Sync + 'static + private::Sealed {
+    /// The wire type of this Rust type.
     const DTYPE: DType;
+    /// Converts to `f64` (exact for every float type; for integers up to 2^53).
     fn to_f64(self) -> f64;
+    /// Converts from `f64` with Rust's `as` semantics (rounding for floats, truncating and
+    /// saturating for integers).
     fn from_f64(v: f64) -> Self;
 }
 

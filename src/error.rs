@@ -20,24 +20,61 @@ pub enum Error {
 
     /// A deadline passed while waiting for a peer.
     #[error("rank {rank}: timed out after {waited_ms} ms in {op} waiting for rank {peer}")]
-    Timeout { rank: usize, peer: usize, op: String, waited_ms: u64 },
+    Timeout {
+        /// The rank that waited.
+        rank: usize,
+        /// The rank it was waiting for.
+        peer: usize,
+        /// The operation that waited.
+        op: String,
+        /// How long it waited, in milliseconds.
+        waited_ms: u64,
+    },
 
     /// A bounded wait on a non-blocking operation ended before the operation did; the
     /// operation goes on and can be waited for again.
     #[error("the operation is still running after {waited_ms} ms; wait for it again")]
-    StillRunning { waited_ms: u64 },
+    StillRunning {
+        /// How long the bounded wait lasted, in milliseconds.
+        waited_ms: u64,
+    },
 
     /// A peer went away (process died, connection closed) during an operation.
     #[error("rank {rank}: lost rank {peer} during {op}: {cause}")]
-    PeerLost { rank: usize, peer: usize, op: String, cause: String },
+    PeerLost {
+        /// The rank that noticed the loss.
+        rank: usize,
+        /// The rank that went away.
+        peer: usize,
+        /// The operation under way.
+        op: String,
+        /// What was observed (the OS error or the closed connection).
+        cause: String,
+    },
 
     /// Two ranks issued different collective calls at the same point in their sequence.
     #[error("collective mismatch: rank {rank} called {mine} but rank {peer} called {theirs}")]
-    Mismatch { rank: usize, mine: String, peer: usize, theirs: String },
+    Mismatch {
+        /// The rank that detected the mismatch.
+        rank: usize,
+        /// The call this rank made.
+        mine: String,
+        /// The rank that disagrees.
+        peer: usize,
+        /// The call that peer made.
+        theirs: String,
+    },
 
     /// A peer aborted the communicator; `reason` is that peer's own error text.
     #[error("rank {rank}: communicator aborted by rank {peer}: {reason}")]
-    Aborted { rank: usize, peer: usize, reason: String },
+    Aborted {
+        /// The rank that received the abort.
+        rank: usize,
+        /// The rank that aborted.
+        peer: usize,
+        /// The aborting peer's error text.
+        reason: String,
+    },
 
     /// A peer failed the job-secret check or spoke a different protocol.
     #[error("authentication: {0}")]
@@ -50,7 +87,9 @@ pub enum Error {
     /// An operating-system call failed.
     #[error("{what}: {source}")]
     Io {
+        /// What was being attempted.
         what: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },

@@ -199,14 +199,17 @@ impl NcclGroup {
         Ok(NcclGroup { comm, stream, ctx, staging: std::sync::Mutex::new(None) })
     }
 
+    /// The CUDA context of this rank's device, for allocating the buffers passed in.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
 
+    /// This rank's index in the NCCL communicator (the same as in `group`).
     pub fn rank(&self) -> usize {
         self.comm.rank()
     }
 
+    /// Number of ranks in the NCCL communicator.
     pub fn size(&self) -> usize {
         self.comm.world_size()
     }

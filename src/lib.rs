@@ -8,7 +8,7 @@
 //! | memory | [`mem`], [`dtype`] | page-aligned regions (anonymous, huge pages, memfd-shared), registration, `GradBuffer` slots; element types and reduction ops |
 //! | bootstrap | [`bootstrap`] | rank identity from the environment, unique ids, authenticated rendezvous store, topology |
 //! | transport | [`transport`] | point-to-point links (`shm`, `tcp`, `verbs`), the framed, checked exchange on top, one-sided windows |
-//! | engine | [`engine`] | progress thread per communicator, `Work` handles, deadlines, abort |
+//! | engine | `engine` | progress thread per communicator, `Work` handles, deadlines, abort |
 //! | collectives | [`collective`], [`comm`] | the algorithms (one-host shared-buffer forms, rings, the hierarchical allreduce, all-to-all and point-to-point) and the `Communicator` API |
 //! | GPU | `gpu` (feature `cuda`) | NCCL inside a node through cudarc (loaded at run time), GPU hierarchical allreduce |
 //! | remote memory | [`rma`] | parameter-server shards and the token ring on one-sided operations |

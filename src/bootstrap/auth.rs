@@ -220,6 +220,7 @@ impl Handshakes {
         Some(id)
     }
 
+    /// Counts out the handshake that [`Handshakes::admit`] returned `id` for (proven or failed).
     pub fn done(&self, id: u64) {
         self.pending.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _, _)| *i != id);
     }

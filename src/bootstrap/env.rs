@@ -7,14 +7,20 @@ use crate::error::{config, Result};
 /// Rank identity and rendezvous point, as given by the launcher.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankEnv {
+    /// This process's rank, below `world` (`GRADWIRE_RANK`, `RANK`, `OMPI_COMM_WORLD_RANK`, `PMI_RANK` or `SLURM_PROCID`).
     pub rank: usize,
+    /// Number of ranks in the job, 1 to [`MAX_WORLD`] (`GRADWIRE_WORLD_SIZE`, `WORLD_SIZE`, `OMPI_COMM_WORLD_SIZE`, ...).
     pub world: usize,
     /// Local rank as the launcher stated it (gradwire recomputes it from host identity and
     /// checks the two agree).
     pub local_rank: Option<usize>,
+    /// Ranks on this host as the launcher stated it (`None`: not given).
     pub local_world: Option<usize>,
+    /// Host of rank 0's rendezvous store (`GRADWIRE_MASTER_ADDR`, else `MASTER_ADDR`; `127.0.0.1` for a single rank).
     pub master_addr: String,
+    /// Port of that store (`GRADWIRE_MASTER_PORT`, else `MASTER_PORT`; 0 for a single rank that was given none).
     pub master_port: u16,
+    /// Job secret every rank proves (`GRADWIRE_JOB_SECRET`, at least 8 characters; may be empty for a single rank).
     pub secret: String,
     /// The rendezvous store runs already (a unique id's): no rank hosts one.
     pub store_exists: bool,

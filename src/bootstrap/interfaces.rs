@@ -6,9 +6,13 @@ use std::net::Ipv4Addr;
 /// One IPv4 address of a local interface.
 #[derive(Clone, Copy, Debug)]
 pub struct Ipv4Interface {
+    /// The interface's address.
     pub addr: Ipv4Addr,
+    /// Its netmask (the subnet is `addr & mask`).
     pub mask: Ipv4Addr,
+    /// Whether the interface is administratively up (`IFF_UP`).
     pub up: bool,
+    /// Whether it is a loopback interface (`IFF_LOOPBACK`).
     pub loopback: bool,
 }
 

@@ -71,6 +71,7 @@ impl Topology {
         self.machine_load[rank]
     }
 
+    /// Number of distinct hosts (0 for an empty topology).
     pub fn hosts(&self) -> usize {
         self.host_of.iter().max().map_or(0, |m| m + 1)
     }
@@ -80,6 +81,7 @@ impl Topology {
         (0..self.host_of.len()).filter(|&r| self.host_of[r] == self.host_of[rank]).collect()
     }
 
+    /// Whether ranks `a` and `b` are on one host (and so can share memory).
     pub fn same_host(&self, a: usize, b: usize) -> bool {
         self.host_of[a] == self.host_of[b]
     }
@@ -106,8 +108,11 @@ pub fn host_id() -> String {
 
 /// Everything a communicator needs from the launcher: identity, store, topology.
 pub struct Bootstrap {
+    /// This rank's identity and rendezvous point.
     pub env: RankEnv,
+    /// Client of the job's rendezvous store (`None` for a job of one rank, which needs none).
     pub store: Option<Arc<StoreClient>>,
+    /// Which ranks share a host.
     pub topology: Topology,
     /// This rank's how-manieth communicator of the job in this process (0 for the first):
     /// every rendezvous key and handshake of the communicator carries it, so two
@@ -176,6 +181,10 @@ impl Bootstrap {
         Self::new(env, deadline)
     }
 
+    /// As [`Bootstrap::from_env`], with an identity given by the caller: rank 0 (unless a unique
+    /// id's store runs already) hosts the store, every rank publishes its host identity and reads
+    /// everyone else's. Fails within `deadline`, naming a missing rank, a rank started twice, or
+    /// ranks that disagree on the world size.
     pub fn new(env: RankEnv, deadline: Instant) -> Result<Self> {
         let started = Instant::now();
         if env.world == 1 {

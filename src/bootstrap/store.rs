@@ -35,6 +35,7 @@ type Table = Arc<(Mutex<HashMap<String, Vec<u8>>>, Condvar)>;
 
 /// The server half: accepts authenticated clients on a background thread each.
 pub struct StoreServer {
+    /// The address it listens on (with the port the kernel gave, if it was asked for 0).
     pub addr: std::net::SocketAddr,
     table: Table,
     /// Authenticated connections now open.
@@ -285,6 +286,7 @@ impl StoreClient {
         })
     }
 
+    /// Stores `value` under `key`, replacing any earlier value; gives up after about 10 s.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         self.set_within(key, value, Duration::from_secs(10))
     }

@@ -21,8 +21,11 @@ const MAGIC: &str = "gwid1";
 /// Where the members rendezvous and the secret they present.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UniqueId {
+    /// Address members dial to reach the store (see [`UniqueId::create`]).
     pub host: String,
+    /// The store's TCP port.
     pub port: u16,
+    /// The job secret members present (64 hex digits for a created id).
     pub secret: String,
 }
 

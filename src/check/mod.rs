@@ -1,11 +1,11 @@
 //! The conformance check `gradwire check` runs on a job (and the test suite through it):
 //! every collective x dtype x op x count (x allreduce algorithm), each compared with the
-//! independent reference of [`reference`] on fresh random data, plus a check that all ranks
+//! independent reference of [`reference`](mod@reference) on fresh random data, plus a check that all ranks
 //! hold bit-identical allreduce results; point-to-point and one-sided operations; non-blocking
 //! calls overlapped; the token ring's conservation. Each part prints its report on standard
 //! output, as `gradwire check` shows it, and returns whether every case passed.
 //!
-//! Files: this one the plan and the runs; [`reference`] the reference and random data;
+//! Files: this one the plan and the runs; [`reference`](mod@reference) the reference and random data;
 //! `case` one case; `p2p`, `overlap`, `token_ring` the other parts.
 
 mod case;

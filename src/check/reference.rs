@@ -124,7 +124,7 @@ pub fn reference(op: ReduceOp, dtype: DType, inputs: &[Vec<f64>], i: usize) -> (
     }
 }
 
-/// [`reference`] for a half-precision sum, average or product that is computed in f32 and
+/// [`reference`](fn@reference) for a half-precision sum, average or product that is computed in f32 and
 /// rounded once (the automatic allreduce and reduce-scatter, see the collectives layer):
 /// at most half a unit in the last place of the result (or half the subnormal spacing),
 /// plus the f32 accumulation's W roundings — far tighter than W−1 half roundings, so a
@@ -141,7 +141,7 @@ pub fn reference_rounded_once(op: ReduceOp, dtype: DType, inputs: &[Vec<f64>], i
 }
 
 /// The exact int64 results of `op` over `inputs` (each within ±2^53, so exact as f64),
-/// wrapped as the kernels wrap: what [`reference`] gives as f64 loses the low bits of a
+/// wrapped as the kernels wrap: what [`reference`](fn@reference) gives as f64 loses the low bits of a
 /// result beyond 2^53, so int64 results are compared here, bit for bit.
 pub fn int64_reference(op: ReduceOp, inputs: &[Vec<f64>], i: usize) -> i64 {
     let ints = inputs.iter().map(|v| v[i] as i128);

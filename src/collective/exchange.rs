@@ -13,6 +13,7 @@ use crate::engine::{EngineState, Job, Work};
 use crate::error::{invalid, Error, Result};
 use crate::transport::frame::{CallHeader, OpKind};
 use crate::transport::{RecvOp, SendOp, Sink};
+use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
 /// The element counts of an all-to-all: what this rank sends to and receives from each
@@ -256,9 +257,22 @@ impl Communicator {
         if peer >= self.size() || peer == self.rank() {
             return Err(invalid(format!("send/recv peer {peer}: must be another rank of this communicator (size {})", self.size())));
         }
-        let counters = if sending { &self.p2p_sent } else { &self.p2p_received };
+        let counters = if sending { &self.p2p.sent } else { &self.p2p.received };
         let seq = counters[peer].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(CallHeader { op: OpKind::Send, dtype, redop: ReduceOp::Sum, root: tag, count: count as u64, seq })
+    }
+}
+
+/// Per peer, the point-to-point messages sent to it and received from it so far: the
+/// sequence numbers of their headers.
+pub(crate) struct P2pCounters {
+    sent: Vec<AtomicU64>,
+    received: Vec<AtomicU64>,
+}
+
+impl P2pCounters {
+    pub(crate) fn new(size: usize) -> Self {
+        P2pCounters { sent: (0..size).map(|_| AtomicU64::new(0)).collect(), received: (0..size).map(|_| AtomicU64::new(0)).collect() }
     }
 }
 

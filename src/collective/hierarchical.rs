@@ -12,15 +12,19 @@
 
 use super::reduce::finish;
 use super::Request;
+use crate::collective::Collective;
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{config, invalid, Result};
-use crate::collective::Collective;
 
 /// How the cross-node step is organised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HierarchicalAlgo {
+    /// Reduce-scatter in the node, one cross-node allreduce per shard, allgather in the node:
+    /// every rank's link carries 1/G of the cross-node traffic (`sharded`, the default).
     Sharded,
+    /// Reduce to local rank 0, allreduce among those leaders, broadcast in the node: fewer,
+    /// larger cross-node messages (`leader`).
     Leader,
 }
 

@@ -3,10 +3,10 @@
 //! floating-point types), on any communicator (including ones made by `split`).
 //!
 //! Algorithm choice for allreduce (`GRADWIRE_ALGO=auto`): on one host with shared memory,
-//! the shared-buffer reduction ([`shm`]); otherwise recursive doubling below
+//! the shared-buffer reduction (`shm`); otherwise recursive doubling below
 //! `GRADWIRE_SMALL_BYTES` and the ring above it. f16 and bf16 are reduced in f32 and
 //! rounded once per element on every automatic path (the one-host forms read every copy;
-//! over links, [`algos::half_allreduce`] and [`algos::direct_reduce_scatter`] bring every
+//! over links, `algos::half_allreduce` and `algos::direct_reduce_scatter` bring every
 //! copy of a part to one rank); an explicitly chosen ring, recursive doubling or halving-
 //! doubling rounds at each of its steps.
 
@@ -16,6 +16,7 @@ pub(crate) mod exchange;
 pub(crate) mod hierarchical;
 pub mod reduce;
 pub(crate) mod shm;
+mod split;
 
 use crate::comm::Communicator;
 use crate::config::Algo;

@@ -8,12 +8,16 @@ use std::collections::BTreeMap;
 /// A named slot inside a [`GradBuffer`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Slot {
+    /// Byte offset in the buffer's region (a multiple of [`SLOT_ALIGN`]).
     pub offset: usize,
+    /// Number of elements.
     pub count: usize,
+    /// Element type.
     pub dtype: DType,
 }
 
 impl Slot {
+    /// Size in bytes: `count` elements of `dtype`.
     pub fn bytes(&self) -> usize {
         self.count * self.dtype.size()
     }
@@ -51,10 +55,12 @@ impl GradBuffer {
         Ok(GradBuffer { region, slots: layout, used: off })
     }
 
+    /// The slot named `name`; an error if there is none.
     pub fn slot(&self, name: &str) -> Result<&Slot> {
         self.slots.get(name).ok_or_else(|| invalid(format!("no slot named {name:?}")))
     }
 
+    /// Every slot with its name, in name order.
     pub fn slots(&self) -> impl Iterator<Item = (&str, &Slot)> {
         self.slots.iter().map(|(k, v)| (k.as_str(), v))
     }
@@ -64,6 +70,7 @@ impl GradBuffer {
         self.used
     }
 
+    /// The region that holds all the slots (at least [`GradBuffer::used_bytes`] long).
     pub fn region(&self) -> &Region {
         &self.region
     }

@@ -6,8 +6,8 @@
 //! algorithm must. Memory the framework allocated itself can be made shared in place
 //! ([`Registration`]), so that it too needs no copy between ranks of a host.
 //!
-//! Files: [`region`] (regions and their memfds), [`registry`] (shared regions by address),
-//! [`registration`] (a caller's memory made shared in place), [`grad_buffer`], [`limits`].
+//! Files: `region` (regions and their memfds), `registry` (shared regions by address),
+//! `registration` (a caller's memory made shared in place), `grad_buffer`, `limits`.
 
 mod grad_buffer;
 mod limits;

@@ -104,14 +104,17 @@ impl Region {
         Ok(Region { map, kind: RegionKind::Shared, file: Some(file), registered: false })
     }
 
+    /// Length in bytes (the requested size rounded up to a page, or a huge page).
     pub fn len(&self) -> usize {
         self.map.len()
     }
 
+    /// Whether the region has no bytes (never true for one this module made: they are at least a page).
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
 
+    /// How the pages are provided: `Anonymous` for a huge-page request that fell back.
     pub fn kind(&self) -> RegionKind {
         self.kind
     }
@@ -126,10 +129,12 @@ impl Region {
         self.map.as_ptr() as *mut u8
     }
 
+    /// The whole region as bytes.
     pub fn as_slice(&self) -> &[u8] {
         &self.map
     }
 
+    /// The whole region as mutable bytes.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         &mut self.map
     }

@@ -10,7 +10,9 @@ pub struct SharedRegion {
     /// Unique in this process for its lifetime: a new region that reuses a freed one's
     /// descriptor number gets a new id, so a peer never mistakes one for the other.
     pub id: u64,
+    /// The memfd's descriptor number in this process (a peer opens `/proc/<pid>/fd/<fd>`).
     pub fd: i32,
+    /// Length of the mapping in bytes (whole pages).
     pub len: usize,
     /// Made by [`Registration::new`] over the caller's memory, which the caller may unmap
     /// behind our back (freeing it without deregistering): checked before each use.
@@ -19,14 +21,16 @@ pub struct SharedRegion {
 
 /// Where a buffer lies in a shared region of this process: all of it, or all but less
 /// than a page at either end (a registered buffer that does not start or end on a page
-/// boundary; see [`Registration`]).
+/// boundary; see [`Registration`](super::Registration)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SharedCover {
+    /// The region that holds the buffer.
     pub region: SharedRegion,
     /// Offset in the region of the buffer's first covered byte.
     pub offset: usize,
     /// Bytes at the buffer's start and end outside the region.
     pub head: usize,
+    /// Bytes at the buffer's end outside the region.
     pub tail: usize,
 }
 
@@ -38,7 +42,7 @@ pub(super) fn shared_regions() -> std::sync::MutexGuard<'static, BTreeMap<usize,
     SHARED_REGIONS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The shared region (made by [`Region::shared`], e.g. through `gradwire_alloc`) that holds
+/// The shared region (made by [`Region::shared`](super::Region::shared), e.g. through `gradwire_alloc`) that holds
 /// all of `buf`, and `buf`'s offset in it: peers on this host can map it and reach `buf`
 /// without a copy.
 pub fn shared_region_of(buf: &[u8]) -> Option<(SharedRegion, usize)> {

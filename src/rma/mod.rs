@@ -177,7 +177,7 @@ impl RemoteMemory {
             std::thread::spawn(move || serve(&region, rank, len, shard_len, world, (rule, lr), &stop))
         });
         comm.barrier()?;
-        let reasons = comm.store.clone().map(|s| (s, comm.prefix.clone()));
+        let reasons = comm.rendezvous.store.clone().map(|s| (s, comm.rendezvous.prefix.clone()));
         let global = comm.global_ranks().to_vec();
         Ok(RemoteMemory {
             win,

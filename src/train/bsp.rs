@@ -22,6 +22,7 @@ use crate::comm::Communicator;
 use crate::dtype::ReduceOp;
 use crate::error::{invalid, Result};
 
+/// The `bsp` strategy on one communicator (see the module docs).
 pub struct Bsp<'c> {
     comm: &'c Communicator,
     interval: usize,
@@ -39,6 +40,8 @@ pub struct Bsp<'c> {
 }
 
 impl<'c> Bsp<'c> {
+    /// `interval` is K (at least 1); `topk` the fraction of Δ's entries sent, in [0, 1] (0: dense);
+    /// `node_interval` K1 (0: flat; else it must divide K and be smaller, and the node groups are made now).
     pub fn new(comm: &'c Communicator, interval: usize, topk: f64, node_interval: usize) -> Result<Self> {
         if interval == 0 {
             return Err(invalid("bsp: the aggregation interval K must be at least 1"));
@@ -107,6 +110,7 @@ pub struct TopK {
 }
 
 impl TopK {
+    /// Selects `fraction` (in (0, 1]) of the entries, with an empty residual.
     pub fn new(fraction: f64) -> Self {
         TopK { fraction, residual: vec![] }
     }

@@ -45,12 +45,16 @@ use crate::dtype::ReduceOp;
 use crate::error::Result;
 use std::collections::VecDeque;
 
+/// DASO's knobs, named as Heat's (ALGORITHMS.md §1).
 #[derive(Clone, Debug)]
 pub struct DasoConfig {
+    /// Synchronous epochs at the start (capped at a quarter of `epochs`).
     pub warmup_epochs: usize,
+    /// Synchronous epochs at the end (capped at a quarter of `epochs`).
     pub cooldown_epochs: usize,
     /// Total epochs of the run (to know when cool-down starts).
     pub epochs: usize,
+    /// Largest global skip gs: the value a plateau at gs = 1 resets it to.
     pub max_global_skips: usize,
     /// Relative loss improvement below which an epoch counts as "not improved".
     pub stability_level: f64,
@@ -91,8 +95,11 @@ pub fn merge(local: &mut [f32], sum: &[f32], s: usize, nodes: usize) {
 /// DASO's schedule knobs: global skip, local skip, batches to wait.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Schedule {
+    /// Global skip: batches between cross-node parameter sends.
     pub gs: usize,
+    /// Local skip: batches between node-local gradient averages.
     pub ls: usize,
+    /// W: batches between a send and the merge of what it received.
     pub wait: usize,
 }
 
@@ -169,6 +176,7 @@ struct InFlight {
     chunks: Option<Vec<Pending<Vec<f32>>>>,
 }
 
+/// The `daso` strategy on one communicator (see the module docs).
 pub struct Daso<'c> {
     comm: &'c Communicator,
     groups: Hierarchy,
@@ -187,6 +195,8 @@ pub struct Daso<'c> {
 }
 
 impl<'c> Daso<'c> {
+    /// Caps warm-up and cool-down at a quarter of the run each and makes the node and
+    /// cross-node groups (every node must hold the same number of ranks).
     pub fn new(comm: &'c Communicator, mut cfg: DasoConfig) -> Result<Self> {
         let half = cfg.epochs / 4;
         cfg.warmup_epochs = cfg.warmup_epochs.min(half);

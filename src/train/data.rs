@@ -9,21 +9,28 @@ use rand::{Rng, SeedableRng};
 /// `classes`.
 #[derive(Clone, Debug)]
 pub struct Dataset {
+    /// The examples, row-major: example `i` is `x[i * features..(i + 1) * features]`.
     pub x: Vec<f32>,
+    /// The label of every example, below `classes`.
     pub y: Vec<u32>,
+    /// Values per example.
     pub features: usize,
+    /// Number of classes.
     pub classes: usize,
 }
 
 impl Dataset {
+    /// Number of examples.
     pub fn len(&self) -> usize {
         self.y.len()
     }
 
+    /// Whether there are no examples.
     pub fn is_empty(&self) -> bool {
         self.y.is_empty()
     }
 
+    /// The `features` values of example `i` (panics if `i` is out of range).
     pub fn example(&self, i: usize) -> &[f32] {
         &self.x[i * self.features..(i + 1) * self.features]
     }

@@ -101,17 +101,22 @@ pub trait Strategy {
 /// v ← μ·v + g; p ← p − lr·v (or, with Nesterov, p ← p − lr·(g + μ·v)).
 #[derive(Clone, Debug)]
 pub struct Sgd {
+    /// Learning rate.
     pub lr: f32,
+    /// Momentum μ (0: plain SGD, no velocity kept).
     pub momentum: f32,
+    /// Whether the step uses Nesterov's form.
     pub nesterov: bool,
     velocity: Vec<f32>,
 }
 
 impl Sgd {
+    /// An optimizer with zero velocity (sized on the first step).
     pub fn new(lr: f32, momentum: f32, nesterov: bool) -> Self {
         Sgd { lr, momentum, nesterov, velocity: Vec::new() }
     }
 
+    /// Updates `params` in place by one step on `grads` (the same length).
     pub fn step(&mut self, params: &mut [f32], grads: &[f32]) {
         if self.momentum == 0.0 {
             params.iter_mut().zip(grads).for_each(|(p, g)| *p -= self.lr * g);
@@ -131,8 +136,12 @@ impl Sgd {
 /// Everything that selects and tunes a strategy (the command line's `gradwire train` flags).
 #[derive(Clone, Debug)]
 pub struct StrategyConfig {
+    /// Scheme name, one of [`STRATEGIES`].
     pub strategy: String,
+    /// Learning rate of the schemes' own update rule (ddcgu, cyclic, downpour, eamsgd).
     pub lr: f32,
+    /// Momentum of the local optimizer `gradwire train` runs for the framework-update schemes;
+    /// no strategy reads it (not an option of [`StrategyConfig::parse`]).
     pub momentum: f32,
     /// BSP: local steps between global reductions (K).
     pub interval: usize,
@@ -144,9 +153,11 @@ pub struct StrategyConfig {
     pub daso: daso::DasoConfig,
     /// Downpour: pull every `fetch` steps, push every `push` steps.
     pub fetch: usize,
+    /// Downpour: steps between pushes of the accumulated gradients.
     pub push: usize,
     /// EAMSGD: exchange period τ and moving rate β (α = β / P).
     pub tau: usize,
+    /// EAMSGD: moving rate β, in [0, 1].
     pub beta: f32,
     /// Parameter-server apply rule for ddcgu and cyclic.
     pub rule: crate::rma::ApplyRule,

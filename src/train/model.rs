@@ -8,6 +8,7 @@ use rand::{Rng, SeedableRng};
 /// What a strategy needs from a model: a flat parameter vector and the gradient of the loss
 /// on a minibatch, written into a flat buffer of the same length.
 pub trait Model {
+    /// Length of the parameter vector (and of the gradient).
     fn num_params(&self) -> usize;
     /// Initial parameters (the same on every rank for the same seed).
     fn init(&self, seed: u64) -> Vec<f32>;

@@ -157,6 +157,8 @@ pub enum Turn {
     FixedCyclic,
 }
 
+/// The `ddcgu` ([`Turn::DynamicDelay`]) and `cyclic` ([`Turn::FixedCyclic`]) strategies:
+/// one token circulates among the workers, and its holder pushes to the servers and pulls θ.
 pub struct TokenRing<'c> {
     ps: Servers<'c>,
     turn: Turn,
@@ -168,6 +170,8 @@ pub struct TokenRing<'c> {
 }
 
 impl<'c> TokenRing<'c> {
+    /// Every rank serves a shard of `init` (the same on every rank), applying pushes by `rule`
+    /// with step `lr`; with `DynamicDelay` minibatches come from a shared pool. Collective.
     pub fn new(comm: &'c Communicator, init: &[f32], lr: f32, rule: ApplyRule, turn: Turn) -> Result<Self> {
         let ps = Servers::new(comm, init, rule, lr, turn == Turn::DynamicDelay)?;
         Ok(TokenRing { ps, turn, acc: vec![0.0; init.len()], count: 0, sent: 0, pushes: 0 })
@@ -247,6 +251,7 @@ impl Strategy for TokenRing<'_> {
     }
 }
 
+/// The `downpour` strategy (see the module docs).
 pub struct Downpour<'c> {
     ps: Servers<'c>,
     /// The local step's learning rate (the servers apply the pushes with the same).
@@ -259,6 +264,8 @@ pub struct Downpour<'c> {
 }
 
 impl<'c> Downpour<'c> {
+    /// Shards start at `init` and apply each push as θ −= `lr`·a; pulls every `fetch` steps,
+    /// pushes every `push` (0 counts as 1). Collective.
     pub fn new(comm: &'c Communicator, init: &[f32], lr: f32, fetch: usize, push: usize) -> Result<Self> {
         let ps = Servers::new(comm, init, ApplyRule::Sum, lr, true)?;
         Ok(Downpour { ps, lr, fetch: fetch.max(1), push: push.max(1), acc: vec![0.0; init.len()], steps: 0, sent: 0 })
@@ -323,6 +330,8 @@ pub fn elastic(x: &mut [f32], centre: &[f32], alpha: f32) -> Vec<f32> {
         .collect()
 }
 
+/// The `eamsgd` strategy: local SGD with an elastic exchange against the servers' centre
+/// variable every τ steps (see the module docs).
 pub struct Eamsgd<'c> {
     ps: Servers<'c>,
     opt: Sgd,

@@ -6,12 +6,14 @@ use crate::comm::Communicator;
 use crate::dtype::ReduceOp;
 use crate::error::Result;
 
+/// The `ssgd` strategy on one communicator (see the module docs).
 pub struct Ssgd<'c> {
     comm: &'c Communicator,
     sent: u64,
 }
 
 impl<'c> Ssgd<'c> {
+    /// A strategy over every rank of `comm`; nothing is communicated until [`Strategy::start`].
     pub fn new(comm: &'c Communicator) -> Self {
         Ssgd { comm, sent: 0 }
     }

@@ -198,7 +198,7 @@ impl Links {
         self.exchange_calls(Calls::Same(call), sends, recvs, deadline)
     }
 
-    /// [`Links::exchange`] where every operation is a call of its own: send i carries
+    /// `Links::exchange` where every operation is a call of its own: send i carries
     /// `send_calls[i]` and receive j expects `recv_calls[j]` (a batch of point-to-point
     /// messages, each with its own tag and sequence number, progressed together).
     pub fn exchange_each(
@@ -608,7 +608,7 @@ impl Links {
 /// See [`payload_bytes_sent`].
 static PAYLOAD_SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Payload bytes of every message this process has sent through [`Links::exchange`] so
+/// Payload bytes of every message this process has sent through `Links::exchange` so
 /// far (headers and one-sided traffic excluded): what a scheme's own byte count can be
 /// checked against.
 pub fn payload_bytes_sent() -> u64 {

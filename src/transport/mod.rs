@@ -1,15 +1,15 @@
 //! Transport layer: point-to-point links between two ranks.
 //!
-//! Files: this one the [`Link`] interface and the [`Transport`] names; [`links`] the
-//! exchange over a rank's links; `wait` how a waiting rank backs off; [`backend`] the
+//! Files: this one the [`Link`] interface and the [`Transport`] names; `links` the
+//! exchange over a rank's links; `wait` how a waiting rank backs off; `backend` the
 //! seam to the transports, each in its folder (`shm/`, `tcp/`, `verbs/`); [`frame`] the
 //! wire header; [`onesided`] the one-sided windows.
 //!
 //! Each transport (`shm`, `tcp`, `verbs`) implements one small interface, [`Link`]:
 //! a non-blocking, ordered byte stream to one peer plus liveness. On top of it,
-//! [`Links::exchange`] runs a set of tagged two-sided sends and receives concurrently, with
+//! `Links::exchange` runs a set of tagged two-sided sends and receives concurrently, with
 //! one deadline, reducing received data as it arrives when asked to, and checking every
-//! message's [`CallHeader`] against the local call.
+//! message's [`CallHeader`](frame::CallHeader) against the local call.
 
 pub(crate) mod backend;
 pub mod frame;

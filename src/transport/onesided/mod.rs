@@ -58,6 +58,39 @@ impl From<std::io::Error> for AccumulateError {
     }
 }
 
+/// What a communicator keeps for the windows it exposes: their next id, the one-sided
+/// service for tcp peers (started by the first window that has some), and the RDMA device
+/// of its verbs links.
+pub(crate) struct Windows {
+    next_id: AtomicU64,
+    service: std::sync::OnceLock<RmaService>,
+    verbs: Option<Arc<crate::transport::verbs::Domain>>,
+}
+
+impl Windows {
+    pub(crate) fn new(verbs: Option<Arc<crate::transport::verbs::Domain>>) -> Self {
+        Windows { next_id: AtomicU64::new(0), service: std::sync::OnceLock::new(), verbs }
+    }
+
+    /// The next window's id (every rank counts its windows alike).
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The one-sided service, started by `start` the first time.
+    pub(crate) fn service(&self, start: impl FnOnce() -> Result<RmaService>) -> Result<&RmaService> {
+        if self.service.get().is_none() {
+            let _ = self.service.set(start()?);
+        }
+        Ok(self.service.get().expect("set above"))
+    }
+
+    /// The RDMA device of the communicator's verbs links.
+    pub(crate) fn verbs(&self) -> Option<&Arc<crate::transport::verbs::Domain>> {
+        self.verbs.as_ref()
+    }
+}
+
 /// How this rank reaches one peer's part of a window.
 enum Target {
     Own,
@@ -92,17 +125,25 @@ pub const LIVENESS_EVERY: Duration = Duration::from_millis(20);
 
 /// What a window needs from its communicator to connect.
 pub struct WindowSetup<'a> {
+    /// The communicator's key prefix: scopes the window's store keys and the services' handshake.
     pub prefix: &'a str,
+    /// The window's number in its communicator (the same on every rank: windows are made in order).
     pub id: u64,
+    /// This rank's number in the communicator.
     pub rank: usize,
+    /// Number of ranks in the communicator.
     pub world: usize,
     /// Per peer: reach it through shared memory (same host) or tcp.
     pub shm_peer: &'a [bool],
     /// Per peer: reach it through RDMA on this domain (takes precedence over tcp).
     pub verbs: Option<(&'a std::sync::Arc<super::verbs::Domain>, &'a [bool])>,
+    /// The rendezvous store the ranks publish their window handles in (`None`: a job of one rank).
     pub store: Option<&'a StoreClient>,
+    /// This rank's one-sided service, serving the region to tcp peers (`None`: it has none).
     pub service: Option<&'a RmaService>,
+    /// The job secret to prove when dialling peers' services.
     pub secret: &'a str,
+    /// Deadline of the setup and of each later request.
     pub timeout: Duration,
     /// How tcp peers' accumulates are applied to this rank's region (refused without).
     pub accumulate: Option<Arc<dyn Accumulate>>,

@@ -41,12 +41,15 @@ type Exposed = Arc<RwLock<HashMap<u64, ExposedRegion>>>;
 
 /// The tcp side's service: one thread accepting authenticated peers, one per connection.
 pub struct RmaService {
+    /// `ip:port` it listens on, as peers dial it (published with every window's handle).
     pub addr: String,
     exposed: Exposed,
     _listening: auth::Listening,
 }
 
 impl RmaService {
+    /// Listens on `ip`, on a port the kernel picks, for peers that prove `secret` under
+    /// `context`; `rank` names this rank in its log lines.
     pub fn start(ip: std::net::IpAddr, secret: &str, context: &str, rank: usize) -> Result<Self> {
         let listener = TcpListener::bind((ip, 0)).map_err(|e| Error::io("bind one-sided service", e))?;
         let addr = listener.local_addr().map_err(|e| Error::io("one-sided service address", e))?.to_string();
