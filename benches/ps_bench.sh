@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Parameter-server shards and the token ring (src/rma.rs) against the raw one-sided
+# Parameter-server shards and the token ring (src/rma/) against the raw one-sided
 # operations of the same transport: `gradwire bench ps` (push/pull vs write/read, same
 # sizes, blocks of each taking turns within one run) and `gradwire bench token-ring` (round
 # time per ring size), on shm and tcp here and on verbs inside the rxe guest.

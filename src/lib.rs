@@ -5,15 +5,17 @@
 //!
 //! | layer | module | owns |
 //! |---|---|---|
+//! | OS calls | [`sys`] | the system calls more than one layer needs (cross-memory attach, /proc, poll, CPUs) |
 //! | memory | [`mem`], [`dtype`] | page-aligned regions (anonymous, huge pages, memfd-shared), registration, `GradBuffer` slots; element types and reduction ops |
 //! | bootstrap | [`bootstrap`] | rank identity from the environment, unique ids, authenticated rendezvous store, topology |
-//! | transport | [`transport`] | point-to-point links (`shm`, `tcp`, `verbs`), the framed, checked exchange on top, one-sided windows |
+//! | transport | [`transport`] | the `Link` interface; a `Backend` per transport (`shm/`, `tcp/`, `verbs/`, each a folder of the same shape) behind one seam; the framed, checked exchange on top; one-sided windows |
 //! | engine | `engine` | progress thread per communicator, `Work` handles, deadlines, abort |
-//! | collectives | [`collective`], [`comm`] | the algorithms (one-host shared-buffer forms, rings, the hierarchical allreduce, all-to-all and point-to-point) and the `Communicator` API |
+//! | collectives | [`collective`], [`comm`] | the algorithms (the one-host allreduce in `collective/shm/`, rings, the hierarchical allreduce, all-to-all and point-to-point, `split`) and the `Communicator` API |
 //! | GPU | `gpu` (feature `cuda`) | NCCL inside a node through cudarc (loaded at run time), GPU hierarchical allreduce |
 //! | remote memory | [`rma`] | parameter-server shards and the token ring on one-sided operations |
 //! | training | [`train`] | the `Strategy` interface and the seven schemes of ALGORITHMS.md, the built-in model and data |
 //! | C ABI | [`ffi`] + `ffi/gradwire.h` | the stable C interface other frameworks link (collectives, hierarchy, training schemes) |
+//! | check | [`check`] | the conformance suite `gradwire check` runs: every collective against an independent reference |
 //! | CLI | `src/bin` | `gradwire launch`, `bench`, `check`, `info`, `train`, `plot` |
 
 pub mod bootstrap;
