@@ -34,8 +34,6 @@ pub struct Communicator {
     /// Transport used to reach each peer (`None`: this rank).
     link_kinds: Vec<Option<Transport>>,
     engine: Engine,
-    /// The one-host allreduce, when some peers share this host through shared memory.
-    pub(crate) one_host: Option<Arc<OneHost>>,
     windows: Windows,
     pub(crate) p2p: P2pCounters,
 }
@@ -140,8 +138,8 @@ impl Communicator {
         let spin = if here > cpus { std::time::Duration::ZERO } else { cfg.spin };
         log::debug!("rank {rank}: {here} ranks on this host, {cpus} CPUs for them: spin {} us before yielding", spin.as_micros());
         let links = Links::new(rank, links, abort.clone(), spin);
-        let one_host = shm.clone().map(|dom| Arc::new(OneHost::new(dom, shm_all, spin, cfg.shm_stores, cfg.shm_cma)));
-        let state = EngineState::new(rank, size, links, shm, abort, global_ranks.clone()).with_store(store.clone(), prefix);
+        let one_host = shm.clone().map(|dom| Box::new(OneHost::new(dom, shm_all, spin, cfg.shm_stores, cfg.shm_cma)) as Box<dyn std::any::Any + Send>);
+        let state = EngineState::new(rank, size, links, shm, abort, global_ranks.clone()).with_store(store.clone(), prefix).with_above(one_host);
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
         Ok(Communicator {
             rank,
@@ -152,7 +150,6 @@ impl Communicator {
             rendezvous,
             link_kinds,
             engine,
-            one_host,
             windows: Windows::new(verbs),
             p2p: P2pCounters::new(size),
         })

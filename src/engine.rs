@@ -27,6 +27,10 @@ pub struct EngineState {
     pub links: Links,
     pub shm: Option<Arc<ShmDomain>>,
     pub abort: Arc<AtomicBool>,
+    /// What the collectives layer keeps between its operations (the one-host allreduce),
+    /// opaque to the engine: operations reach it through the `&mut` they run with, so it
+    /// needs neither a lock nor a reference count.
+    pub above: Option<Box<dyn std::any::Any + Send>>,
     failed: Option<String>,
     /// Collectives executed so far: the sequence number in every message header.
     seq: u64,
@@ -247,7 +251,13 @@ impl EngineState {
     pub fn new(rank: usize, world: usize, links: Links, shm: Option<Arc<ShmDomain>>, abort: Arc<AtomicBool>, global: Vec<usize>) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        EngineState { rank, world, links, shm, abort, failed: None, seq: 0, global, id, store: None }
+        EngineState { rank, world, links, shm, abort, above: None, failed: None, seq: 0, global, id, store: None }
+    }
+
+    /// Hands the engine what the collectives layer keeps between operations (see `above`).
+    pub fn with_above(mut self, above: Option<Box<dyn std::any::Any + Send>>) -> Self {
+        self.above = above;
+        self
     }
 
     /// Lets failures be explained through the rendezvous store (see `store`).

@@ -152,7 +152,6 @@ impl Communicator {
         }
         let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes };
         let default_algo = self.config.algo;
-        let one_host = self.one_host.clone();
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
         let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
             let (s, r) = (s, r);
@@ -169,7 +168,7 @@ impl Communicator {
             };
             // SAFETY: as for `sbuf`.
             let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
-            run(st, one_host.as_deref(), deadline, call, req, req.algo.unwrap_or(default_algo), tune, sbuf, rbuf)
+            run(st, deadline, call, req, req.algo.unwrap_or(default_algo), tune, sbuf, rbuf)
         });
         Ok(job)
     }
@@ -312,22 +311,13 @@ struct Sizes {
 
 /// Runs one collective on the progress thread; `send` is `None` in place.
 #[allow(clippy::too_many_arguments)]
-fn run(
-    st: &mut EngineState,
-    one_host: Option<&OneHost>,
-    deadline: Instant,
-    call: CallHeader,
-    req: Request,
-    algo: Algo,
-    tune: Sizes,
-    send: Option<&[u8]>,
-    recv: &mut [u8],
-) -> Result<()> {
+fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, algo: Algo, tune: Sizes, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
     let (rank, world) = (st.rank, st.world);
-    if let Some(one_host) = one_host {
+    let one_host = st.above.as_mut().and_then(|a| a.downcast_mut::<OneHost>());
+    if let Some(one_host) = &one_host {
         one_host.announce(&call);
     }
-    let on_one_host = one_host.filter(|h| h.covers_all());
+    let mut on_one_host = one_host.filter(|h| h.covers_all());
     let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
     // A rank that only sends in a rooted tree never reads a header: every rooted
     // collective first agrees on its arguments (see `agree`).
@@ -354,7 +344,7 @@ fn run(
             };
             match algo {
                 Algo::SharedMemory => {
-                    let one_host = on_one_host.ok_or_else(|| invalid("no shared memory"))?;
+                    let one_host = on_one_host.as_mut().ok_or_else(|| invalid("no shared memory"))?;
                     one_host.allreduce(rank, world, call, deadline, &st.abort, recv, req.dtype, req.redop)
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),

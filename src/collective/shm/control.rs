@@ -64,15 +64,18 @@ impl Control {
         Control { dom, peer_maps: Mutex::default() }
     }
 
+    #[inline]
     fn area(&self, r: usize) -> *mut u8 {
         self.dom.collective_area(r)
     }
 
     /// Staging area of local rank `r` (peers read it directly in the one-host allreduce).
+    #[inline]
     pub(super) fn stage(&self, r: usize) -> *mut u8 {
         self.dom.stage(r)
     }
 
+    #[inline]
     pub(super) fn stage_len(&self) -> usize {
         self.dom.stage_len()
     }
@@ -199,6 +202,7 @@ impl Control {
     }
 
     /// The one-host allreduce's phase counter of rank `r`.
+    #[inline]
     pub(super) fn phase(&self, r: usize) -> &AtomicU64 {
         atomic_u64(self.area(r), PHASE_AT)
     }

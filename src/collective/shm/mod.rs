@@ -47,19 +47,19 @@ use crate::transport::Backoff;
 use control::Control;
 use peer_buffers::{agree_on_form, shm_allreduce_in_peer_buffers, Agreed, Attach, PeerAccess};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The one-host allreduce of one communicator: the shared segments of the ranks on this
 /// host, the collectives' part of their control pages, and what the forms learn between
-/// calls. Calls run one at a time (the engine orders them), so the state's lock is never
-/// contended.
+/// calls. The engine keeps it for the communicator (`EngineState::above`) and hands it to
+/// one call at a time.
 pub(crate) struct OneHost {
     ctl: Control,
     /// True when the segments cover every rank of the communicator.
     all: bool,
     spin: Duration,
-    state: Mutex<ShmAllreduceState>,
+    state: ShmAllreduceState,
 }
 
 impl OneHost {
@@ -67,7 +67,7 @@ impl OneHost {
     /// communicator. `stores` and `cross_memory_attach` come from `GRADWIRE_SHM_STORES`
     /// and `GRADWIRE_SHM_CMA`.
     pub(crate) fn new(domain: Arc<ShmDomain>, all: bool, spin: Duration, stores: StagedStores, cross_memory_attach: bool) -> Self {
-        OneHost { ctl: Control::new(domain), all, spin, state: Mutex::new(ShmAllreduceState::new(stores, cross_memory_attach)) }
+        OneHost { ctl: Control::new(domain), all, spin, state: ShmAllreduceState::new(stores, cross_memory_attach) }
     }
 
     /// Whether every rank of the communicator is on this host (the one-host forms apply).
@@ -85,7 +85,7 @@ impl OneHost {
     /// In-place allreduce of `buf` among all ranks (all on this host).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn allreduce(
-        &self,
+        &mut self,
         rank: usize,
         world: usize,
         call: CallHeader,
@@ -96,8 +96,7 @@ impl OneHost {
         op: ReduceOp,
     ) -> Result<()> {
         let cx = ShmCtx { ctl: &self.ctl, rank, world, call, deadline, abort, spin: self.spin };
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        shm_allreduce(&cx, &mut state, buf, dtype, op)
+        shm_allreduce(&cx, &mut self.state, buf, dtype, op)
     }
 }
 

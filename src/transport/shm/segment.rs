@@ -62,12 +62,14 @@ unsafe impl Sync for ShmDomain {}
 // SAFETY: as for Sync.
 unsafe impl Send for ShmDomain {}
 
+#[inline]
 pub(crate) fn atomic_u64(base: *mut u8, at: usize) -> &'static AtomicU64 {
     // SAFETY: `at` is 8-aligned inside a live mapping that outlives every use (the domain
     // is held by an Arc for as long as links or collectives use it).
     unsafe { &*(base.add(at) as *const AtomicU64) }
 }
 
+#[inline]
 pub(crate) fn atomic_u32(base: *mut u8, at: usize) -> &'static AtomicU32 {
     // SAFETY: as for atomic_u64.
     unsafe { &*(base.add(at) as *const AtomicU32) }
@@ -114,28 +116,33 @@ impl ShmDomain {
         Ok(Arc::new(ShmDomain { rank, layout, segs, pids }))
     }
 
+    #[inline]
     pub(super) fn base(&self, r: usize) -> *mut u8 {
         self.segs[r].as_ref().map(|s| s.as_ptr()).unwrap_or(std::ptr::null_mut())
     }
 
     /// Staging area of local rank `r` (peers read it directly in the one-host allreduce).
+    #[inline]
     pub fn stage(&self, r: usize) -> *mut u8 {
         // SAFETY: stage_at + stage lies within the segment.
         unsafe { self.base(r).add(self.layout.stage_at()) }
     }
 
+    #[inline]
     pub fn stage_len(&self) -> usize {
         self.layout.stage
     }
 
     /// The part of local rank `r`'s control page that the one-host collectives own:
     /// [`COLLECTIVE_AREA`] bytes, 64-aligned, zeroed at creation.
+    #[inline]
     pub(crate) fn collective_area(&self, r: usize) -> *mut u8 {
         // SAFETY: COLLECTIVE_AT + COLLECTIVE_AREA is the end of the control page.
         unsafe { self.base(r).add(COLLECTIVE_AT) }
     }
 
     /// Local rank `r`'s process id.
+    #[inline]
     pub(crate) fn pid(&self, r: usize) -> u32 {
         self.pids[r]
     }
