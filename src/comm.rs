@@ -22,6 +22,9 @@ use std::time::Instant;
 const SETUP_SEQ: u64 = u64::MAX - 1;
 
 /// A group of ranks that run collectives together.
+// Fields drop in order: the engine (whose state holds a store connection) and the windows
+// before the rendezvous, whose bootstrap may own the store server, which on the way out
+// waits for its clients' connections to close.
 pub struct Communicator {
     rank: usize,
     size: usize,
@@ -30,12 +33,12 @@ pub struct Communicator {
     /// Global rank of each rank of this communicator.
     global_ranks: Vec<usize>,
     pub(crate) config: Config,
-    pub(crate) rendezvous: Rendezvous,
     /// Transport used to reach each peer (`None`: this rank).
     link_kinds: Vec<Option<Transport>>,
     engine: Engine,
     windows: Windows,
     pub(crate) p2p: P2pCounters,
+    pub(crate) rendezvous: Rendezvous,
 }
 
 /// Where a communicator meets its peers outside its links: the rendezvous store under the
@@ -47,7 +50,8 @@ pub(crate) struct Rendezvous {
     pub(crate) prefix: String,
     /// Sub-communicators made so far (each gets a prefix of its own).
     pub(crate) splits: AtomicU64,
-    /// What keeps the store (on rank 0) alive while any communicator of the job lives.
+    /// What keeps the store (on rank 0) alive while any communicator of the job lives;
+    /// dropped last (after `store`).
     pub(crate) bootstrap: Option<Arc<Bootstrap>>,
 }
 
@@ -147,11 +151,11 @@ impl Communicator {
             topology,
             global_ranks,
             config: cfg,
-            rendezvous,
             link_kinds,
             engine,
             windows: Windows::new(verbs),
             p2p: P2pCounters::new(size),
+            rendezvous,
         })
     }
 
