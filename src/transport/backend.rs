@@ -30,7 +30,6 @@ pub(crate) struct Setup<'a> {
 /// A transport as a communicator sees it.
 pub(crate) trait Backend {
     /// The transport its links run over.
-    #[allow(dead_code)] // names the backend in a debugger and in new transports' tests
     fn transport(&self) -> Transport;
     /// Connects one link to each of `peers` (each of them connects to us at the same time).
     fn connect(&self, setup: &Setup<'_>, peers: &[usize]) -> Result<Vec<(usize, Box<dyn Link>)>>;
@@ -77,6 +76,9 @@ pub(crate) fn connect_links(cfg: &Config, rank: usize, size: usize, topology: &T
     }
     let mut links: LinkTable = (0..size).map(|_| None).collect();
     for (backend, peers) in plan {
+        if !peers.is_empty() {
+            log::debug!("rank {rank}: connecting {} peer(s) over {}", peers.len(), backend.transport());
+        }
         for (p, link) in backend.connect(s, peers)? {
             links[p] = Some(link);
         }
