@@ -9,6 +9,10 @@
 //! over links, `algos::half_allreduce` and `algos::direct_reduce_scatter` bring every
 //! copy of a part to one rank); an explicitly chosen ring, recursive doubling or halving-
 //! doubling rounds at each of its steps.
+//!
+//! Reduce-scatter and allgather on one host with shared memory go through the ranks'
+//! staging areas (`shm::parts`: the halves of the staged allreduce), elsewhere through the
+//! ring (f16 and bf16 reduce-scatters: every copy of a part straight to its owner).
 
 pub(crate) mod agree;
 pub(crate) mod algos;
@@ -25,7 +29,7 @@ use crate::engine::{EngineState, Work};
 use crate::error::{invalid, Result};
 use crate::transport::frame::{CallHeader, OpKind};
 use algos::Ctx;
-use shm::OneHost;
+use shm::{OneHost, OneHostCall};
 use std::time::Instant;
 
 /// A buffer address handed to the progress thread.
@@ -345,7 +349,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             match algo {
                 Algo::SharedMemory => {
                     let one_host = on_one_host.as_mut().ok_or_else(|| invalid("no shared memory"))?;
-                    one_host.allreduce(rank, world, call, deadline, &st.abort, recv, req.dtype, req.redop)
+                    one_host.allreduce(&OneHostCall { rank, world, call, deadline, abort: &st.abort }, recv, req.dtype, req.redop)
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),
                 Algo::HalvingDoubling => algos::halving_doubling_allreduce(&mut cx, recv),
@@ -353,7 +357,11 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             }
         }
         Collective::ReduceScatter => {
-            let mut work = send.ok_or_else(|| invalid("reduce-scatter cannot run in place (its send and receive buffers are the same)"))?.to_vec();
+            let send = send.ok_or_else(|| invalid("reduce-scatter cannot run in place (its send and receive buffers are the same)"))?;
+            if let Some(one_host) = &on_one_host {
+                return one_host.reduce_scatter(&OneHostCall { rank, world, call, deadline, abort: &st.abort }, send, recv, req.dtype, req.redop);
+            }
+            let mut work = send.to_vec();
             let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
             if matches!(req.dtype, DType::F16 | DType::BF16) {
                 algos::direct_reduce_scatter(&mut cx, &mut work, &bounds)?;
@@ -365,6 +373,9 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         }
         Collective::Allgather => {
             let send = send.ok_or_else(|| invalid("allgather cannot run in place (its send and receive buffers are the same)"))?;
+            if let Some(one_host) = &on_one_host {
+                return one_host.allgather(&OneHostCall { rank, world, call, deadline, abort: &st.abort }, send, recv);
+            }
             let bounds: Vec<usize> = (0..=world).map(|i| i * send.len()).collect();
             recv[bounds[rank]..bounds[rank + 1]].copy_from_slice(send);
             algos::ring_allgather(&mut cx, recv, &bounds, 0, tune.ring_chunk)

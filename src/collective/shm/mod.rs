@@ -28,9 +28,11 @@
 //! Files: this one holds the entry, the forms' shared waiting and failure handling, and
 //! the layout of the staging area; [`control`] the collectives' part of every rank's control
 //! page; [`small`], [`staged`] and [`peer_buffers`] the forms; [`stores`] the staged form's
-//! store tuner. The transport (`transport::shm`) owns the segments and their rings.
+//! store tuner; [`parts`] reduce-scatter and allgather through the staging areas. The
+//! transport (`transport::shm`) owns the segments and their rings.
 
 mod control;
+mod parts;
 mod peer_buffers;
 mod small;
 mod staged;
@@ -83,21 +85,31 @@ impl OneHost {
     }
 
     /// In-place allreduce of `buf` among all ranks (all on this host).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn allreduce(
-        &mut self,
-        rank: usize,
-        world: usize,
-        call: CallHeader,
-        deadline: Instant,
-        abort: &AtomicBool,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let cx = ShmCtx { ctl: &self.ctl, rank, world, call, deadline, abort, spin: self.spin };
+    pub(crate) fn allreduce(&mut self, call: &OneHostCall<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let cx = ShmCtx::new(&self.ctl, self.spin, call);
         shm_allreduce(&cx, &mut self.state, buf, dtype, op)
     }
+
+    /// Reduce-scatter among all ranks (all on this host): `send` holds one part of
+    /// `recv.len()` bytes per rank (see [`parts`]).
+    pub(crate) fn reduce_scatter(&self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        parts::reduce_scatter(&ShmCtx::new(&self.ctl, self.spin, call), send, recv, dtype, op)
+    }
+
+    /// Allgather among all ranks (all on this host) (see [`parts`]).
+    pub(crate) fn allgather(&self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        parts::allgather(&ShmCtx::new(&self.ctl, self.spin, call), send, recv)
+    }
+}
+
+/// One collective call as the one-host forms see it.
+pub(crate) struct OneHostCall<'a> {
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    pub(crate) call: CallHeader,
+    pub(crate) deadline: Instant,
+    /// The communicator's abort flag.
+    pub(crate) abort: &'a AtomicBool,
 }
 
 /// Waits shorter than this do not look for a dead peer in /proc (see `check_peer`).
@@ -114,7 +126,11 @@ struct ShmCtx<'a> {
     spin: Duration,
 }
 
-impl ShmCtx<'_> {
+impl<'a> ShmCtx<'a> {
+    fn new(ctl: &'a Control, spin: Duration, c: &OneHostCall<'a>) -> Self {
+        ShmCtx { ctl, rank: c.rank, world: c.world, call: c.call, deadline: c.deadline, abort: c.abort, spin }
+    }
+
     /// Waits until every other rank's phase counter reaches `target`.
     fn wait_all(&self, target: u64) -> Result<()> {
         let backoff = Backoff::new(self.spin);
