@@ -133,16 +133,15 @@ impl Communicator {
         let (store, secret, prefix) = (&rendezvous.store, &rendezvous.secret, &rendezvous.prefix);
         let abort = Arc::new(AtomicBool::new(false));
         let setup = store.as_deref().map(|store| Setup { prefix, rank, size, store, secret, cfg: &cfg, deadline });
-        let Connected { links, shm, shm_peers, verbs } = connect_links(&cfg, rank, size, &topology, setup.as_ref())?;
+        let Connected { links, shm, shm_reaches_all, verbs } = connect_links(&cfg, rank, size, &topology, setup.as_ref())?;
         let link_kinds = (0..size).map(|p| links[p].as_ref().map(|l| l.kind())).collect();
-        let shm_all = shm.is_some() && shm_peers.len() + 1 == size;
         // Spinning only pays when every rank on this machine has a core of its own (ranks
         // in other network namespaces of this machine count: `launch --netns`).
         let (here, cpus) = (topology.ranks_on_machine(rank), crate::sys::cpus::host_cpus());
         let spin = if here > cpus { std::time::Duration::ZERO } else { cfg.spin };
         log::debug!("rank {rank}: {here} ranks on this host, {cpus} CPUs for them: spin {} us before yielding", spin.as_micros());
         let links = Links::new(rank, links, abort.clone(), spin);
-        let one_host = shm.clone().map(|dom| Box::new(OneHost::new(dom, shm_all, spin, cfg.shm_stores, cfg.shm_cma)) as Box<dyn std::any::Any + Send>);
+        let one_host = shm.clone().map(|dom| Box::new(OneHost::new(dom, shm_reaches_all, spin, cfg.shm_stores, cfg.shm_cma)) as Box<dyn std::any::Any + Send>);
         let state = EngineState::new(rank, size, links, shm, abort, global_ranks.clone()).with_store(store.clone(), prefix).with_above(one_host);
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
         Ok(Communicator {

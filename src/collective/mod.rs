@@ -322,6 +322,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         one_host.announce(&call);
     }
     let mut on_one_host = one_host.filter(|h| h.covers_all());
+    let host_call = OneHostCall { rank, world, call, deadline, abort: &st.abort };
     let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
     // A rank that only sends in a rooted tree never reads a header: every rooted
     // collective first agrees on its arguments (see `agree`).
@@ -349,7 +350,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             match algo {
                 Algo::SharedMemory => {
                     let one_host = on_one_host.as_mut().ok_or_else(|| invalid("no shared memory"))?;
-                    one_host.allreduce(&OneHostCall { rank, world, call, deadline, abort: &st.abort }, recv, req.dtype, req.redop)
+                    one_host.allreduce(&host_call, recv, req.dtype, req.redop)
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),
                 Algo::HalvingDoubling => algos::halving_doubling_allreduce(&mut cx, recv),
@@ -359,7 +360,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         Collective::ReduceScatter => {
             let send = send.ok_or_else(|| invalid("reduce-scatter cannot run in place (its send and receive buffers are the same)"))?;
             if let Some(one_host) = &on_one_host {
-                return one_host.reduce_scatter(&OneHostCall { rank, world, call, deadline, abort: &st.abort }, send, recv, req.dtype, req.redop);
+                return one_host.reduce_scatter(&host_call, send, recv, req.dtype, req.redop);
             }
             let mut work = send.to_vec();
             let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
@@ -374,7 +375,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         Collective::Allgather => {
             let send = send.ok_or_else(|| invalid("allgather cannot run in place (its send and receive buffers are the same)"))?;
             if let Some(one_host) = &on_one_host {
-                return one_host.allgather(&OneHostCall { rank, world, call, deadline, abort: &st.abort }, send, recv);
+                return one_host.allgather(&host_call, send, recv);
             }
             let bounds: Vec<usize> = (0..=world).map(|i| i * send.len()).collect();
             recv[bounds[rank]..bounds[rank + 1]].copy_from_slice(send);

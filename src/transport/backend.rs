@@ -40,8 +40,8 @@ pub(crate) struct Connected {
     pub(crate) links: LinkTable,
     /// The segments of the ranks on this host, when some peers are reached through them.
     pub(crate) shm: Option<Arc<ShmDomain>>,
-    /// Peers reached through shared memory.
-    pub(crate) shm_peers: Vec<usize>,
+    /// Whether shared memory reaches every peer (the one-host collectives apply).
+    pub(crate) shm_reaches_all: bool,
     /// The RDMA device, when some peers are reached over verbs.
     pub(crate) verbs: Option<Arc<VerbsDomain>>,
 }
@@ -56,7 +56,7 @@ pub(crate) fn connect_links(cfg: &Config, rank: usize, size: usize, topology: &T
         return Err(config(format!("GRADWIRE_TRANSPORT=shm, but rank {rank} and rank {other} are on different hosts (use auto or tcp)")));
     }
     let Some(s) = setup else {
-        return Ok(Connected { links: (0..size).map(|_| None).collect(), shm: None, shm_peers: vec![], verbs: None });
+        return Ok(Connected { links: (0..size).map(|_| None).collect(), shm: None, shm_reaches_all: false, verbs: None });
     };
     let local = topology.local_ranks(rank);
     let use_shm = !matches!(s.cfg.transport, TransportChoice::Tcp | TransportChoice::Verbs);
@@ -83,5 +83,6 @@ pub(crate) fn connect_links(cfg: &Config, rank: usize, size: usize, topology: &T
             links[p] = Some(link);
         }
     }
-    Ok(Connected { links, shm: shm.map(|b| b.domain), shm_peers, verbs: verbs.map(|b| b.domain) })
+    let shm_reaches_all = shm.is_some() && shm_peers.len() + 1 == size;
+    Ok(Connected { links, shm: shm.map(|b| b.domain), shm_reaches_all, verbs: verbs.map(|b| b.domain) })
 }

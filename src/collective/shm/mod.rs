@@ -324,7 +324,25 @@ impl ShmCtx<'_> {
     fn staged_capacity(&self) -> usize {
         self.ctl.stage_len() - 2 * self.small_half()
     }
+
+    /// Bytes of one rank's slot of the staged area (each segment of a staged form gives
+    /// part p slot p): whole cache lines where there is room, and always a multiple of
+    /// every element size.
+    fn slot_len(&self) -> Result<usize> {
+        let slot = match self.staged_capacity() / self.world {
+            n if n >= 64 => n / 64 * 64,
+            n => n / 8 * 8,
+        };
+        if slot == 0 {
+            return Err(Error::InvalidArgument(format!("GRADWIRE_SHM_STAGE_BYTES={} leaves no staging room for {} ranks", self.ctl.stage_len(), self.world)));
+        }
+        Ok(slot)
+    }
 }
+
+/// Reduction block of the staged forms: every source's block is combined into the
+/// destination block while it is still in L1/L2.
+const BLOCK: usize = 32 << 10;
 
 /// From this size on, the ranks agree on a form that works in the peers' buffers: buffers
 /// that every rank maps take the zero-copy form, private ones cross-memory attach where

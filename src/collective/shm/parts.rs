@@ -6,27 +6,36 @@
 //! after one barrier copies every peer's out. One more barrier per segment: nobody reads a
 //! staging area any more when its owner writes the next segment into it.
 
-use super::ShmCtx;
+use super::{ShmCtx, BLOCK};
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use std::sync::atomic::Ordering;
 
-/// Reduction block: every source's block is combined into the destination block while it
-/// is still in L1/L2.
-const BLOCK: usize = 32 << 10;
-
-/// Bytes of one part a segment moves: a slot of the staged form's area per rank, whole
-/// cache lines where there is room, and always a multiple of every element size.
-fn slot_len(cx: &ShmCtx<'_>) -> Result<usize> {
-    let slot = match cx.staged_capacity() / cx.world {
-        n if n >= 64 => n / 64 * 64,
-        n => n / 8 * 8,
-    };
-    if slot == 0 {
-        return Err(Error::InvalidArgument(format!("GRADWIRE_SHM_STAGE_BYTES={} leaves no staging room for {} ranks", cx.ctl.stage_len(), cx.world)));
+/// Runs the segments `0..n` in steps of `seg` bytes: `stage(off, len)` writes this rank's
+/// share of a segment into its staging area, then (after every rank has, and the call
+/// headers are checked, on the first segment) `take(off, len)` reads the peers' shares;
+/// a barrier ends each segment.
+fn by_segments(cx: &ShmCtx<'_>, n: usize, seg: usize, mut stage: impl FnMut(usize, usize), mut take: impl FnMut(usize, usize)) -> Result<()> {
+    let mut base = cx.ctl.phase(cx.rank).load(Ordering::Relaxed);
+    let mut off = 0;
+    loop {
+        let len = (n - off).min(seg);
+        stage(off, len);
+        cx.advance(base + 1);
+        cx.wait_all(base + 1)?;
+        if off == 0 {
+            cx.check_calls()?;
+        }
+        take(off, len);
+        cx.advance(base + 2);
+        cx.wait_all(base + 2)?;
+        base += 2;
+        off += len;
+        if off >= n {
+            return Ok(());
+        }
     }
-    Ok(slot)
 }
 
 /// Reduce-scatter: `send` holds W parts of `recv.len()` bytes; rank r gets the reduction of
@@ -34,74 +43,49 @@ fn slot_len(cx: &ShmCtx<'_>) -> Result<usize> {
 pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let (w, me, n) = (cx.world, cx.rank, recv.len());
     debug_assert_eq!(send.len(), n * w);
-    let slot = slot_len(cx)?;
-    let mut base = cx.ctl.phase(me).load(Ordering::Relaxed);
+    let slot = cx.slot_len()?;
     let others = || (0..w).filter(move |&p| p != me);
-    let mut off = 0;
-    loop {
-        let len = (n - off).min(slot);
+    let stage = |off: usize, len: usize| {
         for p in others() {
             // SAFETY: slot p of our own staging area (`len` <= a slot); peers read it only
-            // after the Release store below, and have stopped reading what the segment
+            // after the barrier that follows, and have stopped reading what the segment
             // before left there (they passed the barrier that ended it).
             unsafe { std::ptr::copy_nonoverlapping(send[p * n + off..][..len].as_ptr(), cx.ctl.stage(me).add(p * slot), len) };
         }
-        cx.advance(base + 1);
-        cx.wait_all(base + 1)?;
-        if off == 0 {
-            cx.check_calls()?;
-        }
+    };
+    let take = |off: usize, len: usize| {
         let mine = &mut recv[off..off + len];
         mine.copy_from_slice(&send[me * n + off..][..len]);
         for b in (0..len).step_by(BLOCK) {
             let e = (b + BLOCK).min(len);
             // SAFETY: slot `me` of every peer's staging area holds this segment of part
-            // `me` (barrier base+1) and is not rewritten before barrier base+2.
+            // `me` (first barrier) and is not rewritten before the segment's last barrier.
             let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.ctl.stage(p).add(me * slot + b), e - b) });
             reduce_all(dtype, op, w, &mut mine[b..e], theirs);
         }
-        cx.advance(base + 2);
-        cx.wait_all(base + 2)?;
-        base += 2;
-        off += len;
-        if off >= n {
-            return Ok(());
-        }
-    }
+    };
+    by_segments(cx, n, slot, stage, take)
 }
 
 /// Allgather: every rank's `send` lands, in rank order, in every rank's `recv`.
 pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
     let (w, me, n) = (cx.world, cx.rank, send.len());
     debug_assert_eq!(recv.len(), n * w);
-    // One part per rank and segment: the whole staged area serves ours.
-    let seg = slot_len(cx)? * w;
-    let mut base = cx.ctl.phase(me).load(Ordering::Relaxed);
     recv[me * n..][..n].copy_from_slice(send);
-    let mut off = 0;
-    loop {
-        let len = (n - off).min(seg);
+    let stage = |off: usize, len: usize| {
         // SAFETY: the start of our own staging area (`len` <= the staged area); peers read
-        // it only after the Release store below, and have stopped reading the segment
+        // it only after the barrier that follows, and have stopped reading the segment
         // before (they passed the barrier that ended it).
         unsafe { std::ptr::copy_nonoverlapping(send[off..].as_ptr(), cx.ctl.stage(me), len) };
-        cx.advance(base + 1);
-        cx.wait_all(base + 1)?;
-        if off == 0 {
-            cx.check_calls()?;
-        }
+    };
+    let take = |off: usize, len: usize| {
         for p in (0..w).filter(|&p| p != me) {
-            // SAFETY: p's staging area holds this segment of its part (barrier base+1) and
-            // is not rewritten before barrier base+2.
+            // SAFETY: p's staging area holds this segment of its part (first barrier) and
+            // is not rewritten before the segment's last barrier.
             let theirs = unsafe { std::slice::from_raw_parts(cx.ctl.stage(p), len) };
             recv[p * n + off..][..len].copy_from_slice(theirs);
         }
-        cx.advance(base + 2);
-        cx.wait_all(base + 2)?;
-        base += 2;
-        off += len;
-        if off >= n {
-            return Ok(());
-        }
-    }
+    };
+    // One part per rank and segment: the whole staged area serves ours.
+    by_segments(cx, n, cx.slot_len()? * w, stage, take)
 }

@@ -1,16 +1,12 @@
 //! The staged form (see the module comment of `collective::shm`): per segment of about
 //! 1 MiB, copy in, reduce one's part, copy out, through the ranks' staging areas.
 
-use super::ShmCtx;
+use super::{ShmCtx, BLOCK};
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-
-/// Reduction block: every source's block is combined into the destination block while it
-/// is still in L1/L2.
-const BLOCK: usize = 32 << 10;
 
 /// Staged allreduce (see the module comment). A rank's own part does not pass through
 /// staging on the way in: it is reduced in its buffer, then staged once for the peers
@@ -26,15 +22,8 @@ pub(super) fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType
     let (w, me) = (cx.world, cx.rank);
     let elem = dtype.size();
     // Part p of every segment has the same slot in the staging areas, whatever the
-    // segment's length: whole cache lines where there is room, and always a multiple of
-    // every element size.
-    let slot_len = match cx.staged_capacity() / w {
-        n if n >= 64 => n / 64 * 64,
-        n => n / 8 * 8,
-    };
-    if slot_len == 0 {
-        return Err(Error::InvalidArgument(format!("GRADWIRE_SHM_STAGE_BYTES={} leaves no staging room for {w} ranks", cx.ctl.stage_len())));
-    }
+    // segment's length.
+    let slot_len = cx.slot_len()?;
     let slot = |p: usize| p * slot_len;
     let seg = slot_len * w;
     let mut base = cx.ctl.phase(me).load(Ordering::Relaxed);
