@@ -29,6 +29,55 @@ impl Gen {
 
 const BLOCK: usize = 1 << 16;
 
+/// A buffer of a case, of the kind [`Buffers`] gives this rank: private; shared
+/// (`gradwire_alloc`); or private and registered in place once filled, starting a different
+/// way into a page on each rank so that the ranks' partial pages differ.
+struct CaseBuffer {
+    /// Dropped first: it gives the pages back before the memory goes.
+    registration: Option<crate::Registration>,
+    shared: Option<crate::Region>,
+    private: Vec<u8>,
+    /// Where the buffer lies in its storage.
+    at: std::ops::Range<usize>,
+    registered: bool,
+}
+
+impl CaseBuffer {
+    fn new(buffers: Buffers, rank: usize, len: usize, es: usize) -> Result<Self> {
+        let (mut shared, mut private, mut at) = (None, vec![], 0..len);
+        if buffers.shared_on(rank) {
+            shared = Some(crate::Region::shared("gradwire-check", len.max(1))?);
+        } else if buffers == Buffers::Registered {
+            let page = crate::mem::page_size();
+            private = vec![0u8; len + 3 * page];
+            let skip = page - private.as_ptr() as usize % page + 8 * es * (rank + 1);
+            at = skip..skip + len;
+        } else {
+            private = vec![0u8; len];
+        }
+        Ok(CaseBuffer { registration: None, shared, private, at, registered: buffers == Buffers::Registered })
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        match &mut self.shared {
+            Some(region) => &mut region.as_mut_slice()[self.at.clone()],
+            None => &mut self.private[self.at.clone()],
+        }
+    }
+
+    /// Registers a registered buffer (filled, as a framework registers a filled tensor);
+    /// one without a whole page stays private.
+    fn register(&mut self) -> Result<()> {
+        if self.registered && self.registration.is_none() && self.at.len() >= 2 * crate::mem::page_size() {
+            let buf = self.bytes();
+            // SAFETY: the buffer is ours, stays allocated past the registration (dropped
+            // first), and only this thread writes it.
+            self.registration = Some(unsafe { crate::Registration::new(buf.as_mut_ptr(), buf.len()) }?);
+        }
+        Ok(())
+    }
+}
+
 /// Runs one collective on fresh inputs of `case` and returns how many output elements
 /// differ from the independent reference; describes failures in `failures`.
 #[allow(clippy::too_many_arguments)]
@@ -54,41 +103,20 @@ pub fn run_case(
     let reference = |inputs: &[Vec<f64>], i| if once { reference_rounded_once(redop, dtype, inputs, i) } else { reference(redop, dtype, inputs, i) };
     Ok(match op {
         Collective::Allreduce | Collective::Reduce => {
-            let (mut private, mut shared);
-            let buf: &mut [u8] = if buffers.shared_on(me) {
-                shared = crate::Region::shared("gradwire-check", n * es)?;
-                &mut shared.as_mut_slice()[..n * es]
-            } else if buffers == Buffers::Registered {
-                // Starts a different way into a page on each rank, so that the ranks' partial
-                // pages differ.
-                let page = crate::mem::page_size();
-                private = vec![0u8; n * es + 3 * page];
-                let skip = page - private.as_ptr() as usize % page + 8 * es * (me + 1);
-                &mut private[skip..skip + n * es]
-            } else {
-                private = vec![0u8; n * es];
-                &mut private
-            };
+            let mut storage = CaseBuffer::new(buffers, me, n * es, es)?;
+            let buf = storage.bytes();
             let mut g = Gen::new(seed, me, case, dtype);
             for (i, c) in buf.chunks_mut(BLOCK * es).enumerate() {
                 let vals = g.take(c.len() / es);
                 debug_assert!(i * BLOCK * es < n * es || n == 0);
                 encode(dtype, &vals, c);
             }
-            // Registered once the data is in, as a framework registers a filled tensor (a
-            // buffer without a whole page stays private).
-            let whole_page = buf.len() >= 2 * crate::mem::page_size();
-            let registration = match buffers == Buffers::Registered && whole_page {
-                // SAFETY: `buf` is ours, stays allocated past the registration, and only this
-                // thread writes it.
-                true => Some(unsafe { crate::Registration::new(buf.as_mut_ptr(), buf.len()) }?),
-                false => None,
-            };
+            storage.register()?;
+            let buf = storage.bytes();
             match hier {
                 Some((h, algo)) => h.allreduce_bytes(dtype, buf, redop, algo)?,
                 None => run_bytes(comm, req, &[], buf)?,
             }
-            drop(registration);
             if op == Collective::Allreduce {
                 let fp = fingerprint(buf);
                 let mut all = vec![0f64; 2 * w];
@@ -133,32 +161,46 @@ pub fn run_case(
         }
         Collective::ReduceScatter => {
             let inputs: Vec<Vec<f64>> = (0..w).map(|r| Gen::new(seed, r, case, dtype).take(n * w)).collect();
-            let mut send = vec![0u8; n * w * es];
-            encode(dtype, &inputs[me], &mut send);
-            let mut recv = vec![0u8; n * es];
-            run_bytes(comm, req, &send, &mut recv)?;
+            let (mut send, mut recv) = (CaseBuffer::new(buffers, me, n * w * es, es)?, CaseBuffer::new(buffers, me, n * es, es)?);
+            encode(dtype, &inputs[me], send.bytes());
+            send.register()?;
+            recv.register()?;
+            run_bytes(comm, req, send.bytes(), recv.bytes())?;
             if dtype == DType::I64 {
-                return Ok(int64_wrong(&recv, (me * n..(me + 1) * n).map(|i| int64_reference(redop, &inputs, i))));
+                return Ok(int64_wrong(recv.bytes(), (me * n..(me + 1) * n).map(|i| int64_reference(redop, &inputs, i))));
             }
             let want: Vec<(f64, f64)> = (me * n..(me + 1) * n).map(|i| reference(&inputs, i)).collect();
-            count_wrong(&decode(dtype, &recv), &want)
+            count_wrong(&decode(dtype, recv.bytes()), &want)
         }
         Collective::Allgather => {
             let inputs: Vec<Vec<f64>> = (0..w).map(|r| Gen::new(seed, r, case, dtype).take(n)).collect();
-            let mut send = vec![0u8; n * es];
-            encode(dtype, &inputs[me], &mut send);
-            let mut recv = vec![0u8; n * w * es];
-            run_bytes(comm, req, &send, &mut recv)?;
+            let (mut send, mut recv) = (CaseBuffer::new(buffers, me, n * es, es)?, CaseBuffer::new(buffers, me, n * w * es, es)?);
+            encode(dtype, &inputs[me], send.bytes());
+            send.register()?;
+            recv.register()?;
+            run_bytes(comm, req, send.bytes(), recv.bytes())?;
             let want: Vec<(f64, f64)> = inputs.iter().flatten().map(|&v| (v, 0.0)).collect();
-            count_wrong(&decode(dtype, &recv), &want)
+            count_wrong(&decode(dtype, recv.bytes()), &want)
+        }
+        Collective::AllToAll => {
+            // Rank r sends block p of its input to rank p: we get block `me` of every input.
+            let inputs: Vec<Vec<f64>> = (0..w).map(|r| Gen::new(seed, r, case, dtype).take(n * w)).collect();
+            let (mut send, mut recv) = (CaseBuffer::new(buffers, me, n * w * es, es)?, CaseBuffer::new(buffers, me, n * w * es, es)?);
+            encode(dtype, &inputs[me], send.bytes());
+            send.register()?;
+            recv.register()?;
+            run_bytes(comm, req, send.bytes(), recv.bytes())?;
+            let want: Vec<(f64, f64)> = inputs.iter().flat_map(|input| &input[me * n..(me + 1) * n]).map(|&v| (v, 0.0)).collect();
+            count_wrong(&decode(dtype, recv.bytes()), &want)
         }
         Collective::Broadcast => {
             let root_data = Gen::new(seed, root, case, dtype).take(n);
-            let mut buf = vec![0u8; n * es];
+            let mut buf = CaseBuffer::new(buffers, me, n * es, es)?;
             let mine = if me == root { root_data.clone() } else { Gen::new(seed, me, case, dtype).take(n) };
-            encode(dtype, &mine, &mut buf);
-            run_bytes(comm, req, &[], &mut buf)?;
-            count_wrong(&decode(dtype, &buf), &root_data.iter().map(|&v| (v, 0.0)).collect::<Vec<_>>())
+            encode(dtype, &mine, buf.bytes());
+            buf.register()?;
+            run_bytes(comm, req, &[], buf.bytes())?;
+            count_wrong(&decode(dtype, buf.bytes()), &root_data.iter().map(|&v| (v, 0.0)).collect::<Vec<_>>())
         }
         Collective::Barrier => {
             comm.barrier()?;

@@ -156,6 +156,12 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
         if args.collectives.contains(&Collective::Broadcast) {
             plan.push((Collective::Broadcast, DType::F32, ReduceOp::Sum, n, None));
         }
+        // The collectives that split their buffer: the whole of it this large.
+        for op in [Collective::ReduceScatter, Collective::Allgather, Collective::AllToAll] {
+            if args.collectives.contains(&op) {
+                plan.push((op, DType::F32, ReduceOp::Sum, n / w, None));
+            }
+        }
     }
     let plan: Vec<_> = plan.into_iter().flat_map(|p| hier_algos.iter().map(move |h| (p, *h))).collect();
     for ((op, dtype, redop, n, algo), hier_algo) in plan {

@@ -1,10 +1,12 @@
 //! Point-to-point send/recv and all-to-all on raw buffers of any [`DType`]: what the C ABI
 //! and torch's `send`/`recv` and `all_to_all_single` (mixture-of-experts token exchange) need.
 //!
-//! All-to-all posts every send and every receive of the call at once in one exchange (the
-//! transports progress them together, so no pair waits for another), and copies the
-//! rank's own block locally. Every rank states how many elements it sends to and receives
-//! from each peer; a pair that disagrees fails with both counts named.
+//! All-to-all with blocks of any size posts every send and every receive of the call at
+//! once in one exchange (the transports progress them together, so no pair waits for
+//! another), and copies the rank's own block locally. Every rank states how many elements
+//! it sends to and receives from each peer; a pair that disagrees fails with both counts
+//! named. All-to-all with equal blocks is a [`crate::Collective`] of its own (on one host
+//! it goes through shared memory, see `collective::shm`).
 
 use super::Ptr;
 use crate::comm::Communicator;
@@ -12,7 +14,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::engine::{EngineState, Job, Work};
 use crate::error::{invalid, Error, Result};
 use crate::transport::frame::{CallHeader, OpKind};
-use crate::transport::{RecvOp, SendOp, Sink};
+use crate::transport::{Links, RecvOp, SendOp, Sink};
 use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
@@ -106,21 +108,9 @@ impl Communicator {
                     }))
                     .collect()
             };
-            let (soff, roff) = (cut(&counts.send), cut(&counts.recv));
             // The header is the same on every rank; the per-pair sizes are checked per message.
             let call = CallHeader { op: OpKind::AllToAll, dtype, redop: ReduceOp::Sum, root: 0, count: 0, seq: st.next_seq() };
-            rbuf[roff[me]..roff[me + 1]].copy_from_slice(&sbuf[soff[me]..soff[me + 1]]);
-            let mut sends: Vec<SendOp> = (0..w).filter(|&p| p != me).map(|p| SendOp::new(p, 0, &sbuf[soff[p]..soff[p + 1]])).collect();
-            let mut recvs: Vec<RecvOp> = Vec::with_capacity(w.saturating_sub(1));
-            let mut rest: &mut [u8] = rbuf;
-            for p in 0..w {
-                let (block, tail) = std::mem::take(&mut rest).split_at_mut(roff[p + 1] - roff[p]);
-                rest = tail;
-                if p != me {
-                    recvs.push(RecvOp { peer: p, step: 0, sink: Sink::Copy(block.into()) });
-                }
-            }
-            st.links.exchange(&call, &mut sends, &mut recvs, deadline)
+            alltoall_over_links(&mut st.links, &call, sbuf, rbuf, &cut(&counts.send), &cut(&counts.recv), me, deadline)
         }))
     }
 
@@ -261,6 +251,35 @@ impl Communicator {
         let seq = counters[peer].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(CallHeader { op: OpKind::Send, dtype, redop: ReduceOp::Sum, root: tag, count: count as u64, seq })
     }
+}
+
+/// All-to-all over the links: block p of `sbuf` (bytes `soff[p]..soff[p + 1]`) goes to
+/// rank p, and block p of `rbuf` (`roff`) receives rank p's block for us. Every send and
+/// receive is posted at once in one exchange; our own block is copied here.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn alltoall_over_links(
+    links: &mut Links,
+    call: &CallHeader,
+    sbuf: &[u8],
+    rbuf: &mut [u8],
+    soff: &[usize],
+    roff: &[usize],
+    me: usize,
+    deadline: Instant,
+) -> Result<()> {
+    let w = soff.len() - 1;
+    rbuf[roff[me]..roff[me + 1]].copy_from_slice(&sbuf[soff[me]..soff[me + 1]]);
+    let mut sends: Vec<SendOp> = (0..w).filter(|&p| p != me).map(|p| SendOp::new(p, 0, &sbuf[soff[p]..soff[p + 1]])).collect();
+    let mut recvs: Vec<RecvOp> = Vec::with_capacity(w.saturating_sub(1));
+    let mut rest: &mut [u8] = rbuf;
+    for p in 0..w {
+        let (block, tail) = std::mem::take(&mut rest).split_at_mut(roff[p + 1] - roff[p]);
+        rest = tail;
+        if p != me {
+            recvs.push(RecvOp { peer: p, step: 0, sink: Sink::Copy(block.into()) });
+        }
+    }
+    links.exchange(call, &mut sends, &mut recvs, deadline)
 }
 
 /// Per peer, the point-to-point messages sent to it and received from it so far: the

@@ -10,9 +10,12 @@
 //! copy of a part to one rank); an explicitly chosen ring, recursive doubling or halving-
 //! doubling rounds at each of its steps.
 //!
-//! Reduce-scatter and allgather on one host with shared memory go through the ranks'
-//! staging areas (`shm::parts`: the halves of the staged allreduce), elsewhere through the
-//! ring (f16 and bf16 reduce-scatters: every copy of a part straight to its owner).
+//! Reduce-scatter, allgather, all-to-all, broadcast and barrier on one host with shared
+//! memory go through `shm`: large calls straight out of the peers' buffers where every
+//! rank reaches them (`shm::pull`), others through the ranks' staging areas (`shm::parts`).
+//! Elsewhere reduce-scatter and allgather take the ring (f16 and bf16 reduce-scatters:
+//! every copy of a part straight to its owner), broadcast a binomial tree or a pipelined
+//! chain, all-to-all one exchange of every block at once.
 
 pub(crate) mod agree;
 pub(crate) mod algos;
@@ -55,6 +58,10 @@ pub enum Collective {
     Reduce,
     /// Returns once every rank has entered it.
     Barrier,
+    /// Block p of every rank's buffer goes to rank p, into block r for rank r: every
+    /// block `count` elements (MPI_Alltoall, torch's `all_to_all_single` without splits;
+    /// blocks of other sizes: [`Communicator::start_alltoall`]).
+    AllToAll,
 }
 
 impl Collective {
@@ -73,6 +80,7 @@ impl From<Collective> for OpKind {
             Collective::Broadcast => OpKind::Broadcast,
             Collective::Reduce => OpKind::Reduce,
             Collective::Barrier => OpKind::Barrier,
+            Collective::AllToAll => OpKind::AllToAll,
         }
     }
 }
@@ -87,7 +95,8 @@ pub struct Request {
     /// Reduction, for allreduce, reduce-scatter and reduce.
     pub redop: ReduceOp,
     /// Elements per rank as the C/MPI conventions count them: the buffer for allreduce,
-    /// broadcast and reduce; the receive part for reduce-scatter; the send part for allgather.
+    /// broadcast and reduce; the receive part for reduce-scatter; the send part for
+    /// allgather; one block (to or from one rank) for all-to-all.
     pub count: usize,
     /// Root rank of broadcast and reduce.
     pub root: usize,
@@ -106,13 +115,14 @@ impl Request {
         let b = self.count.checked_mul(self.dtype.size()).ok_or_else(|| invalid(format!("count {} overflows", self.count)))?;
         let wb = b.checked_mul(w).ok_or_else(|| invalid(format!("count {} x {w} ranks overflows", self.count)))?;
         // No buffer is larger than isize::MAX bytes: a longer slice is undefined behaviour.
-        let largest = if matches!(self.op, Collective::ReduceScatter | Collective::Allgather) { wb } else { b };
+        let largest = if matches!(self.op, Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll) { wb } else { b };
         if largest > isize::MAX as usize {
             return Err(invalid(format!("count {} makes a buffer of {largest} bytes, more than any buffer can hold", self.count)));
         }
         Ok(match self.op {
             Collective::ReduceScatter => (wb, b),
             Collective::Allgather => (b, wb),
+            Collective::AllToAll => (wb, wb),
             Collective::Barrier => (0, 0),
             _ => (b, b),
         })
@@ -153,6 +163,9 @@ impl Communicator {
         let (slen, rlen) = req.lengths(self.size())?;
         if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
             return Err(invalid("null buffer"));
+        }
+        if slen > 0 && std::ptr::eq(send, recv) && matches!(req.op, Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll) {
+            return Err(invalid(format!("{} cannot run in place (its send and receive buffers are the same)", req.op.name())));
         }
         let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes };
         let default_algo = self.config.algo;
@@ -208,6 +221,22 @@ impl Communicator {
             return Err(invalid(format!("allgather: recv has {} elements, expected {} x {}", recv.len(), send.len(), self.size())));
         }
         let req = Request::new(Collective::Allgather, T::DTYPE, ReduceOp::Sum, send.len());
+        // SAFETY: borrows outlive wait().
+        unsafe { self.run(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8) }
+    }
+
+    /// All-to-all with equal blocks: `send` and `recv` hold `size` blocks of the same
+    /// length; block p of `send` goes to rank p, block p of `recv` comes from rank p.
+    pub fn alltoall<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        if send.len() != recv.len() || send.len() % self.size() != 0 {
+            return Err(invalid(format!(
+                "alltoall: send and recv must hold the same number of elements, a multiple of {}; they hold {} and {}",
+                self.size(),
+                send.len(),
+                recv.len()
+            )));
+        }
+        let req = Request::new(Collective::AllToAll, T::DTYPE, ReduceOp::Sum, send.len() / self.size());
         // SAFETY: borrows outlive wait().
         unsafe { self.run(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8) }
     }
@@ -325,8 +354,10 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
     let host_call = OneHostCall { rank, world, call, deadline, abort: &st.abort };
     let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
     // A rank that only sends in a rooted tree never reads a header: every rooted
-    // collective first agrees on its arguments (see `agree`).
-    if world > 1 && matches!(req.op, Collective::Broadcast | Collective::Reduce) {
+    // collective over the links first agrees on its arguments (see `agree`). The one-host
+    // forms check every rank's call in their first barrier.
+    let rooted_over_links = req.op == Collective::Reduce || (req.op == Collective::Broadcast && on_one_host.is_none());
+    if world > 1 && rooted_over_links {
         agree::agree_on_call(&mut cx)?;
     }
     match req.op {
@@ -357,9 +388,17 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                 _ => algos::ring_allreduce(&mut cx, recv, tune.ring_chunk),
             }
         }
+        Collective::AllToAll => {
+            let send = send.ok_or_else(|| invalid("alltoall cannot run in place"))?;
+            if let Some(one_host) = &mut on_one_host {
+                return one_host.alltoall(&host_call, send, recv);
+            }
+            let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len() / world).collect();
+            exchange::alltoall_over_links(cx.links, &call, send, recv, &bounds, &bounds, rank, deadline)
+        }
         Collective::ReduceScatter => {
-            let send = send.ok_or_else(|| invalid("reduce-scatter cannot run in place (its send and receive buffers are the same)"))?;
-            if let Some(one_host) = &on_one_host {
+            let send = send.ok_or_else(|| invalid("reduce-scatter cannot run in place"))?;
+            if let Some(one_host) = &mut on_one_host {
                 return one_host.reduce_scatter(&host_call, send, recv, req.dtype, req.redop);
             }
             let mut work = send.to_vec();
@@ -373,8 +412,8 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             Ok(())
         }
         Collective::Allgather => {
-            let send = send.ok_or_else(|| invalid("allgather cannot run in place (its send and receive buffers are the same)"))?;
-            if let Some(one_host) = &on_one_host {
+            let send = send.ok_or_else(|| invalid("allgather cannot run in place"))?;
+            if let Some(one_host) = &mut on_one_host {
                 return one_host.allgather(&host_call, send, recv);
             }
             let bounds: Vec<usize> = (0..=world).map(|i| i * send.len()).collect();
@@ -384,6 +423,8 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
         Collective::Broadcast => {
             if world == 1 {
                 Ok(())
+            } else if let Some(one_host) = &mut on_one_host {
+                one_host.broadcast(&host_call, recv, req.root)
             } else if recv.len() < tune.small {
                 algos::binomial_broadcast(&mut cx, recv, req.root)
             } else {
@@ -397,7 +438,10 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             }
             algos::binomial_reduce(&mut cx, recv, req.root)
         }
-        Collective::Barrier => algos::dissemination_barrier(&mut cx),
+        Collective::Barrier => match &on_one_host {
+            Some(one_host) if world > 1 => one_host.barrier(&host_call),
+            _ => algos::dissemination_barrier(&mut cx),
+        },
     }
 }
 

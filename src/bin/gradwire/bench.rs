@@ -32,7 +32,7 @@ pub fn busbw_factor(op: Collective, w: usize) -> f64 {
     let w = w as f64;
     match op {
         Collective::Allreduce => 2.0 * (w - 1.0) / w,
-        Collective::ReduceScatter | Collective::Allgather => (w - 1.0) / w,
+        Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll => (w - 1.0) / w,
         _ => 1.0,
     }
 }
@@ -51,7 +51,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
     let es = a.dtype.size();
     let seed = if a.check { job_seed(comm)? } else { 0 };
     // `size` is the whole buffer as nccl-tests counts it: the total gathered/scattered
-    // buffer for allgather and reduce-scatter.
+    // buffer for allgather and reduce-scatter, one rank's whole send buffer for all-to-all.
     let mut sizes = vec![];
     let mut s = a.min.max(es);
     while s <= a.max {
@@ -113,7 +113,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             busbw_factor(a.op, w),
             match a.op {
                 Collective::Allreduce => "2(W-1)/W",
-                Collective::ReduceScatter | Collective::Allgather => "(W-1)/W",
+                Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll => "(W-1)/W",
                 _ => "1",
             }
         );
@@ -131,7 +131,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
     for (si, &size) in sizes.iter().enumerate() {
         let total = size / es;
         let count = match a.op {
-            Collective::ReduceScatter | Collective::Allgather => total / w,
+            Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll => total / w,
             _ => total,
         };
         let req = Request { algo: a.algo, root: a.root, ..Request::new(a.op, a.dtype, a.redop, count) };
@@ -158,7 +158,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
         let mut slowest = [mine];
         comm.allreduce(&mut slowest, ReduceOp::Max)?;
         let t = slowest[0];
-        let bytes = (count * es * if matches!(a.op, Collective::ReduceScatter | Collective::Allgather) { w } else { 1 }) as f64;
+        let bytes = (count * es * if matches!(a.op, Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll) { w } else { 1 }) as f64;
         let algbw = bytes / t / 1e9;
         let busbw = algbw * busbw_factor(a.op, w);
         let wrong = if a.check {

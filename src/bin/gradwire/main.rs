@@ -55,7 +55,8 @@ fn collective_arg(s: &str) -> Result<Collective, String> {
         "broadcast" | "bcast" => Collective::Broadcast,
         "reduce" => Collective::Reduce,
         "barrier" => Collective::Barrier,
-        _ => return Err(format!("unknown collective {s:?} (allreduce, reduce_scatter, allgather, broadcast, reduce, barrier)")),
+        "alltoall" | "all_to_all" => Collective::AllToAll,
+        _ => return Err(format!("unknown collective {s:?} (allreduce, reduce_scatter, allgather, broadcast, reduce, barrier, alltoall)")),
     })
 }
 
@@ -92,7 +93,7 @@ enum Cmd {
     LaunchGuard,
     /// nccl-tests style benchmark of one collective (run under `gradwire launch`).
     Bench {
-        /// allreduce, reduce_scatter, allgather, broadcast, reduce, barrier; or write
+        /// allreduce, reduce_scatter, allgather, broadcast, reduce, barrier, alltoall; or write
         /// (point-to-point one-sided write, rank 0 into rank 1), ps (parameter-server
         /// push/pull against raw one-sided bandwidth) or token-ring
         /// (round time; with --check also pushes under the dynamic delay, conservation checked).
@@ -147,7 +148,7 @@ enum Cmd {
         /// Also run f32 sum allreduce and broadcast of this many bytes (e.g. 64M).
         #[arg(long, default_value = "0", value_parser = size_arg)]
         large: usize,
-        #[arg(long, value_delimiter = ',', value_parser = collective_arg, default_value = "allreduce,reduce_scatter,allgather,broadcast,reduce,barrier")]
+        #[arg(long, value_delimiter = ',', value_parser = collective_arg, default_value = "allreduce,reduce_scatter,allgather,broadcast,reduce,barrier,alltoall")]
         collectives: Vec<Collective>,
         #[arg(long, value_delimiter = ',', default_value = "float32,float64,float16,bfloat16,int8,uint8,int32,int64,bool")]
         dtypes: Vec<DType>,

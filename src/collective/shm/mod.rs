@@ -34,6 +34,7 @@
 mod control;
 mod parts;
 mod peer_buffers;
+mod pull;
 mod small;
 mod staged;
 mod stores;
@@ -48,6 +49,7 @@ use crate::transport::shm::ShmDomain;
 use crate::transport::Backoff;
 use control::Control;
 use peer_buffers::{agree_on_form, shm_allreduce_in_peer_buffers, Agreed, Attach, PeerAccess};
+use pull::Sources;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -91,14 +93,89 @@ impl OneHost {
     }
 
     /// Reduce-scatter among all ranks (all on this host): `send` holds one part of
-    /// `recv.len()` bytes per rank (see [`parts`]).
-    pub(crate) fn reduce_scatter(&self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        parts::reduce_scatter(&ShmCtx::new(&self.ctl, self.spin, call), send, recv, dtype, op)
+    /// `recv.len()` bytes per rank; each rank reduces its part out of the peers' buffers
+    /// ([`pull`]) or through the staging areas ([`parts`]).
+    pub(crate) fn reduce_scatter(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let cx = ShmCtx::new(&self.ctl, self.spin, call);
+        match agree_mapped(&cx, send, send.len(), dtype.size())? {
+            Some((peers, body)) => pull::reduce_scatter(&cx, &mut Sources::new(peers, body, send.len(), &mut self.state.attach.scratch), send, recv, dtype, op),
+            None => parts::reduce_scatter(&cx, send, recv, dtype, op),
+        }
     }
 
-    /// Allgather among all ranks (all on this host) (see [`parts`]).
-    pub(crate) fn allgather(&self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
-        parts::allgather(&ShmCtx::new(&self.ctl, self.spin, call), send, recv)
+    /// Allgather among all ranks (all on this host) (see [`pull`] and [`parts`]).
+    pub(crate) fn allgather(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let cx = ShmCtx::new(&self.ctl, self.spin, call);
+        match agree_mapped(&cx, send, recv.len(), 1)? {
+            Some((peers, body)) => pull::allgather(&cx, &Sources::new(peers, body, send.len(), &mut self.state.attach.scratch), send, recv),
+            None => parts::allgather(&cx, send, recv),
+        }
+    }
+
+    /// All-to-all with equal blocks among all ranks (all on this host) (see [`pull`] and
+    /// [`parts`]).
+    pub(crate) fn alltoall(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let cx = ShmCtx::new(&self.ctl, self.spin, call);
+        match agree_mapped(&cx, send, send.len(), 1)? {
+            Some((peers, body)) => pull::alltoall(&cx, &Sources::new(peers, body, send.len(), &mut self.state.attach.scratch), send, recv),
+            None => parts::alltoall(&cx, send, recv),
+        }
+    }
+
+    /// Broadcast of the root's `buf` among all ranks (all on this host) (see [`pull`] and
+    /// [`parts`]).
+    pub(crate) fn broadcast(&mut self, call: &OneHostCall<'_>, buf: &mut [u8], root: usize) -> Result<()> {
+        let cx = ShmCtx::new(&self.ctl, self.spin, call);
+        match agree_mapped(&cx, buf, buf.len(), 1)? {
+            Some((peers, body)) => pull::broadcast(&cx, &Sources::new(peers, body, buf.len(), &mut self.state.attach.scratch), buf, root),
+            None => parts::broadcast(&cx, buf, root),
+        }
+    }
+
+    /// Barrier among all ranks (all on this host): two phases, the calls checked between
+    /// them (after one, a peer may already have announced its next call).
+    pub(crate) fn barrier(&self, call: &OneHostCall<'_>) -> Result<()> {
+        let cx = ShmCtx::new(&self.ctl, self.spin, call);
+        let base = self.ctl.phase(cx.rank).load(Ordering::Relaxed);
+        cx.advance(base + 1);
+        cx.wait_all(base + 1)?;
+        cx.check_calls()?;
+        cx.advance(base + 2);
+        cx.wait_all(base + 2)
+    }
+}
+
+/// From [`LARGE_MIN`] bytes (`size`: what the call moves per rank), whether every rank
+/// maps every peer's `buf` (all from `gradwire_alloc` or registered in place), agreed in
+/// one barrier, or two when they are ([`agree_on_form`] without cross-memory attach): every
+/// rank's buffer from where all map it, and what of it they map; `None` when the call
+/// stages.
+fn agree_mapped(cx: &ShmCtx<'_>, buf: &[u8], size: usize, elem: usize) -> Result<Option<(Vec<*mut u8>, std::ops::Range<usize>)>> {
+    if size < LARGE_MIN || cx.world == 1 {
+        return Ok(None);
+    }
+    let mut no_attach = Attach { enabled: false, scratch: Vec::new() };
+    Ok(match agree_on_form(cx, &mut no_attach, buf, elem)? {
+        Agreed::Mapped { peers, body } => Some((peers, body)),
+        _ => None,
+    })
+}
+
+/// From `state.agree_from` bytes, the ranks agree on reaching each other's allreduce
+/// buffer ([`agree_on_form`]); `None` when the call stages.
+fn agree_large(cx: &ShmCtx<'_>, state: &mut ShmAllreduceState, buf: &[u8], elem: usize) -> Result<Option<Agreed>> {
+    if buf.len() < state.agree_from {
+        return Ok(None);
+    }
+    match agree_on_form(cx, &mut state.attach, buf, elem)? {
+        Agreed::Staged { someone_cannot_attach } => {
+            if someone_cannot_attach && state.agree_from < ZERO_COPY_MIN {
+                state.agree_from = ZERO_COPY_MIN;
+                log::debug!("rank {}: not every rank can attach; only calls from {ZERO_COPY_MIN} bytes look for mapped buffers from now on", cx.rank);
+            }
+            Ok(None)
+        }
+        agreed => Ok(Some(agreed)),
     }
 }
 
@@ -134,36 +211,43 @@ impl<'a> ShmCtx<'a> {
     /// Waits until every other rank's phase counter reaches `target`.
     fn wait_all(&self, target: u64) -> Result<()> {
         let backoff = Backoff::new(self.spin);
-        for p in 0..self.world {
-            if p == self.rank {
-                continue;
-            }
-            let ph = self.ctl.phase(p);
-            let mut iter = 0u64;
-            while ph.load(Ordering::Acquire) < target {
-                iter += 1;
-                if iter % 64 == 0 {
-                    if let Err(e) = self.check_peer(p, backoff.idle()) {
-                        // The peer may have reached the phase, then exited, after our load.
-                        if ph.load(Ordering::Acquire) >= target {
-                            break;
-                        }
-                        return Err(e);
+        (0..self.world).filter(|&p| p != self.rank).try_for_each(|p| self.wait_on(p, target, &backoff))
+    }
+
+    /// Waits until rank `p`'s phase counter reaches `target`.
+    fn wait_for(&self, p: usize, target: u64) -> Result<()> {
+        self.wait_on(p, target, &Backoff::new(self.spin))
+    }
+
+    fn wait_on(&self, p: usize, target: u64, backoff: &Backoff) -> Result<()> {
+        let ph = self.ctl.phase(p);
+        let mut iter = 0u64;
+        while ph.load(Ordering::Acquire) < target {
+            iter += 1;
+            if iter % 64 == 0 {
+                if let Err(e) = self.check_peer(p, backoff.idle()) {
+                    // The peer may have reached the phase, then exited, after our load.
+                    if ph.load(Ordering::Acquire) >= target {
+                        break;
                     }
+                    return Err(e);
                 }
-                backoff.pause();
             }
+            backoff.pause();
         }
         Ok(())
     }
 
-    /// Checks every rank's published call against ours.
+    /// Checks every rank's published call against ours (every rank must be in this call).
     fn check_calls(&self) -> Result<()> {
-        for p in 0..self.world {
-            let h = FrameHeader::decode(&self.ctl.call_of(p)).map_err(|e| Error::Protocol(format!("rank {p}'s shared call header: {e}")))?;
-            if h.call != self.call {
-                return Err(Error::Mismatch { rank: self.rank, mine: self.call.to_string(), peer: p, theirs: h.call.to_string() });
-            }
+        (0..self.world).try_for_each(|p| self.check_call_of(p))
+    }
+
+    /// Checks rank `p`'s published call against ours (`p` must be in this call).
+    fn check_call_of(&self, p: usize) -> Result<()> {
+        let h = FrameHeader::decode(&self.ctl.call_of(p)).map_err(|e| Error::Protocol(format!("rank {p}'s shared call header: {e}")))?;
+        if h.call != self.call {
+            return Err(Error::Mismatch { rank: self.rank, mine: self.call.to_string(), peer: p, theirs: h.call.to_string() });
         }
         Ok(())
     }
@@ -271,21 +355,13 @@ fn shm_allreduce(cx: &ShmCtx<'_>, state: &mut ShmAllreduceState, buf: &mut [u8],
     if buf.len() <= cx.small_capacity() && buf.len() * cx.world <= SMALL_READ_MAX {
         return small::shm_allreduce_small(cx, buf, dtype, op);
     }
-    if buf.len() >= state.agree_from {
-        let access = match agree_on_form(cx, &mut state.attach, buf, dtype.size())? {
-            Agreed::Mapped { peers, body } => Some((PeerAccess::Mapped(peers), body)),
-            Agreed::Attach(peers) => Some((PeerAccess::Attach { peers, scratch: &mut state.attach.scratch }, 0..buf.len())),
-            Agreed::Staged { someone_cannot_attach } => {
-                if someone_cannot_attach && state.agree_from < ZERO_COPY_MIN {
-                    state.agree_from = ZERO_COPY_MIN;
-                    log::debug!("rank {}: not every rank can attach; only calls from {ZERO_COPY_MIN} bytes look for mapped buffers from now on", cx.rank);
-                }
-                None
-            }
+    if let Some(agreed) = agree_large(cx, state, buf, dtype.size())? {
+        let access = match agreed {
+            Agreed::Mapped { peers, body } => (PeerAccess::Mapped(peers), body),
+            Agreed::Attach(peers) => (PeerAccess::Attach { peers, scratch: &mut state.attach.scratch }, 0..buf.len()),
+            Agreed::Staged { .. } => unreachable!("agree_large gives no staged agreement"),
         };
-        if let Some((access, body)) = access {
-            return shm_allreduce_in_peer_buffers(cx, buf, body, dtype, op, access);
-        }
+        return shm_allreduce_in_peer_buffers(cx, buf, access.1, dtype, op, access.0);
     }
     let stores = &mut state.stores;
     let streaming = stores.choose(buf.len(), dtype);

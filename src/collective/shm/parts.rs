@@ -89,3 +89,79 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result
     // One part per rank and segment: the whole staged area serves ours.
     by_segments(cx, n, cx.slot_len()? * w, stage, take)
 }
+
+/// All-to-all: `send` and `recv` hold W blocks of `recv.len() / W` bytes; block p of our
+/// `send` goes to rank p, block p of `recv` comes from rank p.
+pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
+    let (w, me) = (cx.world, cx.rank);
+    let n = recv.len() / w;
+    recv[me * n..][..n].copy_from_slice(&send[me * n..][..n]);
+    let slot = cx.slot_len()?;
+    let others = || (0..w).filter(move |&p| p != me);
+    let stage = |off: usize, len: usize| {
+        for p in others() {
+            // SAFETY: slot p of our own staging area, as in `reduce_scatter`.
+            unsafe { std::ptr::copy_nonoverlapping(send[p * n + off..][..len].as_ptr(), cx.ctl.stage(me).add(p * slot), len) };
+        }
+    };
+    let take = |off: usize, len: usize| {
+        for p in others() {
+            // SAFETY: slot `me` of p's staging area holds this segment of p's block for us
+            // (first barrier) and is not rewritten before the segment's last barrier.
+            let theirs = unsafe { std::slice::from_raw_parts(cx.ctl.stage(p).add(me * slot), len) };
+            recv[p * n + off..][..len].copy_from_slice(theirs);
+        }
+    };
+    by_segments(cx, n, slot, stage, take)
+}
+
+/// Broadcast: the root's `buf` into every rank's, pipelined through the two halves of the
+/// root's staged area: the root writes segment k + 1 into one half while the others copy
+/// segment k out of the other (one barrier per segment would serialise the two copies:
+/// 2 ranks, 16 and 64 MiB, 15.1 and 12.1 GB/s against the links' pipelined chain's 24.7
+/// and 20.6). Phase base + k + 1 says, from the root, that segment k is in its half k % 2;
+/// from any other rank, that it has copied segment k out. The call ends with one barrier
+/// for all (every rank then stands at the same phase).
+pub(super) fn broadcast(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize) -> Result<()> {
+    let (me, n) = (cx.rank, buf.len());
+    let half = cx.slot_len()? * cx.world / 2 / 64 * 64;
+    if half == 0 {
+        return Err(crate::error::invalid(format!("GRADWIRE_SHM_STAGE_BYTES={} leaves no staging room for a broadcast", cx.ctl.stage_len())));
+    }
+    let base = cx.ctl.phase(me).load(Ordering::Relaxed);
+    let segments = n.div_ceil(half).max(1) as u64;
+    let area = |k: u64| {
+        // SAFETY: half k % 2 of the root's staged area (2 halves fit in it).
+        unsafe { cx.ctl.stage(root).add((k % 2) as usize * half) }
+    };
+    for k in 0..segments {
+        let (off, len) = (k as usize * half, (n - (k as usize * half).min(n)).min(half));
+        if me == root {
+            if k >= 2 {
+                // Half k % 2 held segment k − 2: every rank has copied it out.
+                cx.wait_all(base + k - 1)?;
+            }
+            // SAFETY: our own staging area's half k % 2, which nobody reads now (above)
+            // until we announce it; `off + len <= n`.
+            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(off), area(k), len) };
+        } else {
+            cx.wait_for(root, base + k + 1)?;
+            if k == 0 {
+                // Only the root is sure to be in this call; it checks everyone's at the end.
+                cx.check_call_of(root)?;
+            }
+            // SAFETY: the root wrote segment k into half k % 2 (its phase) and rewrites it
+            // only once we announce below that we have copied it.
+            unsafe { std::ptr::copy_nonoverlapping(area(k), buf.as_mut_ptr().add(off), len) };
+        }
+        cx.advance(base + k + 1);
+    }
+    if me == root {
+        // Every rank has copied the last segment; they are all still in this call (they
+        // wait for our last phase below), so their call headers are this call's.
+        cx.wait_all(base + segments)?;
+        cx.check_calls()?;
+    }
+    cx.advance(base + segments + 1);
+    cx.wait_all(base + segments + 1)
+}

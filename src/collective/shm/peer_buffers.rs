@@ -17,7 +17,7 @@ use std::time::Duration;
 /// Bytes of a part reduced and then written to the peers at a time: the block is still in
 /// L2 when it is written (and 256 KiB was the fastest block for cross-memory attach, 2
 /// ranks, 16 MiB: 9.2, 13.1, 10.8 and 10.2 GB/s with 64 KiB, 256 KiB, 1 and 4 MiB).
-const PEER_BLOCK: usize = 256 << 10;
+pub(super) const PEER_BLOCK: usize = 256 << 10;
 
 /// What the ranks agreed on for a large call.
 pub(super) enum Agreed {
