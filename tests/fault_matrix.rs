@@ -203,6 +203,21 @@ fn each_rank_killed_or_stopped_in_a_large_shm_allreduce() {
     matrix_for("large shm allreduce");
 }
 
+/// A stopped rank in the other collectives' one-host forms, staged (private buffers) and in
+/// the peers' mapped buffers (`gradwire_alloc`): its peers reach their deadline and the
+/// launcher names it (killed ranks: `faults::killed_rank_in_every_one_host_collective`).
+#[test]
+fn a_rank_stopped_in_every_one_host_collective() {
+    for coll in ["reduce_scatter", "allgather", "alltoall", "broadcast"] {
+        for buffers in ["private", "shared"] {
+            let args = vec!["bench", coll, "-b", "16M", "-e", "16M", "-n", "100000000", "-w", "1", "--buffers", buffers];
+            let phase = Phase { name: "one-host collective", args, env: vec![("GRADWIRE_TRANSPORT", "shm")] };
+            println!("{coll}, {buffers} buffers");
+            hit_rank(&phase, 1, Fault::Stop);
+        }
+    }
+}
+
 #[test]
 fn each_rank_killed_or_stopped_in_a_tcp_allreduce() {
     matrix_for("tcp allreduce");

@@ -28,6 +28,21 @@ fn killed_rank_shm_zero_copy() {
     killed_rank_with(3, 2, "shm", "16M", &["--buffers", "shared"], &[], &LOCAL);
 }
 
+/// Every other collective's one-host forms: a rank killed in a loop of calls is named by
+/// every survivor within the deadline, staged (private buffers: 64 KiB and 16 MiB) and in
+/// the peers' mapped buffers (`gradwire_alloc`, 16 MiB); in broadcast also the root.
+#[test]
+fn killed_rank_in_every_one_host_collective() {
+    for coll in ["reduce_scatter", "allgather", "alltoall", "broadcast", "barrier"] {
+        for (buffers, size) in [("private", "64K"), ("private", "16M"), ("shared", "16M")] {
+            for victim in if coll == "broadcast" { vec![0, 1] } else { vec![1] } {
+                println!("{coll}, {buffers} buffers of {size}, rank {victim} killed");
+                killed_rank_in(coll, 3, victim, "shm", size, &["--buffers", buffers], &[], &LOCAL);
+            }
+        }
+    }
+}
+
 #[test]
 fn killed_rank_tcp() {
     killed_rank(4, 2, "tcp", "4M", &LOCAL);
@@ -86,14 +101,18 @@ fn mismatched_order() {
 
 /// Ranks that disagree on the root of a broadcast or reduce: every rank fails, naming
 /// both roots, at every size (they used to return success with different data; a root
-/// only sends, so it never read a header, and at 16 MiB it was a timeout).
+/// only sends, so it never read a header, and at 16 MiB it was a timeout). Over links the
+/// rooted collectives first agree on the call; a one-host broadcast checks every rank's
+/// published call instead.
 #[test]
 fn mismatched_root() {
     for t in ["shm", "tcp"] {
         for coll in ["broadcast", "reduce"] {
             for size in ["4K", "16M"] {
                 let call = |root| vec!["bench", coll, "-b", size, "-e", size, "-n", "3", "-w", "1", "-r", root];
-                mismatch(t, &call("0"), &call("1"), &["root 0", "root 1", "disagree on the root"]);
+                let agreed = t == "tcp" || coll == "reduce";
+                let expect: &[&str] = if agreed { &["root 0", "root 1", "disagree on the root"] } else { &["root 0)", "root 1)"] };
+                mismatch(t, &call("0"), &call("1"), expect);
             }
         }
     }
@@ -103,9 +122,42 @@ fn mismatched_root() {
 #[test]
 fn mismatched_count_at_the_root() {
     for t in ["shm", "tcp"] {
-        let call = |size| vec!["bench", "broadcast", "-b", size, "-e", size, "-n", "3", "-w", "1", "-r", "1"];
-        mismatch(t, &call("4K"), &call("8K"), &["count 1024", "count 2048", "disagree on the count"]);
+        for (mine, theirs) in [("4K", "8K"), ("128K", "16M")] {
+            let call = |size| vec!["bench", "broadcast", "-b", size, "-e", size, "-n", "3", "-w", "1", "-r", "1"];
+            let counts = [format!("count {}", bytes(mine) / 4), format!("count {}", bytes(theirs) / 4)];
+            let mut expect = vec![counts[0].as_str(), counts[1].as_str()];
+            if t == "tcp" {
+                expect.push("disagree on the count");
+            }
+            mismatch(t, &call(mine), &call(theirs), &expect);
+        }
     }
+}
+
+/// The collectives that split their buffers, on one host: ranks that disagree on the
+/// collective, or on its count across the staged and the mapped form, each fail fast
+/// naming both calls (mapped: `gradwire_alloc` buffers, where the large calls work in the
+/// peers' buffers).
+#[test]
+fn mismatched_one_host_collectives() {
+    let call =
+        |coll: &'static str, size: &'static str, buffers: &'static str| vec!["bench", coll, "-b", size, "-e", size, "-n", "3", "-w", "1", "--buffers", buffers];
+    for buffers in ["private", "shared"] {
+        for (a, b) in [("reduce_scatter", "allgather"), ("allgather", "alltoall"), ("alltoall", "broadcast"), ("barrier", "allgather")] {
+            for size in ["96K", "16M"] {
+                mismatch("shm", &call(a, size, buffers), &call(b, size, buffers), &[&format!("{a}#0"), &format!("{b}#0")]);
+            }
+        }
+        for coll in ["reduce_scatter", "allgather", "alltoall"] {
+            mismatch("shm", &call(coll, "96K", buffers), &call(coll, "16M", buffers), &[&format!("{coll}#0(count ")]);
+        }
+    }
+}
+
+/// "4K" -> 4096.
+fn bytes(size: &str) -> usize {
+    let (n, unit) = size.split_at(size.len() - 1);
+    n.parse::<usize>().unwrap() << if unit == "K" { 10 } else { 20 }
 }
 
 /// Ranks that cut ring parts into different chunks send the same call in different

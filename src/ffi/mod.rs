@@ -526,8 +526,15 @@ pub unsafe extern "C" fn gradwire_alltoall(
     count: usize,
     dt: gradwire_dtype_t,
 ) -> c_int {
+    let w = "gradwire_alltoall";
+    if sendcounts.is_null() && recvcounts.is_null() {
+        // Equal blocks: the collective of its own (through shared memory on one host).
+        return match dtype(dt, w) {
+            Ok(d) => blocking(comm_p, Request::new(Collective::AllToAll, d, ReduceOp::Sum, count), sendbuf, recvbuf, w),
+            Err(e) => guard(|| Err(e)),
+        };
+    }
     guard(|| {
-        let w = "gradwire_alltoall";
         let (_, c) = comm(comm_p, w)?;
         let d = dtype(dt, w)?;
         let counts = alltoall_counts(&c, count, sendcounts, recvcounts, w)?;
@@ -551,8 +558,12 @@ pub unsafe extern "C" fn gradwire_ialltoall(
     dt: gradwire_dtype_t,
     work: *mut *mut gradwire_work_t,
 ) -> c_int {
+    let w = "gradwire_ialltoall";
+    if sendcounts.is_null() && recvcounts.is_null() {
+        // Equal blocks: the collective of its own (through shared memory on one host).
+        return nonblocking(comm_p, w, work, sendbuf, recvbuf, || Ok(Request::new(Collective::AllToAll, dtype(dt, w)?, ReduceOp::Sum, count)));
+    }
     guard(|| {
-        let w = "gradwire_ialltoall";
         let (_, c) = comm(comm_p, w)?;
         out(work, w, "work")?;
         let d = dtype(dt, w)?;

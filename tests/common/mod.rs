@@ -228,10 +228,25 @@ pub fn killed_rank(world: usize, victim: usize, transport: &str, bytes: &str, t:
 
 /// [`killed_rank`] with more arguments for `gradwire bench`.
 pub fn killed_rank_with(world: usize, victim: usize, transport: &str, bytes: &str, extra: &[&str], extra_env: &[(&str, &str)], t: &FaultTiming) {
+    killed_rank_in("allreduce", world, victim, transport, bytes, extra, extra_env, t)
+}
+
+/// [`killed_rank_with`] in a loop of `collective` instead of allreduce.
+#[allow(clippy::too_many_arguments)]
+pub fn killed_rank_in(
+    collective: &str,
+    world: usize,
+    victim: usize,
+    transport: &str,
+    bytes: &str,
+    extra: &[&str],
+    extra_env: &[(&str, &str)],
+    t: &FaultTiming,
+) {
     let port = free_port();
     let deadline = t.deadline_ms.to_string();
     let env = [&[("GRADWIRE_TIMEOUT_MS", deadline.as_str()), ("GRADWIRE_TRANSPORT", transport)], extra_env].concat();
-    let args = [&["bench", "allreduce", "-b", bytes, "-e", bytes, "-n", "1000000", "-w", "1"], extra].concat();
+    let args = [&["bench", collective, "-b", bytes, "-e", bytes, "-n", "1000000", "-w", "1"], extra].concat();
     let mut ranks: Vec<Child> = (0..world).map(|r| spawn_rank(r, world, port, "fault-test-secret", &env, &args)).collect();
     // Let them connect and get into the allreduce loop.
     std::thread::sleep(t.settle);
