@@ -30,12 +30,13 @@ fn killed_rank_shm_zero_copy() {
 
 /// Every other collective's one-host forms: a rank killed in a loop of calls is named by
 /// every survivor within the deadline, staged (private buffers: 64 KiB and 16 MiB) and in
-/// the peers' mapped buffers (`gradwire_alloc`, 16 MiB); in broadcast also the root.
+/// the peers' mapped buffers (`gradwire_alloc`, 16 MiB); in broadcast and reduce also the
+/// root.
 #[test]
 fn killed_rank_in_every_one_host_collective() {
-    for coll in ["reduce_scatter", "allgather", "alltoall", "broadcast", "barrier"] {
+    for coll in ["reduce_scatter", "allgather", "alltoall", "broadcast", "reduce", "barrier"] {
         for (buffers, size) in [("private", "64K"), ("private", "16M"), ("shared", "16M")] {
-            for victim in if coll == "broadcast" { vec![0, 1] } else { vec![1] } {
+            for victim in if matches!(coll, "broadcast" | "reduce") { vec![0, 1] } else { vec![1] } {
                 println!("{coll}, {buffers} buffers of {size}, rank {victim} killed");
                 killed_rank_in(coll, 3, victim, "shm", size, &["--buffers", buffers], &[], &LOCAL);
             }
@@ -102,7 +103,7 @@ fn mismatched_order() {
 /// Ranks that disagree on the root of a broadcast or reduce: every rank fails, naming
 /// both roots, at every size (they used to return success with different data; a root
 /// only sends, so it never read a header, and at 16 MiB it was a timeout). Over links the
-/// rooted collectives first agree on the call; a one-host broadcast checks every rank's
+/// rooted collectives first agree on the call; on one host they check every rank's
 /// published call instead.
 #[test]
 fn mismatched_root() {
@@ -110,8 +111,7 @@ fn mismatched_root() {
         for coll in ["broadcast", "reduce"] {
             for size in ["4K", "16M"] {
                 let call = |root| vec!["bench", coll, "-b", size, "-e", size, "-n", "3", "-w", "1", "-r", root];
-                let agreed = t == "tcp" || coll == "reduce";
-                let expect: &[&str] = if agreed { &["root 0", "root 1", "disagree on the root"] } else { &["root 0)", "root 1)"] };
+                let expect: &[&str] = if t == "tcp" { &["root 0", "root 1", "disagree on the root"] } else { &["root 0)", "root 1)"] };
                 mismatch(t, &call("0"), &call("1"), expect);
             }
         }
@@ -143,7 +143,8 @@ fn mismatched_one_host_collectives() {
     let call =
         |coll: &'static str, size: &'static str, buffers: &'static str| vec!["bench", coll, "-b", size, "-e", size, "-n", "3", "-w", "1", "--buffers", buffers];
     for buffers in ["private", "shared"] {
-        for (a, b) in [("reduce_scatter", "allgather"), ("allgather", "alltoall"), ("alltoall", "broadcast"), ("barrier", "allgather")] {
+        for (a, b) in [("reduce_scatter", "allgather"), ("allgather", "alltoall"), ("alltoall", "broadcast"), ("reduce", "broadcast"), ("barrier", "allgather")]
+        {
             for size in ["96K", "16M"] {
                 mismatch("shm", &call(a, size, buffers), &call(b, size, buffers), &[&format!("{a}#0"), &format!("{b}#0")]);
             }

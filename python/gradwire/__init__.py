@@ -219,15 +219,22 @@ def _check(code):
         raise _ERRORS.get(code, GradwireError)(code, load_library().gradwire_last_error().decode(errors="replace"))
 
 
+# torch dtype -> gradwire dtype code, learned on first use: a call costs a dictionary
+# lookup instead of formatting the dtype's name (this path runs once per collective).
+_TORCH_DTYPES = {}
+
+
 def _buffer(x, what):
     """(pointer, element count, dtype code) of a contiguous NumPy array or CPU tensor."""
     if hasattr(x, "data_ptr"):  # torch.Tensor
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise ValueError(f"{what}: tensor is on {x.device}; gradwire's Python binding takes CPU tensors")
         if not x.is_contiguous():
             raise ValueError(f"{what}: tensor is not contiguous")
-        name = str(x.dtype).replace("torch.", "")
-        return x.data_ptr(), x.numel(), _dtype(name, what)
+        code = _TORCH_DTYPES.get(x.dtype)
+        if code is None:
+            code = _TORCH_DTYPES[x.dtype] = _dtype(str(x.dtype).replace("torch.", ""), what)
+        return x.data_ptr(), x.numel(), code
     if hasattr(x, "__array_interface__"):
         if not x.flags["C_CONTIGUOUS"]:
             raise ValueError(f"{what}: array is not C-contiguous")

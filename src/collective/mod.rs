@@ -10,12 +10,12 @@
 //! copy of a part to one rank); an explicitly chosen ring, recursive doubling or halving-
 //! doubling rounds at each of its steps.
 //!
-//! Reduce-scatter, allgather, all-to-all, broadcast and barrier on one host with shared
-//! memory go through `shm`: large calls straight out of the peers' buffers where every
+//! Reduce-scatter, allgather, all-to-all, broadcast, reduce and barrier on one host with
+//! shared memory go through `shm`: large calls straight out of the peers' buffers where every
 //! rank reaches them (`shm::pull`), others through the ranks' staging areas (`shm::parts`).
 //! Elsewhere reduce-scatter and allgather take the ring (f16 and bf16 reduce-scatters:
 //! every copy of a part straight to its owner), broadcast a binomial tree or a pipelined
-//! chain, all-to-all one exchange of every block at once.
+//! chain, reduce a binomial tree, all-to-all one exchange of every block at once.
 
 pub(crate) mod agree;
 pub(crate) mod algos;
@@ -356,7 +356,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
     // A rank that only sends in a rooted tree never reads a header: every rooted
     // collective over the links first agrees on its arguments (see `agree`). The one-host
     // forms check every rank's call in their first barrier.
-    let rooted_over_links = req.op == Collective::Reduce || (req.op == Collective::Broadcast && on_one_host.is_none());
+    let rooted_over_links = matches!(req.op, Collective::Broadcast | Collective::Reduce) && on_one_host.is_none();
     if world > 1 && rooted_over_links {
         agree::agree_on_call(&mut cx)?;
     }
@@ -436,7 +436,10 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             if let Some(send) = send {
                 recv.copy_from_slice(send);
             }
-            algos::binomial_reduce(&mut cx, recv, req.root)
+            match &on_one_host {
+                Some(one_host) if world > 1 => one_host.reduce(&host_call, recv, req.root, req.dtype, req.redop),
+                _ => algos::binomial_reduce(&mut cx, recv, req.root),
+            }
         }
         Collective::Barrier => match &on_one_host {
             Some(one_host) if world > 1 => one_host.barrier(&host_call),

@@ -132,6 +132,12 @@ impl OneHost {
         }
     }
 
+    /// Reduce to `root` among all ranks (all on this host), through the staging areas (see
+    /// [`parts`]); the others' `buf` stay as they are.
+    pub(crate) fn reduce(&self, call: &OneHostCall<'_>, buf: &mut [u8], root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+        parts::reduce(&ShmCtx::new(&self.ctl, self.spin, call), buf, root, dtype, op)
+    }
+
     /// Barrier among all ranks (all on this host): two phases, the calls checked between
     /// them (after one, a peer may already have announced its next call).
     pub(crate) fn barrier(&self, call: &OneHostCall<'_>) -> Result<()> {

@@ -12,25 +12,24 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use std::sync::atomic::Ordering;
 
-/// Runs the segments `0..n` in steps of `seg` bytes: `stage(off, len)` writes this rank's
-/// share of a segment into its staging area, then (after every rank has, and the call
-/// headers are checked, on the first segment) `take(off, len)` reads the peers' shares;
-/// a barrier ends each segment.
-fn by_segments(cx: &ShmCtx<'_>, n: usize, seg: usize, mut stage: impl FnMut(usize, usize), mut take: impl FnMut(usize, usize)) -> Result<()> {
-    let mut base = cx.ctl.phase(cx.rank).load(Ordering::Relaxed);
+/// Runs the segments `0..n` in steps of `seg` bytes: each step `step(off, len)` of a
+/// segment (the first writes this rank's share into its staging area, the later ones read
+/// the peers') is followed by a barrier; the call headers are checked after the first
+/// barrier of the first segment, where every rank is sure to be in this call.
+fn by_segments(cx: &ShmCtx<'_>, n: usize, seg: usize, steps: &mut [&mut dyn FnMut(usize, usize)]) -> Result<()> {
+    let mut phase = cx.ctl.phase(cx.rank).load(Ordering::Relaxed);
     let mut off = 0;
     loop {
         let len = (n - off).min(seg);
-        stage(off, len);
-        cx.advance(base + 1);
-        cx.wait_all(base + 1)?;
-        if off == 0 {
-            cx.check_calls()?;
+        for (i, step) in steps.iter_mut().enumerate() {
+            step(off, len);
+            phase += 1;
+            cx.advance(phase);
+            cx.wait_all(phase)?;
+            if off == 0 && i == 0 {
+                cx.check_calls()?;
+            }
         }
-        take(off, len);
-        cx.advance(base + 2);
-        cx.wait_all(base + 2)?;
-        base += 2;
         off += len;
         if off >= n {
             return Ok(());
@@ -45,7 +44,7 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtyp
     debug_assert_eq!(send.len(), n * w);
     let slot = cx.slot_len()?;
     let others = || (0..w).filter(move |&p| p != me);
-    let stage = |off: usize, len: usize| {
+    let mut stage = |off: usize, len: usize| {
         for p in others() {
             // SAFETY: slot p of our own staging area (`len` <= a slot); peers read it only
             // after the barrier that follows, and have stopped reading what the segment
@@ -53,7 +52,7 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtyp
             unsafe { std::ptr::copy_nonoverlapping(send[p * n + off..][..len].as_ptr(), cx.ctl.stage(me).add(p * slot), len) };
         }
     };
-    let take = |off: usize, len: usize| {
+    let mut take = |off: usize, len: usize| {
         let mine = &mut recv[off..off + len];
         mine.copy_from_slice(&send[me * n + off..][..len]);
         for b in (0..len).step_by(BLOCK) {
@@ -64,7 +63,61 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtyp
             reduce_all(dtype, op, w, &mut mine[b..e], theirs);
         }
     };
-    by_segments(cx, n, slot, stage, take)
+    by_segments(cx, n, slot, &mut [&mut stage, &mut take])
+}
+
+/// Reduce to `root`: `buf` is every rank's input and the root's result; the others' stay
+/// as they are. Per segment: every rank stages the parts its peers own (as in
+/// reduce-scatter) and, after a barrier, reduces its own part out of its buffer and the
+/// peers' slots into its own slot of its staging area, which no peer reads until the
+/// next barrier; then the root copies every finished part into its buffer.
+pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+    let (w, me) = (cx.world, cx.rank);
+    let elem = dtype.size();
+    let slot = cx.slot_len()?;
+    let seg = slot * w;
+    let ptr = buf.as_mut_ptr();
+    let part = |len: usize, p: usize| {
+        let bounds = crate::collective::algos::part_bounds(len / elem, w, elem);
+        bounds[p]..bounds[p + 1]
+    };
+    let others = || (0..w).filter(move |&p| p != me);
+    let mut stage = |off: usize, len: usize| {
+        for p in others() {
+            let r = part(len, p);
+            // SAFETY: slot p of our own staging area (a part is at most a slot); `off + r`
+            // lies in `buf`, which only the root writes, and only after the last barrier
+            // of the segment. Peers read the slot only after the barrier that follows.
+            unsafe { std::ptr::copy_nonoverlapping(ptr.add(off + r.start), cx.ctl.stage(me).add(p * slot), r.len()) };
+        }
+    };
+    let mut reduce_mine = |off: usize, len: usize| {
+        let r = part(len, me);
+        // SAFETY: slot `me` of our own staging area: no peer reads it before the barrier
+        // that follows (they read slot p of ours, p != me).
+        let mine = unsafe { std::slice::from_raw_parts_mut(cx.ctl.stage(me).add(me * slot), r.len()) };
+        // SAFETY: our input's part, in `buf`, which nobody writes during this step.
+        mine.copy_from_slice(unsafe { std::slice::from_raw_parts(ptr.add(off + r.start), r.len()) });
+        for b in (0..r.len()).step_by(BLOCK) {
+            let e = (b + BLOCK).min(r.len());
+            // SAFETY: slot `me` of every peer's staging area holds this segment of part `me`
+            // (first barrier) and is not rewritten before the segment's last barrier.
+            let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.ctl.stage(p).add(me * slot + b), e - b) });
+            reduce_all(dtype, op, w, &mut mine[b..e], theirs);
+        }
+    };
+    let mut gather = |off: usize, len: usize| {
+        if me == root {
+            for p in 0..w {
+                let r = part(len, p);
+                // SAFETY: slot p of p's staging area holds the finished part p (second
+                // barrier) until the segment's last barrier; `off + r` lies in `buf`, whose
+                // bytes of this segment nobody reads any more.
+                unsafe { std::ptr::copy_nonoverlapping(cx.ctl.stage(p).add(p * slot), ptr.add(off + r.start), r.len()) };
+            }
+        }
+    };
+    by_segments(cx, buf.len(), seg, &mut [&mut stage, &mut reduce_mine, &mut gather])
 }
 
 /// Allgather: every rank's `send` lands, in rank order, in every rank's `recv`.
@@ -72,13 +125,13 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result
     let (w, me, n) = (cx.world, cx.rank, send.len());
     debug_assert_eq!(recv.len(), n * w);
     recv[me * n..][..n].copy_from_slice(send);
-    let stage = |off: usize, len: usize| {
+    let mut stage = |off: usize, len: usize| {
         // SAFETY: the start of our own staging area (`len` <= the staged area); peers read
         // it only after the barrier that follows, and have stopped reading the segment
         // before (they passed the barrier that ended it).
         unsafe { std::ptr::copy_nonoverlapping(send[off..].as_ptr(), cx.ctl.stage(me), len) };
     };
-    let take = |off: usize, len: usize| {
+    let mut take = |off: usize, len: usize| {
         for p in (0..w).filter(|&p| p != me) {
             // SAFETY: p's staging area holds this segment of its part (first barrier) and
             // is not rewritten before the segment's last barrier.
@@ -87,7 +140,7 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result
         }
     };
     // One part per rank and segment: the whole staged area serves ours.
-    by_segments(cx, n, cx.slot_len()? * w, stage, take)
+    by_segments(cx, n, cx.slot_len()? * w, &mut [&mut stage, &mut take])
 }
 
 /// All-to-all: `send` and `recv` hold W blocks of `recv.len() / W` bytes; block p of our
@@ -98,13 +151,13 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result<
     recv[me * n..][..n].copy_from_slice(&send[me * n..][..n]);
     let slot = cx.slot_len()?;
     let others = || (0..w).filter(move |&p| p != me);
-    let stage = |off: usize, len: usize| {
+    let mut stage = |off: usize, len: usize| {
         for p in others() {
             // SAFETY: slot p of our own staging area, as in `reduce_scatter`.
             unsafe { std::ptr::copy_nonoverlapping(send[p * n + off..][..len].as_ptr(), cx.ctl.stage(me).add(p * slot), len) };
         }
     };
-    let take = |off: usize, len: usize| {
+    let mut take = |off: usize, len: usize| {
         for p in others() {
             // SAFETY: slot `me` of p's staging area holds this segment of p's block for us
             // (first barrier) and is not rewritten before the segment's last barrier.
@@ -112,7 +165,7 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result<
             recv[p * n + off..][..len].copy_from_slice(theirs);
         }
     };
-    by_segments(cx, n, slot, stage, take)
+    by_segments(cx, n, slot, &mut [&mut stage, &mut take])
 }
 
 /// Broadcast: the root's `buf` into every rank's, pipelined through the two halves of the
