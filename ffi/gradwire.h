@@ -136,8 +136,11 @@ int gradwire_ireduce_scatter(gradwire_comm_t *comm, const void *sendbuf, void *r
 /* All-to-all: block p of sendbuf (sendcounts[p] elements) goes to rank p, and block p of
  * recvbuf (recvcounts[p] elements) receives rank p's block for this rank; blocks lie back to
  * back in rank order. With sendcounts and recvcounts both NULL every block has `count`
- * elements (otherwise `count` is ignored). Every pair must agree on its counts. The buffers
- * must not overlap. gradwire_ialltoall returns at once; buffers stay valid until waited. */
+ * elements (otherwise `count` is ignored): MPI_Alltoall, a collective of its own (through
+ * shared memory on one host), which every rank must then call with NULL counts and the same
+ * `count` (MPI_Alltoallv with equal counts is a different call: a mismatch). Every pair must
+ * agree on its counts. The buffers must not overlap. gradwire_ialltoall returns at once;
+ * buffers stay valid until waited. */
 int gradwire_alltoall(gradwire_comm_t *comm, const void *sendbuf, const size_t *sendcounts, void *recvbuf,
                       const size_t *recvcounts, size_t count, gradwire_dtype_t dtype);
 int gradwire_ialltoall(gradwire_comm_t *comm, const void *sendbuf, const size_t *sendcounts, void *recvbuf,

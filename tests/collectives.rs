@@ -154,6 +154,39 @@ fn shm_cross_memory_attach_refused_stages() {
     assert_eq!(t.matches("refused (Operation not permitted").count(), 3, "each rank says it once:\n{t}");
 }
 
+/// Reduce-scatter, allgather, all-to-all, broadcast, reduce and barrier on one host, every
+/// dtype and op, with every kind of buffer, against the reference: staged below 256 KiB
+/// and wherever a buffer is private; from 256 KiB straight out of the peers' mapped
+/// buffers where all are shared or registered (registered ones with their partial pages
+/// from the staged copies), which every rank says for each collective.
+#[test]
+fn shm_every_collective_every_buffer_kind() {
+    for buffers in ["private", "shared", "registered", "mixed"] {
+        let args = [
+            "check",
+            "--transport",
+            "shm",
+            "--buffers",
+            buffers,
+            "--counts",
+            "1,70001,300007",
+            "--collectives",
+            "reduce_scatter,allgather,alltoall,broadcast,reduce,barrier",
+        ];
+        let out = launch(3, &[], &args, &[("GRADWIRE_LOG", "debug")]);
+        let t = text(&out);
+        assert!(out.status.success() && t.contains(", 0 failed") && !t.contains("panicked"), "{buffers}:\n{t}");
+        if matches!(buffers, "shared" | "registered") {
+            for coll in ["reduce_scatter#", "allgather#", "alltoall#", "broadcast#"] {
+                let said = |r: usize| t.lines().any(|l| l.contains(&format!("rank {r}: {coll}")) && l.contains("zero-copy in the peers' buffers"));
+                assert!((0..3).all(said), "{buffers}: not every rank ran {coll} in the peers' buffers:\n{t}");
+            }
+        } else {
+            assert!(!t.contains("zero-copy"), "{buffers}: private buffers are never mapped:\n{t}");
+        }
+    }
+}
+
 /// Buffers from gradwire's allocator (`gradwire_alloc`): from 256 KiB the one-host
 /// allreduce maps the peers' buffers and works in them (zero-copy), every dtype and op;
 /// the log shows every rank mapped every peer. Mixed (shared on even ranks only): the

@@ -617,8 +617,9 @@ class Comm:
         async_op: bool = False,
     ) -> Union[Buffer, "Work"]:
         """Block p of `x` goes to rank p; block p of `out` receives rank p's block for us.
-        Without counts every block is len(x) / size elements; with them (element counts
-        per rank, both given) blocks lie back to back. async_op: returns a Work whose wait()
+        Without counts every block is len(x) / size elements (the equal-block collective,
+        through shared memory on one host: every rank must then call it without counts);
+        with them (element counts per rank, both given) blocks lie back to back. async_op: returns a Work whose wait()
         returns `out`."""
         sp, n, dt = _buffer(x, "alltoall")
         rp, m, dt2 = _buffer(out, "alltoall out")

@@ -25,8 +25,8 @@ use p2p::p2p_and_onesided;
 pub struct CheckArgs {
     /// Element counts every case runs with.
     pub counts: Vec<usize>,
-    /// Bytes of the extra large cases (float32 allreduce, automatic and ring, and broadcast;
-    /// 0: none).
+    /// Bytes of the extra large cases (float32 sums: allreduce, automatic and ring, and
+    /// every other collective of that whole size; 0: none).
     pub large_bytes: usize,
     /// The collectives to check.
     pub collectives: Vec<Collective>,
@@ -153,8 +153,10 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
                 plan.push((Collective::Allreduce, DType::F32, ReduceOp::Sum, n, a));
             }
         }
-        if args.collectives.contains(&Collective::Broadcast) {
-            plan.push((Collective::Broadcast, DType::F32, ReduceOp::Sum, n, None));
+        for op in [Collective::Broadcast, Collective::Reduce] {
+            if args.collectives.contains(&op) {
+                plan.push((op, DType::F32, ReduceOp::Sum, n, None));
+            }
         }
         // The collectives that split their buffer: the whole of it this large.
         for op in [Collective::ReduceScatter, Collective::Allgather, Collective::AllToAll] {

@@ -366,6 +366,57 @@ pub fn chain_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usi
     Ok(())
 }
 
+/// Pipelined chain reduce for large buffers, the chain broadcast reversed: pieces move along
+/// root − 1 → root − 2 → … → root; each rank reduces piece k into its copy as it arrives
+/// while forwarding piece k − 1, so every link carries S once and the reduction overlaps
+/// the transfer (a binomial tree sends S ⌈log2 W⌉ times into the root's link: 4 namespaces
+/// at 10 Gbit/s, 64 MiB, 0.42 GB/s). Non-roots reduce in `work` (a copy of their input,
+/// which they keep). Cost (pieces + W − 2)α + Sβ.
+pub fn chain_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usize, work: &mut [u8]) -> Result<()> {
+    let w = cx.world;
+    let v = (cx.rank + w - root) % w;
+    let (toward_root, from_tail) = ((cx.rank + w - 1) % w, (cx.rank + 1) % w);
+    let (dtype, op) = (cx.dtype, cx.op);
+    let red = cx.combine();
+    let elem = dtype.size();
+    let piece = piece.max(elem) / elem * elem;
+    let n = buf.len().div_ceil(piece).max(1);
+    let len = buf.len();
+    let bound = |k: usize| (k * piece).min(len);
+    let last = v == w - 1;
+    let acc: &mut [u8] = if v == 0 || last {
+        buf
+    } else {
+        work.copy_from_slice(buf);
+        work
+    };
+    let base = acc.as_mut_ptr();
+    // Step k: the tail sends piece k; every other rank receives piece k (reducing it into
+    // its copy) and, unless it is the root, forwards piece k − 1.
+    for k in 0..=n {
+        let (send_piece, recv_piece) = if last { ((k < n).then_some(k), None) } else { ((v != 0 && k >= 1).then(|| k - 1), (k < n).then_some(k)) };
+        // SAFETY: pieces k and k − 1 are disjoint ranges of `acc`.
+        let mut sends: Vec<SendOp<'_>> =
+            send_piece.map(|p| SendOp::new(toward_root, p as u32, unsafe { view(base, bound(p), bound(p + 1)) })).into_iter().collect();
+        let mut recvs: Vec<RecvOp<'_>> = recv_piece
+            .map(|p| RecvOp {
+                peer: from_tail,
+                step: p as u32,
+                // SAFETY: as for the send: piece p of `acc`, disjoint from the piece sent.
+                sink: Sink::Reduce { dst: unsafe { view(base, bound(p), bound(p + 1)) }.into(), elem, reduce: &red },
+            })
+            .into_iter()
+            .collect();
+        if !sends.is_empty() || !recvs.is_empty() {
+            cx.exchange(&mut sends, &mut recvs)?;
+        }
+    }
+    if v == 0 {
+        finish(dtype, op, acc, w);
+    }
+    Ok(())
+}
+
 /// Binomial-tree reduce to `root` on a private copy (non-roots keep their input).
 /// Cost ⌈log2 W⌉(α + Sβ).
 pub fn binomial_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize) -> Result<()> {

@@ -15,7 +15,8 @@
 //! rank reaches them (`shm::pull`), others through the ranks' staging areas (`shm::parts`).
 //! Elsewhere reduce-scatter and allgather take the ring (f16 and bf16 reduce-scatters:
 //! every copy of a part straight to its owner), broadcast a binomial tree or a pipelined
-//! chain, reduce a binomial tree, all-to-all one exchange of every block at once.
+//! chain, reduce a binomial tree or the chain reversed, all-to-all one exchange of every block
+//! at once.
 
 pub(crate) mod agree;
 pub(crate) mod algos;
@@ -352,6 +353,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
     }
     let mut on_one_host = one_host.filter(|h| h.covers_all());
     let host_call = OneHostCall { rank, world, call, deadline, abort: &st.abort };
+    let scratch = &mut st.scratch;
     let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
     // A rank that only sends in a rooted tree never reads a header: every rooted
     // collective over the links first agrees on its arguments (see `agree`). The one-host
@@ -401,12 +403,16 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             if let Some(one_host) = &mut on_one_host {
                 return one_host.reduce_scatter(&host_call, send, recv, req.dtype, req.redop);
             }
-            let mut work = send.to_vec();
             let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
+            if scratch.len() * 8 < send.len() {
+                *scratch = vec![0; send.len().div_ceil(8)];
+            }
+            let work = &mut crate::transport::bytemuck_bytes(scratch)[..send.len()];
+            work.copy_from_slice(send);
             if matches!(req.dtype, DType::F16 | DType::BF16) {
-                algos::direct_reduce_scatter(&mut cx, &mut work, &bounds)?;
+                algos::direct_reduce_scatter(&mut cx, work, &bounds)?;
             } else {
-                algos::ring_reduce_scatter(&mut cx, &mut work, &bounds, -1, tune.ring_chunk)?;
+                algos::ring_reduce_scatter(&mut cx, work, &bounds, -1, tune.ring_chunk)?;
             }
             recv.copy_from_slice(&work[bounds[rank]..bounds[rank + 1]]);
             Ok(())
@@ -438,7 +444,15 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             }
             match &on_one_host {
                 Some(one_host) if world > 1 => one_host.reduce(&host_call, recv, req.root, req.dtype, req.redop),
-                _ => algos::binomial_reduce(&mut cx, recv, req.root),
+                _ if world == 1 || recv.len() < tune.small => algos::binomial_reduce(&mut cx, recv, req.root),
+                _ => {
+                    if scratch.len() * 8 < recv.len() {
+                        *scratch = vec![0; recv.len().div_ceil(8)];
+                    }
+                    let work = &mut crate::transport::bytemuck_bytes(scratch)[..recv.len()];
+                    let piece = (recv.len() / 8).clamp(64 << 10, 1 << 20);
+                    algos::chain_reduce(&mut cx, recv, req.root, piece, work)
+                }
             }
         }
         Collective::Barrier => match &on_one_host {

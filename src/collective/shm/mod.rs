@@ -1,5 +1,11 @@
-//! One-host allreduce through shared memory, in four forms chosen by size, by where the
-//! buffers live and by what the kernel allows (see [`OneHost::allreduce`]):
+//! One-host collectives through shared memory. The other collectives (reduce-scatter,
+//! allgather, all-to-all, broadcast, reduce, barrier) share the allreduce's machinery:
+//! its barriers and call checks, its staging areas ([`parts`]) and, from [`LARGE_MIN`]
+//! bytes where every rank maps every peer's buffer, its agreement on working in the peers'
+//! buffers ([`pull`]: each rank copies what it receives straight out of them).
+//!
+//! The allreduce comes in four forms chosen by size, by where the buffers live and by what
+//! the kernel allows (see [`OneHost::allreduce`]):
 //!
 //! - small (at most [`SMALL_MAX`]): one barrier; every rank reduces every input itself;
 //! - staged: per segment of the buffer (at most the staging size, about 1 MiB, so that
@@ -27,9 +33,10 @@
 //!
 //! Files: this one holds the entry, the forms' shared waiting and failure handling, and
 //! the layout of the staging area; [`control`] the collectives' part of every rank's control
-//! page; [`small`], [`staged`] and [`peer_buffers`] the forms; [`stores`] the staged form's
-//! store tuner; [`parts`] reduce-scatter and allgather through the staging areas. The
-//! transport (`transport::shm`) owns the segments and their rings.
+//! page; [`small`], [`staged`] and [`peer_buffers`] the allreduce's forms; [`stores`] the
+//! staged form's store tuner; [`parts`] the other collectives through the staging areas,
+//! [`pull`] in the peers' mapped buffers. The transport (`transport::shm`) owns the segments
+//! and their rings.
 
 mod control;
 mod parts;
@@ -54,7 +61,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The one-host allreduce of one communicator: the shared segments of the ranks on this
+/// The one-host collectives of one communicator: the shared segments of the ranks on this
 /// host, the collectives' part of their control pages, and what the forms learn between
 /// calls. The engine keeps it for the communicator (`EngineState::above`) and hands it to
 /// one call at a time.
