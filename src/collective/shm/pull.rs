@@ -9,10 +9,11 @@
 //! so that no buffer has every reader at once.
 //!
 //! Private buffers stage instead (`parts`): cross-memory attach, which copies once too,
-//! lost to staging at every size in alternating runs (2 ranks, busbw GB/s, 256 KiB to
-//! 64 MiB: reduce-scatter 5.8-8.2 against 5.1-19.0, broadcast 5.9-13.1 against the links'
-//! chain 13.4-22.6, allgather 3.2-9.0 against 3.7-13.2), the kernel's page pinning costing
-//! more than the copy it saves when nothing is reduced on the way.
+//! lost to staging at every size in alternating runs (busbw GB/s, 1 to 64 MiB, 2 rounds:
+//! 2 ranks, allgather 8.5-10.6 against 15.1-19.3 at 1-4 MiB and 3.7 against 4.7 at 64 MiB,
+//! all-to-all 8.8-9.3 against 11.4-15.3 and 3.6-3.7 against 5.0-5.2; 4 ranks, allgather
+//! 2.5-3.7 against 4.0-10.6, all-to-all 2.4-4.7 against 3.5-7.4; reduce-scatter and
+//! broadcast lost too), the kernel's page pinning costing more than the copy it saves.
 
 use super::peer_buffers::PEER_BLOCK;
 use super::ShmCtx;
