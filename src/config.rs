@@ -38,7 +38,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         env: "GRADWIRE_SHM_STORES",
         default: "auto",
-        help: "How the one-host staged allreduce writes what peers read: plain or streaming (non-temporal) stores; auto times both per size class and keeps the faster.",
+        help: "How the one-host staged collectives write what peers read: plain or streaming (non-temporal) stores; auto times both per collective and size class and keeps the faster.",
     },
     Setting {
         env: "GRADWIRE_SHM_CMA",

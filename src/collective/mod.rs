@@ -442,7 +442,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             if let Some(send) = send {
                 recv.copy_from_slice(send);
             }
-            match &on_one_host {
+            match &mut on_one_host {
                 Some(one_host) if world > 1 => one_host.reduce(&host_call, recv, req.root, req.dtype, req.redop),
                 _ if world == 1 || recv.len() < tune.small => algos::binomial_reduce(&mut cx, recv, req.root),
                 _ => {

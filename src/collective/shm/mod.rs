@@ -74,7 +74,7 @@ pub(crate) struct OneHost {
 }
 
 impl OneHost {
-    /// The one-host allreduce over `domain`; `all` when it holds every rank of the
+    /// The one-host collectives over `domain`; `all` when it holds every rank of the
     /// communicator. `stores` and `cross_memory_attach` come from `GRADWIRE_SHM_STORES`
     /// and `GRADWIRE_SHM_CMA`.
     pub(crate) fn new(domain: Arc<ShmDomain>, all: bool, spin: Duration, stores: StagedStores, cross_memory_attach: bool) -> Self {
@@ -106,7 +106,9 @@ impl OneHost {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         match agree_mapped(&cx, send, send.len(), dtype.size())? {
             Some((peers, body)) => pull::reduce_scatter(&cx, &mut Sources::new(peers, body, send.len(), &mut self.state.attach.scratch), send, recv, dtype, op),
-            None => parts::reduce_scatter(&cx, send, recv, dtype, op),
+            None => staged_stores(&mut self.state.part_stores.reduce_scatter, send.len(), dtype, |streaming| {
+                parts::reduce_scatter(&cx, send, recv, dtype, op, streaming)
+            }),
         }
     }
 
@@ -115,7 +117,7 @@ impl OneHost {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         match agree_mapped(&cx, send, recv.len(), 1)? {
             Some((peers, body)) => pull::allgather(&cx, &Sources::new(peers, body, send.len(), &mut self.state.attach.scratch), send, recv),
-            None => parts::allgather(&cx, send, recv),
+            None => staged_stores(&mut self.state.part_stores.allgather, recv.len(), DType::U8, |streaming| parts::allgather(&cx, send, recv, streaming)),
         }
     }
 
@@ -125,7 +127,7 @@ impl OneHost {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         match agree_mapped(&cx, send, send.len(), 1)? {
             Some((peers, body)) => pull::alltoall(&cx, &Sources::new(peers, body, send.len(), &mut self.state.attach.scratch), send, recv),
-            None => parts::alltoall(&cx, send, recv),
+            None => staged_stores(&mut self.state.part_stores.alltoall, send.len(), DType::U8, |streaming| parts::alltoall(&cx, send, recv, streaming)),
         }
     }
 
@@ -135,14 +137,15 @@ impl OneHost {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         match agree_mapped(&cx, buf, buf.len(), 1)? {
             Some((peers, body)) => pull::broadcast(&cx, &Sources::new(peers, body, buf.len(), &mut self.state.attach.scratch), buf, root),
-            None => parts::broadcast(&cx, buf, root),
+            None => staged_stores(&mut self.state.part_stores.broadcast, buf.len(), DType::U8, |streaming| parts::broadcast(&cx, buf, root, streaming)),
         }
     }
 
     /// Reduce to `root` among all ranks (all on this host), through the staging areas (see
     /// [`parts`]); the others' `buf` stay as they are.
-    pub(crate) fn reduce(&self, call: &OneHostCall<'_>, buf: &mut [u8], root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
-        parts::reduce(&ShmCtx::new(&self.ctl, self.spin, call), buf, root, dtype, op)
+    pub(crate) fn reduce(&mut self, call: &OneHostCall<'_>, buf: &mut [u8], root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+        let cx = ShmCtx::new(&self.ctl, self.spin, call);
+        staged_stores(&mut self.state.part_stores.reduce, buf.len(), dtype, |streaming| parts::reduce(&cx, buf, root, dtype, op, streaming))
     }
 
     /// Barrier among all ranks (all on this host): two phases, the calls checked between
@@ -156,6 +159,18 @@ impl OneHost {
         cx.advance(base + 2);
         cx.wait_all(base + 2)
     }
+}
+
+/// Runs a collective through the staging areas with the stores `stores` picks for its size
+/// and dtype, and tells it how long the call took.
+fn staged_stores(stores: &mut StoreChooser, len: usize, dtype: DType, run: impl FnOnce(bool) -> Result<()>) -> Result<()> {
+    let streaming = stores.choose(len, dtype);
+    let started = Instant::now();
+    run(streaming)?;
+    if let Some(flip) = stores.record(len, dtype, streaming, started.elapsed()) {
+        log::debug!("staged collective of {flip}");
+    }
+    Ok(())
 }
 
 /// From [`LARGE_MIN`] bytes (`size`: what the call moves per rank), whether every rank
@@ -336,16 +351,35 @@ fn encode_call(call: &CallHeader) -> [u8; HEADER_LEN] {
     FrameHeader { kind: FrameKind::Data, call: *call, step: 0, len: 0 }.encode()
 }
 
-/// What the one-host allreduce keeps between calls.
+/// What the one-host forms keep between calls (mostly the allreduce's; the pulling
+/// reduce-scatter borrows the scratch).
 struct ShmAllreduceState {
     /// What the staged form has learned about this host's stores.
     stores: StoreChooser,
+    /// The same for the other staged collectives (each writes its own pattern).
+    part_stores: PartStores,
     /// Cross-memory attach for private buffers.
     attach: Attach,
     /// Size from which the ranks agree on a large form: [`LARGE_MIN`], or
     /// [`ZERO_COPY_MIN`] once some rank cannot attach (every rank learns it in the same
     /// call, from the same published addresses).
     agree_from: usize,
+}
+
+/// A store chooser per staged collective other than the allreduce.
+struct PartStores {
+    reduce_scatter: StoreChooser,
+    allgather: StoreChooser,
+    alltoall: StoreChooser,
+    broadcast: StoreChooser,
+    reduce: StoreChooser,
+}
+
+impl PartStores {
+    fn new(setting: StagedStores) -> Self {
+        let chooser = || StoreChooser::new(setting);
+        PartStores { reduce_scatter: chooser(), allgather: chooser(), alltoall: chooser(), broadcast: chooser(), reduce: chooser() }
+    }
 }
 
 impl Default for ShmAllreduceState {
@@ -357,7 +391,7 @@ impl Default for ShmAllreduceState {
 impl ShmAllreduceState {
     fn new(stores: StagedStores, cross_memory_attach: bool) -> Self {
         let attach = Attach { enabled: cross_memory_attach, scratch: Vec::new() };
-        ShmAllreduceState { stores: StoreChooser::new(stores), attach, agree_from: LARGE_MIN }
+        ShmAllreduceState { stores: StoreChooser::new(stores), part_stores: PartStores::new(stores), attach, agree_from: LARGE_MIN }
     }
 }
 

@@ -1,11 +1,24 @@
-//! Reduce-scatter and allgather on one host, through the ranks' staging areas: the two
-//! halves of the staged allreduce (`staged`), each a collective of its own. Per segment
-//! (as many bytes of every part as a slot holds): reduce-scatter copies the parts the peers
-//! own into its slots, and after one barrier reduces its own part out of the peers' slots
-//! straight into the receive buffer; allgather copies its part into its staging area, and
-//! after one barrier copies every peer's out. One more barrier per segment: nobody reads a
-//! staging area any more when its owner writes the next segment into it.
+//! Reduce-scatter, allgather, all-to-all, reduce and broadcast on one host, through the
+//! ranks' staging areas (every large call of private buffers, and every call below
+//! `LARGE_MIN`; `pull` takes large calls whose buffers every rank maps). Per segment (as
+//! many bytes of every part as a slot holds):
+//!
+//! - reduce-scatter copies the parts its peers own into its slots, and after a barrier
+//!   reduces its own part out of the peers' slots straight into the receive buffer (the
+//!   first half of the staged allreduce, `staged`);
+//! - all-to-all does the same with a copy for the reduction;
+//! - allgather copies its part into its staging area, and after a barrier copies every
+//!   peer's out (the staged allreduce's second half);
+//! - reduce stages like reduce-scatter, reduces its part into its own slot, and after
+//!   another barrier the root copies every finished part out.
+//!
+//! One more barrier per segment: nobody reads a staging area any more when its owner writes
+//! the next segment into it. What peers read is written with plain or streaming stores, as
+//! a [`StoreChooser`](super::StoreChooser) per collective has timed faster (as the staged
+//! allreduce's: in a slow minute of this host plain copies into staging ran at a third). Broadcast instead pipelines its segments through the two halves
+//! of the root's area (one writer, so no barrier per segment).
 
+use super::staged::copy_for_peers;
 use super::{ShmCtx, BLOCK};
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
@@ -39,7 +52,7 @@ fn by_segments(cx: &ShmCtx<'_>, n: usize, seg: usize, steps: &mut [&mut dyn FnMu
 
 /// Reduce-scatter: `send` holds W parts of `recv.len()` bytes; rank r gets the reduction of
 /// part r of every rank's `send` in `recv`.
-pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp, streaming: bool) -> Result<()> {
     let (w, me, n) = (cx.world, cx.rank, recv.len());
     debug_assert_eq!(send.len(), n * w);
     let slot = cx.slot_len()?;
@@ -49,7 +62,7 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtyp
             // SAFETY: slot p of our own staging area (`len` <= a slot); peers read it only
             // after the barrier that follows, and have stopped reading what the segment
             // before left there (they passed the barrier that ended it).
-            unsafe { std::ptr::copy_nonoverlapping(send[p * n + off..][..len].as_ptr(), cx.ctl.stage(me).add(p * slot), len) };
+            unsafe { copy_for_peers(cx.ctl.stage(me).add(p * slot), &send[p * n + off..][..len], streaming) };
         }
     };
     let mut take = |off: usize, len: usize| {
@@ -71,7 +84,7 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtyp
 /// reduce-scatter) and, after a barrier, reduces its own part out of its buffer and the
 /// peers' slots into its own slot of its staging area, which no peer reads until the
 /// next barrier; then the root copies every finished part into its buffer.
-pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType, op: ReduceOp, streaming: bool) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
     let elem = dtype.size();
     let slot = cx.slot_len()?;
@@ -88,7 +101,7 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType,
             // SAFETY: slot p of our own staging area (a part is at most a slot); `off + r`
             // lies in `buf`, which only the root writes, and only after the last barrier
             // of the segment. Peers read the slot only after the barrier that follows.
-            unsafe { std::ptr::copy_nonoverlapping(ptr.add(off + r.start), cx.ctl.stage(me).add(p * slot), r.len()) };
+            unsafe { copy_for_peers(cx.ctl.stage(me).add(p * slot), std::slice::from_raw_parts(ptr.add(off + r.start), r.len()), streaming) };
         }
     };
     let mut reduce_mine = |off: usize, len: usize| {
@@ -121,7 +134,7 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType,
 }
 
 /// Allgather: every rank's `send` lands, in rank order, in every rank's `recv`.
-pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
+pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming: bool) -> Result<()> {
     let (w, me, n) = (cx.world, cx.rank, send.len());
     debug_assert_eq!(recv.len(), n * w);
     recv[me * n..][..n].copy_from_slice(send);
@@ -129,7 +142,7 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result
         // SAFETY: the start of our own staging area (`len` <= the staged area); peers read
         // it only after the barrier that follows, and have stopped reading the segment
         // before (they passed the barrier that ended it).
-        unsafe { std::ptr::copy_nonoverlapping(send[off..].as_ptr(), cx.ctl.stage(me), len) };
+        unsafe { copy_for_peers(cx.ctl.stage(me), &send[off..][..len], streaming) };
     };
     let mut take = |off: usize, len: usize| {
         for p in (0..w).filter(|&p| p != me) {
@@ -145,7 +158,7 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result
 
 /// All-to-all: `send` and `recv` hold W blocks of `recv.len() / W` bytes; block p of our
 /// `send` goes to rank p, block p of `recv` comes from rank p.
-pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
+pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming: bool) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
     let n = recv.len() / w;
     recv[me * n..][..n].copy_from_slice(&send[me * n..][..n]);
@@ -154,7 +167,7 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result<
     let mut stage = |off: usize, len: usize| {
         for p in others() {
             // SAFETY: slot p of our own staging area, as in `reduce_scatter`.
-            unsafe { std::ptr::copy_nonoverlapping(send[p * n + off..][..len].as_ptr(), cx.ctl.stage(me).add(p * slot), len) };
+            unsafe { copy_for_peers(cx.ctl.stage(me).add(p * slot), &send[p * n + off..][..len], streaming) };
         }
     };
     let mut take = |off: usize, len: usize| {
@@ -175,7 +188,7 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8]) -> Result<
 /// and 20.6). Phase base + k + 1 says, from the root, that segment k is in its half k % 2;
 /// from any other rank, that it has copied segment k out. The call ends with one barrier
 /// for all (every rank then stands at the same phase).
-pub(super) fn broadcast(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize) -> Result<()> {
+pub(super) fn broadcast(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, streaming: bool) -> Result<()> {
     let (me, n) = (cx.rank, buf.len());
     let half = cx.slot_len()? * cx.world / 2 / 64 * 64;
     if half == 0 {
@@ -196,7 +209,7 @@ pub(super) fn broadcast(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize) -> Result<
             }
             // SAFETY: our own staging area's half k % 2, which nobody reads now (above)
             // until we announce it; `off + len <= n`.
-            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(off), area(k), len) };
+            unsafe { copy_for_peers(area(k), &buf[off..off + len], streaming) };
         } else {
             cx.wait_for(root, base + k + 1)?;
             if k == 0 {

@@ -103,7 +103,7 @@ pub(super) fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType
 ///
 /// # Safety
 /// `dst..dst + src.len()` is writable and does not overlap `src`.
-unsafe fn copy_for_peers(dst: *mut u8, src: &[u8], streaming: bool) {
+pub(super) unsafe fn copy_for_peers(dst: *mut u8, src: &[u8], streaming: bool) {
     #[cfg(target_arch = "x86_64")]
     if streaming {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
