@@ -23,7 +23,7 @@ pub const SETTINGS: &[Setting] = &[
         default: "auto",
         help: "Allreduce algorithm: auto, ring, rd (recursive doubling), hd (recursive halving then doubling) or shm (one-host shared-buffer reduction).",
     },
-    Setting { env: "GRADWIRE_SMALL_BYTES", default: "262144", help: "Below this many bytes `auto` uses recursive doubling instead of the ring for allreduce, and a binomial tree instead of a chain for broadcast." },
+    Setting { env: "GRADWIRE_SMALL_BYTES", default: "262144", help: "Below this many bytes `auto` uses recursive doubling instead of the ring for allreduce, and a binomial tree instead of a chain for broadcast and reduce (over links)." },
     Setting {
         env: "GRADWIRE_RING_CHUNK_BYTES",
         default: "1048576",

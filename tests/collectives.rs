@@ -46,7 +46,7 @@ matrix! {
     tcp_world8: 8, "tcp";
 }
 
-const LARGE: &[&str] = &["--large", "64M", "--counts", "7919", "--collectives", "allreduce,broadcast", "--dtypes", "float32", "--ops", "sum"];
+const LARGE: &[&str] = &["--large", "64M", "--counts", "7919", "--collectives", "allreduce,broadcast,reduce", "--dtypes", "float32", "--ops", "sum"];
 
 #[test]
 fn shm_64mib() {

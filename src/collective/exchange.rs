@@ -8,6 +8,7 @@
 //! named. All-to-all with equal blocks is a [`crate::Collective`] of its own (on one host
 //! it goes through shared memory, see `collective::shm`).
 
+use super::shm::OneHost;
 use super::Ptr;
 use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
@@ -110,6 +111,12 @@ impl Communicator {
             };
             // The header is the same on every rank; the per-pair sizes are checked per message.
             let call = CallHeader { op: OpKind::AllToAll, dtype, redop: ReduceOp::Sum, root: 0, count: 0, seq: st.next_seq() };
+            // Published like every collective's call: a peer in a one-host collective of the
+            // same sequence number (the equal-block all-to-all, say) names the mismatch at
+            // once instead of at the deadline.
+            if let Some(one_host) = st.above.as_ref().and_then(|a| a.downcast_ref::<OneHost>()) {
+                one_host.announce(&call);
+            }
             alltoall_over_links(&mut st.links, &call, sbuf, rbuf, &cut(&counts.send), &cut(&counts.recv), me, deadline)
         }))
     }

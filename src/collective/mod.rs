@@ -44,8 +44,10 @@ struct Ptr(*mut u8);
 unsafe impl Send for Ptr {}
 
 /// Which collective a [`Request`] runs. (The wire format's `OpKind` also names
-/// point-to-point messages and all-to-all, which run through calls of their own.)
+/// point-to-point messages, which run through calls of their own, as all-to-all with blocks
+/// of different sizes does.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Collective {
     /// Every rank gets the reduction of every rank's buffer.
     Allreduce,
@@ -446,10 +448,13 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                 Some(one_host) if world > 1 => one_host.reduce(&host_call, recv, req.root, req.dtype, req.redop),
                 _ if world == 1 || recv.len() < tune.small => algos::binomial_reduce(&mut cx, recv, req.root),
                 _ => {
-                    if scratch.len() * 8 < recv.len() {
-                        *scratch = vec![0; recv.len().div_ceil(8)];
+                    // Only the ranks between the chain's tail and the root reduce in a copy.
+                    let v = (rank + world - req.root) % world;
+                    let needs = if v == 0 || v == world - 1 { 0 } else { recv.len() };
+                    if scratch.len() * 8 < needs {
+                        *scratch = vec![0; needs.div_ceil(8)];
                     }
-                    let work = &mut crate::transport::bytemuck_bytes(scratch)[..recv.len()];
+                    let work = &mut crate::transport::bytemuck_bytes(scratch)[..needs];
                     let piece = (recv.len() / 8).clamp(64 << 10, 1 << 20);
                     algos::chain_reduce(&mut cx, recv, req.root, piece, work)
                 }

@@ -145,7 +145,8 @@ enum Cmd {
         /// Element counts to test.
         #[arg(long, value_delimiter = ',', default_value = "0,1,7919,1003")]
         counts: Vec<usize>,
-        /// Also run f32 sum allreduce and broadcast of this many bytes (e.g. 64M).
+        /// Also run f32 sums of this many bytes (e.g. 64M): allreduce (automatic and ring)
+        /// and every other collective of that whole size.
         #[arg(long, default_value = "0", value_parser = size_arg)]
         large: usize,
         #[arg(long, value_delimiter = ',', value_parser = collective_arg, default_value = "allreduce,reduce_scatter,allgather,broadcast,reduce,barrier,alltoall")]

@@ -14,14 +14,18 @@ use std::sync::{Arc, Mutex};
 const PHASE_AT: usize = 0;
 /// The header of the call this rank is in (see `OneHost::announce`).
 const CALL_AT: usize = 64;
-/// Which forms of the current large one-host allreduce this rank can take with every peer
-/// (`Reach`): bit 0, it mapped every peer's buffer; bit 1, it reached every peer's buffer
-/// through cross-memory attach.
+/// How many times this rank has started writing its call header (odd while it writes): a
+/// peer that reads the header while it changes would otherwise see half of each call.
+const CALL_VERSION_AT: usize = CALL_AT + HEADER_LEN;
+/// Which forms of the current large one-host call in the peers' buffers this rank can take
+/// with every peer (`Reach`): bit 0, it mapped every peer's buffer; bit 1, it reached every
+/// peer's buffer through cross-memory attach.
 const REACH_AT: usize = 128;
 /// The phase before which this rank writes nothing more into peers' buffers, set by a
-/// large allreduce that failed (a finished one says so by its phase counter).
+/// large call in the peers' buffers that failed (a finished one says so by its phase
+/// counter).
 const WRITES_DONE_AT: usize = 192;
-/// Where the buffer of the current large allreduce lies in a shared region of ours
+/// Where the buffer of the current large call lies in a shared region of ours
 /// (`mem::shared_cover`): region id (0: it does not), descriptor, region length, the
 /// offset in it of the buffer's first covered byte, and the bytes at the buffer's start
 /// and end outside it (a registered buffer's partial pages), 8 bytes each.
@@ -32,9 +36,9 @@ const ADDRESS_AT: usize = 304;
 /// Shared regions of one peer kept mapped; its oldest goes first.
 const MAX_PEER_MAPS: usize = 4;
 
-const _: () = assert!(ADDRESS_AT + 8 <= COLLECTIVE_AREA);
+const _: () = assert!(ADDRESS_AT + 8 <= COLLECTIVE_AREA && CALL_VERSION_AT + 8 <= REACH_AT && CALL_VERSION_AT % 8 == 0);
 
-/// How a rank can reach every peer's buffer of the current large allreduce.
+/// How a rank can reach every peer's buffer of the current large call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct Reach {
     /// It mapped every peer's buffer (all of them come from `gradwire_alloc`).
@@ -95,7 +99,7 @@ impl Control {
         self.dom.set_aborted(reason)
     }
 
-    /// Publishes where this rank's buffer of the current large allreduce lies: in a shared
+    /// Publishes where this rank's buffer of the current large call lies: in a shared
     /// region of ours (`gradwire_alloc`), so that peers can map it, or not; and, when this
     /// rank can attach, its address in this process, for peers' cross-memory attach (0:
     /// it cannot).
@@ -209,16 +213,37 @@ impl Control {
 
     /// Publishes this rank's current call header (read by peers to detect mismatches).
     pub(super) fn set_call(&self, header: &[u8; HEADER_LEN]) {
+        let version = atomic_u64(self.area(self.dom.rank), CALL_VERSION_AT);
+        let v = version.load(Ordering::Relaxed);
+        version.store(v + 1, Ordering::Relaxed);
+        // The odd version is visible before any byte of the new header.
+        std::sync::atomic::fence(Ordering::Release);
         // SAFETY: CALL_AT..+HEADER_LEN lies in our own control page; peers read it only
-        // after observing a phase increment that we store with Release after this write.
+        // through `call_of`, which discards a read that overlapped this write.
         unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), self.area(self.dom.rank).add(CALL_AT), header.len()) };
+        version.store(v + 2, Ordering::Release);
     }
 
-    /// Reads rank `r`'s published call header.
-    pub(super) fn call_of(&self, r: usize) -> [u8; HEADER_LEN] {
-        let mut h = [0u8; HEADER_LEN];
-        // SAFETY: reads our peer's control page; ordered after an Acquire load of its phase.
-        unsafe { std::ptr::copy_nonoverlapping(self.area(r).add(CALL_AT), h.as_mut_ptr(), h.len()) };
-        h
+    /// Reads rank `r`'s published call header; `None` while `r` is writing it (a read that
+    /// overlapped the write is discarded, never half of one call and half of another).
+    pub(super) fn call_of(&self, r: usize) -> Option<[u8; HEADER_LEN]> {
+        let version = atomic_u64(self.area(r), CALL_VERSION_AT);
+        for _ in 0..64 {
+            let before = version.load(Ordering::Acquire);
+            if before % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut h = [0u8; HEADER_LEN];
+            // SAFETY: reads our peer's control page (mapped for the domain's life); a
+            // concurrent write only makes the read useless, which the version tells.
+            unsafe { std::ptr::copy_nonoverlapping(self.area(r).add(CALL_AT), h.as_mut_ptr(), h.len()) };
+            // The header's bytes are read before the version is read again.
+            std::sync::atomic::fence(Ordering::Acquire);
+            if version.load(Ordering::Relaxed) == before {
+                return Some(h);
+            }
+        }
+        None
     }
 }

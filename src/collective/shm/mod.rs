@@ -273,7 +273,9 @@ impl<'a> ShmCtx<'a> {
 
     /// Checks rank `p`'s published call against ours (`p` must be in this call).
     fn check_call_of(&self, p: usize) -> Result<()> {
-        let h = FrameHeader::decode(&self.ctl.call_of(p)).map_err(|e| Error::Protocol(format!("rank {p}'s shared call header: {e}")))?;
+        // A rank in this call has written its header: it reads as one call.
+        let bytes = self.ctl.call_of(p).ok_or_else(|| Error::Protocol(format!("rank {p}'s shared call header kept changing during {}", self.call)))?;
+        let h = FrameHeader::decode(&bytes).map_err(|e| Error::Protocol(format!("rank {p}'s shared call header: {e}")))?;
         if h.call != self.call {
             return Err(Error::Mismatch { rank: self.rank, mine: self.call.to_string(), peer: p, theirs: h.call.to_string() });
         }
@@ -293,7 +295,7 @@ impl<'a> ShmCtx<'a> {
         }
         // A peer that started a different call with the same sequence number will never
         // reach our phase: report the mismatch now instead of at the deadline.
-        if let Ok(h) = FrameHeader::decode(&self.ctl.call_of(p)) {
+        if let Some(Ok(h)) = self.ctl.call_of(p).map(|bytes| FrameHeader::decode(&bytes)) {
             if h.call.seq == self.call.seq && h.call != self.call {
                 return Err(Error::Mismatch { rank: self.rank, mine: self.call.to_string(), peer: p, theirs: h.call.to_string() });
             }

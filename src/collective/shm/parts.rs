@@ -13,10 +13,11 @@
 //!   another barrier the root copies every finished part out.
 //!
 //! One more barrier per segment: nobody reads a staging area any more when its owner writes
-//! the next segment into it. What peers read is written with plain or streaming stores, as
-//! a [`StoreChooser`](super::StoreChooser) per collective has timed faster (as the staged
-//! allreduce's: in a slow minute of this host plain copies into staging ran at a third). Broadcast instead pipelines its segments through the two halves
-//! of the root's area (one writer, so no barrier per segment).
+//! the next segment into it. Broadcast instead pipelines its segments through the two
+//! halves of the root's area (one writer, so no barrier per segment). What peers read is
+//! written with plain or streaming stores, as a [`StoreChooser`](super::StoreChooser) per
+//! collective has timed faster (as for the staged allreduce: in a slow minute of this host,
+//! plain copies into staging ran at a third of the speed).
 
 use super::staged::copy_for_peers;
 use super::{ShmCtx, BLOCK};
@@ -99,8 +100,9 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType,
         for p in others() {
             let r = part(len, p);
             // SAFETY: slot p of our own staging area (a part is at most a slot); `off + r`
-            // lies in `buf`, which only the root writes, and only after the last barrier
-            // of the segment. Peers read the slot only after the barrier that follows.
+            // lies in `buf`, which only the root writes, in the segment's last step (after
+            // its own staging of the segment, on this thread). Peers read the slot only
+            // after the barrier that follows.
             unsafe { copy_for_peers(cx.ctl.stage(me).add(p * slot), std::slice::from_raw_parts(ptr.add(off + r.start), r.len()), streaming) };
         }
     };

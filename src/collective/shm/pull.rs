@@ -23,6 +23,7 @@ use crate::error::Result;
 use crate::mem::page_size;
 use std::ops::Range;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 /// The peers' send buffers, mapped here as the ranks agreed.
 pub(super) struct Sources<'s> {
@@ -101,10 +102,17 @@ fn peers_from_next(cx: &ShmCtx<'_>) -> impl Iterator<Item = usize> {
     (1..w).map(move |i| (me + i) % w)
 }
 
-/// Ends a call that read the peers' buffers: every rank has finished reading. A rank that
-/// fails here says so at once (its abort flag), so that peers waiting here fail too.
+/// Ends a call that read the peers' buffers: every rank has finished reading. First, what
+/// we read must still have been the peers' send buffers: a peer that gave up on us (we
+/// were stopped past its deadline) has set its abort flag before its caller got the buffer
+/// back, and we may have read what the caller wrote since; a peer cannot have left this
+/// call otherwise, so a flag now is this call's. A rank that fails here says so at once
+/// (its abort flag), so that peers waiting here fail too.
 fn finish(cx: &ShmCtx<'_>) -> Result<()> {
     let done = cx.ctl.phase(cx.rank).load(Ordering::Relaxed) + 1;
+    // Our reads of their buffers come before the flags' loads.
+    std::sync::atomic::fence(Ordering::Acquire);
+    (0..cx.world).filter(|&p| p != cx.rank).try_for_each(|p| cx.check_peer(p, Duration::ZERO))?;
     cx.advance(done);
     cx.wait_all(done).inspect_err(|e| {
         cx.ctl.set_writes_done(done);
