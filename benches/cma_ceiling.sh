@@ -24,11 +24,11 @@ cargo build --release --bin gradwire >&2
 mkdir -p target/peers
 gcc -O3 -march=native benches/peers/cma_probe.c -o target/peers/cma_probe
 gcc -O3 -pthread benches/peers/copybw.c -o target/peers/copybw
-mpicc -O2 benches/peers/mpi_allreduce.c -o target/peers/mpi_allreduce
+mpicc -O2 benches/peers/mpi_collectives.c -o target/peers/mpi_collectives
 gw=target/release/gradwire
 iters() { case $1 in 16) echo 30 ;; 64) echo 15 ;; *) echo 6 ;; esac; }
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-for r in $(seq "$rounds"); do
+for _ in $(seq "$rounds"); do
   # Target 1b's memory bound comes from the single-thread memcpy figure, as in compare.sh.
   memcpy=$(target/peers/copybw -H | awk -F, 'NR == 2 { print $2 }')
   echo "copybw ${memcpy:?copybw gave no figure}" | tee -a "$tmp/out" >&2
@@ -38,7 +38,7 @@ for r in $(seq "$rounds"); do
       g=$("$gw" launch -n "$w" -- "$gw" bench allreduce --transport shm -b "$bytes" -e "$bytes" -n "$n" -w 3 | awk -v s="$bytes" '$1 == s { print $7 }')
       c=$(target/peers/cma_probe "$w" "$mib" "$n" 256 | sed 's/.*busbw \([0-9.]*\).*/\1/')
       k=$(target/peers/cma_probe "$w" "$mib" "$n" 256 copy | sed 's/.*busbw \([0-9.]*\).*/\1/')
-      m=$(mpirun --allow-run-as-root --oversubscribe -np "$w" --mca pml ob1 --mca btl self,vader target/peers/mpi_allreduce \
+      m=$(mpirun --allow-run-as-root --oversubscribe -np "$w" --mca pml ob1 --mca btl self,vader target/peers/mpi_collectives -c allreduce \
         -b "$bytes" -e "$bytes" -n "$n" -w 3 -d float32 -o sum --inplace --csv /dev/stdout | awk -F, -v s="$bytes" '$1 == s { print $7 }')
       : "${g:?gradwire gave no figure}" "${c:?cma_probe gave no figure}" "${k:?cma_probe copy gave no figure}" "${m:?Open MPI gave no figure}"
       echo "$w $mib $g $c $k $m" | tee -a "$tmp/out" >&2

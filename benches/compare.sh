@@ -164,7 +164,7 @@ while [ $# -gt 0 ]; do
         --tools) TOOLS=$2; shift ;;
         --timeout) RUN_TIMEOUT=$2; shift ;;
         --mpi-args) MPI_EXTRA=$2; shift ;;
-        --mpi-out-of-place) MPI_PLACE="" ;;
+        --mpi-out-of-place) MPI_PLACE="--out-of-place" ;;
         --out) OUT=$2; shift ;;
         --install-torch) INSTALL_TORCH=1 ;;
         --no-build) DO_BUILD=0 ;;
@@ -252,7 +252,7 @@ meta netns_ranks "$NETNS_RANKS"
 meta netns_rates "$NETNS_RATES"
 meta bound_params "benches/peers/tcpring.c (ring streams, no reduction): TCP loopback with -b $MIN -e $MAX -f $FACTOR -n $ITERS -w $WARMUP, W in {$RANKS}; netns with -b $NETNS_MIN -e $NETNS_MAX -f $FACTOR -n $NETNS_ITERS -w $NETNS_WARMUP, W = $NETNS_RANKS, link rates {$NETNS_RATES} Gbit/s"
 meta tools "$TOOLS"
-meta mpi_place "$([ -n "$MPI_PLACE" ] && echo in-place || echo out-of-place)"
+meta mpi_place "$([ "$MPI_PLACE" = --inplace ] && echo in-place || echo out-of-place)"
 
 # ---- 1. dependencies --------------------------------------------------------
 if has_tool mpi && ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1; then
@@ -310,7 +310,7 @@ if ! has_tool mpi; then
     MPI_STATUS="not run (--tools)"
 elif ! command -v mpicc >/dev/null 2>&1; then
     MPI_STATUS="n/a (mpicc not installed)"
-elif ! mpicc -O2 -o "$BUILD/mpi_allreduce" "$PEERS/mpi_allreduce.c" >"$RESULTS/logs/mpicc.log" 2>&1; then
+elif ! mpicc -O2 -o "$BUILD/mpi_collectives" "$PEERS/mpi_collectives.c" >"$RESULTS/logs/mpicc.log" 2>&1; then
     MPI_STATUS="n/a (mpicc failed)"
 fi
 meta mpi_status "$MPI_STATUS"
@@ -529,7 +529,7 @@ part_local() {  # part_local REPEAT
                 run_one mpi "$w" "$tr" "$rep" \
                     mpirun --allow-run-as-root --oversubscribe -np "$w" \
                     --mca pml ob1 "${BTL[@]}" $MPI_EXTRA \
-                    "$BUILD/mpi_allreduce" "${BENCH_ARGS[@]}" -d float32 -o sum \
+                    "$BUILD/mpi_collectives" -c allreduce "${BENCH_ARGS[@]}" -d float32 -o sum \
                     $MPI_PLACE --csv CSV
             else
                 record_na mpi "$w" "$tr" "$rep" "$MPI_STATUS"
@@ -541,7 +541,7 @@ part_local() {  # part_local REPEAT
             gloo_launcher "$w"
             run_one gloo "$w" tcp "$rep" \
                 env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 "${LAUNCHER[@]}" \
-                "$PYTHON" "$PEERS/gloo_allreduce.py" "${BENCH_ARGS[@]}" -d float32 -o sum --csv CSV
+                "$PYTHON" "$PEERS/gloo_collectives.py" -c allreduce "${BENCH_ARGS[@]}" -d float32 -o sum --csv CSV
         else
             record_na gloo "$w" tcp "$rep" "$GLOO_STATUS"
         fi
@@ -565,7 +565,7 @@ part_latency() {  # part_latency REPEAT: shm only, gradwire and Open MPI
             run_one mpi "$w" lat-shm "$rep" \
                 mpirun --allow-run-as-root --oversubscribe -np "$w" \
                 --mca pml ob1 "${BTL[@]}" $MPI_EXTRA \
-                "$BUILD/mpi_allreduce" "${LAT_ARGS[@]}" -d float32 -o sum \
+                "$BUILD/mpi_collectives" -c allreduce "${LAT_ARGS[@]}" -d float32 -o sum \
                 $MPI_PLACE --csv CSV
         else
             record_na mpi "$w" lat-shm "$rep" "$MPI_STATUS"
@@ -604,7 +604,7 @@ part_netns() {  # part_netns REPEAT: W namespaces, 1 rank each, per link rate
                 # shellcheck disable=SC2086
                 run_one mpi "$w" "$tr" "$rep" "${mpi_launch[@]}" \
                     "$PEERS/mpi_netns.sh" "${extra[@]}" -- \
-                    "$BUILD/mpi_allreduce" "${NETNS_ARGS[@]}" -d float32 -o sum \
+                    "$BUILD/mpi_collectives" -c allreduce "${NETNS_ARGS[@]}" -d float32 -o sum \
                     $MPI_PLACE --csv CSV
                 [ "$(tail -n 1 "$RUNS" | cut -f5)" = ok ] && break
                 [ "$try" = 1 ] && log "  mpi_w${w}_${tr}_r${rep}: trying once more"
@@ -617,7 +617,7 @@ part_netns() {  # part_netns REPEAT: W namespaces, 1 rank each, per link rate
             # the namespace's only interface besides lo is eth0
             run_one gloo "$w" "$tr" "$rep" \
                 env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 "${launch[@]}" \
-                "$PYTHON" "$PEERS/gloo_allreduce.py" "${NETNS_ARGS[@]}" -d float32 -o sum --csv CSV
+                "$PYTHON" "$PEERS/gloo_collectives.py" -c allreduce "${NETNS_ARGS[@]}" -d float32 -o sum --csv CSV
         else
             record_na gloo "$w" "$tr" "$rep" "$GLOO_STATUS"
         fi

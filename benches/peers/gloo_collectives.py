@@ -22,7 +22,7 @@ Rank 0 writes a CSV with exactly gradwire's columns:
   alltoall        dist.all_to_all_single; size = one rank's whole input,
                   size/4/W elements to each peer;       busbw = algbw * (W-1)/W
 
-Method, identical to mpi_collectives.c (and gloo_allreduce.py): WARMUP untimed calls,
+Method, identical to mpi_collectives.c: WARMUP untimed calls,
 barrier, ITERS timed calls; per-rank mean = elapsed / ITERS; time_us = max over ranks of
 the mean.  Data: integer-valued floats from the hash of (rank, global index mod 1000003)
 shared with mpi_collectives.c, exact in float32 for any summation order.  The

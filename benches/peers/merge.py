@@ -895,10 +895,10 @@ def main() -> int:
       "algbw = bytes / time (GB = 1e9 bytes); **busbw = algbw · 2(W−1)/W** "
       "(nccl-tests convention, comparable to the copy bandwidth above).")
     w("- gradwire: `gradwire bench allreduce --check` (in place) under `gradwire launch`. "
-      f"Open MPI: `benches/peers/mpi_allreduce.c`, `MPI_Allreduce` **{meta.get('mpi_place', '?')}**, "
+      f"Open MPI: `benches/peers/mpi_collectives.c -c allreduce`, `MPI_Allreduce` **{meta.get('mpi_place', '?')}**, "
       "`--mca pml ob1` plus `btl self,vader` (shm) or `btl self,tcp` on `lo` (tcp), "
       "otherwise Open MPI's defaults (binding, yield-when-oversubscribed). "
-      "Gloo: `benches/peers/gloo_allreduce.py`, `torch.distributed.all_reduce` "
+      "Gloo: `benches/peers/gloo_collectives.py -c allreduce`, `torch.distributed.all_reduce` "
       "(in-place — Gloo has no out-of-place allreduce; the timed buffer starts at 0) "
       "on CPU tensors over TCP loopback (`GLOO_SOCKET_IFNAME=lo`), 1 torch thread per rank. "
       "Gloo has no shared-memory transport, so its TCP numbers appear in both the shm "

@@ -9,7 +9,8 @@
  *
  * Collectives and size conventions (those of `gradwire bench`, which are
  * nccl-tests'; `size` is the whole buffer, W the number of ranks):
- *   allreduce       MPI_Allreduce, MPI_IN_PLACE (as gradwire's bench and Gloo);
+ *   allreduce       MPI_Allreduce, MPI_IN_PLACE (as gradwire's bench and Gloo;
+ *                   --out-of-place: separate send and receive buffers);
  *                   count = size/4;                 busbw = algbw * 2(W-1)/W
  *   reduce_scatter  MPI_Reduce_scatter_block; size = the total send buffer,
  *                   count = size/4/W received per rank; busbw = algbw * (W-1)/W
@@ -21,24 +22,23 @@
  *   alltoall        MPI_Alltoall; size = one rank's total send buffer, count =
  *                   size/4/W elements to each peer; busbw = algbw * (W-1)/W
  *
- * Method (same as mpi_allreduce.c / nccl-tests / gradwire):
+ * Method (same as nccl-tests / gradwire):
  *   - WARMUP untimed calls, MPI_Barrier, then ITERS timed calls; per-rank
  *     mean = elapsed / ITERS; time_us = max over ranks of that mean
  *     (MPI_Reduce MPI_MAX to rank 0); algbw = size_bytes / time (GB/s, 1e9).
  *   - data: integer-valued floats in [-1000, 1000] from a hash of (rank,
- *     global element index) -- gw_value(), shared with mpi_allreduce.c and
- *     gloo_collectives.py -- so any summation order gives the exact result.
+ *     global element index) -- gw_value(), shared with gloo_collectives.py
+ *     -- so any summation order gives the exact result.
  *   - correctness: the out-of-place collectives (reduce_scatter, allgather,
  *     alltoall) and broadcast are checked on the result of the last timed
  *     call; the in-place reductions (allreduce, reduce), whose timed calls
  *     run on zeroed buffers (repeated summing then never overflows), are
- *     re-filled and checked on one more, untimed call, as mpi_allreduce.c
- *     does.  Every rank recomputes its expected result independently from
+ *     re-filled and checked on one more, untimed call.  Every rank recomputes its expected result independently from
  *     gw_value(); `wrong` = differing elements summed over ranks.
  *
  * Usage:
  *   mpirun -np W mpi_collectives -c allgather -b 1M -e 64M -f 4 -n 20 -w 5 \
- *          [-d float32] [-o sum] [--selftest-corrupt] --csv FILE
+ *          [-d float32] [-o sum] [--inplace | --out-of-place] [--selftest-corrupt] --csv FILE
  */
 #define _POSIX_C_SOURCE 200809L
 #include <mpi.h>
@@ -48,7 +48,7 @@
 #include <string.h>
 #include <strings.h>
 
-/* Must match gw_value() in mpi_allreduce.c and gw_table() in the Python peers. */
+/* Must match gw_table() in the Python peers. */
 #define GW_PERIOD 1000003u
 static inline float gw_value(uint64_t r, uint64_t i) {
     i %= GW_PERIOD;
@@ -101,18 +101,22 @@ static size_t parse_size(const char *s) {
 static void usage(void) {
     fprintf(stderr,
             "usage: mpi_collectives -c COLL -b MIN -e MAX -f FACTOR -n ITERS -w WARMUP "
-            "[-d float32] [-o sum] [--csv FILE]\n"
+            "[-d float32] [-o sum] [--inplace | --out-of-place] [--csv FILE]\n"
             "  COLL: allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall\n"
             "  --selftest-corrupt  perturb one element on rank 0 before checking\n"
             "                      (wrong must then be 1 per size)\n");
 }
+
+/* Allreduce with separate send and receive buffers (--out-of-place). */
+static int out_of_place = 0;
 
 /* One call of the collective on `count` elements (per-rank block for
  * reduce_scatter, allgather and alltoall). */
 static void once(enum coll c, float *sendbuf, float *recvbuf, int count, int rank) {
     switch (c) {
     case ALLREDUCE:
-        MPI_Allreduce(MPI_IN_PLACE, recvbuf, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        MPI_Allreduce(out_of_place ? (const void *)sendbuf : MPI_IN_PLACE, recvbuf, count, MPI_FLOAT, MPI_SUM,
+                      MPI_COMM_WORLD);
         break;
     case REDUCE_SCATTER:
         MPI_Reduce_scatter_block(sendbuf, recvbuf, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
@@ -176,6 +180,8 @@ int main(int argc, char **argv) {
             }
         } else if (!strcmp(o, "--csv")) { NEEDV(); csv = v; }
         else if (!strcmp(o, "--selftest-corrupt")) corrupt = 1;
+        else if (!strcmp(o, "--inplace")) out_of_place = 0;
+        else if (!strcmp(o, "--out-of-place")) out_of_place = 1;
         else if (!strcmp(o, "-h") || !strcmp(o, "--help")) {
             if (rank == 0) usage();
             MPI_Finalize();
@@ -263,7 +269,7 @@ int main(int argc, char **argv) {
 
         /* In-place reductions: fresh data, one more (untimed) call. */
         if (c == ALLREDUCE || c == REDUCE) {
-            fill(recvbuf, count, rank, 0);
+            fill(c == ALLREDUCE && out_of_place ? sendbuf : recvbuf, count, rank, 0);
             once(c, sendbuf, recvbuf, (int)count, rank);
         }
         size_t nres = (c == REDUCE_SCATTER) ? block

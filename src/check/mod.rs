@@ -153,16 +153,16 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
                 plan.push((Collective::Allreduce, DType::F32, ReduceOp::Sum, n, a));
             }
         }
-        for op in [Collective::Broadcast, Collective::Reduce] {
-            if args.collectives.contains(&op) {
-                plan.push((op, DType::F32, ReduceOp::Sum, n, None));
-            }
-        }
-        // The collectives that split their buffer: the whole of it this large.
-        for op in [Collective::ReduceScatter, Collective::Allgather, Collective::AllToAll] {
-            if args.collectives.contains(&op) {
-                plan.push((op, DType::F32, ReduceOp::Sum, n / w, None));
-            }
+        // The hierarchical check runs allreduces only (as above).
+        let others = if args.hierarchical {
+            &[][..]
+        } else {
+            &[Collective::Broadcast, Collective::Reduce, Collective::ReduceScatter, Collective::Allgather, Collective::AllToAll][..]
+        };
+        for &op in others.iter().filter(|op| args.collectives.contains(op)) {
+            // The collectives that split their buffer: the whole of it this large.
+            let count = if matches!(op, Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll) { n / w } else { n };
+            plan.push((op, DType::F32, ReduceOp::Sum, count, None));
         }
     }
     let plan: Vec<_> = plan.into_iter().flat_map(|p| hier_algos.iter().map(move |h| (p, *h))).collect();
