@@ -49,6 +49,9 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PEERS="$ROOT/benches/peers"
+PROG=collectives
+# shellcheck source=benches/lib.sh
+. "$ROOT/benches/lib.sh"
 BUILD="$ROOT/target/peers"
 RESULTS="$BUILD/results-coll"
 GW="${GRADWIRE_BIN:-$ROOT/target/release/gradwire}"
@@ -148,17 +151,6 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-to_bytes() {  # 4K -> 4096
-    local s=$1 n m=1
-    case "$s" in
-        *[kK]) m=1024; n=${s%?} ;;
-        *[mM]) m=$((1024 * 1024)); n=${s%?} ;;
-        *[gG]) m=$((1024 * 1024 * 1024)); n=${s%?} ;;
-        *) n=$s ;;
-    esac
-    [[ "$n" =~ ^[0-9]+$ ]] || { echo "collectives.sh: bad size '$s'" >&2; exit 2; }
-    echo $((n * m))
-}
 MIN_B=$(to_bytes "$MIN") || exit 2
 MAX_B=$(to_bytes "$MAX") || exit 2
 NETNS_MIN_B=$(to_bytes "$NETNS_MIN") || exit 2
@@ -189,7 +181,6 @@ if [ -z "$RUN_TIMEOUT" ]; then
     fi
 fi
 
-log() { printf '[collectives %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 mkdir -p "$BUILD"
 rm -rf "$RESULTS"
@@ -198,20 +189,8 @@ META="$RESULTS/meta.tsv"
 RUNS="$RESULTS/runs.tsv"
 : >"$META"
 printf 'tool\tcoll\tworld\tpart\trepeat\tstatus\tcsv\tseconds\tcommand\n' >"$RUNS"
-meta() { printf '%s\t%s\n' "$1" "$(printf '%s' "$2" | tr '\t\n' '  ')" >>"$META"; }
 
-meta command "$ORIG_CMD"
-meta date "$(date -u '+%Y-%m-%d %H:%M:%S UTC')"
-meta uname_r "$(uname -r)"
-meta nproc "$(nproc)"
-meta cpu_model "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
-meta mem_total "$(awk '/MemTotal/ {printf "%.1f GiB", $2/1048576}' /proc/meminfo)"
-meta loadavg_start "$(cut -d' ' -f1-3 /proc/loadavg)"
-LOAD1=$(cut -d' ' -f1 /proc/loadavg)
-if awk -v l="$LOAD1" -v n="$(nproc)" 'BEGIN { exit !(l > 0.5 * n) }'; then
-    log "WARNING: load average $LOAD1 on $(nproc) cores: results will be noisy; run on an idle machine"
-    meta load_warning "1-minute load average was $LOAD1 on $(nproc) cores when the run started: other work was competing for the CPUs, so these numbers are not representative"
-fi
+machine_meta
 meta parts "$PARTS"
 meta colls "$COLLS"
 meta torch_colls "$TORCH_COLLS"
@@ -267,10 +246,6 @@ fi
 meta mpi_status "$MPI_STATUS"
 meta mpi_version "$(mpirun --version 2>/dev/null | head -1)"
 
-torch_ok() {
-    "$PYTHON" -c 'import torch, torch.distributed as d; assert d.is_available() and d.is_gloo_available()' \
-        >/dev/null 2>&1
-}
 GLOO_STATUS=ok
 torch_ok || GLOO_STATUS="n/a (torch not importable)"
 meta gloo_status "$GLOO_STATUS"
@@ -325,37 +300,8 @@ OUTER_TIMEOUT=$((RUN_TIMEOUT + 30))
 export PYTHONDONTWRITEBYTECODE=1   # no __pycache__ beside the peers
 
 LAUNCHER_PIDS=()
-netns_sweep() {  # netns_sweep PID...: what a dead launcher of ours left behind
-    local pid ns i left
-    for pid in "$@"; do
-        [ -n "$pid" ] || continue
-        kill -0 "$pid" 2>/dev/null && continue
-        left=$(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^gw${pid}n[0-9]+\$")
-        for ns in $left; do
-            i=${ns##*n}
-            ip link del "gw${pid}h$i" 2>/dev/null
-            ip netns del "$ns" 2>/dev/null && log "removed namespace $ns left by launcher $pid"
-        done
-        ip link del "gwb$pid" 2>/dev/null && log "removed bridge gwb$pid left by launcher $pid"
-    done
-}
-cleanup() {
-    if [ ${#LAUNCHER_PIDS[@]} -gt 0 ]; then
-        sleep 0.5
-        netns_sweep "${LAUNCHER_PIDS[@]}"
-    fi
-}
 CUR_PID=""
 CUR_PIDF=""
-on_signal() {
-    log "interrupted: stopping the current run"
-    if [ -n "$CUR_PID" ]; then
-        kill -TERM "$CUR_PID" 2>/dev/null
-        wait "$CUR_PID" 2>/dev/null
-        [ -n "$CUR_PIDF" ] && [ -s "$CUR_PIDF" ] && LAUNCHER_PIDS+=("$(cat "$CUR_PIDF")")
-    fi
-    exit 130
-}
 trap cleanup EXIT
 trap on_signal INT TERM HUP
 

@@ -51,6 +51,18 @@ fn by_segments(cx: &ShmCtx<'_>, n: usize, seg: usize, steps: &mut [&mut dyn FnMu
     }
 }
 
+/// Stages bytes `off..off + len` of every peer's block of `send` (W blocks of `n` bytes)
+/// in that peer's slot of our staging area (slots of `slot` bytes): the first step of a
+/// reduce-scatter's or an all-to-all's segment.
+fn stage_blocks(cx: &ShmCtx<'_>, send: &[u8], n: usize, slot: usize, off: usize, len: usize, streaming: bool) {
+    for p in (0..cx.world).filter(|&p| p != cx.rank) {
+        // SAFETY: slot p of our own staging area (`len` <= a slot); peers read it only after
+        // the barrier that follows, and have stopped reading what the segment before left
+        // there (they passed the barrier that ended it).
+        unsafe { copy_for_peers(cx.ctl.stage(cx.rank).add(p * slot), &send[p * n + off..][..len], streaming) };
+    }
+}
+
 /// Reduce-scatter: `send` holds W parts of `recv.len()` bytes; rank r gets the reduction of
 /// part r of every rank's `send` in `recv`.
 pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp, streaming: bool) -> Result<()> {
@@ -58,14 +70,7 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtyp
     debug_assert_eq!(send.len(), n * w);
     let slot = cx.slot_len()?;
     let others = || (0..w).filter(move |&p| p != me);
-    let mut stage = |off: usize, len: usize| {
-        for p in others() {
-            // SAFETY: slot p of our own staging area (`len` <= a slot); peers read it only
-            // after the barrier that follows, and have stopped reading what the segment
-            // before left there (they passed the barrier that ended it).
-            unsafe { copy_for_peers(cx.ctl.stage(me).add(p * slot), &send[p * n + off..][..len], streaming) };
-        }
-    };
+    let mut stage = |off: usize, len: usize| stage_blocks(cx, send, n, slot, off, len, streaming);
     let mut take = |off: usize, len: usize| {
         let mine = &mut recv[off..off + len];
         mine.copy_from_slice(&send[me * n + off..][..len]);
@@ -166,12 +171,7 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming:
     recv[me * n..][..n].copy_from_slice(&send[me * n..][..n]);
     let slot = cx.slot_len()?;
     let others = || (0..w).filter(move |&p| p != me);
-    let mut stage = |off: usize, len: usize| {
-        for p in others() {
-            // SAFETY: slot p of our own staging area, as in `reduce_scatter`.
-            unsafe { copy_for_peers(cx.ctl.stage(me).add(p * slot), &send[p * n + off..][..len], streaming) };
-        }
-    };
+    let mut stage = |off: usize, len: usize| stage_blocks(cx, send, n, slot, off, len, streaming);
     let mut take = |off: usize, len: usize| {
         for p in others() {
             // SAFETY: slot `me` of p's staging area holds this segment of p's block for us

@@ -1,0 +1,75 @@
+# shellcheck shell=bash
+# benches/lib.sh -- what benches/compare.sh and benches/collectives.sh share: sourced by
+# both after they set PROG (the name in messages), PYTHON, META (the meta TSV) and
+# ORIG_CMD, and keep LAUNCHER_PIDS, CUR_PID and CUR_PIDF as their runs go.
+
+log() { printf '[%s %s] %s\n' "$PROG" "$(date +%H:%M:%S)" "$*" >&2; }
+
+to_bytes() {  # 4K -> 4096
+    local s=$1 n m=1
+    case "$s" in
+        *[kK]) m=1024; n=${s%?} ;;
+        *[mM]) m=$((1024 * 1024)); n=${s%?} ;;
+        *[gG]) m=$((1024 * 1024 * 1024)); n=${s%?} ;;
+        *) n=$s ;;
+    esac
+    [[ "$n" =~ ^[0-9]+$ ]] || { echo "$PROG.sh: bad size '$s'" >&2; exit 2; }
+    echo $((n * m))
+}
+
+meta() { printf '%s\t%s\n' "$1" "$(printf '%s' "$2" | tr '\t\n' '  ')" >>"$META"; }
+
+machine_meta() {  # the command, the date, the machine and its load, into META
+    meta command "$ORIG_CMD"
+    meta date "$(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+    meta uname_r "$(uname -r)"
+    meta nproc "$(nproc)"
+    meta cpu_model "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
+    meta mem_total "$(awk '/MemTotal/ {printf "%.1f GiB", $2/1048576}' /proc/meminfo)"
+    meta loadavg_start "$(cut -d' ' -f1-3 /proc/loadavg)"
+    # A busy machine skews everything (blocking waits pay scheduler latency,
+    # busy-polling ranks fight the other load): warn loudly, in the output too.
+    local load1
+    load1=$(cut -d' ' -f1 /proc/loadavg)
+    if awk -v l="$load1" -v n="$(nproc)" 'BEGIN { exit !(l > 0.5 * n) }'; then
+        log "WARNING: load average $load1 on $(nproc) cores: results will be noisy; run on an idle machine"
+        meta load_warning "1-minute load average was $load1 on $(nproc) cores when the run started: other work was competing for the CPUs, so these numbers are not representative"
+    fi
+}
+
+torch_ok() {
+    "$PYTHON" -c 'import torch, torch.distributed as d; assert d.is_available() and d.is_gloo_available()' \
+        >/dev/null 2>&1
+}
+
+netns_sweep() {  # netns_sweep PID...: what a dead launcher of ours left behind
+    local pid ns i left
+    for pid in "$@"; do
+        [ -n "$pid" ] || continue
+        kill -0 "$pid" 2>/dev/null && continue   # still running: it cleans up itself
+        left=$(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^gw${pid}n[0-9]+\$")
+        for ns in $left; do
+            i=${ns##*n}
+            ip link del "gw${pid}h$i" 2>/dev/null
+            ip netns del "$ns" 2>/dev/null && log "removed namespace $ns left by launcher $pid"
+        done
+        ip link del "gwb$pid" 2>/dev/null && log "removed bridge gwb$pid left by launcher $pid"
+    done
+}
+
+cleanup() {
+    if [ ${#LAUNCHER_PIDS[@]} -gt 0 ]; then
+        sleep 0.5   # a launcher stopped by the same signal may still be cleaning up
+        netns_sweep "${LAUNCHER_PIDS[@]}"
+    fi
+}
+
+on_signal() {
+    log "interrupted: stopping the current run"
+    if [ -n "$CUR_PID" ]; then
+        kill -TERM "$CUR_PID" 2>/dev/null
+        wait "$CUR_PID" 2>/dev/null
+        [ -n "$CUR_PIDF" ] && [ -s "$CUR_PIDF" ] && LAUNCHER_PIDS+=("$(cat "$CUR_PIDF")")
+    fi
+    exit 130
+}
