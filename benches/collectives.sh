@@ -216,21 +216,7 @@ if ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1; then
     fi
 fi
 
-GW_STATUS=ok
-if [ "$DO_BUILD" = 1 ]; then
-    log "cargo build --release"
-    if ! (cd "$ROOT" && cargo build --release) >"$RESULTS/logs/cargo_build.log" 2>&1; then
-        GW_STATUS="n/a (cargo build --release failed)"
-    fi
-fi
-if [ "$GW_STATUS" = ok ]; then
-    if [ ! -x "$GW" ]; then
-        GW_STATUS="n/a (no gradwire binary at $GW)"
-    elif [[ "$("$GW" bench --help 2>&1)" != *--csv* ]] ||
-         [[ "$("$GW" launch --help 2>&1)" != *--timeout* ]]; then
-        GW_STATUS="n/a (gradwire has no 'launch --timeout' / 'bench --csv')"
-    fi
-fi
+gradwire_status
 GW_OK=0; [ "$GW_STATUS" = ok ] && GW_OK=1
 [ -n "${GRADWIRE_BIN:-}" ] && GW_STATUS+=" (GRADWIRE_BIN=$GRADWIRE_BIN)"
 meta gradwire_status "$GW_STATUS"

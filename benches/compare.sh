@@ -250,22 +250,8 @@ if has_tool gloo && ! torch_ok && [ "$INSTALL_TORCH" = 1 ] && [ "$DO_INSTALL" = 
 fi
 
 # ---- 2. builds ---------------------------------------------------------------
-GW_STATUS=ok
 if has_tool gradwire; then
-    if [ "$DO_BUILD" = 1 ]; then
-        log "cargo build --release"
-        if ! (cd "$ROOT" && cargo build --release) >"$RESULTS/logs/cargo_build.log" 2>&1; then
-            GW_STATUS="n/a (cargo build --release failed)"
-        fi
-    fi
-    if [ "$GW_STATUS" = ok ]; then
-        if [ ! -x "$GW" ]; then
-            GW_STATUS="n/a (no target/release/gradwire)"
-        elif [[ "$("$GW" bench allreduce --help 2>&1)" != *--csv* ]] ||
-             [[ "$("$GW" launch --help 2>&1)" != *--timeout* ]]; then
-            GW_STATUS="n/a (gradwire has no 'launch' / 'bench allreduce --csv' yet)"
-        fi
-    fi
+    gradwire_status
 else
     GW_STATUS="not run (--tools)"
 fi

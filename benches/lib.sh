@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # benches/lib.sh -- what benches/compare.sh and benches/collectives.sh share: sourced by
-# both after they set PROG (the name in messages), PYTHON, META (the meta TSV) and
-# ORIG_CMD, and keep LAUNCHER_PIDS, CUR_PID and CUR_PIDF as their runs go.
+# both after they set PROG (the name in messages), ROOT, and before use PYTHON, GW,
+# DO_BUILD, RESULTS, META (the meta TSV) and ORIG_CMD; they keep LAUNCHER_PIDS, CUR_PID
+# and CUR_PIDF as their runs go.
 
 log() { printf '[%s %s] %s\n' "$PROG" "$(date +%H:%M:%S)" "$*" >&2; }
 
@@ -72,4 +73,22 @@ on_signal() {
         [ -n "$CUR_PIDF" ] && [ -s "$CUR_PIDF" ] && LAUNCHER_PIDS+=("$(cat "$CUR_PIDF")")
     fi
     exit 130
+}
+
+# shellcheck disable=SC2034  # GW_STATUS is the caller's
+gradwire_status() {  # sets GW_STATUS: ok, or why $GW cannot run (built first when DO_BUILD=1)
+    GW_STATUS=ok
+    if [ "$DO_BUILD" = 1 ]; then
+        log "cargo build --release"
+        if ! (cd "$ROOT" && cargo build --release) >"$RESULTS/logs/cargo_build.log" 2>&1; then
+            GW_STATUS="n/a (cargo build --release failed)"
+            return
+        fi
+    fi
+    if [ ! -x "$GW" ]; then
+        GW_STATUS="n/a (no gradwire binary at $GW)"
+    elif [[ "$("$GW" bench allreduce --help 2>&1)" != *--csv* ]] ||
+         [[ "$("$GW" launch --help 2>&1)" != *--timeout* ]]; then
+        GW_STATUS="n/a (gradwire has no 'launch --timeout' / 'bench --csv')"
+    fi
 }

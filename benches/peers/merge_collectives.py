@@ -29,6 +29,9 @@ import statistics
 import sys
 from collections import defaultdict
 
+# The TSV readers of compare.sh's merge (this directory is on sys.path when run as a script).
+from merge import read_meta, read_tsv
+
 COLLS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall")
 NAMES = {"gradwire": "gradwire", "mpi": "Open MPI", "gloo": "Gloo", "torch": "torch (gradwire backend)",
          "tcpring": "tcpring"}
@@ -57,20 +60,6 @@ def human(n: int) -> str:
 
 def num(x: float) -> str:
     return f"{x:.2f}" if x < 100 else f"{x:.0f}"
-
-
-def read_tsv(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f, delimiter="\t"))
-
-
-def read_meta(path):
-    meta = {}
-    with open(path) as f:
-        for line in f:
-            k, _, v = line.rstrip("\n").partition("\t")
-            meta[k] = v
-    return meta
 
 
 class Results:
