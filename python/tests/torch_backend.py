@@ -145,6 +145,20 @@ for dt in [torch.float32, torch.int64]:
     gathered = torch.empty(n * world, dtype=dt)
     dist.all_gather_into_tensor(gathered, mine)
     expect(f"all_gather_into_tensor {dt}", gathered, (everyone.to(torch.float64), 0.0))
+    # In place, as FSDP calls them: the input is the output's own part (allgather), the
+    # output the input's own part (reduce-scatter); synchronous and async_op.
+    for async_op in [False, True]:
+        inplace = torch.zeros(n * world, dtype=dt)
+        inplace[lo:hi].copy_(mine)
+        work = dist.all_gather_into_tensor(inplace, inplace[lo:hi], async_op=async_op)
+        if async_op:
+            work.wait()
+        expect(f"all_gather_into_tensor in place {dt} async_op={async_op}", inplace, (everyone.to(torch.float64), 0.0))
+        whole = rows[rank].clone()
+        work = dist.reduce_scatter_tensor(whole[lo:hi], whole, async_op=async_op)
+        if async_op:
+            work.wait()
+        expect(f"reduce_scatter_tensor in place {dt} async_op={async_op}", whole[lo:hi], part_want)
     outs = [torch.empty(n, dtype=dt) for _ in range(world)]
     dist.all_gather(outs, mine)
     expect(f"all_gather (list) {dt}", torch.cat(outs), (everyone.to(torch.float64), 0.0))
