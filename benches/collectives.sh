@@ -297,50 +297,24 @@ trap on_signal INT TERM HUP
 # failed / timeout / killed.
 run_one() {
     local tool=$1 coll=$2 w=$3 part=$4 rep=$5; shift 5
-    local tag="${tool}_${coll}_w${w}_${part}_r${rep}"
-    local csv="$RESULTS/csv/$tag.csv" logf="$RESULTS/logs/$tag.log"
-    local pidf="$RESULTS/logs/$tag.pid"
-    CUR_PIDF=$pidf
-    local cmd=("$@") status t0 t1 rc pid na
-    cmd[${#cmd[@]}-1]=$csv
-    log "run $tag"
-    t0=$(date +%s%N)
-    # shellcheck disable=SC2016  # $$ and $@ belong to the inner shell
-    timeout --kill-after=$KILL_AFTER "$OUTER_TIMEOUT" \
-        bash -c 'echo $$ >"$0"; exec "$@"' "$pidf" "${cmd[@]}" >"$logf" 2>&1 </dev/null &
-    CUR_PID=$!
-    wait "$CUR_PID"
-    rc=$?
-    CUR_PID=""
-    t1=$(date +%s%N)
-    pid=$(cat "$pidf" 2>/dev/null); rm -f "$pidf"
-    if [[ "$part" == netns* ]] && [ -n "$pid" ]; then
-        LAUNCHER_PIDS+=("$pid")
-        netns_sweep "$pid"
-    fi
-    na=$(grep -m1 -o 'gw-na: .*' "$logf" 2>/dev/null | sed 's/^gw-na: *//' | tr -d '\r' | cut -c1-200)
+    local tag="${tool}_${coll}_w${w}_${part}_r${rep}" status na netns=0
+    [[ "$part" == netns* ]] && netns=1
+    run_timed "$tag" "$netns" "$@"
+    na=$(grep -m1 -o 'gw-na: .*' "$RUN_LOG" 2>/dev/null | sed 's/^gw-na: *//' | tr -d '\r' | cut -c1-200)
     if [ -n "$na" ]; then
         status="n/a ($na)"
-    elif [ "$tool" = gradwire ] && [ $rc -ne 0 ] &&
-         grep -q -E "unknown collective|invalid value '$coll'" "$logf" 2>/dev/null; then
+    elif [ "$tool" = gradwire ] && [ $RUN_RC -ne 0 ] &&
+         grep -q -E "unknown collective|invalid value '$coll'" "$RUN_LOG" 2>/dev/null; then
         status="n/a (gradwire bench has no $coll)"
-    elif [ $rc -eq 0 ] && [ -s "$csv" ] && [ "$(wc -l <"$csv")" -ge 2 ]; then
+    elif [ $RUN_RC -eq 0 ] && [ -s "$RUN_CSV" ] && [ "$(wc -l <"$RUN_CSV")" -ge 2 ]; then
         status=ok
-    elif [ $rc -eq 124 ] || { [ $rc -eq 137 ] && [ $(( (t1 - t0) / 1000000000 )) -ge "$OUTER_TIMEOUT" ]; }; then
-        status="timeout after ${OUTER_TIMEOUT}s"
-    elif [ $rc -gt 128 ]; then
-        status="killed by signal $((rc - 128))"
-    elif [ $rc -eq 0 ]; then
+    elif [ $RUN_RC -eq 0 ]; then
         status="failed (no CSV rows)"
     else
-        status="failed (exit $rc)"
+        status=$(failure_status)
     fi
-    [ "$status" = ok ] || log "  $tag: $status (log: ${logf//"$ROOT/"/})"
-    local shown="${cmd[*]}"
-    shown=${shown//"$ROOT/"/}
-    local ms=$(( (t1 - t0) / 1000000 ))
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d.%d\t%s\n' "$tool" "$coll" "$w" "$part" "$rep" "$status" \
-        "$csv" $((ms / 1000)) $((ms % 1000 / 100)) "$shown" >>"$RUNS"
+    [ "$status" = ok ] || log "  $tag: $status (log: ${RUN_LOG//"$ROOT/"/})"
+    record_run "$tool" "$coll" "$w" "$part" "$rep" "$status" "$RUN_CSV"
 }
 
 record_na() {  # record_na TOOL COLL W PART REPEAT STATUS

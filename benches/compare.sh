@@ -365,45 +365,16 @@ trap on_signal INT TERM HUP
 # can be attributed to it.
 run_one() {
     local tool=$1 w=$2 tr=$3 rep=$4; shift 4
-    local tag="${tool}_w${w}_${tr}_r${rep}"
-    local csv="$RESULTS/csv/$tag.csv" logf="$RESULTS/logs/$tag.log"
-    local pidf="$RESULTS/logs/$tag.pid"
-    CUR_PIDF=$pidf
-    local cmd=("$@") status t0 t1 rc pid
-    cmd[${#cmd[@]}-1]=$csv
-    log "run $tag"
-    t0=$(date +%s%N)
-    # In the background + wait, so that a signal to this script is handled at once
-    # (on_signal stops the run; `timeout` forwards SIGTERM to the launcher, which
-    # stops its ranks and removes its namespaces).
-    # shellcheck disable=SC2016  # $$ and $@ belong to the inner shell
-    timeout --kill-after=$KILL_AFTER "$OUTER_TIMEOUT" \
-        bash -c 'echo $$ >"$0"; exec "$@"' "$pidf" "${cmd[@]}" >"$logf" 2>&1 </dev/null &
-    CUR_PID=$!
-    wait "$CUR_PID"
-    rc=$?
-    CUR_PID=""
-    t1=$(date +%s%N)
-    pid=$(cat "$pidf" 2>/dev/null); rm -f "$pidf"
-    if [[ "$tr" == *netns-* ]] && [ -n "$pid" ]; then
-        LAUNCHER_PIDS+=("$pid")
-        netns_sweep "$pid"
-    fi
-    if [ $rc -eq 0 ] && [ -s "$csv" ]; then
+    local tag="${tool}_w${w}_${tr}_r${rep}" status netns=0
+    [[ "$tr" == *netns-* ]] && netns=1
+    run_timed "$tag" "$netns" "$@"
+    if [ $RUN_RC -eq 0 ] && [ -s "$RUN_CSV" ]; then
         status=ok
-    elif [ $rc -eq 124 ] || { [ $rc -eq 137 ] && [ $(( (t1 - t0) / 1000000000 )) -ge "$OUTER_TIMEOUT" ]; }; then
-        status="timeout after ${OUTER_TIMEOUT}s"
-    elif [ $rc -gt 128 ]; then
-        status="killed by signal $((rc - 128))"
     else
-        status="failed (exit $rc)"
+        status=$(failure_status)
     fi
-    [ "$status" = ok ] || log "  $tag: $status (log: $logf)"
-    local shown="${cmd[*]}"
-    shown=${shown//"$ROOT/"/}
-    local ms=$(( (t1 - t0) / 1000000 ))
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%d.%d\t%s\n' "$tool" "$w" "$tr" "$rep" "$status" \
-        "$csv" $((ms / 1000)) $((ms % 1000 / 100)) "$shown" >>"$RUNS"
+    [ "$status" = ok ] || log "  $tag: $status (log: $RUN_LOG)"
+    record_run "$tool" "$w" "$tr" "$rep" "$status" "$RUN_CSV"
 }
 
 record_na() {  # record_na TOOL W TRANSPORT REPEAT STATUS

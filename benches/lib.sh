@@ -1,8 +1,8 @@
 # shellcheck shell=bash
 # benches/lib.sh -- what benches/compare.sh and benches/collectives.sh share: sourced by
 # both after they set PROG (the name in messages), ROOT, and before use PYTHON, GW,
-# DO_BUILD, RESULTS, META (the meta TSV) and ORIG_CMD; they keep LAUNCHER_PIDS, CUR_PID
-# and CUR_PIDF as their runs go.
+# DO_BUILD, RESULTS, META (the meta TSV), RUNS (the runs TSV), OUTER_TIMEOUT, KILL_AFTER
+# and ORIG_CMD; they keep LAUNCHER_PIDS, CUR_PID and CUR_PIDF as their runs go.
 
 log() { printf '[%s %s] %s\n' "$PROG" "$(date +%H:%M:%S)" "$*" >&2; }
 
@@ -91,4 +91,52 @@ gradwire_status() {  # sets GW_STATUS: ok, or why $GW cannot run (built first wh
          [[ "$("$GW" launch --help 2>&1)" != *--timeout* ]]; then
         GW_STATUS="n/a (gradwire has no 'launch --timeout' / 'bench --csv')"
     fi
+}
+
+# run_timed TAG NETNS CMD...: runs CMD, its last word replaced by TAG's CSV path, under the
+# per-launch timeout ($OUTER_TIMEOUT, then SIGKILL after $KILL_AFTER), its output in TAG's
+# log; NETNS=1 sweeps what its launcher, if it died, left behind. In the background + wait,
+# so that a signal to the script is handled at once (on_signal stops the run; `timeout`
+# forwards SIGTERM to the launcher, which stops its ranks and removes its namespaces).
+# Sets RUN_CSV, RUN_LOG, RUN_RC, RUN_MS and RUN_CMD (the command as run).
+run_timed() {
+    local tag=$1 netns=$2; shift 2
+    RUN_CSV="$RESULTS/csv/$tag.csv"
+    RUN_LOG="$RESULTS/logs/$tag.log"
+    local pidf="$RESULTS/logs/$tag.pid" t0 pid
+    CUR_PIDF=$pidf
+    RUN_CMD=("$@")
+    RUN_CMD[${#RUN_CMD[@]}-1]=$RUN_CSV
+    log "run $tag"
+    t0=$(date +%s%N)
+    # shellcheck disable=SC2016  # $$ and $@ belong to the inner shell
+    timeout --kill-after="$KILL_AFTER" "$OUTER_TIMEOUT" \
+        bash -c 'echo $$ >"$0"; exec "$@"' "$pidf" "${RUN_CMD[@]}" >"$RUN_LOG" 2>&1 </dev/null &
+    CUR_PID=$!
+    wait "$CUR_PID"
+    RUN_RC=$?
+    CUR_PID=""
+    RUN_MS=$(( ($(date +%s%N) - t0) / 1000000 ))
+    pid=$(cat "$pidf" 2>/dev/null); rm -f "$pidf"
+    if [ "$netns" = 1 ] && [ -n "$pid" ]; then
+        LAUNCHER_PIDS+=("$pid")
+        netns_sweep "$pid"
+    fi
+}
+
+failure_status() {  # why the last run_timed failed: its timeout, a signal or its exit status
+    if [ "$RUN_RC" -eq 124 ] || { [ "$RUN_RC" -eq 137 ] && [ $((RUN_MS / 1000)) -ge "$OUTER_TIMEOUT" ]; }; then
+        echo "timeout after ${OUTER_TIMEOUT}s"
+    elif [ "$RUN_RC" -gt 128 ]; then
+        echo "killed by signal $((RUN_RC - 128))"
+    else
+        echo "failed (exit $RUN_RC)"
+    fi
+}
+
+record_run() {  # record_run FIELD...: a row of RUNS, the run's seconds and command after the fields
+    local shown="${RUN_CMD[*]}"
+    shown=${shown//"$ROOT/"/}
+    printf '%s\t' "$@" >>"$RUNS"
+    printf '%d.%d\t%s\n' $((RUN_MS / 1000)) $((RUN_MS % 1000 / 100)) "$shown" >>"$RUNS"
 }

@@ -406,10 +406,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                 return one_host.reduce_scatter(&host_call, send, recv, req.dtype, req.redop);
             }
             let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
-            if scratch.len() * 8 < send.len() {
-                *scratch = vec![0; send.len().div_ceil(8)];
-            }
-            let work = &mut crate::transport::bytemuck_bytes(scratch)[..send.len()];
+            let work = crate::transport::scratch_bytes(scratch, send.len());
             work.copy_from_slice(send);
             if matches!(req.dtype, DType::F16 | DType::BF16) {
                 algos::direct_reduce_scatter(&mut cx, work, &bounds)?;
@@ -451,10 +448,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                     // Only the ranks between the chain's tail and the root reduce in a copy.
                     let v = (rank + world - req.root) % world;
                     let needs = if v == 0 || v == world - 1 { 0 } else { recv.len() };
-                    if scratch.len() * 8 < needs {
-                        *scratch = vec![0; needs.div_ceil(8)];
-                    }
-                    let work = &mut crate::transport::bytemuck_bytes(scratch)[..needs];
+                    let work = crate::transport::scratch_bytes(scratch, needs);
                     let piece = (recv.len() / 8).clamp(64 << 10, 1 << 20);
                     algos::chain_reduce(&mut cx, recv, req.root, piece, work)
                 }

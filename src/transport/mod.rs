@@ -102,6 +102,15 @@ pub trait Link: Send {
 /// Links of one rank indexed by peer rank (`None` for itself and unconnected peers).
 pub type LinkTable = Vec<Option<Box<dyn Link>>>;
 
+/// The first `len` bytes of a scratch buffer kept between calls, grown (never shrunk) to
+/// hold them; its u64s keep every dtype's elements aligned.
+pub(crate) fn scratch_bytes(v: &mut Vec<u64>, len: usize) -> &mut [u8] {
+    if v.len() * 8 < len {
+        v.resize(len.div_ceil(8), 0);
+    }
+    &mut bytemuck_bytes(v)[..len]
+}
+
 /// The scratch buffer as bytes.
 pub(crate) fn bytemuck_bytes(v: &mut [u64]) -> &mut [u8] {
     // SAFETY: a u64 slice reinterpreted as bytes; u8 has no alignment needs.

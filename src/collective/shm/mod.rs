@@ -70,7 +70,7 @@ pub(crate) struct OneHost {
     /// True when the segments cover every rank of the communicator.
     all: bool,
     spin: Duration,
-    state: ShmAllreduceState,
+    state: OneHostState,
 }
 
 impl OneHost {
@@ -78,7 +78,7 @@ impl OneHost {
     /// communicator. `stores` and `cross_memory_attach` come from `GRADWIRE_SHM_STORES`
     /// and `GRADWIRE_SHM_CMA`.
     pub(crate) fn new(domain: Arc<ShmDomain>, all: bool, spin: Duration, stores: StagedStores, cross_memory_attach: bool) -> Self {
-        OneHost { ctl: Control::new(domain), all, spin, state: ShmAllreduceState::new(stores, cross_memory_attach) }
+        OneHost { ctl: Control::new(domain), all, spin, state: OneHostState::new(stores, cross_memory_attach) }
     }
 
     /// Whether every rank of the communicator is on this host (the one-host forms apply).
@@ -191,7 +191,7 @@ fn agree_mapped(cx: &ShmCtx<'_>, buf: &[u8], size: usize, elem: usize) -> Result
 
 /// From `state.agree_from` bytes, the ranks agree on reaching each other's allreduce
 /// buffer ([`agree_on_form`]); `None` when the call stages.
-fn agree_large(cx: &ShmCtx<'_>, state: &mut ShmAllreduceState, buf: &[u8], elem: usize) -> Result<Option<Agreed>> {
+fn agree_large(cx: &ShmCtx<'_>, state: &mut OneHostState, buf: &[u8], elem: usize) -> Result<Option<Agreed>> {
     if buf.len() < state.agree_from {
         return Ok(None);
     }
@@ -355,7 +355,7 @@ fn encode_call(call: &CallHeader) -> [u8; HEADER_LEN] {
 
 /// What the one-host forms keep between calls (mostly the allreduce's; the pulling
 /// reduce-scatter borrows the scratch).
-struct ShmAllreduceState {
+struct OneHostState {
     /// What the staged form has learned about this host's stores.
     stores: StoreChooser,
     /// The same for the other staged collectives (each writes its own pattern).
@@ -384,23 +384,23 @@ impl PartStores {
     }
 }
 
-impl Default for ShmAllreduceState {
+impl Default for OneHostState {
     fn default() -> Self {
-        ShmAllreduceState::new(StagedStores::Auto, true)
+        OneHostState::new(StagedStores::Auto, true)
     }
 }
 
-impl ShmAllreduceState {
+impl OneHostState {
     fn new(stores: StagedStores, cross_memory_attach: bool) -> Self {
         let attach = Attach { enabled: cross_memory_attach, scratch: Vec::new() };
-        ShmAllreduceState { stores: StoreChooser::new(stores), part_stores: PartStores::new(stores), attach, agree_from: LARGE_MIN }
+        OneHostState { stores: StoreChooser::new(stores), part_stores: PartStores::new(stores), attach, agree_from: LARGE_MIN }
     }
 }
 
 /// In-place allreduce of `buf` among all ranks of the domain (all on this host), in the
 /// form its size calls for. Every rank picks the same: the sizes match (checked), and
 /// which large form runs is agreed in its first one or two barriers.
-fn shm_allreduce(cx: &ShmCtx<'_>, state: &mut ShmAllreduceState, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+fn shm_allreduce(cx: &ShmCtx<'_>, state: &mut OneHostState, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     if buf.len() <= cx.small_capacity() && buf.len() * cx.world <= SMALL_READ_MAX {
         return small::shm_allreduce_small(cx, buf, dtype, op);
     }

@@ -155,10 +155,9 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, src: &mut Sources<'_>, send: &[u8]
     let (w, me, n) = (cx.world, cx.rank, recv.len());
     recv.copy_from_slice(&send[me * n..][..n]);
     let mut scratch = std::mem::take(src.scratch);
-    scratch.resize((w - 1) * PEER_BLOCK / 8, 0);
     for b in (0..n).step_by(PEER_BLOCK) {
         let len = PEER_BLOCK.min(n - b);
-        let blocks = crate::transport::bytemuck_bytes(&mut scratch).chunks_mut(PEER_BLOCK);
+        let blocks = crate::transport::scratch_bytes(&mut scratch, (w - 1) * PEER_BLOCK).chunks_mut(PEER_BLOCK);
         let theirs = peers_from_next(cx).zip(blocks).map(|(p, block)| src.view(cx, p, me * n + b, &mut block[..len]));
         reduce_all(dtype, op, w, &mut recv[b..b + len], theirs);
     }
