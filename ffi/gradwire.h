@@ -195,6 +195,35 @@ int gradwire_hierarchical_iallreduce(gradwire_hierarchy_t *hier, const void *sen
                                      gradwire_dtype_t dtype, gradwire_op_t op, gradwire_hierarchical_algo_t algo,
                                      gradwire_work_t **work);
 
+/* Collectives on CUDA device memory (built with the cargo feature `cuda`, the default).
+ * gradwire_gpu_comm_create makes, from a communicator, the NCCL communicator of this
+ * rank's node on CUDA device `device` and the cross-node group (collective: every rank
+ * calls it; every node must hold the same number of ranks, each on its own device). Each
+ * call is enqueued on `stream` (a cudaStream_t/CUstream of that device; NULL: the legacy
+ * default stream), as NCCL's calls are: work queued earlier on the stream runs first, work
+ * queued later sees the result. Inside one node the calls are NCCL's. Across nodes the
+ * allreduce is hierarchical: NCCL reduce-scatter in the node, the 1/G shard copied into a
+ * pinned host region, gradwire's allreduce across the nodes, copied back, NCCL allgather;
+ * broadcast, reduce-scatter and allgather cross through the pinned region. Such a call
+ * returns after its host step, which waits (with GRADWIRE_TIMEOUT_MS) for the stream to
+ * reach it. A host pointer here, or a device pointer to the host calls above, is
+ * GRADWIRE_ERR_INVALID_ARGUMENT; no CUDA driver, NCCL or device is
+ * GRADWIRE_ERR_UNSUPPORTED, with what was searched in gradwire_last_error(). After a
+ * deadline passes NCCL is aborted and every later call on the GPU communicator fails. */
+typedef struct gradwire_gpu_comm gradwire_gpu_comm_t;
+int gradwire_gpu_comm_create(gradwire_comm_t *comm, int device, gradwire_gpu_comm_t **gpu);
+int gradwire_gpu_comm_free(gradwire_gpu_comm_t *gpu);
+int gradwire_gpu_allreduce(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *recvbuf, size_t count,
+                           gradwire_dtype_t dtype, gradwire_op_t op, void *stream);
+int gradwire_gpu_broadcast(gradwire_gpu_comm_t *gpu, void *buf, size_t count, gradwire_dtype_t dtype, int root,
+                           void *stream);
+/* sendbuf holds size x recvcount elements; the buffers must not overlap. */
+int gradwire_gpu_reduce_scatter(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *recvbuf, size_t recvcount,
+                                gradwire_dtype_t dtype, gradwire_op_t op, void *stream);
+/* recvbuf holds size x sendcount elements, rank r's block at r; no overlap. */
+int gradwire_gpu_allgather(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *recvbuf, size_t sendcount,
+                           gradwire_dtype_t dtype, void *stream);
+
 /* Training schemes (ALGORITHMS.md) on a communicator, driven by the framework step by
  * step over a flat float32 parameter vector of n values (every buffer below holds n):
  * scheme "ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour" or "eamsgd"; options

@@ -1,8 +1,8 @@
 //! The GPU path. Without a CUDA driver, NCCL or a device these tests check that gradwire
-//! says so clearly (no panic) and skip the device work with the reason; on a GPU machine
-//! they run NCCL for real: allreduce and broadcast on device memory, and a hierarchical
-//! allreduce of two processes sharing the GPU (a one-rank NCCL communicator each, joined
-//! by gradwire's tcp/shm).
+//! says so clearly (no panic, from Rust and through the C ABI) and skip the device work
+//! with the reason; on a GPU machine they run NCCL for real: every collective on device
+//! memory, from Rust and from C, on one node and across two "nodes" sharing the GPU (a
+//! one-rank NCCL communicator each, joined by gradwire's tcp/shm).
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -21,7 +21,7 @@ fn missing_gpu_is_explained_not_a_panic() {
             std::env::set_var("RANK", "0");
             std::env::set_var("WORLD_SIZE", "1");
             let comm = gradwire::Communicator::init().unwrap();
-            let err = gradwire::gpu::NcclGroup::new(&comm, 0).err().expect("no GPU here, so this must fail");
+            let err = gradwire::gpu::DeviceComm::new(&comm, 0).err().expect("no GPU here, so this must fail");
             assert!(matches!(err, gradwire::Error::Unsupported(_)), "{err}");
         }
         None => eprintln!("GPU available: the device tests below run for real"),
@@ -55,4 +55,32 @@ fn hierarchical_allreduce_two_processes_sharing_the_gpu() {
     let t = text(&out);
     println!("{t}");
     assert!(out.status.success(), "{t}");
+}
+
+/// The C example (ffi/examples/gpu.c): without a GPU every rank gets
+/// GRADWIRE_ERR_UNSUPPORTED with gradwire's reason from `gradwire_gpu_comm_create`; with
+/// one, every collective on device memory is checked on one node and across two.
+#[test]
+fn c_example_on_device_memory() {
+    let exe = c_program("ffi/examples/gpu.c", "gpu-c-example");
+    let exe = exe.display().to_string();
+    let runs: Vec<(usize, String)> = match gradwire::gpu::unavailable() {
+        Some(_) => vec![(2, exe.clone())],
+        None => vec![(1, exe.clone()), (2, format!("GRADWIRE_HOST_ID=node$RANK exec {exe}"))],
+    };
+    for (n, script) in runs {
+        let mut cmd = std::process::Command::new(bin());
+        cmd.args(["launch", "-n", &n.to_string(), "--", "sh", "-c", &script]);
+        let out = run_with_limit(cmd, std::time::Duration::from_secs(300));
+        let t = text(&out);
+        println!("{t}");
+        assert!(out.status.success(), "{t}");
+        match gradwire::gpu::unavailable() {
+            Some(why) => {
+                assert_eq!(t.matches("SKIP: no GPU here: ").count(), n, "{t}");
+                assert!(t.contains(why.split(';').next().unwrap_or(&why)), "the C caller should see gradwire's reason ({why}): {t}");
+            }
+            None => assert_eq!(t.matches(": 0 wrong elements").count(), n, "{t}"),
+        }
+    }
 }

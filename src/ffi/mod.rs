@@ -8,8 +8,12 @@
 //! host process.
 #![allow(non_camel_case_types)]
 
+#[cfg(feature = "cuda")]
+mod gpu;
 mod hierarchical;
 mod train;
+#[cfg(feature = "cuda")]
+pub use gpu::*;
 pub use hierarchical::*;
 pub use train::*;
 
@@ -61,6 +65,9 @@ struct Registry {
     strategies: HashMap<u64, (u64, Arc<Mutex<train::Scheme>>)>,
     /// Hierarchical groups (`hierarchical.rs`) with the id of their communicator.
     hierarchies: HashMap<u64, (u64, Arc<crate::collective::hierarchical::Hierarchy>)>,
+    /// GPU communicators (`gpu.rs`) with the id of their communicator.
+    #[cfg(feature = "cuda")]
+    gpus: HashMap<u64, (u64, Arc<crate::gpu::DeviceComm>)>,
 }
 
 /// Removes and returns `ptr`'s entry in `map`, which communicator `id` must own.
@@ -115,7 +122,15 @@ impl Registry {
     fn id(&mut self) -> u64 {
         loop {
             let id = rand::random::<u64>() & !0xf & (usize::MAX as u64);
-            let taken = self.comms.contains_key(&id) || self.works.contains_key(&id) || self.strategies.contains_key(&id) || self.hierarchies.contains_key(&id);
+            #[cfg(feature = "cuda")]
+            let gpu_taken = self.gpus.contains_key(&id);
+            #[cfg(not(feature = "cuda"))]
+            let gpu_taken = false;
+            let taken = gpu_taken
+                || self.comms.contains_key(&id)
+                || self.works.contains_key(&id)
+                || self.strategies.contains_key(&id)
+                || self.hierarchies.contains_key(&id);
             if id != 0 && !taken {
                 return id;
             }
@@ -218,11 +233,26 @@ fn check_buffers(c: &Communicator, req: &Request, send: *const c_void, recv: *mu
     if rlen > 0 && recv.is_null() {
         return Err(invalid(format!("{what}: recvbuf is NULL")));
     }
+    host_memory(send, slen, recv, rlen, what)?;
     let (s, r) = (send as usize, recv as usize);
     let in_place_ok = matches!(req.op, Collective::Allreduce | Collective::Broadcast | Collective::Reduce);
     if slen > 0 && rlen > 0 && !(in_place_ok && s == r) && s < r.saturating_add(rlen) && r < s.saturating_add(slen) {
         return Err(invalid(format!("{what}: sendbuf and recvbuf overlap{}", if in_place_ok { " (pass the same pointer for in place)" } else { "" })));
     }
+    Ok(())
+}
+
+/// An error when a buffer of a host entry point is CUDA device memory (asked of the driver
+/// only in a process that loaded it: no other can hold device pointers).
+fn host_memory(send: *const c_void, slen: usize, recv: *mut c_void, rlen: usize, what: &str) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    for (p, len, name) in [(send as *const u8, slen, "sendbuf"), (recv as *const u8, rlen, "recvbuf")] {
+        if len > 0 {
+            crate::gpu::expect_host(p, what, name)?;
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (send, slen, recv, rlen, what);
     Ok(())
 }
 
@@ -506,6 +536,7 @@ fn alltoall_buffers(counts: &Counts, dt: DType, send: *const c_void, recv: *mut 
     if rl > 0 && recv.is_null() {
         return Err(invalid(format!("{w}: recvbuf is NULL")));
     }
+    host_memory(send, sl, recv, rl, w)?;
     let (s, r) = (send as usize, recv as usize);
     if sl > 0 && rl > 0 && s < r.saturating_add(rl) && r < s.saturating_add(sl) {
         return Err(invalid(format!("{w}: sendbuf and recvbuf overlap")));
@@ -882,7 +913,8 @@ pub extern "C" fn gradwire_deregister(comm_p: *mut gradwire_comm_t, ptr: *mut c_
     })
 }
 
-/// Destroys a communicator, its strategies and hierarchies; waits for its pending calls.
+/// Destroys a communicator, its strategies, hierarchies and GPU communicators; waits for
+/// its pending calls.
 #[no_mangle]
 pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
     guard(|| {
@@ -894,6 +926,8 @@ pub extern "C" fn gradwire_finalize(comm_p: *mut gradwire_comm_t) -> c_int {
             // holds it alive.
             let strategies = take_owned(&mut reg.strategies, id);
             let hierarchies = take_owned(&mut reg.hierarchies, id);
+            #[cfg(feature = "cuda")]
+            let hierarchies = (hierarchies, take_owned(&mut reg.gpus, id));
             let regions = take_owned(&mut reg.allocs, id);
             let registrations = take_owned(&mut reg.registered, id);
             (c, (strategies, hierarchies), regions, registrations)

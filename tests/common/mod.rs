@@ -188,6 +188,7 @@ pub fn c_program(src: &str, name: &str) -> std::path::PathBuf {
         .arg("-L")
         .arg(&dir)
         .arg("-lgradwire")
+        .arg("-ldl") // the GPU example opens the CUDA driver itself
         .arg(format!("-Wl,-rpath,{}", dir.display()))
         .arg("-o")
         .arg(&building)

@@ -1,57 +1,147 @@
-//! `gradwire gpu-check`: NCCL on device memory against an independent reference on fresh
-//! random data (integer-valued, so sums are exact), run under `gradwire launch` on a GPU
-//! machine. `--hierarchical` adds the GPU hierarchical allreduce (NCCL inside the node,
-//! gradwire across nodes).
+//! `gradwire gpu-check`: the collectives on CUDA device memory ([`DeviceComm`]: NCCL inside
+//! the node, the hierarchical path across nodes) against an independent reference on fresh
+//! random data (small integers, so sums are exact in every dtype used), on a stream of the
+//! check's own, under `gradwire launch` on a GPU machine; and the wrong kind of memory
+//! refused at both kinds of entry point.
 
-use gradwire::gpu::NcclGroup;
-use gradwire::{Communicator, ReduceOp, Result};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use gradwire::gpu::DeviceComm;
+use gradwire::{Communicator, DType, Error, ReduceOp, Result};
+use half::bf16;
 use rand::{Rng, SeedableRng};
+use std::sync::Arc;
 
-fn inputs(seed: u64, rank: usize, n: usize) -> Vec<f32> {
+fn inputs(seed: u64, rank: usize, n: usize, range: i32) -> Vec<f32> {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    (0..n).map(|_| rng.random_range(-1000i32..1000) as f32).collect()
+    (0..n).map(|_| rng.random_range(-range..range) as f32).collect()
+}
+
+fn gpu(e: cudarc::driver::DriverError) -> Error {
+    Error::Unsupported(format!("CUDA: {e:?}"))
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+    s.device_ptr(stream).0
+}
+
+/// One case's outcome, printed by rank 0 after every rank's count of wrong elements is
+/// summed.
+struct Tally<'a> {
+    comm: &'a Communicator,
+    passed: usize,
+    failed: usize,
+}
+
+impl Tally<'_> {
+    fn case(&mut self, name: &str, wrong: usize) -> Result<()> {
+        let mut total = [wrong as f64];
+        self.comm.allreduce(&mut total, ReduceOp::Sum)?;
+        if self.comm.rank() == 0 {
+            println!("  {name:<44} {}", if total[0] == 0.0 { "ok".to_string() } else { format!("FAILED: {} wrong", total[0]) });
+        }
+        if total[0] == 0.0 {
+            self.passed += 1;
+        } else {
+            self.failed += 1;
+        }
+        Ok(())
+    }
 }
 
 pub fn run(comm: &Communicator, hierarchical: bool) -> Result<bool> {
     let seed = gradwire::check::job_seed(comm)?;
-    let node = comm.split_node_local()?;
+    let local = comm.topology().local_ranks(comm.rank());
+    let local_index = local.iter().position(|&r| r == comm.rank()).unwrap_or(0);
     let devices = cudarc::driver::CudaContext::device_count().unwrap_or(1).max(1) as usize;
-    let nccl = NcclGroup::new(&node, node.rank() % devices)?;
-    let stream = nccl.context().default_stream();
-    let n = 1 << 20;
-    let mut wrong = 0usize;
-    let gpu = |e: cudarc::driver::DriverError| gradwire::Error::Unsupported(format!("CUDA: {e:?}"));
-
-    // NCCL allreduce over the node's ranks.
-    let mine = inputs(seed, comm.rank(), n);
-    let mut dev = stream.clone_htod(&mine).map_err(gpu)?;
-    nccl.allreduce(&mut dev, ReduceOp::Sum)?;
-    let got = stream.clone_dtoh(&dev).map_err(gpu)?;
-    let members = comm.topology().local_ranks(comm.rank());
-    let node_inputs: Vec<Vec<f32>> = members.iter().map(|&r| inputs(seed, r, n)).collect();
-    wrong += (0..n).filter(|&i| got[i] != node_inputs.iter().map(|v| v[i]).sum::<f32>()).count();
-
-    // NCCL broadcast from the node's last rank.
-    let root = nccl.size() - 1;
-    let mut dev = stream.clone_htod(&mine).map_err(gpu)?;
-    nccl.broadcast(&mut dev, root)?;
-    let got = stream.clone_dtoh(&dev).map_err(gpu)?;
-    wrong += (0..n).filter(|&i| got[i] != node_inputs[root][i]).count();
-
-    if hierarchical {
-        let cross = comm.split_cross_node()?;
-        let mut dev = stream.clone_htod(&mine).map_err(gpu)?;
-        nccl.hierarchical_allreduce(&cross, &mut dev, ReduceOp::Sum)?;
-        let got = stream.clone_dtoh(&dev).map_err(gpu)?;
-        let all: Vec<Vec<f32>> = (0..comm.size()).map(|r| inputs(seed, r, n)).collect();
-        wrong += (0..n).filter(|&i| got[i] != all.iter().map(|v| v[i]).sum::<f32>()).count();
+    let dc = DeviceComm::new(comm, local_index % devices)?;
+    if hierarchical && dc.nodes() < 2 {
+        return Err(gradwire::Error::Config(
+            "gpu-check --hierarchical: every rank is on one node, so the cross-node path would not run (give the ranks distinct GRADWIRE_HOST_ID)".into(),
+        ));
     }
-    let mut total = [wrong as f64];
-    comm.allreduce(&mut total, ReduceOp::Sum)?;
-    if comm.rank() == 0 {
-        let cases = if hierarchical { 3 } else { 2 };
-        let failed = if total[0] > 0.0 { cases } else { 0 };
-        println!("gpu-check: {} ranks, NCCL groups of {}, {} wrong elements: {} passed, {failed} failed", comm.size(), nccl.size(), total[0], cases - failed);
+    // A stream of our own, not the default one: the calls must order on the stream given.
+    let stream = dc.context().new_stream().map_err(gpu)?;
+    let s = stream.cu_stream();
+    let (w, me) = (comm.size(), comm.rank());
+    let all = |n: usize, range: i32| -> Vec<Vec<f32>> { (0..w).map(|r| inputs(seed, r, n, range)).collect() };
+    let mut t = Tally { comm, passed: 0, failed: 0 };
+    if me == 0 {
+        println!("gpu-check: {w} ranks on {} node(s), NCCL groups of {}, device {}", dc.nodes(), dc.local_size(), dc.device());
     }
-    Ok(total[0] == 0.0)
+
+    // Allreduce, out of place and in place, with a count that does not split evenly.
+    for (name, n, in_place) in [("allreduce f32 sum, 1 Mi elements", 1 << 20, false), ("allreduce f32 sum in place, 1 Mi + 3 elements", (1 << 20) + 3, true)] {
+        let x = all(n, 1000);
+        let send = stream.clone_htod(&x[me]).map_err(gpu)?;
+        let recv = if in_place { None } else { Some(stream.alloc_zeros::<f32>(n).map_err(gpu)?) };
+        let (sp, rp) = (ptr(&send, &stream), recv.as_ref().map_or(ptr(&send, &stream), |r| ptr(r, &stream)));
+        // SAFETY: both are device allocations of n f32 on this device, alive until the
+        // stream is read back below.
+        unsafe { dc.allreduce(comm, sp, rp, n, DType::F32, ReduceOp::Sum, s) }?;
+        let got = stream.clone_dtoh(recv.as_ref().unwrap_or(&send)).map_err(gpu)?;
+        t.case(name, (0..n).filter(|&i| got[i] != x.iter().map(|v| v[i]).sum::<f32>()).count())?;
+    }
+
+    // Average: every rank's input is the same multiple of its rank, so the mean is exact.
+    let n = 4096;
+    let mine: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * (me as f32 + 1.0) * 4.0).collect();
+    let buf = stream.clone_htod(&mine).map_err(gpu)?;
+    // SAFETY: as above.
+    unsafe { dc.allreduce(comm, ptr(&buf, &stream), ptr(&buf, &stream), n, DType::F32, ReduceOp::Avg, s) }?;
+    let got = stream.clone_dtoh(&buf).map_err(gpu)?;
+    let mean = |i: usize| (i % 7) as f32 * 4.0 * (w as f32 + 1.0) / 2.0;
+    t.case("allreduce f32 avg", (0..n).filter(|&i| (got[i] - mean(i)).abs() > 1e-4 * mean(i).abs().max(1.0)).count())?;
+
+    // bfloat16: small integers, whose sums bfloat16 holds exactly.
+    let x = all(n, 4);
+    let bits: Vec<u16> = x[me].iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    let send = stream.clone_htod(&bits).map_err(gpu)?;
+    let recv = stream.alloc_zeros::<u16>(n).map_err(gpu)?;
+    // SAFETY: as above.
+    unsafe { dc.allreduce(comm, ptr(&send, &stream), ptr(&recv, &stream), n, DType::BF16, ReduceOp::Sum, s) }?;
+    let got: Vec<f32> = stream.clone_dtoh(&recv).map_err(gpu)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect();
+    t.case("allreduce bf16 sum", (0..n).filter(|&i| got[i] != x.iter().map(|v| v[i]).sum::<f32>()).count())?;
+
+    // Broadcast from the last rank.
+    let n = 1 << 18;
+    let x = all(n, 1000);
+    let root = w - 1;
+    let buf = stream.clone_htod(&x[me]).map_err(gpu)?;
+    // SAFETY: as above.
+    unsafe { dc.broadcast(comm, ptr(&buf, &stream), n, DType::F32, root, s) }?;
+    let got = stream.clone_dtoh(&buf).map_err(gpu)?;
+    t.case("broadcast f32 from the last rank", (0..n).filter(|&i| got[i] != x[root][i]).count())?;
+
+    // Reduce-scatter and allgather.
+    let m = 1 << 16;
+    let x = all(m * w, 1000);
+    let send = stream.clone_htod(&x[me]).map_err(gpu)?;
+    let recv = stream.alloc_zeros::<f32>(m).map_err(gpu)?;
+    // SAFETY: send holds w × m elements, recv m.
+    unsafe { dc.reduce_scatter(comm, ptr(&send, &stream), ptr(&recv, &stream), m, DType::F32, ReduceOp::Max, s) }?;
+    let got = stream.clone_dtoh(&recv).map_err(gpu)?;
+    let want = |i: usize| x.iter().map(|v| v[me * m + i]).fold(f32::MIN, f32::max);
+    t.case("reduce-scatter f32 max", (0..m).filter(|&i| got[i] != want(i)).count())?;
+    let send = stream.clone_htod(&x[me][..m]).map_err(gpu)?;
+    let recv = stream.alloc_zeros::<f32>(m * w).map_err(gpu)?;
+    // SAFETY: send holds m elements, recv w × m.
+    unsafe { dc.allgather(comm, ptr(&send, &stream), ptr(&recv, &stream), m, DType::F32, s) }?;
+    let got = stream.clone_dtoh(&recv).map_err(gpu)?;
+    t.case("allgather f32", (0..m * w).filter(|&i| got[i] != x[i / m][i % m]).count())?;
+
+    // The wrong kind of memory: a host buffer to a device call, a device buffer to a host
+    // one. Each must be a clear error, not a fault.
+    let host = [0f32; 16];
+    // SAFETY: refused before any access (the point of the case).
+    let e = unsafe { dc.allreduce(comm, host.as_ptr() as u64, host.as_ptr() as u64, 16, DType::F32, ReduceOp::Sum, s) };
+    let host_refused = matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("host memory"));
+    let dev = stream.alloc_zeros::<f32>(16).map_err(gpu)?;
+    let e = gradwire::gpu::expect_host(ptr(&dev, &stream) as *const u8, "gradwire_allreduce", "sendbuf");
+    let dev_refused = matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("CUDA device"));
+    t.case("wrong memory kinds refused", usize::from(!host_refused) + usize::from(!dev_refused))?;
+
+    if me == 0 {
+        println!("gpu-check: {} passed, {} failed", t.passed, t.failed);
+    }
+    Ok(t.failed == 0)
 }

@@ -185,8 +185,9 @@ enum Cmd {
         #[arg(short, long)]
         verbose: bool,
     },
-    /// NCCL on device memory against an independent reference (needs a GPU; run under
-    /// `gradwire launch`). --hierarchical adds NCCL-inside-the-node + gradwire-across.
+    /// The collectives on CUDA device memory against an independent reference (needs a
+    /// GPU; run under `gradwire launch`): NCCL inside a node, the hierarchical path across
+    /// nodes. --hierarchical fails unless the ranks span several nodes.
     #[cfg(feature = "cuda")]
     GpuCheck {
         #[arg(long)]

@@ -1,0 +1,153 @@
+//! The C ABI of the collectives on CUDA device memory: a GPU communicator made once from a
+//! communicator and a device (`gradwire_gpu_comm_create`, as `ncclCommInitRank`), then
+//! collectives enqueued on the caller's stream, as NCCL's are.
+
+use super::{comm, dtype, gradwire_comm_t, gradwire_dtype_t, gradwire_op_t, guard, live_handle, out, put, redop, registry, root_of, take_handle, to_handle};
+use crate::error::{invalid, Result};
+use crate::gpu::DeviceComm;
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+/// Opaque GPU communicator handle (never dereferenced; its address is a registry id).
+pub enum gradwire_gpu_comm {}
+/// The GPU communicator handle type of ffi/gradwire.h.
+pub type gradwire_gpu_comm_t = gradwire_gpu_comm;
+
+/// The GPU communicator behind `p` with the communicator it was made from.
+fn gpu(p: *const gradwire_gpu_comm_t, w: &str) -> Result<(Arc<DeviceComm>, Arc<crate::comm::Communicator>)> {
+    let (comm_id, g) = live_handle(&registry().gpus, p, w, "gpu communicator")?;
+    let c = registry().comms.get(&comm_id).cloned().ok_or_else(|| invalid(format!("{w}: the GPU communicator's communicator is finalized")))?;
+    Ok((g, c))
+}
+
+/// Makes the NCCL communicator of this rank's node on CUDA device `device`, and the
+/// cross-node group (collective: every rank of `comm` calls it). Without a CUDA driver,
+/// NCCL or the device, an error says what was searched.
+///
+/// # Safety
+/// `gpu_out` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_gpu_comm_create(comm_p: *mut gradwire_comm_t, device: c_int, gpu_out: *mut *mut gradwire_gpu_comm_t) -> c_int {
+    guard(|| {
+        let w = "gradwire_gpu_comm_create";
+        let (comm_id, c) = comm(comm_p, w)?;
+        out(gpu_out, w, "gpu")?;
+        let device = usize::try_from(device).map_err(|_| invalid(format!("{w}: device {device} is negative")))?;
+        let g = DeviceComm::new(&c, device).map_err(|e| super::prefixed(e, w))?;
+        let mut reg = registry();
+        let id = reg.id();
+        reg.gpus.insert(id, (comm_id, Arc::new(g)));
+        drop(reg);
+        put(gpu_out, to_handle(id), w, "gpu")
+    })
+}
+
+/// Frees a GPU communicator (its communicator stays).
+#[no_mangle]
+pub extern "C" fn gradwire_gpu_comm_free(gpu_p: *mut gradwire_gpu_comm_t) -> c_int {
+    guard(|| {
+        let taken = take_handle(&mut registry().gpus, gpu_p, "gradwire_gpu_comm_free", "gpu communicator")?;
+        drop(taken);
+        Ok(())
+    })
+}
+
+/// Allreduce of `count` elements of device memory, enqueued on `stream` (a `cudaStream_t`;
+/// NULL: the legacy default stream); `sendbuf == recvbuf` is in place.
+///
+/// # Safety
+/// The buffers must be device memory of the communicator's device, valid for `count`
+/// elements until the stream has run the call; `stream` a live stream of that device.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_gpu_allreduce(
+    gpu_p: *mut gradwire_gpu_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dt: gradwire_dtype_t,
+    op: gradwire_op_t,
+    stream: *mut c_void,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_gpu_allreduce";
+        let (g, c) = gpu(gpu_p, w)?;
+        // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
+        unsafe { g.allreduce(&c, sendbuf as u64, recvbuf as u64, count, dtype(dt, w)?, redop(op, w)?, stream as _) }
+    })
+}
+
+/// Broadcast of `count` elements of device memory from rank `root`, enqueued on `stream`.
+///
+/// # Safety
+/// As `gradwire_gpu_allreduce`, for `buf`.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_gpu_broadcast(
+    gpu_p: *mut gradwire_gpu_comm_t,
+    buf: *mut c_void,
+    count: usize,
+    dt: gradwire_dtype_t,
+    root: c_int,
+    stream: *mut c_void,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_gpu_broadcast";
+        let (g, c) = gpu(gpu_p, w)?;
+        // SAFETY: the caller's contract; the pointer's kind and device are checked inside.
+        unsafe { g.broadcast(&c, buf as u64, count, dtype(dt, w)?, root_of(root, w)?, stream as _) }
+    })
+}
+
+/// Reduce-scatter of device memory: `sendbuf` holds size × `recvcount` elements.
+///
+/// # Safety
+/// As `gradwire_gpu_allreduce`, for the sizes named; the buffers must not overlap.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_gpu_reduce_scatter(
+    gpu_p: *mut gradwire_gpu_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    recvcount: usize,
+    dt: gradwire_dtype_t,
+    op: gradwire_op_t,
+    stream: *mut c_void,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_gpu_reduce_scatter";
+        let (g, c) = gpu(gpu_p, w)?;
+        check_disjoint(sendbuf, recvcount * c.size(), recvbuf, recvcount, dtype(dt, w)?.size(), w)?;
+        // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
+        unsafe { g.reduce_scatter(&c, sendbuf as u64, recvbuf as u64, recvcount, dtype(dt, w)?, redop(op, w)?, stream as _) }
+    })
+}
+
+/// Allgather of device memory: `recvbuf` holds size × `sendcount` elements.
+///
+/// # Safety
+/// As `gradwire_gpu_allreduce`, for the sizes named; the buffers must not overlap.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_gpu_allgather(
+    gpu_p: *mut gradwire_gpu_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    sendcount: usize,
+    dt: gradwire_dtype_t,
+    stream: *mut c_void,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_gpu_allgather";
+        let (g, c) = gpu(gpu_p, w)?;
+        check_disjoint(sendbuf, sendcount, recvbuf, sendcount * c.size(), dtype(dt, w)?.size(), w)?;
+        // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
+        unsafe { g.allgather(&c, sendbuf as u64, recvbuf as u64, sendcount, dtype(dt, w)?, stream as _) }
+    })
+}
+
+/// An error when the two buffers (in elements of `es` bytes) overlap.
+fn check_disjoint(send: *const c_void, slen: usize, recv: *mut c_void, rlen: usize, es: usize, w: &str) -> Result<()> {
+    let (s, r) = (send as usize, recv as usize);
+    let (sb, rb) = (slen.saturating_mul(es), rlen.saturating_mul(es));
+    if sb > 0 && rb > 0 && s < r.saturating_add(rb) && r < s.saturating_add(sb) {
+        return Err(invalid(format!("{w}: sendbuf and recvbuf overlap")));
+    }
+    Ok(())
+}

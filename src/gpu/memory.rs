@@ -1,0 +1,216 @@
+//! Which memory a pointer is (host, a device's, managed), the pinned host region the
+//! device data crosses nodes through, and waiting for a stream with a deadline.
+
+use crate::error::{invalid, Error, Result};
+use crate::mem::Region;
+use cudarc::driver::sys::{self as cu, CUresult};
+use cudarc::driver::CudaContext;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Where a pointer's memory lives, as the CUDA driver sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Host memory: plain, pinned or registered.
+    Host,
+    /// Memory of the CUDA device with this ordinal (`cudaMalloc`, torch's CUDA tensors).
+    Device(usize),
+    /// Managed (unified) memory, usable from the host and the devices.
+    Managed,
+}
+
+pub(super) fn driver_err(what: &str, r: CUresult) -> Error {
+    Error::Unsupported(format!("{what}: {r:?}"))
+}
+
+fn check(r: CUresult, what: &str) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(driver_err(what, r))
+    }
+}
+
+/// Whether the CUDA driver library is already loaded in this process. Only a process that
+/// loaded it can hold device pointers, so host entry points ask the driver about a
+/// pointer only then, and a CPU-only process never loads CUDA for the check.
+fn cuda_in_process() -> bool {
+    static SEEN: AtomicBool = AtomicBool::new(false);
+    if SEEN.load(Ordering::Relaxed) {
+        return true;
+    }
+    // SAFETY: RTLD_NOLOAD only looks the name up among the loaded objects; a handle found
+    // is released at once (the library stays, as others hold it).
+    let loaded = ["libcuda.so.1", "libcuda.so"].iter().any(|name| unsafe {
+        let c = std::ffi::CString::new(*name).unwrap_or_default();
+        let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        if !h.is_null() {
+            libc::dlclose(h);
+        }
+        !h.is_null()
+    });
+    // cudarc opens the driver by its own list of names: one must load (it panics if none).
+    // SAFETY: only dlopens candidate names.
+    if loaded && unsafe { cu::is_culib_present() } {
+        SEEN.store(true, Ordering::Relaxed);
+        return true;
+    }
+    false
+}
+
+/// The kind of memory at `ptr`. Anything the driver does not know (plain `malloc`, a
+/// process without CUDA, CUDA not initialised) is host memory.
+pub fn memory_kind(ptr: *const u8) -> MemoryKind {
+    if ptr.is_null() || !cuda_in_process() {
+        return MemoryKind::Host;
+    }
+    let attr = |a: cu::CUpointer_attribute| -> Option<u32> {
+        let mut v: u32 = 0;
+        // SAFETY: the driver writes one unsigned int for these attributes; an unknown
+        // pointer is an error code, not a fault.
+        let r = unsafe { cu::cuPointerGetAttribute(&mut v as *mut u32 as *mut _, a, ptr as cu::CUdeviceptr) };
+        (r == CUresult::CUDA_SUCCESS).then_some(v)
+    };
+    if attr(cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED) == Some(1) {
+        return MemoryKind::Managed;
+    }
+    match attr(cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE) {
+        Some(t) if t == cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => {
+            MemoryKind::Device(attr(cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL).unwrap_or(0) as usize)
+        }
+        _ => MemoryKind::Host,
+    }
+}
+
+/// An error when `ptr`, passed as `name` to the host entry point `w`, is device memory.
+pub fn expect_host(ptr: *const u8, w: &str, name: &str) -> Result<()> {
+    match memory_kind(ptr) {
+        MemoryKind::Device(d) => Err(invalid(format!(
+            "{w}: {name} {ptr:p} is memory of CUDA device {d}; {w} takes host memory (device buffers go through gradwire_gpu_* on a gradwire_gpu_comm_t)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// An error unless `ptr`, passed as `name` to `w`, is memory of CUDA device `device` (or
+/// managed memory).
+pub fn expect_device(ptr: *const u8, device: usize, w: &str, name: &str) -> Result<()> {
+    match memory_kind(ptr) {
+        MemoryKind::Device(d) if d == device => Ok(()),
+        MemoryKind::Managed => Ok(()),
+        MemoryKind::Device(d) => Err(invalid(format!("{w}: {name} {ptr:p} is memory of CUDA device {d}, but this GPU communicator is on device {device}"))),
+        MemoryKind::Host => {
+            Err(invalid(format!("{w}: {name} {ptr:p} is host memory; {w} takes CUDA device memory (host buffers go through the plain gradwire_* calls)")))
+        }
+    }
+}
+
+/// A host region registered (pinned) with CUDA: device copies to and from it run at full
+/// DMA speed and without an extra bounce through a driver buffer. Registered once and
+/// kept; replaced only when a larger one is needed.
+pub(super) struct PinnedStaging {
+    region: Region,
+}
+
+impl PinnedStaging {
+    pub(super) fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        let region = Region::anonymous(bytes)?;
+        ctx.bind_to_thread().map_err(|e| Error::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
+        // SAFETY: the region is a live, page-aligned mapping of `len` bytes owned by us; it
+        // is unregistered in Drop before the mapping goes away.
+        let r = unsafe { cu::cuMemHostRegister_v2(region.as_ptr() as *mut _, region.len(), cu::CU_MEMHOSTREGISTER_PORTABLE) };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(Error::Unsupported(format!("cuMemHostRegister of {} bytes failed: {r:?} (RLIMIT_MEMLOCK too small?)", region.len())));
+        }
+        Ok(PinnedStaging { region })
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.region.len()
+    }
+
+    pub(super) fn as_ptr(&self) -> *mut u8 {
+        self.region.as_ptr()
+    }
+}
+
+impl Drop for PinnedStaging {
+    fn drop(&mut self) {
+        // SAFETY: registered in `new` and not yet unregistered.
+        unsafe { cu::cuMemHostUnregister(self.region.as_ptr() as *mut _) };
+    }
+}
+
+/// A CUDA event (timing disabled: it only marks a point in a stream).
+pub(super) struct Event(cu::CUevent);
+
+// SAFETY: a CUevent is a driver handle usable from any thread of the process.
+unsafe impl Send for Event {}
+// SAFETY: as above; the driver synchronises its own use of it.
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub(super) fn new() -> Result<Self> {
+        let mut ev = std::ptr::null_mut();
+        // SAFETY: writes one event handle.
+        check(unsafe { cu::cuEventCreate(&mut ev, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) }, "cuEventCreate")?;
+        Ok(Event(ev))
+    }
+
+    /// Marks the point `stream` has reached in its queue.
+    pub(super) fn record(&self, stream: cu::CUstream) -> Result<()> {
+        // SAFETY: a live event; the caller passes a stream of the current context.
+        check(unsafe { cu::cuEventRecord(self.0, stream) }, "cuEventRecord")
+    }
+
+    /// Waits until the stream has passed the recorded point, or `limit` has gone by: a
+    /// kernel stuck on a dead peer is an error naming `rank`, `peer` (the peer it most
+    /// likely waits for) and `what`, never a hang.
+    pub(super) fn wait(&self, limit: Duration, rank: usize, peer: usize, what: &str) -> Result<()> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            // SAFETY: a live event.
+            match unsafe { cu::cuEventQuery(self.0) } {
+                CUresult::CUDA_SUCCESS => return Ok(()),
+                CUresult::CUDA_ERROR_NOT_READY => {}
+                r => return Err(driver_err(what, r)),
+            }
+            if start.elapsed() > limit {
+                return Err(Error::Timeout { rank, peer, op: format!("{what} (the GPU stream did not get past it)"), waited_ms: limit.as_millis() as u64 });
+            }
+            spins += 1;
+            if spins > 1000 {
+                std::thread::sleep(Duration::from_micros(20));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        unsafe { cu::cuEventDestroy_v2(self.0) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Host memory passes the host check and fails the device check with a message naming
+    /// the entry point, the argument and what to use instead, with or without CUDA here.
+    #[test]
+    fn host_memory_is_told_apart() {
+        let v = vec![1f32; 64];
+        let p = v.as_ptr() as *const u8;
+        assert_eq!(memory_kind(p), MemoryKind::Host);
+        expect_host(p, "gradwire_allreduce", "sendbuf").unwrap();
+        let e = expect_device(p, 0, "gradwire_gpu_allreduce", "recvbuf").unwrap_err().to_string();
+        assert!(e.contains("gradwire_gpu_allreduce: recvbuf") && e.contains("is host memory") && e.contains("plain gradwire_* calls"), "{e}");
+        assert_eq!(memory_kind(std::ptr::null()), MemoryKind::Host);
+    }
+}

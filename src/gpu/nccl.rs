@@ -1,0 +1,171 @@
+//! One NCCL communicator over the ranks of a group (the node-local group), its calls
+//! enqueued on the caller's CUDA stream as NCCL's own API does.
+
+use crate::comm::Communicator;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{invalid, Error, Result};
+use cudarc::driver::sys::CUstream;
+use cudarc::nccl::result as nccl;
+use cudarc::nccl::sys::{self, ncclDataType_t as T, ncclRedOp_t as O};
+use std::ffi::c_void;
+
+/// NCCL's name for `dtype` (bool travels as bytes, as torch's NCCL backend sends it).
+fn nccl_type(dtype: DType) -> T {
+    match dtype {
+        DType::F32 => T::ncclFloat32,
+        DType::F64 => T::ncclFloat64,
+        DType::F16 => T::ncclFloat16,
+        DType::BF16 => T::ncclBfloat16,
+        DType::I8 => T::ncclInt8,
+        DType::U8 | DType::Bool => T::ncclUint8,
+        DType::I32 => T::ncclInt32,
+        DType::I64 => T::ncclInt64,
+    }
+}
+
+/// NCCL's reduction for `op` on `dtype`: on bool, sum and max are "or", min and product
+/// "and", as gradwire's host kernels define them.
+fn nccl_op(op: ReduceOp, dtype: DType) -> Result<O> {
+    op.check(dtype)?;
+    Ok(match (op, dtype) {
+        (ReduceOp::Sum | ReduceOp::Max, DType::Bool) => O::ncclMax,
+        (ReduceOp::Min | ReduceOp::Product, DType::Bool) => O::ncclMin,
+        (ReduceOp::Sum, _) => O::ncclSum,
+        (ReduceOp::Avg, _) => O::ncclAvg,
+        (ReduceOp::Min, _) => O::ncclMin,
+        (ReduceOp::Max, _) => O::ncclMax,
+        (ReduceOp::Product, _) => O::ncclProd,
+    })
+}
+
+fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
+    Error::Unsupported(format!("{what}: {e:?}"))
+}
+
+/// An NCCL communicator. Its calls only enqueue work on the stream passed; the caller
+/// orders and waits. Not for concurrent use: the owner serialises calls.
+pub(super) struct NcclGroup {
+    comm: sys::ncclComm_t,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time; the owner
+// (`DeviceComm`) serialises its calls behind a lock.
+unsafe impl Send for NcclGroup {}
+// SAFETY: as above.
+unsafe impl Sync for NcclGroup {}
+
+impl NcclGroup {
+    /// Creates the communicator on the device current to this thread: rank 0 of `group`
+    /// makes the unique id and gradwire's own broadcast carries it to the others (the
+    /// bootstrap store's path, authenticated), as `ncclCommInitRank` expects.
+    pub(super) fn new(group: &Communicator) -> Result<Self> {
+        let mut id = [0u8; 128];
+        if group.rank() == 0 {
+            let made = nccl::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+            for (b, c) in id.iter_mut().zip(made.internal) {
+                *b = c as u8;
+            }
+        }
+        group.broadcast(&mut id, 0)?;
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (c, b) in internal.iter_mut().zip(id) {
+            *c = b as std::ffi::c_char;
+        }
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: writes one communicator handle; the id came from rank 0's ncclGetUniqueId.
+        unsafe { nccl::comm_init_rank(&mut comm, group.size() as i32, sys::ncclUniqueId { internal }, group.rank() as i32) }
+            .map_err(|e| nccl_err("ncclCommInitRank", e))?;
+        Ok(NcclGroup { comm, rank: group.rank(), size: group.size() })
+    }
+
+    /// This rank's index in the communicator.
+    pub(super) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the communicator.
+    pub(super) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Enqueues an allreduce of `count` elements.
+    ///
+    /// # Safety
+    /// `send` and `recv` are device memory of this communicator's device, valid for
+    /// `count` elements until `stream` has run the call; `stream` is a live stream of the
+    /// current context.
+    pub(super) unsafe fn all_reduce(&self, send: u64, recv: u64, count: usize, dtype: DType, op: ReduceOp, stream: CUstream) -> Result<()> {
+        let o = nccl_op(op, dtype)?;
+        // SAFETY: the caller's contract.
+        unsafe { nccl::all_reduce(send as *const c_void, recv as *mut c_void, count, nccl_type(dtype), o, self.comm, stream as sys::cudaStream_t) }
+            .map(drop)
+            .map_err(|e| nccl_err("ncclAllReduce", e))
+    }
+
+    /// Enqueues a reduce-scatter: `send` holds size × `recvcount` elements.
+    ///
+    /// # Safety
+    /// As [`NcclGroup::all_reduce`], for the sizes named.
+    pub(super) unsafe fn reduce_scatter(&self, send: u64, recv: u64, recvcount: usize, dtype: DType, op: ReduceOp, stream: CUstream) -> Result<()> {
+        let o = nccl_op(op, dtype)?;
+        // SAFETY: the caller's contract.
+        unsafe { nccl::reduce_scatter(send as *const c_void, recv as *mut c_void, recvcount, nccl_type(dtype), o, self.comm, stream as sys::cudaStream_t) }
+            .map(drop)
+            .map_err(|e| nccl_err("ncclReduceScatter", e))
+    }
+
+    /// Enqueues an allgather: `recv` holds size × `sendcount` elements.
+    ///
+    /// # Safety
+    /// As [`NcclGroup::all_reduce`], for the sizes named.
+    pub(super) unsafe fn all_gather(&self, send: u64, recv: u64, sendcount: usize, dtype: DType, stream: CUstream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { nccl::all_gather(send as *const c_void, recv as *mut c_void, sendcount, nccl_type(dtype), self.comm, stream as sys::cudaStream_t) }
+            .map(drop)
+            .map_err(|e| nccl_err("ncclAllGather", e))
+    }
+
+    /// Enqueues a broadcast from `root` (in place when `send == recv`).
+    ///
+    /// # Safety
+    /// As [`NcclGroup::all_reduce`].
+    pub(super) unsafe fn broadcast(&self, send: u64, recv: u64, count: usize, dtype: DType, root: usize, stream: CUstream) -> Result<()> {
+        if root >= self.size {
+            return Err(invalid(format!("root {root} is not a rank of this NCCL group (size {})", self.size)));
+        }
+        // SAFETY: the caller's contract.
+        unsafe { nccl::broadcast(send as *const c_void, recv as *mut c_void, count, nccl_type(dtype), root as i32, self.comm, stream as sys::cudaStream_t) }
+            .map(drop)
+            .map_err(|e| nccl_err("ncclBroadcast", e))
+    }
+
+    /// Runs `f`'s calls as one NCCL group (fused, so that several broadcasts with
+    /// different roots cannot deadlock each other).
+    pub(super) fn grouped(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        nccl::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+        let r = f();
+        let end = nccl::group_end().map(drop).map_err(|e| nccl_err("ncclGroupEnd", e));
+        r.and(end)
+    }
+
+    /// Makes every call of this communicator return and its kernels end (after a timeout:
+    /// a peer is gone and NCCL would wait for it forever).
+    pub(super) fn abort(&mut self) {
+        if !self.comm.is_null() {
+            // SAFETY: a live communicator, aborted once, then forgotten.
+            let _ = unsafe { nccl::comm_abort(self.comm) };
+            self.comm = std::ptr::null_mut();
+        }
+    }
+}
+
+impl Drop for NcclGroup {
+    fn drop(&mut self) {
+        if !self.comm.is_null() {
+            // SAFETY: a live communicator, destroyed once.
+            let _ = unsafe { nccl::comm_destroy(self.comm) };
+        }
+    }
+}
