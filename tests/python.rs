@@ -107,6 +107,25 @@ fn torch_backend_collectives_and_ddp_match_gloo() {
     }
 }
 
+/// The backend on CUDA tensors (python/tests/torch_cuda.py): every CUDA collective against
+/// its reference and DDP on a CUDA model, on one node and across two "nodes" sharing the
+/// GPU (the hierarchical path). Skips with its reason where torch sees no GPU (CI).
+#[test]
+fn torch_backend_on_cuda_tensors() {
+    if !python_has("torch") {
+        eprintln!("SKIP torch_backend_on_cuda_tensors: torch is not importable");
+        return;
+    }
+    let t = run_py(1, "torch_cuda.py", &[]);
+    if t.contains("SKIP torch_cuda") {
+        eprintln!("SKIP torch_backend_on_cuda_tensors: torch sees no CUDA device");
+        return;
+    }
+    assert_eq!(t.matches(": ok").count(), 1, "{t}");
+    let t = run_py(2, "torch_cuda.py", &[("GRADWIRE_TEST_NODE_PER_RANK", "1")]);
+    assert_eq!(t.matches(": ok").count(), 2, "{t}");
+}
+
 /// gradwire.torch's DASO, BSP and ParameterServer against independent references of their
 /// math on random data (python/tests/torch_schemes.py): on one host, and on 2 namespace
 /// nodes of 2 ranks, where DASO's node-local and global groups differ.

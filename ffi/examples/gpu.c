@@ -129,7 +129,9 @@ int main(void) {
     CU(cu.device_get(&dev, device));
     CU(cu.ctx_retain(&ctx, dev));
     CU(cu.ctx_set(ctx));
-    CU(cu.stream_create(&stream, 1 /* non-blocking: ordered only by itself */));
+    /* Flags 0: the stream waits for the legacy default stream, where the synchronous
+     * copies below run (a copy from pageable memory may return before its DMA lands). */
+    CU(cu.stream_create(&stream, 0));
 
     const size_t n = 1 << 20, m = 4099;
     float *host = malloc(n * size * sizeof(float)), *got = malloc(n * size * sizeof(float));

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 __all__ = [
     "Comm",
     "Hierarchy",
+    "GpuComm",
     "Strategy",
     "Work",
     "GradwireError",
@@ -204,6 +205,17 @@ def load_library() -> ctypes.CDLL:
         "gradwire_deregister": [p, p],
         "gradwire_finalize": [p],
     }
+    # Present when the library was built with the cargo feature `cuda` (the default).
+    gpu_sigs = {
+        "gradwire_gpu_comm_create": [p, i, pp],
+        "gradwire_gpu_comm_free": [p],
+        "gradwire_gpu_allreduce": [p, p, p, sz, u, u, p],
+        "gradwire_gpu_broadcast": [p, p, sz, u, i, p],
+        "gradwire_gpu_reduce_scatter": [p, p, p, sz, u, u, p],
+        "gradwire_gpu_allgather": [p, p, p, sz, u, p],
+    }
+    if hasattr(lib, "gradwire_gpu_comm_create"):
+        sigs.update(gpu_sigs)
     for name, args in sigs.items():
         f = getattr(lib, name)
         f.argtypes = args
@@ -228,7 +240,7 @@ def _buffer(x, what):
     """(pointer, element count, dtype code) of a contiguous NumPy array or CPU tensor."""
     if hasattr(x, "data_ptr"):  # torch.Tensor
         if not x.is_cpu:
-            raise ValueError(f"{what}: tensor is on {x.device}; gradwire's Python binding takes CPU tensors")
+            raise ValueError(f"{what}: tensor is on {x.device}; this call takes CPU tensors (CUDA tensors go through Comm.gpu(device))")
         if not x.is_contiguous():
             raise ValueError(f"{what}: tensor is not contiguous")
         code = _TORCH_DTYPES.get(x.dtype)
@@ -352,6 +364,94 @@ class Hierarchy:
             h, self._h = self._h, None
             if self._comm._h is not None:
                 _check(load_library().gradwire_hierarchy_free(h))
+
+
+def _device_buffer(x, what, device):
+    """(pointer, element count, dtype code, stream) of a contiguous CUDA tensor on `device`;
+    the stream is torch's current one there, so the call is ordered with the caller's work."""
+    if not hasattr(x, "data_ptr") or not getattr(x, "is_cuda", False):
+        raise ValueError(f"{what}: expected a CUDA tensor, got {getattr(x, 'device', type(x).__name__)} (host buffers go through the Comm's own calls)")
+    if x.device.index != device:
+        raise ValueError(f"{what}: tensor is on {x.device}, but this GPU communicator is on cuda:{device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: tensor is not contiguous")
+    code = _TORCH_DTYPES.get(x.dtype)
+    if code is None:
+        code = _TORCH_DTYPES[x.dtype] = _dtype(str(x.dtype).replace("torch.", ""), what)
+    import torch  # noqa: PLC0415 (CUDA tensors imply torch)
+
+    return x.data_ptr(), x.numel(), code, torch.cuda.current_stream(x.device).cuda_stream
+
+
+class GpuComm:
+    """Collectives on CUDA tensors of one device over every rank of a communicator
+    (`Comm.gpu(device)`, collective): NCCL inside a node, gradwire's hierarchical path
+    through pinned host memory across nodes. Each call is enqueued on torch's current
+    stream of the device, as NCCL's calls are, and returns its output tensor."""
+
+    def __init__(self, comm: "Comm", device: int) -> None:
+        lib = load_library()
+        if not hasattr(lib, "gradwire_gpu_comm_create"):
+            raise UnsupportedError(-11, "this libgradwire was built without the cargo feature `cuda`")
+        device = _int_arg(device, "gpu: device", 0, _INT[1])
+        h = ctypes.c_void_p()
+        _check(lib.gradwire_gpu_comm_create(comm._live(), device, ctypes.byref(h)))
+        self._h, self._comm, self.device = h, comm, device
+
+    def _live(self):
+        if self._h is None or self._comm._h is None:
+            raise RuntimeError("GPU communicator is freed (or its communicator finalized)")
+        return self._h
+
+    def allreduce(self, x, op: str = "sum", out=None):
+        """Reduces `x` over all ranks into `out` (default: in place); returns the result."""
+        sp, n, dt, stream = _device_buffer(x, "gpu allreduce", self.device)
+        rp = sp
+        if out is not None:
+            rp, m, dt2, _ = _device_buffer(out, "gpu allreduce out", self.device)
+            if (m, dt2) != (n, dt):
+                raise ValueError("gpu allreduce: out must match x in size and dtype")
+        _check(load_library().gradwire_gpu_allreduce(self._live(), sp, rp, n, dt, _op(op), stream))
+        return x if out is None else out
+
+    def broadcast(self, x, root: int = 0):
+        """Sends `x` of rank `root` to every rank's `x`; returns `x`."""
+        p, n, dt, stream = _device_buffer(x, "gpu broadcast", self.device)
+        root = _int_arg(root, "gpu broadcast: root", 0, self._comm.size - 1, f"not a rank (size {self._comm.size})")
+        _check(load_library().gradwire_gpu_broadcast(self._live(), p, n, dt, root, stream))
+        return x
+
+    def allgather(self, x, out):
+        """Gathers every rank's `x` into `out` (size x len(x), rank order); returns `out`."""
+        sp, n, dt, stream = _device_buffer(x, "gpu allgather", self.device)
+        rp, m, dt2, _ = _device_buffer(out, "gpu allgather out", self.device)
+        if m != n * self._comm.size or dt2 != dt:
+            raise ValueError(f"gpu allgather: out must hold {self._comm.size} x {n} elements of x's dtype")
+        _check(load_library().gradwire_gpu_allgather(self._live(), sp, rp, n, dt, stream))
+        return out
+
+    def reduce_scatter(self, x, out, op: str = "sum"):
+        """Reduces `x` (size x len(out)) over all ranks; this rank's block lands in `out`."""
+        sp, n, dt, stream = _device_buffer(x, "gpu reduce_scatter", self.device)
+        rp, m, dt2, _ = _device_buffer(out, "gpu reduce_scatter out", self.device)
+        if n != m * self._comm.size or dt2 != dt:
+            raise ValueError(f"gpu reduce_scatter: x must hold {self._comm.size} x {m} elements of out's dtype")
+        _check(load_library().gradwire_gpu_reduce_scatter(self._live(), sp, rp, m, dt, _op(op), stream))
+        return out
+
+    def __del__(self):
+        if getattr(self, "_h", None) is not None and not sys.is_finalizing():
+            try:
+                self.free()
+            except GradwireError:
+                pass
+
+    def free(self) -> None:
+        """Frees the NCCL communicator (also done by the communicator's finalize)."""
+        if self._h is not None:
+            h, self._h = self._h, None
+            if self._comm._h is not None:
+                _check(load_library().gradwire_gpu_comm_free(h))
 
 
 class Strategy:
@@ -740,6 +840,11 @@ class Comm:
         """The node-local and cross-node groups of this communicator (collective; every
         node must hold the same number of ranks)."""
         return Hierarchy(self)
+
+    def gpu(self, device: int) -> GpuComm:
+        """Collectives on CUDA tensors of `device` over this communicator's ranks (collective:
+        every rank calls it; each rank its own device, every node the same number of ranks)."""
+        return GpuComm(self, device)
 
     def split(self, color: int, key: int = 0) -> Optional["Comm"]:
         """Sub-communicator of the ranks with the same color (None for a negative color)."""

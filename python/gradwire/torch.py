@@ -1,4 +1,4 @@
-"""gradwire as a torch.distributed backend for CPU tensors.
+"""gradwire as a torch.distributed backend for CPU and CUDA tensors.
 
     import gradwire.torch  # registers the backend (an installed package also does so by entry point)
     torch.distributed.init_process_group("gradwire")
@@ -25,7 +25,14 @@ polled, or before the group's next other call: a ring of sends and receives comp
 on NCCL. A receive from any source (`recv` without `src`) is refused: gradwire matches
 every message to its sender.
 
-Checked against torch 2.15. One private torch name, in one place: `_get_backend`, the
+CUDA tensors (`devices=["cpu", "cuda"]`): allreduce, broadcast, allgather and
+reduce-scatter (list and tensor forms) and barrier run on the group's GPU communicator
+(made at the first CUDA call, on that tensor's device): NCCL inside a node, gradwire's
+hierarchical path through pinned host memory across nodes, enqueued on torch's current
+stream as ProcessGroupNCCL's calls are, so the returned work is complete and later work on
+that stream sees the result. Other calls on CUDA tensors are refused with a clear error.
+
+Checked against torch 2.15, and on a GPU against torch 2.11 (whose older method names are aliases here). One private torch name, in one place: `_get_backend`, the
 per-device backend lookup batch_isend_irecv makes, answered by the group itself.
 `dist.ProcessGroup` and `dist.Work` are subclassed and `dist.Backend.register_backend`
 registers.
@@ -58,10 +65,29 @@ def _op_name(op):
     raise ValueError(f"gradwire: reduce op {op} is not supported (SUM, AVG, MIN, MAX, PRODUCT)")
 
 
+_CUDA_CALLS = "allreduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), barrier"
+
+
 def _cpu(t, what):
     if not t.is_cpu:
-        raise ValueError(f"gradwire: {what}: tensor on {t.device}; the gradwire backend takes CPU tensors")
+        raise ValueError(f"gradwire: {what}: tensor on {t.device}; gradwire takes CPU tensors here (on CUDA: {_CUDA_CALLS})")
     return t
+
+
+def _on_cuda(tensors, what):
+    """Whether a call's tensors are CUDA tensors (all on one device), or CPU ones."""
+    kinds = {t.device for t in tensors}
+    if len(kinds) > 1:
+        raise ValueError(f"gradwire: {what}: tensors on several devices ({', '.join(sorted(map(str, kinds)))})")
+    return bool(tensors) and tensors[0].is_cuda
+
+
+def _dense(t, what):
+    """(a contiguous tensor on t's device, a function that puts its result back in `t`)."""
+    if t.is_contiguous():
+        return t, lambda: None
+    c = t.contiguous()
+    return c, lambda: t.copy_(c)
 
 
 def _contiguous(t, what):
@@ -284,8 +310,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         # torch 2.15). This group is its own CPU backend: its methods have the backend
         # signatures. A ProcessGroup subclass, not a Backend, because torch wraps a
         # Backend's work in its own, whose is_completed() never turns true.
-        if torch.device(device).type != "cpu":
-            raise RuntimeError(f"gradwire: no backend for device {device}; the gradwire backend takes CPU tensors")
+        if torch.device(device).type not in ("cpu", "cuda"):
+            raise RuntimeError(f"gradwire: no backend for device {device}; the gradwire backend takes CPU and CUDA tensors")
         return self
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[timedelta] = None) -> None:
@@ -295,6 +321,15 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         uid = store.get(_ID_KEY)
         self._comm = Comm.from_unique_id(bytes(uid), size, rank)
         self._batch = None  # sends and receives not started yet (see _P2PBatch)
+        self._gpus = {}  # device index -> GpuComm, made at the first call on that device
+
+    def _gpu(self, t):
+        """The GPU communicator of t's device, made (collectively) at its first call."""
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        gpu = self._gpus.get(index)
+        if gpu is None:
+            gpu = self._gpus[index] = self._comm.gpu(index)
+        return gpu
 
     def getBackendName(self):  # noqa: N802 (torch's name)
         return "gradwire"
@@ -309,6 +344,12 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         self._start_p2p()
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if _on_cuda(tensors, "allreduce"):
+            for t in tensors:
+                c, back = _dense(t, "allreduce")
+                self._gpu(c).allreduce(c, op=op)
+                back()
+            return _Work(tensors)
         if len(tensors) == 1 and tensors[0].is_contiguous():
             t = _cpu(tensors[0], "allreduce")
             if _blocking(opts):
@@ -320,8 +361,10 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         self._start_p2p()
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        cuda = _on_cuda(tensors, "allreduce_coalesced")
         for t in tensors:
-            _cpu(t, "allreduce")
+            if not cuda:
+                _cpu(t, "allreduce")
         if len({t.dtype for t in tensors}) > 1:
             raise ValueError("gradwire: allreduce_coalesced needs tensors of one dtype")
         flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
@@ -332,8 +375,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 t.copy_(flat[at : at + t.numel()].view_as(t))
                 at += t.numel()
 
-        if _blocking(opts):
-            self._comm.allreduce(flat, op=op)
+        if cuda or _blocking(opts):
+            (self._gpu(flat) if cuda else self._comm).allreduce(flat, op=op)
             scatter_back()
             return _Work(tensors)
         return _Work(tensors, self._comm.iallreduce(flat, op=op), scatter_back)
@@ -341,6 +384,12 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         self._start_p2p()
         root = opts.rootRank if opts is not None else 0
+        if _on_cuda(tensors, "broadcast"):
+            for t in tensors:
+                c, back = _dense(t, "broadcast")
+                self._gpu(c).broadcast(c, root=root)
+                back()
+            return _Work(tensors)
         if len(tensors) == 1:
             c, back = _contiguous(tensors[0], "broadcast")
             if _blocking(opts):
@@ -371,9 +420,14 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 raise ValueError(f"gradwire: allgather needs {self.size()} output tensors, got {len(outs)}")
             if any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
                 raise ValueError("gradwire: allgather outputs must match the input in size and dtype")
-            src, _ = _contiguous(inp, "allgather")
-            flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype)
-            self._comm.allgather(src, flat)
+            if _on_cuda([inp, *outs], "allgather"):
+                src, _ = _dense(inp, "allgather")
+                flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype, device=inp.device)
+                self._gpu(src).allgather(src, flat)
+            else:
+                src, _ = _contiguous(inp, "allgather")
+                flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype)
+                self._comm.allgather(src, flat)
             for r, o in enumerate(outs):
                 o.copy_(flat[r * inp.numel() : (r + 1) * inp.numel()].view_as(o))
         return _Work(output_tensors)
@@ -382,14 +436,20 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         # Every microsecond here counts against a 1 MiB call's 40 (no reshape: gradwire
         # takes any contiguous tensor as its elements in order).
         self._start_p2p()
-        src, _ = _contiguous(input_tensor, "all_gather_into_tensor")
-        out, back = _contiguous(output_tensor, "all_gather_into_tensor")
+        cuda = _on_cuda([output_tensor, input_tensor], "all_gather_into_tensor")
+        dense = _dense if cuda else _contiguous
+        src, _ = dense(input_tensor, "all_gather_into_tensor")
+        out, back = dense(output_tensor, "all_gather_into_tensor")
         if out.numel() != src.numel() * self._comm.size or out.dtype != src.dtype:
             raise ValueError(f"gradwire: all_gather_into_tensor output must hold {self._comm.size} x {src.numel()} elements of {src.dtype}")
         # FSDP gathers in place: the input is the output's own part. gradwire's buffers
         # must not overlap, so that part goes in as a copy (1/W of the output).
         if _overlap(src, out):
             src = src.clone()
+        if cuda:
+            self._gpu(out).allgather(src, out)
+            back()
+            return _Work([output_tensor])
         pending = self._comm.allgather(src, out, async_op=not _blocking(opts))
         return _done_or_pending([output_tensor], pending, back)
 
@@ -399,17 +459,24 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         for out, ins in zip(output_tensors, input_tensors):
             if len(ins) != self.size():
                 raise ValueError(f"gradwire: reduce_scatter needs {self.size()} input tensors, got {len(ins)}")
-            flat = torch.cat([_cpu(i, "reduce_scatter").reshape(-1) for i in ins])
-            dst, back = _contiguous(out, "reduce_scatter")
-            self._comm.reduce_scatter(flat, dst.reshape(-1), op=op)
+            if _on_cuda([out, *ins], "reduce_scatter"):
+                flat = torch.cat([i.reshape(-1) for i in ins])
+                dst, back = _dense(out, "reduce_scatter")
+                self._gpu(dst).reduce_scatter(flat, dst, op=op)
+            else:
+                flat = torch.cat([_cpu(i, "reduce_scatter").reshape(-1) for i in ins])
+                dst, back = _contiguous(out, "reduce_scatter")
+                self._comm.reduce_scatter(flat, dst.reshape(-1), op=op)
             back()
         return _Work(output_tensors)
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         self._start_p2p()
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        src, _ = _contiguous(input_tensor, "reduce_scatter_tensor")
-        out, back = _contiguous(output_tensor, "reduce_scatter_tensor")
+        cuda = _on_cuda([output_tensor, input_tensor], "reduce_scatter_tensor")
+        dense = _dense if cuda else _contiguous
+        src, _ = dense(input_tensor, "reduce_scatter_tensor")
+        out, back = dense(output_tensor, "reduce_scatter_tensor")
         if src.numel() != out.numel() * self._comm.size or out.dtype != src.dtype:
             raise ValueError(f"gradwire: reduce_scatter_tensor input must hold {self._comm.size} x {out.numel()} elements of {out.dtype}")
         # In place (the output is the input's own part): the result lands in a separate
@@ -417,6 +484,10 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         if _overlap(src, out):
             target, out = out, torch.empty_like(out)
             back = _then(back, lambda: target.copy_(out))
+        if cuda:
+            self._gpu(out).reduce_scatter(src, out, op=op)
+            back()
+            return _Work([output_tensor])
         pending = self._comm.reduce_scatter(src, out, op=op, async_op=not _blocking(opts))
         return _done_or_pending([output_tensor], pending, back)
 
@@ -508,7 +579,14 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._comm.barrier()
         return _Work([])
 
+    # The names torch before 2.12 calls these by (checked on torch 2.11): the same calls.
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+    alltoall_base = all_to_all_single
+
     def shutdown(self):
+        for gpu in self._gpus.values():
+            gpu.free()
         self._comm.finalize()
 
 
@@ -517,10 +595,10 @@ def _create(store, rank, size, timeout):
 
 
 def register() -> None:
-    """Registers the "gradwire" backend for CPU tensors (idempotent)."""
+    """Registers the "gradwire" backend for CPU and CUDA tensors (idempotent)."""
     if "gradwire" in getattr(dist.Backend, "backend_list", []):
         return
-    dist.Backend.register_backend("gradwire", _create, devices=["cpu"])
+    dist.Backend.register_backend("gradwire", _create, devices=["cpu", "cuda"])
 
 
 register()

@@ -140,11 +140,14 @@ impl DeviceComm {
         if bytes == 0 {
             return Ok(());
         }
-        for &(p, name) in ptrs {
+        for (i, &(p, name)) in ptrs.iter().enumerate() {
             if p == 0 {
                 return Err(invalid(format!("{w}: {name} is NULL")));
             }
-            expect_device(p as *const u8, self.device, w, name)?;
+            // In place: the same pointer needs no second question to the driver.
+            if ptrs[..i].iter().all(|&(q, _)| q != p) {
+                expect_device(p as *const u8, self.device, w, name)?;
+            }
         }
         Ok(())
     }

@@ -65,21 +65,25 @@ pub fn memory_kind(ptr: *const u8) -> MemoryKind {
     if ptr.is_null() || !cuda_in_process() {
         return MemoryKind::Host;
     }
-    let attr = |a: cu::CUpointer_attribute| -> Option<u32> {
-        let mut v: u32 = 0;
-        // SAFETY: the driver writes one unsigned int for these attributes; an unknown
-        // pointer is an error code, not a fault.
-        let r = unsafe { cu::cuPointerGetAttribute(&mut v as *mut u32 as *mut _, a, ptr as cu::CUdeviceptr) };
-        (r == CUresult::CUDA_SUCCESS).then_some(v)
+    // One driver call for the three attributes (this runs on every collective's buffers).
+    use cu::CUpointer_attribute::{
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL as ORDINAL, CU_POINTER_ATTRIBUTE_IS_MANAGED as MANAGED, CU_POINTER_ATTRIBUTE_MEMORY_TYPE as TYPE,
     };
-    if attr(cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_MANAGED) == Some(1) {
-        return MemoryKind::Managed;
+    let mut attrs = [TYPE, ORDINAL, MANAGED];
+    let (mut kind, mut ordinal, mut managed) = (0u32, 0i32, 0u32);
+    let mut out: [*mut std::ffi::c_void; 3] = [&mut kind as *mut u32 as *mut _, &mut ordinal as *mut i32 as *mut _, &mut managed as *mut u32 as *mut _];
+    // SAFETY: one output slot of the attribute's size per attribute; a pointer the driver
+    // does not know comes back as memory type 0, not as a fault.
+    let r = unsafe { cu::cuPointerGetAttributes(3, attrs.as_mut_ptr(), out.as_mut_ptr(), ptr as cu::CUdeviceptr) };
+    if r != CUresult::CUDA_SUCCESS {
+        return MemoryKind::Host;
     }
-    match attr(cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE) {
-        Some(t) if t == cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => {
-            MemoryKind::Device(attr(cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL).unwrap_or(0) as usize)
-        }
-        _ => MemoryKind::Host,
+    if managed == 1 {
+        MemoryKind::Managed
+    } else if kind == cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        MemoryKind::Device(ordinal.max(0) as usize)
+    } else {
+        MemoryKind::Host
     }
 }
 
@@ -195,6 +199,47 @@ impl Drop for Event {
         // SAFETY: created in `new`, destroyed once.
         unsafe { cu::cuEventDestroy_v2(self.0) };
     }
+}
+
+/// Copy bandwidth between device memory and the staging region gradwire crosses nodes
+/// through (anonymous memory registered with `cuMemHostRegister`), against the same copies
+/// from `cuMemAllocHost` memory (what `cudaMemcpy` from pinned memory measures): GB/s of
+/// (staging to host, staging to device, pinned to host, pinned to device), best of `reps`.
+pub fn staging_bandwidth(device: usize, bytes: usize, reps: usize) -> Result<[f64; 4]> {
+    if let Some(why) = super::unavailable() {
+        return Err(Error::Unsupported(why));
+    }
+    let ctx = CudaContext::new(device).map_err(|e| Error::Unsupported(format!("CUDA device {device}: {e:?}")))?;
+    let stream = ctx.new_stream().map_err(|e| Error::Unsupported(format!("cuStreamCreate: {e:?}")))?;
+    let dev = stream.alloc_zeros::<u8>(bytes).map_err(|e| Error::Unsupported(format!("cuMemAlloc: {e:?}")))?;
+    let (dptr, _) = cudarc::driver::DevicePtr::device_ptr(&dev, &stream);
+    let staging = PinnedStaging::new(&ctx, bytes)?;
+    let mut pinned: *mut std::ffi::c_void = std::ptr::null_mut();
+    // SAFETY: writes one pointer to `bytes` of page-locked memory, freed below.
+    check(unsafe { cu::cuMemAllocHost_v2(&mut pinned, bytes) }, "cuMemAllocHost")?;
+    let s = stream.cu_stream();
+    let time = |to_host: bool, host: *mut u8| -> Result<f64> {
+        let mut best = f64::MAX;
+        for _ in 0..reps.max(1) {
+            let t = Instant::now();
+            // SAFETY: both ranges hold `bytes` and outlive the synchronisation below.
+            let r = unsafe {
+                if to_host {
+                    cu::cuMemcpyDtoHAsync_v2(host as *mut _, dptr, bytes, s)
+                } else {
+                    cu::cuMemcpyHtoDAsync_v2(dptr, host as *const _, bytes, s)
+                }
+            };
+            check(r, "cuMemcpyAsync")?;
+            stream.synchronize().map_err(|e| Error::Unsupported(format!("cuStreamSynchronize: {e:?}")))?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(bytes as f64 / best / 1e9)
+    };
+    let out = (|| Ok([time(true, staging.as_ptr())?, time(false, staging.as_ptr())?, time(true, pinned as *mut u8)?, time(false, pinned as *mut u8)?]))();
+    // SAFETY: allocated above; no copy is in flight (each was synchronised).
+    unsafe { cu::cuMemFreeHost(pinned) };
+    out
 }
 
 #[cfg(test)]

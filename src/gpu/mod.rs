@@ -17,4 +17,4 @@ mod nccl;
 
 pub use device_comm::DeviceComm;
 pub use load::{nccl_link_dir, nccl_search, unavailable, NcclSearch};
-pub use memory::{expect_device, expect_host, memory_kind, MemoryKind};
+pub use memory::{expect_device, expect_host, memory_kind, staging_bandwidth, MemoryKind};

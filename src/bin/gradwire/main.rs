@@ -3,6 +3,8 @@
 mod bench;
 mod bench_rma;
 #[cfg(feature = "cuda")]
+mod gpu_bench;
+#[cfg(feature = "cuda")]
 mod gpu_check;
 mod info;
 mod launch;
@@ -193,6 +195,18 @@ enum Cmd {
         #[arg(long)]
         hierarchical: bool,
     },
+    /// The GPU path's figures (needs a GPU; run under `gradwire launch`): the allreduce on
+    /// device memory beside the host allreduce of the same bytes, per size, then the
+    /// staging copies against pinned cudaMemcpy.
+    #[cfg(feature = "cuda")]
+    GpuBench {
+        #[arg(short = 'b', long = "minbytes", default_value = "1M", value_parser = size_arg)]
+        min: usize,
+        #[arg(short = 'e', long = "maxbytes", default_value = "256M", value_parser = size_arg)]
+        max: usize,
+        #[arg(short = 'n', long = "iters", default_value_t = 20)]
+        iters: usize,
+    },
     /// Train the built-in model with one of the seven strategies (run under `gradwire
     /// launch`): ssgd, daso, bsp, ddcgu, cyclic, downpour, eamsgd.
     Train {
@@ -280,6 +294,11 @@ fn main() {
         }
         #[cfg(feature = "cuda")]
         Cmd::GpuCheck { hierarchical } => exit_code("gpu-check", Communicator::init().and_then(|c| gpu_check::run(&c, hierarchical))),
+        #[cfg(feature = "cuda")]
+        Cmd::GpuBench { min, max, iters } => {
+            let sizes: Vec<usize> = std::iter::successors(Some(min.max(4)), |s| Some(s * 4)).take_while(|s| *s <= max).collect();
+            exit_code("gpu-bench", Communicator::init().and_then(|c| gpu_bench::run(&c, &sizes, iters.max(1))))
+        }
         Cmd::Bench { collective: target @ (BenchTarget::Ps | BenchTarget::Write), min, max, factor, iters, transport, check, .. } => {
             set_transport(transport);
             let sizes: Vec<usize> = std::iter::successors(Some(min.max(4)), |s| Some(s * factor.max(2))).take_while(|s| *s <= max).collect();

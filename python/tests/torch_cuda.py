@@ -1,0 +1,138 @@
+"""Run under `gradwire launch -n N -- python3 python/tests/torch_cuda.py` (for several
+"nodes" sharing one GPU, each rank with its own GRADWIRE_HOST_ID).
+
+torch.distributed on the "gradwire" backend with CUDA tensors: allreduce (sum, avg, max,
+in place, non-contiguous, coalesced), broadcast, all_gather (list and tensor forms, in
+place as FSDP calls it), reduce_scatter (list and tensor forms, in place), each against a
+reference computed here from every rank's regenerated input (small integers: exact sums),
+on a stream of the test's own, so ordering on torch's current stream is what is checked;
+then DDP on a CUDA model against the same model trained on one process with the whole
+batch. Without CUDA it prints SKIP with the reason and exits 0.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import gradwire.torch  # noqa: F401 (registers the backend)
+
+if not torch.cuda.is_available():
+    print("SKIP torch_cuda: torch sees no CUDA device")
+    sys.exit(0)
+
+if os.environ.get("GRADWIRE_TEST_NODE_PER_RANK") == "1":  # each rank its own "node"
+    os.environ["GRADWIRE_HOST_ID"] = f"node{os.environ['RANK']}"
+dist.init_process_group("gradwire")
+rank, world = dist.get_rank(), dist.get_world_size()
+device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+torch.cuda.set_device(device)
+
+seed_t = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+dist.broadcast(seed_t, src=0)
+seed = int(seed_t.item())
+failures = []
+
+
+def inputs(r, n, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed + 7919 * r + n)
+    return torch.randint(-100, 100, (n,), generator=g).to(dtype)
+
+
+def check(name, got, want):
+    got = got.cpu()
+    if not torch.equal(got, want.to(got.dtype)):
+        bad = (got != want.to(got.dtype)).sum().item()
+        failures.append(f"{name}: {bad} of {got.numel()} wrong")
+
+
+side = torch.cuda.Stream(device)
+with torch.cuda.stream(side):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        n = 100_003
+        x = inputs(rank, n, dtype).to(device)
+        dist.all_reduce(x)
+        check(f"all_reduce sum {dtype}", x, sum(inputs(r, n, dtype).double() for r in range(world)))
+    n = 1 << 20
+    x = inputs(rank, n).to(device) * world
+    dist.all_reduce(x, op=dist.ReduceOp.AVG)
+    check("all_reduce avg", x, sum(inputs(r, n).double() * world for r in range(world)) / world)
+    x = inputs(rank, n).to(device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    check("all_reduce max", x, torch.stack([inputs(r, n) for r in range(world)]).max(0).values)
+    # Non-contiguous: every other element of a matrix's column.
+    m = inputs(rank, 2 * 4096).to(device).view(4096, 2)
+    dist.all_reduce(m[:, 1])
+    want = sum(inputs(r, 2 * 4096).view(4096, 2)[:, 1].double() for r in range(world))
+    check("all_reduce non-contiguous", m[:, 1], want)
+    check("all_reduce non-contiguous leaves the rest", m[:, 0], inputs(rank, 2 * 4096).view(4096, 2)[:, 0])
+    # Coalesced (DDP's and FSDP's bucket form).
+    if hasattr(dist, "all_reduce_coalesced"):
+        ts = [inputs(rank, k).to(device) for k in (10, 1000, 33)]
+        dist.all_reduce_coalesced(ts)
+        for t, k in zip(ts, (10, 1000, 33)):
+            check(f"all_reduce_coalesced {k}", t, sum(inputs(r, k).double() for r in range(world)))
+
+    root = world - 1
+    x = inputs(rank, n).to(device)
+    dist.broadcast(x, src=root)
+    check("broadcast", x, inputs(root, n))
+
+    k = 4099
+    out = torch.empty(world * k, device=device)
+    dist.all_gather_into_tensor(out, inputs(rank, k).to(device))
+    check("all_gather_into_tensor", out, torch.cat([inputs(r, k) for r in range(world)]))
+    whole = torch.zeros(world * k, device=device)
+    whole[rank * k : (rank + 1) * k] = inputs(rank, k).to(device)
+    dist.all_gather_into_tensor(whole, whole[rank * k : (rank + 1) * k])
+    check("all_gather_into_tensor in place", whole, torch.cat([inputs(r, k) for r in range(world)]))
+    outs = [torch.empty(k, device=device) for _ in range(world)]
+    dist.all_gather(outs, inputs(rank, k).to(device))
+    for r in range(world):
+        check(f"all_gather list [{r}]", outs[r], inputs(r, k))
+
+    big = [inputs(r, world * k) for r in range(world)]
+    part = torch.empty(k, device=device)
+    dist.reduce_scatter_tensor(part, big[rank].to(device))
+    check("reduce_scatter_tensor", part, sum(b.double() for b in big)[rank * k : (rank + 1) * k])
+    src = big[rank].to(device)
+    dist.reduce_scatter_tensor(src[rank * k : (rank + 1) * k], src)
+    check("reduce_scatter_tensor in place", src[rank * k : (rank + 1) * k], sum(b.double() for b in big)[rank * k : (rank + 1) * k])
+    dist.reduce_scatter(part, list(big[rank].to(device).chunk(world)))
+    check("reduce_scatter list", part, sum(b.double() for b in big)[rank * k : (rank + 1) * k])
+    dist.barrier()
+side.synchronize()
+
+# A call the backend does not offer on CUDA is a clear error, not a crash.
+try:
+    dist.reduce(torch.ones(4, device=device), dst=0)
+    failures.append("reduce on CUDA was not refused")
+except (ValueError, RuntimeError) as e:
+    if "CUDA" not in str(e):
+        failures.append(f"reduce on CUDA: unclear error {e}")
+
+# DDP on a CUDA model: W ranks with a batch each against one model stepped on the whole
+# batch (the average of the ranks' gradients is the whole batch's gradient).
+torch.manual_seed(seed % 2**31)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(device)
+ref = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(device)
+ref.load_state_dict(model.state_dict())
+ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+opt, ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(seed % 2**31)
+for step in range(20):
+    xb, yb = torch.randn(world * 16, 32, generator=g).to(device), torch.randn(world * 16, 1, generator=g).to(device)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(ddp(xb[rank * 16 : (rank + 1) * 16]), yb[rank * 16 : (rank + 1) * 16]).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    torch.nn.functional.mse_loss(ref(xb), yb).backward()
+    ref_opt.step()
+gap = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+if gap > 1e-4:
+    failures.append(f"DDP on CUDA drifted from the whole-batch reference by {gap}")
+
+dist.destroy_process_group()
+print(f"rank {rank}: torch_cuda on {device}, world {world}: {'ok' if not failures else 'FAILED: ' + '; '.join(failures)}")
+sys.exit(1 if failures else 0)
