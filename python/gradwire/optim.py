@@ -13,8 +13,11 @@ The model's parameters and gradients move into one gradwire buffer each (memory 
 with the host's ranks): every parameter's `.data` and `.grad` become views into them, so a
 step hands the scheme one flat vector without copying. The communicator is `comm` if
 given, else the default process group's when it is "gradwire", else one made from the
-launcher's environment (`gradwire launch`, torchrun). Parameters must be float32 CPU
-tensors (CUDA: issue 32). The schemes themselves run in libgradwire (ALGORITHMS.md).
+launcher's environment (`gradwire launch`, torchrun). Parameters must be float32 tensors
+on the CPU or on one CUDA device per rank. The schemes themselves run in libgradwire
+(ALGORITHMS.md) on host memory: for a CUDA model the gradients and parameters cross to
+host mirrors and back once per step (node-local steps therefore run on gradwire's shared
+memory, not NCCL).
 """
 
 import numbers
@@ -70,8 +73,12 @@ def _fraction(value, name):
 
 class FlatParameters:
     """`params` (deduplicated, in order) moved into one float32 buffer for the values and
-    one for the gradients, both from `comm.empty` (registered memory shared with the host's
-    ranks). Every parameter's `.data` and `.grad` become views into them."""
+    one for the gradients. On the CPU both come from `comm.empty` (registered memory shared
+    with the host's ranks) and every parameter's `.data` and `.grad` become views into
+    them. For a CUDA model the views go into two flat buffers on its device, and `data` and
+    `grad` are host mirrors the scheme works on: `pull_params`/`gather_grads` copy device
+    to host, `push_params`/`push_grads` back (each one copy of the whole vector; on the
+    CPU they do nothing)."""
 
     def __init__(self, params: Iterable[torch.Tensor], comm: Comm) -> None:
         seen, self.params = set(), []
@@ -81,22 +88,30 @@ class FlatParameters:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            if p.device.type != "cpu":
-                raise ValueError(f"a parameter is on {p.device}: gradwire's schemes take CPU parameters (CUDA models: issue 32)")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"a parameter is on {p.device}: gradwire's schemes take CPU or CUDA parameters")
             if p.dtype != torch.float32:
                 raise TypeError(f"a parameter is {p.dtype}: gradwire's schemes take float32 parameters")
             self.params.append(p)
         n = sum(p.numel() for p in self.params)
         if n == 0:
             raise ValueError("no parameters to train")
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"the parameters are on several devices ({', '.join(sorted(map(str, devices)))}); gradwire's schemes take one device per rank")
+        self.device = self.params[0].device
         self.data = torch.from_numpy(comm.empty(n, "float32"))
         self.grad = torch.from_numpy(comm.empty(n, "float32"))
         self.grad.zero_()
+        if self.device.type == "cuda":
+            self._model_data, self._model_grad = torch.empty(n, device=self.device), torch.zeros(n, device=self.device)
+        else:
+            self._model_data, self._model_grad = self.data, self.grad
         self._views = []
         at = 0
         for p in self.params:
             k = p.numel()
-            value, grad = self.data[at : at + k].view_as(p), self.grad[at : at + k].view_as(p)
+            value, grad = self._model_data[at : at + k].view_as(p), self._model_grad[at : at + k].view_as(p)
             with torch.no_grad():
                 value.copy_(p)
                 if p.grad is not None:
@@ -106,18 +121,35 @@ class FlatParameters:
                 p.grad = grad
             self._views.append((value, grad))
             at += k
+        self.pull_params()
 
     def __len__(self) -> int:
         return self.data.numel()
 
+    def pull_params(self) -> torch.Tensor:
+        """The host values, brought up to date with the model's (a CUDA model's)."""
+        if self._model_data is not self.data:
+            self.data.copy_(self._model_data)
+        return self.data
+
+    def push_params(self) -> None:
+        """The model's values set to the host ones (a CUDA model's)."""
+        if self._model_data is not self.data:
+            self._model_data.copy_(self.data)
+
+    def push_grads(self) -> None:
+        """The model's gradients set to the host ones (a CUDA model's)."""
+        if self._model_grad is not self.grad:
+            self._model_grad.copy_(self.grad)
+
     def gather_grads(self) -> torch.Tensor:
-        """Makes every trainable parameter's `.grad` a view into the buffer again and
-        returns the buffer: after a `zero_grad(set_to_none=True)`, or for a parameter that
-        took no part in backward, None becomes a zero gradient (as DDP gives unused
-        parameters; every rank then steps the averaged one alike); a replaced `.grad` is
-        copied in once. Frozen parameters (requires_grad False) keep no gradient. A
-        replaced `.data` (e.g. `model.to(...)`) is an error: the scheme would no longer see
-        the model."""
+        """Makes every trainable parameter's `.grad` a view into the flat gradients again
+        and returns the host gradients (copied from a CUDA model's): after a
+        `zero_grad(set_to_none=True)`, or for a parameter that took no part in backward,
+        None becomes a zero gradient (as DDP gives unused parameters; every rank then steps
+        the averaged one alike); a replaced `.grad` is copied in once. Frozen parameters
+        (requires_grad False) keep no gradient. A replaced `.data` (e.g. `model.to(...)`)
+        is an error: the scheme would no longer see the model."""
         for p, (value, grad) in zip(self.params, self._views):
             if p.data.data_ptr() != value.data_ptr():
                 raise RuntimeError("a parameter's .data was replaced after the scheme was made (model.to(), load_state_dict(assign=True)?): make the scheme after moving the model")
@@ -130,11 +162,13 @@ class FlatParameters:
                 with torch.no_grad():
                     grad.copy_(p.grad)
                 p.grad = grad
+        if self._model_grad is not self.grad:
+            self.grad.copy_(self._model_grad)
         return self.grad
 
     def zero_grad(self) -> None:
         """Zeroes the gradients in place (they stay views)."""
-        self.grad.zero_()
+        self._model_grad.zero_()
         for p, (_, grad) in zip(self.params, self._views):
             if p.requires_grad and (p.grad is None or p.grad.data_ptr() != grad.data_ptr()):
                 p.grad = grad
@@ -155,6 +189,7 @@ class _Scheme:
         self._scheme, self._options = scheme, options
         self._strategy = Strategy(self.comm, scheme, self.flat.data, options)
         self._strategy.start(self.flat.data)
+        self.flat.push_params()
         self.epochs_ended = 0
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -166,18 +201,20 @@ class _Scheme:
     def end_epoch(self, loss: Union[float, torch.Tensor]) -> float:
         """At an epoch's end, with this rank's mean training loss: returns it averaged over
         the ranks. Collective."""
-        mean = self._strategy.end_epoch(self.flat.data, float(loss))
+        mean = self._strategy.end_epoch(self.flat.pull_params(), float(loss))
+        self.flat.push_params()
         self.epochs_ended += 1
         return mean
 
     def current_model(self) -> torch.Tensor:
         """The model to evaluate, flat (the agreed anchor, the servers' parameters, the
         centre variable), as a new tensor; the model's own parameters are left as they are."""
-        return self._strategy.current_model(self.flat.data.clone())
+        return self._strategy.current_model(self.flat.pull_params().clone())
 
     def finish(self) -> None:
         """Leaves the final model in the parameters on every rank. Collective."""
-        self._strategy.finish(self.flat.data)
+        self._strategy.finish(self.flat.pull_params())
+        self.flat.push_params()
 
     @property
     def bytes_sent(self) -> int:
@@ -206,12 +243,14 @@ class _FrameworkStep(_Scheme):
 
     def _step(self, last_of_epoch: bool) -> None:
         self._strategy.before_update(self.flat.gather_grads(), last_of_epoch)
+        self.flat.push_grads()
         if self.scaler is not None:
             self.scaler.step(self.local_optimizer)
             self.scaler.update()
         else:
             self.local_optimizer.step()
-        self._strategy.after_update(self.flat.data, last_of_epoch)
+        self._strategy.after_update(self.flat.pull_params(), last_of_epoch)
+        self.flat.push_params()
 
 
 class DASO(_FrameworkStep):
@@ -346,8 +385,9 @@ class DASO(_FrameworkStep):
         """Back to the start of training (warm-up, a fresh controller), keeping the current
         parameters (made equal again). Collective."""
         self._strategy.free()
-        self._strategy = Strategy(self.comm, self._scheme, self.flat.data, self._options)
+        self._strategy = Strategy(self.comm, self._scheme, self.flat.pull_params(), self._options)
         self._strategy.start(self.flat.data)
+        self.flat.push_params()
         self.current_batch, self.epoch = 0, 0
         self.zero_grad()
 
@@ -398,7 +438,8 @@ class ParameterServer(_Scheme):
     def step(self) -> None:
         """After `loss.backward()`: the scheme's push, pull and update; the parameters are
         then the next minibatch's."""
-        self._strategy.step(self.flat.data, self.flat.gather_grads())
+        self._strategy.step(self.flat.pull_params(), self.flat.gather_grads())
+        self.flat.push_params()
 
     @property
     def shared_pool(self) -> bool:

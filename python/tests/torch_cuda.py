@@ -7,7 +7,9 @@ place as FSDP calls it), reduce_scatter (list and tensor forms, in place), each 
 reference computed here from every rank's regenerated input (small integers: exact sums),
 on a stream of the test's own, so ordering on torch's current stream is what is checked;
 then DDP on a CUDA model against the same model trained on one process with the whole
-batch. Without CUDA it prints SKIP with the reason and exits 0.
+batch; then DASO and BSP (gradwire.torch's optimizers) on a CUDA model against the same
+scheme on the same model on the CPU, same data: the same parameters within float
+rounding of the GPU's kernels. Without CUDA it prints SKIP with the reason and exits 0.
 """
 
 import os
@@ -132,6 +134,41 @@ for step in range(20):
 gap = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
 if gap > 1e-4:
     failures.append(f"DDP on CUDA drifted from the whole-batch reference by {gap}")
+
+# DASO and BSP on a CUDA model against the same run on the CPU.
+def scheme_run(make, dev):
+    torch.manual_seed(seed % 2**31 + 1)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(dev)
+    opt = make(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    gen = torch.Generator().manual_seed(seed % 2**31 + 2 + rank)
+    epochs, batches = 4, 6
+    for epoch in range(epochs):
+        if hasattr(opt, "last_batch"):
+            opt.last_batch = batches - 1
+        total = 0.0
+        for _ in range(batches):
+            xb, yb = torch.randn(8, 16, generator=gen).to(dev), torch.randn(8, 1, generator=gen).to(dev)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(net(xb), yb)
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        if hasattr(opt, "epoch_loss_logic"):
+            opt.epoch_loss_logic(total / batches)
+    return torch.cat([p.detach().reshape(-1).cpu() for p in net.parameters()]), total / batches
+
+
+for name, make in (
+    ("DASO", lambda o: gradwire.torch.DASO(o, total_epochs=4, warmup_epochs=1, cooldown_epochs=1, downcast_type=torch.float32)),
+    ("BSP", lambda o: gradwire.torch.BSP(o, interval=3)),
+):
+    on_cpu, _ = scheme_run(make, torch.device("cpu"))
+    on_gpu, last_loss = scheme_run(make, device)
+    gap = (on_cpu - on_gpu).abs().max().item()
+    if gap > 1e-4:
+        failures.append(f"{name} on CUDA is off the same run on the CPU by {gap}")
+    if rank == 0:
+        print(f"{name} on {device}: final epoch loss {last_loss:.4f}, max gap to the CPU run {gap:.2e}")
 
 dist.destroy_process_group()
 print(f"rank {rank}: torch_cuda on {device}, world {world}: {'ok' if not failures else 'FAILED: ' + '; '.join(failures)}")
