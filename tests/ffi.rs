@@ -264,6 +264,31 @@ unsafe fn bad_inputs() {
     assert_eq!(gradwire_deregister(comm, again), 0, "{}", last_error());
     assert_eq!(unsafe { libc::munmap(again, pages) }, 0);
 
+    // The GPU entry points: handles and arguments are checked before any CUDA call, and
+    // without a GPU the communicator's creation says why (with one, ffi/examples/gpu.c and
+    // tests/gpu.rs cover the rest).
+    let gbogus = 0x4560 as *mut gradwire_gpu_comm_t;
+    let mut gpu: *mut gradwire_gpu_comm_t = std::ptr::null_mut();
+    expect(gradwire_gpu_comm_create(null, 0, &mut gpu), INVALID, "comm is NULL");
+    expect(gradwire_gpu_comm_create(comm, 0, std::ptr::null_mut()), INVALID, "gpu is NULL");
+    expect(gradwire_gpu_comm_create(comm, -1, &mut gpu), INVALID, "device -1 is negative");
+    expect(gradwire_gpu_comm_free(std::ptr::null_mut()), INVALID, "gpu communicator is NULL");
+    expect(gradwire_gpu_comm_free(gbogus), INVALID, "not a live gpu communicator");
+    expect(gradwire_gpu_allreduce(gbogus, xp, xp, 8, 0, 0, std::ptr::null_mut()), INVALID, "not a live gpu communicator");
+    expect(gradwire_gpu_broadcast(std::ptr::null_mut(), xp, 8, 0, 0, std::ptr::null_mut()), INVALID, "gpu communicator is NULL");
+    expect(gradwire_gpu_reduce_scatter(gbogus, xp, xp, 8, 0, 0, std::ptr::null_mut()), INVALID, "not a live gpu communicator");
+    expect(gradwire_gpu_allgather(gbogus, xp, xp, 8, 0, std::ptr::null_mut()), INVALID, "not a live gpu communicator");
+    match gradwire::gpu::unavailable() {
+        Some(why) => expect(gradwire_gpu_comm_create(comm, 0, &mut gpu), -11, why.split(';').next().unwrap_or(&why)),
+        None => {
+            assert_eq!(gradwire_gpu_comm_create(comm, 0, &mut gpu), 0, "{}", last_error());
+            expect(gradwire_gpu_allreduce(gpu, xp, xp, 8, 0, 0, std::ptr::null_mut()), INVALID, "is host memory");
+            expect(gradwire_gpu_allreduce(gpu, xp, xp, 8, 99, 0, std::ptr::null_mut()), INVALID, "unknown dtype");
+            expect(gradwire_gpu_broadcast(gpu, xp, 8, 0, 5, std::ptr::null_mut()), INVALID, "root 5 is not a rank");
+            assert_eq!(gradwire_gpu_comm_free(gpu), 0, "{}", last_error());
+        }
+    }
+
     // The happy path still works after all that, then use after finalize is refused.
     assert_eq!(gradwire_allreduce(comm, xp, xp, 8, 0, 1), 0, "{}", last_error());
     assert_eq!(gradwire_alloc(comm, 4096, &mut mem), 0, "{}", last_error());

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from gradwire import Comm
+from gradwire import Comm, UnsupportedError
 
 comm = Comm()
 rank, world = comm.rank, comm.size
@@ -103,6 +103,18 @@ rejects("empty(True)", lambda: comm.empty(True), TypeError, "count", "bool")
 e = comm.empty(np.int64(5), "float64")  # NumPy integers are integers
 check("empty(np.int64(5))", e.shape == (5,) and e.dtype == np.float64, f"got {e.shape} {e.dtype}")
 del e
+
+# The GPU communicator: a bad device is refused in Python; on a machine without a GPU the
+# library's reason (what was searched) comes back as UnsupportedError on every rank.
+rejects("gpu(-1)", lambda: comm.gpu(-1), ValueError, "device -1")
+rejects("gpu('0')", lambda: comm.gpu("0"), TypeError, "device", "str")
+try:
+    gpu = comm.gpu(0)
+except UnsupportedError as e:
+    check("gpu(0) without a GPU says why", "searched" in str(e) or "no GPU" in str(e) or "NCCL" in str(e), str(e))
+else:
+    rejects("gpu allreduce of a NumPy array", lambda: gpu.allreduce(buf), ValueError, "expected a CUDA tensor")
+    gpu.free()
 
 sum_works("allreduce after all bad input")
 broadcast_works("broadcast from the last rank", world - 1)
