@@ -1,11 +1,14 @@
-"""gradwire's NCCL allreduce against torch's own NCCL backend on the same CUDA buffers
+"""gradwire's NCCL calls against torch's own NCCL backend on the same CUDA buffers
 (issue 32's overhead goal: <= 3 % at >= 1 MiB), one process per GPU:
 
     gradwire launch -n 1 -- python3 benches/gpu_torch.py [--iters 50] [--rounds 3]
 
 Both groups live in one process (the default group is gradwire's, a second is NCCL's) and
-allreduce the same tensor, float32 sum, in alternating rounds; each figure is the best
-round's mean time per call with the stream synchronised once per round. Also the pinned
+run the same call on the same tensors, float32, in alternating rounds; each figure is the
+best round's mean time per call with the stream synchronised once per round. With one
+rank an in-place allreduce moves nothing (its time is the call's cost alone), while
+all_gather_into_tensor and reduce_scatter_tensor copy their input into their output, so
+their time grows with the size. Also the pinned
 copy bandwidth torch gets (device to a pinned host tensor and back), for the staging goal
 beside `gradwire gpu-bench`.
 """
@@ -31,28 +34,36 @@ torch.cuda.set_device(device)
 nccl = dist.new_group(backend="nccl")
 
 
-def per_call(group, x):
-    dist.all_reduce(x, group=group)
+def per_call(call):
+    call()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(args.iters):
-        dist.all_reduce(x, group=group)
+        call()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / args.iters
 
 
+world = dist.get_world_size()
 if rank == 0:
-    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}, world {dist.get_world_size()}")
-    print(f"{'bytes':>12} {'nccl_us':>10} {'gradwire_us':>12} {'overhead_%':>10}")
+    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}, world {world}")
+    print(f"{'call':<24} {'bytes':>12} {'nccl_us':>10} {'gradwire_us':>12} {'overhead_%':>10}")
 mib = 1
 while mib <= args.max_mib:
-    x = torch.zeros(mib * 2**18, device=device)
-    best = {"nccl": float("inf"), "gradwire": float("inf")}
-    for _ in range(args.rounds):
-        for name, group in (("nccl", nccl), ("gradwire", None)):
-            best[name] = min(best[name], per_call(group, x))
-    if rank == 0:
-        print(f"{mib * 2**20:>12} {best['nccl'] * 1e6:>10.1f} {best['gradwire'] * 1e6:>12.1f} {100 * (best['gradwire'] / best['nccl'] - 1):>10.2f}")
+    n = mib * 2**18
+    x, whole = torch.zeros(n, device=device), torch.zeros(n * world, device=device)
+    calls = {
+        "all_reduce": lambda g: dist.all_reduce(x, group=g),
+        "all_gather_into_tensor": lambda g: dist.all_gather_into_tensor(whole, x, group=g),
+        "reduce_scatter_tensor": lambda g: dist.reduce_scatter_tensor(x, whole, group=g),
+    }
+    for name, call in calls.items():
+        best = {"nccl": float("inf"), "gradwire": float("inf")}
+        for _ in range(args.rounds):
+            for label, group in (("nccl", nccl), ("gradwire", None)):
+                best[label] = min(best[label], per_call(lambda: call(group)))
+        if rank == 0:
+            print(f"{name:<24} {mib * 2**20:>12} {best['nccl'] * 1e6:>10.1f} {best['gradwire'] * 1e6:>12.1f} {100 * (best['gradwire'] / best['nccl'] - 1):>10.2f}")
     mib *= 4
 
 if rank == 0:

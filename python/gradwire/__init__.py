@@ -378,9 +378,23 @@ def _device_buffer(x, what, device):
     code = _TORCH_DTYPES.get(x.dtype)
     if code is None:
         code = _TORCH_DTYPES[x.dtype] = _dtype(str(x.dtype).replace("torch.", ""), what)
-    import torch  # noqa: PLC0415 (CUDA tensors imply torch)
+    return x.data_ptr(), x.numel(), code, _current_stream(device)
 
-    return x.data_ptr(), x.numel(), code, torch.cuda.current_stream(x.device).cuda_stream
+
+def _current_stream(device):
+    """torch's current stream on `device` as its raw cudaStream_t. torch's private raw
+    lookup skips building a Stream object per call (a few microseconds of a small call);
+    the public one stands in where it is missing."""
+    global _raw_stream
+    if _raw_stream is None:
+        import torch  # noqa: PLC0415 (CUDA tensors imply torch)
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _raw_stream = raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _raw_stream(device)
+
+
+_raw_stream = None
 
 
 class GpuComm:
