@@ -31,6 +31,8 @@ struct State {
     staging_free: Event,
     /// Marks the point a host step waits for.
     reached: Event,
+    /// One per chunk of a pipelined cross-node step: that chunk has reached the host.
+    chunks: Vec<Event>,
     /// Set when a deadline passed and NCCL was aborted: every later call fails with it.
     broken: Option<String>,
 }
@@ -54,6 +56,19 @@ enum Copy {
     ToHost,
     ToDevice,
 }
+
+/// The point a host step waits for.
+#[derive(Clone, Copy)]
+enum Mark {
+    Reached,
+    StagingFree,
+    Chunk(usize),
+}
+
+/// The cross-node step goes in chunks of this many bytes: while the host reduces one
+/// across the nodes, the next is on its way to the host and the last on its way back (and
+/// each host allreduce works on a cache-sized piece).
+const PIPELINE_BYTES: usize = 4 << 20;
 
 impl DeviceComm {
     /// Makes the NCCL communicator of this rank's node on CUDA device `device`, and the
@@ -82,7 +97,7 @@ impl DeviceComm {
         let nccl = NcclGroup::new(&node)?;
         let cross = comm.split_cross_node()?;
         let peer = (0..comm.size()).find(|&r| r != comm.rank()).unwrap_or(comm.rank());
-        let state = State { nccl, cross, staging: None, staging_free: Event::new()?, reached: Event::new()?, broken: None };
+        let state = State { nccl, cross, staging: None, staging_free: Event::new()?, reached: Event::new()?, chunks: Vec::new(), broken: None };
         Ok(DeviceComm {
             ctx,
             device,
@@ -210,20 +225,38 @@ impl DeviceComm {
     }
 
     /// The cross-node step of the allreduce: `n` elements at `at` to the host, allreduced
-    /// over the cross-node group, and back.
+    /// over the cross-node group, and back, pipelined in chunks of [`PIPELINE_BYTES`]
+    /// (every rank of the group cuts the same `n` the same way).
     ///
     /// # Safety
     /// As [`DeviceComm::allreduce`], for `n` elements at `at`.
     #[allow(clippy::too_many_arguments)]
     unsafe fn across(&self, st: &mut State, at: u64, n: usize, dtype: DType, op: ReduceOp, stream: CUstream, w: &str) -> Result<()> {
-        let bytes = n * dtype.size();
-        let host = self.to_host(st, at, bytes, 0, stream, w)?;
-        let cross = &st.cross;
-        // SAFETY: `host` is the staging region, at least `bytes` long, and nothing else
-        // uses it until the copy back is queued.
-        unsafe { cross.run(Request::new(Collective::Allreduce, dtype, op, n), host, host) }.map_err(|e| prefixed(e, w))?;
-        // SAFETY: the caller's contract for the buffers and the stream (this function's).
-        unsafe { self.copy(Copy::ToDevice, at, host, bytes, stream) }?;
+        let es = dtype.size();
+        let per = (PIPELINE_BYTES / es).max(1);
+        let parts: Vec<(usize, usize)> = (0..n).step_by(per).map(|lo| (lo, (lo + per).min(n))).collect();
+        let host = self.staging(st, n * es, w)?;
+        while st.chunks.len() < parts.len() {
+            st.chunks.push(Event::new()?);
+        }
+        // Every chunk's copy to the host queued at once: they run back to back on the
+        // stream while the host works through the chunks that have arrived.
+        for (k, &(lo, hi)) in parts.iter().enumerate() {
+            // SAFETY: chunk k of the staging region (n elements long) and of the caller's
+            // buffer; the region is not touched again until the chunk's event has passed.
+            unsafe { self.copy(Copy::ToHost, at + (lo * es) as u64, host.add(lo * es), (hi - lo) * es, stream) }?;
+            st.chunks[k].record(stream)?;
+        }
+        for (k, &(lo, hi)) in parts.iter().enumerate() {
+            self.wait(st, Mark::Chunk(k), &format!("{w}: the device-to-host copy"))?;
+            // SAFETY: inside the staging region, n elements long.
+            let part = unsafe { host.add(lo * es) };
+            // SAFETY: chunk k has arrived in the staging region (its event passed); nothing
+            // else uses that part until its copy back is queued below.
+            unsafe { st.cross.run(Request::new(Collective::Allreduce, dtype, op, hi - lo), part, part) }.map_err(|e| prefixed(e, w))?;
+            // SAFETY: as above; the copy back runs after every copy to the host (one stream).
+            unsafe { self.copy(Copy::ToDevice, at + (lo * es) as u64, part, (hi - lo) * es, stream) }?;
+        }
         st.staging_free.record(stream)
     }
 
@@ -326,7 +359,7 @@ impl DeviceComm {
     /// The staging region, at least `bytes` long, once the copies out of it queued by
     /// earlier calls have run.
     fn staging(&self, st: &mut State, bytes: usize, w: &str) -> Result<*mut u8> {
-        self.wait(st, &format!("{w}: an earlier call's copy out of the staging region"), false)?;
+        self.wait(st, Mark::StagingFree, &format!("{w}: an earlier call's copy out of the staging region"))?;
         if st.staging.as_ref().is_none_or(|s| s.len() < bytes) {
             st.staging = None; // unregister the smaller one first
             st.staging = Some(PinnedStaging::new(&self.ctx, bytes.next_power_of_two())?);
@@ -343,7 +376,7 @@ impl DeviceComm {
         // SAFETY: the caller's contract for the buffers and the stream (this function's).
         unsafe { self.copy(Copy::ToHost, at, host, bytes, stream) }?;
         st.reached.record(stream)?;
-        self.wait(st, &format!("{w}: the device-to-host copy"), true)?;
+        self.wait(st, Mark::Reached, &format!("{w}: the device-to-host copy"))?;
         Ok(host)
     }
 
@@ -366,10 +399,14 @@ impl DeviceComm {
         }
     }
 
-    /// Waits for `reached` (or `staging_free`) with the deadline; past it NCCL is aborted
-    /// (its kernels may wait for a dead peer forever) and this communicator stops.
-    fn wait(&self, st: &mut State, what: &str, reached: bool) -> Result<()> {
-        let ev = if reached { &st.reached } else { &st.staging_free };
+    /// Waits for `mark` with the deadline; past it NCCL is aborted (its kernels may wait
+    /// for a dead peer forever) and this communicator stops.
+    fn wait(&self, st: &mut State, mark: Mark, what: &str) -> Result<()> {
+        let ev = match mark {
+            Mark::Reached => &st.reached,
+            Mark::StagingFree => &st.staging_free,
+            Mark::Chunk(k) => &st.chunks[k],
+        };
         let r = ev.wait(self.timeout, self.rank, self.peer, what);
         if let Err(e) = &r {
             st.broken = Some(e.to_string());

@@ -70,7 +70,7 @@ pub fn run(comm: &Communicator, hierarchical: bool) -> Result<bool> {
     }
 
     // Allreduce, out of place and in place, with a count that does not split evenly.
-    for (name, n, in_place) in [("allreduce f32 sum, 1 Mi elements", 1 << 20, false), ("allreduce f32 sum in place, 1 Mi + 3 elements", (1 << 20) + 3, true)] {
+    for (name, n, in_place) in [("allreduce f32 sum, 1 Mi elements", 1 << 20, false), ("allreduce f32 sum in place, 3 Mi + 3 elements", (3 << 20) + 3, true)] {
         let x = all(n, 1000);
         let send = stream.clone_htod(&x[me]).map_err(gpu)?;
         let recv = if in_place { None } else { Some(stream.alloc_zeros::<f32>(n).map_err(gpu)?) };
