@@ -11,7 +11,7 @@
 //! | transport | [`transport`] | the `Link` interface; a `Backend` per transport (`shm/`, `tcp/`, `verbs/`, each a folder of the same shape) behind one seam; the framed, checked exchange on top; one-sided windows |
 //! | engine | `engine` | progress thread per communicator, `Work` handles, deadlines, abort |
 //! | collectives | [`collective`], [`comm`] | the algorithms (every one-host collective in `collective/shm/`, rings, the hierarchical allreduce, all-to-all and point-to-point, `split`) and the `Communicator` API |
-//! | GPU | `gpu` (feature `cuda`) | NCCL inside a node through cudarc (loaded at run time), GPU hierarchical allreduce |
+//! | GPU | `gpu` (feature `cuda`) | Collectives on CUDA device memory on the caller's stream: NCCL inside a node (cudarc, loaded at run time), the hierarchical path through pinned memory across nodes |
 //! | remote memory | [`rma`] | parameter-server shards and the token ring on one-sided operations |
 //! | training | [`train`] | the `Strategy` interface and the seven schemes of ALGORITHMS.md, the built-in model and data |
 //! | C ABI | [`ffi`] + `ffi/gradwire.h` | the stable C interface other frameworks link (collectives, hierarchy, training schemes) |

@@ -185,10 +185,8 @@ impl DeviceComm {
         }
         let es = dtype.size() as u64;
         let g = st.nccl.size();
-        // SAFETY (every unsafe call below): the caller's contract for the buffers and the
-        // stream; shards lie inside `recv`.
         if self.nodes == 1 {
-            // SAFETY: the caller's contract for the buffers and the stream (this function's).
+            // SAFETY: the caller's contract: both buffers hold `count` elements on this device.
             return unsafe { st.nccl.all_reduce(send, recv, count, dtype, op, stream) };
         }
         let i = st.nccl.rank();
@@ -197,27 +195,27 @@ impl DeviceComm {
             // NCCL's in-place form, and the allgather from it is too.
             let shard = count / g;
             let mine = recv + i as u64 * shard as u64 * es;
-            // SAFETY: the caller's contract for the buffers and the stream (this function's).
+            // SAFETY: `mine`, this rank's shard, lies inside `recv`; the caller's contract covers both.
             unsafe { st.nccl.reduce_scatter(send, mine, shard, dtype, op, stream) }?;
-            // SAFETY: the caller's contract for the buffers and the stream (this function's).
+            // SAFETY: the shard lies inside `recv`.
             unsafe { self.across(&mut st, mine, shard, dtype, op, stream, w) }?;
-            // SAFETY: the caller's contract for the buffers and the stream (this function's).
+            // SAFETY: `mine` inside `recv` (NCCL's in-place allgather).
             unsafe { st.nccl.all_gather(mine, recv, shard, dtype, stream) }
         } else {
             // Uneven: the node's allreduce, each rank carries its part across, then every
             // part is broadcast from its owner inside the node.
-            // SAFETY: the caller's contract for the buffers and the stream (this function's).
+            // SAFETY: the caller's contract: both buffers hold `count` elements on this device.
             unsafe { st.nccl.all_reduce(send, recv, count, dtype, op, stream) }?;
             let part = |j: usize| (count * j / g, count * (j + 1) / g);
             let (lo, hi) = part(i);
-            // SAFETY: the caller's contract for the buffers and the stream (this function's).
+            // SAFETY: part i lies inside `recv`.
             unsafe { self.across(&mut st, recv + lo as u64 * es, hi - lo, dtype, op, stream, w) }?;
             let nccl = &st.nccl;
             nccl.grouped(|| {
                 (0..g).try_for_each(|j| {
                     let (lo, hi) = part(j);
                     let at = recv + lo as u64 * es;
-                    // SAFETY: the caller's contract for the buffers and the stream (this function's).
+                    // SAFETY: part j lies inside `recv`.
                     unsafe { nccl.broadcast(at, at, hi - lo, dtype, j, stream) }
                 })
             })
@@ -279,11 +277,16 @@ impl DeviceComm {
             return unsafe { st.nccl.broadcast(buf, buf, count, dtype, root, stream) };
         }
         let bytes = count * dtype.size();
-        let host = if self.rank == root { self.to_host(&mut st, buf, bytes, 0, stream, w)? } else { self.staging(&mut st, bytes, w)? };
+        let host = if self.rank == root {
+            // SAFETY: `buf` holds `bytes` (the caller's contract).
+            unsafe { self.to_host(&mut st, buf, bytes, 0, stream, w) }?
+        } else {
+            self.staging(&mut st, bytes, w)?
+        };
         // SAFETY: the staging region holds `bytes`; the root's copy has arrived in it.
         unsafe { world.run(Request { root, ..Request::new(Collective::Broadcast, dtype, ReduceOp::Sum, count) }, host, host) }.map_err(|e| prefixed(e, w))?;
         if self.rank != root {
-            // SAFETY: the caller's contract for the buffers and the stream (this function's).
+            // SAFETY: `buf` holds `bytes` (the caller's contract); so does the staging region.
             unsafe { self.copy(Copy::ToDevice, buf, host, bytes, stream) }?;
         }
         st.staging_free.record(stream)
@@ -318,13 +321,14 @@ impl DeviceComm {
         }
         let part = recvcount * dtype.size();
         // The input after room for the result.
-        let input = self.to_host(&mut st, send, part * self.world, part, stream, w)?;
+        // SAFETY: `send` holds size × `part` bytes (the caller's contract).
+        let input = unsafe { self.to_host(&mut st, send, part * self.world, part, stream, w) }?;
         // SAFETY: `to_host` put the input `part` bytes into the region; the two areas do
         // not overlap.
         let out = unsafe { input.sub(part) };
-        // SAFETY: the caller's contract for the buffers and the stream (this function's).
+        // SAFETY: inside the staging region, which holds `part` bytes before the input.
         unsafe { world.run(Request::new(Collective::ReduceScatter, dtype, op, recvcount), input, out) }.map_err(|e| prefixed(e, w))?;
-        // SAFETY: the caller's contract for the buffers and the stream (this function's).
+        // SAFETY: `recv` holds `part` bytes (the caller's contract); so does `out`.
         unsafe { self.copy(Copy::ToDevice, recv, out, part, stream) }?;
         st.staging_free.record(stream)
     }
@@ -346,12 +350,13 @@ impl DeviceComm {
         }
         let part = sendcount * dtype.size();
         // This rank's block after room for the whole result.
-        let host = self.to_host(&mut st, send, part, part * self.world, stream, w)?;
-        // SAFETY: the caller's contract for the buffers and the stream (this function's).
+        // SAFETY: `send` holds `part` bytes (the caller's contract).
+        let host = unsafe { self.to_host(&mut st, send, part, part * self.world, stream, w) }?;
+        // SAFETY: inside the staging region, which holds the result area before the block.
         let out = unsafe { host.sub(part * self.world) };
         // SAFETY: the region holds the result area then the block; they do not overlap.
         unsafe { world.run(Request::new(Collective::Allgather, dtype, ReduceOp::Sum, sendcount), host, out) }.map_err(|e| prefixed(e, w))?;
-        // SAFETY: the caller's contract for the buffers and the stream (this function's).
+        // SAFETY: `recv` holds size × `part` bytes (the caller's contract); so does `out`.
         unsafe { self.copy(Copy::ToDevice, recv, out, part * self.world, stream) }?;
         st.staging_free.record(stream)
     }
@@ -369,11 +374,14 @@ impl DeviceComm {
 
     /// Copies `bytes` at `at` into the staging region at offset `offset` (once the stream
     /// has reached them) and returns the start of the copy on the host.
-    fn to_host(&self, st: &mut State, at: u64, bytes: usize, offset: usize, stream: CUstream, w: &str) -> Result<*mut u8> {
+    ///
+    /// # Safety
+    /// `at` is device memory of this device valid for `bytes`.
+    unsafe fn to_host(&self, st: &mut State, at: u64, bytes: usize, offset: usize, stream: CUstream, w: &str) -> Result<*mut u8> {
         let base = self.staging(st, offset + bytes, w)?;
         // SAFETY: the region holds offset + bytes; `at` is the caller's device buffer.
         let host = unsafe { base.add(offset) };
-        // SAFETY: the caller's contract for the buffers and the stream (this function's).
+        // SAFETY: `at` holds `bytes` (the caller's contract), `host` the region's part.
         unsafe { self.copy(Copy::ToHost, at, host, bytes, stream) }?;
         st.reached.record(stream)?;
         self.wait(st, Mark::Reached, &format!("{w}: the device-to-host copy"))?;
@@ -385,11 +393,10 @@ impl DeviceComm {
     /// # Safety
     /// Both ranges are valid for `bytes` until the stream has run the copy.
     unsafe fn copy(&self, dir: Copy, dev: u64, host: *mut u8, bytes: usize, stream: CUstream) -> Result<()> {
-        // SAFETY: the caller's contract.
         let (r, what) = match dir {
-            // SAFETY: the caller's contract for the buffers and the stream (this function's).
+            // SAFETY: the caller's contract.
             Copy::ToHost => (unsafe { cu::cuMemcpyDtoHAsync_v2(host as *mut _, dev, bytes, stream) }, "cuMemcpyDtoHAsync"),
-            // SAFETY: the caller's contract for the buffers and the stream (this function's).
+            // SAFETY: the caller's contract.
             Copy::ToDevice => (unsafe { cu::cuMemcpyHtoDAsync_v2(dev, host as *const _, bytes, stream) }, "cuMemcpyHtoDAsync"),
         };
         if r == CUresult::CUDA_SUCCESS {
