@@ -314,7 +314,30 @@ class Work:
         return self._keep[-1] if self._keep else None
 
 
-class Hierarchy:
+class _CommPart:
+    """An object made on a communicator (`_h`, `_comm`) and freed with it: by `free()`, when
+    dropped, or by the communicator's finalize (after which freeing it again does nothing)."""
+
+    _h = None
+
+    def __del__(self):
+        if getattr(self, "_h", None) is not None and not sys.is_finalizing():
+            try:
+                self.free()
+            except GradwireError:
+                pass
+
+    def free(self) -> None:
+        raise NotImplementedError
+
+    def _free(self, c_function):
+        if self._h is not None:
+            h, self._h = self._h, None
+            if self._comm._h is not None:
+                _check(getattr(load_library(), c_function)(h))
+
+
+class Hierarchy(_CommPart):
     """The node-local and cross-node groups of a communicator (`Comm.hierarchy()`), made
     once, for hierarchical allreduces over every rank of that communicator. algo
     "sharded": reduce-scatter in the node, one cross-node allreduce per shard, allgather in
@@ -351,19 +374,9 @@ class Hierarchy:
         _check(load_library().gradwire_hierarchical_iallreduce(self._h, p, p, n, dt, o, a, ctypes.byref(w)))
         return Work(w, [self, x])
 
-    def __del__(self):
-        if getattr(self, "_h", None) is not None and not sys.is_finalizing():
-            try:
-                self.free()
-            except GradwireError:
-                pass
-
     def free(self) -> None:
         """Frees the groups (also done by the communicator's finalize)."""
-        if self._h is not None:
-            h, self._h = self._h, None
-            if self._comm._h is not None:
-                _check(load_library().gradwire_hierarchy_free(h))
+        self._free("gradwire_hierarchy_free")
 
 
 def _device_buffer(x, what, device):
@@ -397,7 +410,7 @@ def _current_stream(device):
 _raw_stream = None
 
 
-class GpuComm:
+class GpuComm(_CommPart):
     """Collectives on CUDA tensors of one device over every rank of a communicator
     (`Comm.gpu(device)`, collective): NCCL inside a node, gradwire's hierarchical path
     through pinned host memory across nodes. Each call is enqueued on torch's current
@@ -453,19 +466,9 @@ class GpuComm:
         _check(load_library().gradwire_gpu_reduce_scatter(self._live(), sp, rp, m, dt, _op(op), stream))
         return out
 
-    def __del__(self):
-        if getattr(self, "_h", None) is not None and not sys.is_finalizing():
-            try:
-                self.free()
-            except GradwireError:
-                pass
-
     def free(self) -> None:
         """Frees the NCCL communicator (also done by the communicator's finalize)."""
-        if self._h is not None:
-            h, self._h = self._h, None
-            if self._comm._h is not None:
-                _check(load_library().gradwire_gpu_comm_free(h))
+        self._free("gradwire_gpu_comm_free")
 
 
 class Strategy:

@@ -75,19 +75,25 @@ pub struct Hierarchy {
     scratch: std::sync::Mutex<(Vec<u64>, Vec<u64>)>,
 }
 
+/// The ranks per node, the same on every node, or an error saying `what` needs that.
+pub(crate) fn same_ranks_per_node(comm: &Communicator, what: &str) -> Result<usize> {
+    let topo = comm.topology();
+    let g = topo.local_ranks(comm.rank()).len();
+    if let Some(r) = (0..comm.size()).find(|&r| topo.local_ranks(r).len() != g) {
+        return Err(config(format!(
+            "{what} needs the same number of ranks on every node: rank {} has {g} local ranks, rank {r} has {}",
+            comm.rank(),
+            topo.local_ranks(r).len()
+        )));
+    }
+    Ok(g)
+}
+
 impl Hierarchy {
     /// Builds the groups. Every node must hold the same number of ranks (the sharded
     /// cross-node step pairs shard l of every node).
     pub fn new(comm: &Communicator) -> Result<Self> {
-        let topo = comm.topology();
-        let g = topo.local_ranks(comm.rank()).len();
-        if let Some(r) = (0..comm.size()).find(|&r| topo.local_ranks(r).len() != g) {
-            return Err(config(format!(
-                "hierarchical allreduce needs the same number of ranks on every node: rank {} has {g} local ranks, rank {r} has {}",
-                comm.rank(),
-                topo.local_ranks(r).len()
-            )));
-        }
+        same_ranks_per_node(comm, "hierarchical allreduce")?;
         let node = comm.split_node_local()?;
         let cross = comm.split_cross_node()?;
         Ok(Hierarchy { node, cross, world: comm.size(), scratch: Default::default() })

@@ -14,7 +14,7 @@ use super::nccl::NcclGroup;
 use crate::collective::{Collective, Request};
 use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{config, invalid, Error, Result};
+use crate::error::{invalid, Error, Result};
 use cudarc::driver::sys::{self as cu, CUresult, CUstream};
 use cudarc::driver::CudaContext;
 use std::sync::{Arc, Mutex};
@@ -78,15 +78,7 @@ impl DeviceComm {
         if let Some(why) = super::unavailable() {
             return Err(Error::Unsupported(why));
         }
-        let topo = comm.topology();
-        let g = topo.local_ranks(comm.rank()).len();
-        if let Some(r) = (0..comm.size()).find(|&r| topo.local_ranks(r).len() != g) {
-            return Err(config(format!(
-                "GPU collectives need the same number of ranks on every node: rank {} has {g} local ranks, rank {r} has {}",
-                comm.rank(),
-                topo.local_ranks(r).len()
-            )));
-        }
+        let g = crate::collective::hierarchical::same_ranks_per_node(comm, "GPU collectives")?;
         let devices = CudaContext::device_count().map_err(|e| Error::Unsupported(format!("cuDeviceGetCount: {e:?}")))?.max(0) as usize;
         if device >= devices {
             return Err(invalid(format!("CUDA device {device} does not exist: this process sees {devices} device(s) (CUDA_VISIBLE_DEVICES?)")));
