@@ -236,17 +236,22 @@ def _check(code):
 _TORCH_DTYPES = {}
 
 
+def _tensor(x, what):
+    """(pointer, element count, dtype code) of a contiguous torch tensor."""
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: tensor is not contiguous")
+    code = _TORCH_DTYPES.get(x.dtype)
+    if code is None:
+        code = _TORCH_DTYPES[x.dtype] = _dtype(str(x.dtype).replace("torch.", ""), what)
+    return x.data_ptr(), x.numel(), code
+
+
 def _buffer(x, what):
     """(pointer, element count, dtype code) of a contiguous NumPy array or CPU tensor."""
     if hasattr(x, "data_ptr"):  # torch.Tensor
         if not x.is_cpu:
             raise ValueError(f"{what}: tensor is on {x.device}; this call takes CPU tensors (CUDA tensors go through Comm.gpu(device))")
-        if not x.is_contiguous():
-            raise ValueError(f"{what}: tensor is not contiguous")
-        code = _TORCH_DTYPES.get(x.dtype)
-        if code is None:
-            code = _TORCH_DTYPES[x.dtype] = _dtype(str(x.dtype).replace("torch.", ""), what)
-        return x.data_ptr(), x.numel(), code
+        return _tensor(x, what)
     if hasattr(x, "__array_interface__"):
         if not x.flags["C_CONTIGUOUS"]:
             raise ValueError(f"{what}: array is not C-contiguous")
@@ -386,12 +391,7 @@ def _device_buffer(x, what, device):
         raise ValueError(f"{what}: expected a CUDA tensor, got {getattr(x, 'device', type(x).__name__)} (host buffers go through the Comm's own calls)")
     if x.device.index != device:
         raise ValueError(f"{what}: tensor is on {x.device}, but this GPU communicator is on cuda:{device}")
-    if not x.is_contiguous():
-        raise ValueError(f"{what}: tensor is not contiguous")
-    code = _TORCH_DTYPES.get(x.dtype)
-    if code is None:
-        code = _TORCH_DTYPES[x.dtype] = _dtype(str(x.dtype).replace("torch.", ""), what)
-    return x.data_ptr(), x.numel(), code, _current_stream(device)
+    return (*_tensor(x, what), _current_stream(device))
 
 
 def _current_stream(device):
