@@ -204,12 +204,17 @@ int gradwire_hierarchical_iallreduce(gradwire_hierarchy_t *hier, const void *sen
  * queued later sees the result. Inside one node the calls are NCCL's. Across nodes the
  * allreduce is hierarchical: NCCL reduce-scatter in the node, the 1/G shard copied into a
  * pinned host region, gradwire's allreduce across the nodes, copied back, NCCL allgather;
- * broadcast, reduce-scatter and allgather cross through the pinned region. Such a call
- * returns after its host step, which waits (with GRADWIRE_TIMEOUT_MS) for the stream to
- * reach it. A host pointer here, or a device pointer to the host calls above, is
- * GRADWIRE_ERR_INVALID_ARGUMENT; no CUDA driver, NCCL or device is
- * GRADWIRE_ERR_UNSUPPORTED, with what was searched in gradwire_last_error(). After a
- * deadline passes NCCL is aborted and every later call on the GPU communicator fails. */
+ * broadcast, reduce-scatter and allgather cross through the pinned region (in 4 MiB
+ * pieces: the pinned region stays small whatever the buffer). Such a call returns after
+ * its host step, which waits (with GRADWIRE_TIMEOUT_MS) for the stream to reach it. A
+ * host pointer here, a device pointer to the host calls above, or a count past the end of
+ * the buffer's allocation is GRADWIRE_ERR_INVALID_ARGUMENT; no CUDA driver, NCCL or device
+ * is GRADWIRE_ERR_UNSUPPORTED, with what was searched in gradwire_last_error(). A call
+ * that fails after it has queued work (a deadline, a lost peer) aborts NCCL, so the node's
+ * other ranks are not left waiting for it, and every later call on the GPU communicator
+ * fails with GRADWIRE_ERR_ABORTED. Inside one node the calls are NCCL's alone and, as
+ * NCCL's, carry no deadline of gradwire's: a node peer that dies mid-call stalls the
+ * stream. The caller's current CUDA context is the same after every call. */
 typedef struct gradwire_gpu_comm gradwire_gpu_comm_t;
 int gradwire_gpu_comm_create(gradwire_comm_t *comm, int device, gradwire_gpu_comm_t **gpu);
 int gradwire_gpu_comm_free(gradwire_gpu_comm_t *gpu);

@@ -29,8 +29,12 @@ CUDA tensors (`devices=["cpu", "cuda"]`): allreduce, broadcast, allgather and
 reduce-scatter (list and tensor forms) and barrier run on the group's GPU communicator
 (made at the first CUDA call, on that tensor's device): NCCL inside a node, gradwire's
 hierarchical path through pinned host memory across nodes, enqueued on torch's current
-stream as ProcessGroupNCCL's calls are, so the returned work is complete and later work on
-that stream sees the result. Other calls on CUDA tensors are refused with a clear error.
+stream as ProcessGroupNCCL's calls are: later work on that stream sees the result, and an
+async call's work waits as NCCL's does (`wait()` makes the caller's current stream wait
+for the call, `is_completed()` asks the GPU, the future is CUDA-aware). Across nodes a
+call returns only after its host step, so an async call there does not overlap the
+calling thread's work. gather runs through allgather; the other calls refuse CUDA tensors
+with a clear error on every rank.
 
 Checked against torch 2.15, and on a GPU against torch 2.11 (whose older method names are aliases here). One private torch name, in one place: `_get_backend`, the
 per-device backend lookup batch_isend_irecv makes, answered by the group itself.
@@ -210,6 +214,47 @@ class _Work(dist.Work):
         return self._future
 
 
+class _CudaWork(dist.Work):
+    """An async call's work on CUDA tensors, queued on `device`'s current stream: as
+    ProcessGroupNCCL's, `wait()` makes the caller's current stream wait for it (the host
+    does not), `is_completed()` asks the GPU, and the future completes on the stream."""
+
+    def __init__(self, result, device):
+        super().__init__()
+        self._result, self._device = result, device
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(device))
+
+    def wait(self, timeout=timedelta(0)):
+        torch.cuda.current_stream(self._device).wait_event(self._event)
+        return True
+
+    def is_completed(self):
+        return self._event.query()
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._result
+
+    def get_future(self):
+        future = torch.futures.Future(devices=[self._device])
+        with torch.cuda.device(self._device):
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+            future.set_result(self._result)
+        return future
+
+
+def _cuda_work(result, opts, device):
+    """The work of a call queued on CUDA tensors: nothing left to do for a blocking call
+    (torch waits on the same stream), a _CudaWork for an async one."""
+    return _Work(result) if _blocking(opts) else _CudaWork(result, device)
+
+
 class _P2PBatch:
     """Sends and receives torch has issued (isend, irecv, batch_isend_irecv) and nobody has
     waited for: started as one gradwire batch when one of them is waited for or polled, or
@@ -322,13 +367,17 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._comm = Comm.from_unique_id(bytes(uid), size, rank)
         self._batch = None  # sends and receives not started yet (see _P2PBatch)
         self._gpus = {}  # device index -> GpuComm, made at the first call on that device
+        self._gpus_lock = threading.Lock()
 
     def _gpu(self, t):
         """The GPU communicator of t's device, made (collectively) at its first call."""
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         gpu = self._gpus.get(index)
         if gpu is None:
-            gpu = self._gpus[index] = self._comm.gpu(index)
+            with self._gpus_lock:  # made once, though two threads' first calls race
+                gpu = self._gpus.get(index)
+                if gpu is None:
+                    gpu = self._gpus[index] = self._comm.gpu(index)
         return gpu
 
     def getBackendName(self):  # noqa: N802 (torch's name)
@@ -349,7 +398,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 c, back = _dense(t, "allreduce")
                 self._gpu(c).allreduce(c, op=op)
                 back()
-            return _Work(tensors)
+            return _cuda_work(tensors, opts, tensors[0].device)
         if len(tensors) == 1 and tensors[0].is_contiguous():
             t = _cpu(tensors[0], "allreduce")
             if _blocking(opts):
@@ -375,8 +424,12 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 t.copy_(flat[at : at + t.numel()].view_as(t))
                 at += t.numel()
 
-        if cuda or _blocking(opts):
-            (self._gpu(flat) if cuda else self._comm).allreduce(flat, op=op)
+        if cuda:
+            self._gpu(flat).allreduce(flat, op=op)
+            scatter_back()
+            return _cuda_work(tensors, opts, flat.device)
+        if _blocking(opts):
+            self._comm.allreduce(flat, op=op)
             scatter_back()
             return _Work(tensors)
         return _Work(tensors, self._comm.iallreduce(flat, op=op), scatter_back)
@@ -389,7 +442,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 c, back = _dense(t, "broadcast")
                 self._gpu(c).broadcast(c, root=root)
                 back()
-            return _Work(tensors)
+            return _cuda_work(tensors, opts, tensors[0].device)
         if len(tensors) == 1:
             c, back = _contiguous(tensors[0], "broadcast")
             if _blocking(opts):
@@ -430,6 +483,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 self._comm.allgather(src, flat)
             for r, o in enumerate(outs):
                 o.copy_(flat[r * inp.numel() : (r + 1) * inp.numel()].view_as(o))
+        if input_tensors and input_tensors[0].is_cuda:
+            return _cuda_work(output_tensors, opts, input_tensors[0].device)
         return _Work(output_tensors)
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
@@ -449,7 +504,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         if cuda:
             self._gpu(out).allgather(src, out)
             back()
-            return _Work([output_tensor])
+            return _cuda_work([output_tensor], opts, out.device)
         pending = self._comm.allgather(src, out, async_op=not _blocking(opts))
         return _done_or_pending([output_tensor], pending, back)
 
@@ -468,6 +523,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 dst, back = _contiguous(out, "reduce_scatter")
                 self._comm.reduce_scatter(flat, dst.reshape(-1), op=op)
             back()
+        if output_tensors and output_tensors[0].is_cuda:
+            return _cuda_work(output_tensors, opts, output_tensors[0].device)
         return _Work(output_tensors)
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
@@ -487,7 +544,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         if cuda:
             self._gpu(out).reduce_scatter(src, out, op=op)
             back()
-            return _Work([output_tensor])
+            return _cuda_work([output_tensor], opts, out.device)
         pending = self._comm.reduce_scatter(src, out, op=op, async_op=not _blocking(opts))
         return _done_or_pending([output_tensor], pending, back)
 
@@ -501,7 +558,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         self._start_p2p()
-        out = output_tensors[0]
+        out = _cpu(output_tensors[0], "scatter")  # on every rank: all refuse CUDA alike
         root = opts.rootRank if opts is not None else 0
         if self.rank() == root:
             flat = torch.cat([_cpu(t, "scatter").reshape(-1) for t in input_tensors[0]])
@@ -576,6 +633,9 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         self._start_p2p()
+        # As ProcessGroupNCCL's: the work queued on this group's GPUs is done first.
+        for index in self._gpus:
+            torch.cuda.synchronize(index)
         self._comm.barrier()
         return _Work([])
 

@@ -106,13 +106,35 @@ with torch.cuda.stream(side):
     dist.barrier()
 side.synchronize()
 
-# A call the backend does not offer on CUDA is a clear error, not a crash.
-try:
-    dist.reduce(torch.ones(4, device=device), dst=0)
-    failures.append("reduce on CUDA was not refused")
-except (ValueError, RuntimeError) as e:
-    if "CUDA" not in str(e):
-        failures.append(f"reduce on CUDA: unclear error {e}")
+# async_op on CUDA: queued on a side stream, waited for from the default stream (as
+# ProcessGroupNCCL's work: wait() orders the caller's stream, not the host), and through
+# the future DDP hooks take.
+n = 1 << 20
+x = inputs(rank, n).to(device)
+with torch.cuda.stream(side):
+    side.wait_stream(torch.cuda.current_stream(device))
+    work = dist.all_reduce(x, async_op=True)
+work.wait()
+check("async all_reduce waited for from another stream", x * 2, 2 * sum(inputs(r, n).double() for r in range(world)))
+torch.cuda.synchronize(device)
+if not work.is_completed():
+    failures.append("async work not completed after the device synchronised")
+y = inputs(rank, n).to(device)
+fut = dist.all_reduce(y, async_op=True).get_future()
+check("async all_reduce future", fut.wait()[0], sum(inputs(r, n).double() for r in range(world)))
+dist.barrier()
+
+# A call the backend does not offer on CUDA is a clear error on every rank, not a crash.
+for name, call in (
+    ("reduce", lambda: dist.reduce(torch.ones(4, device=device), dst=0)),
+    ("scatter", lambda: dist.scatter(torch.empty(4, device=device), [torch.ones(4, device=device)] * world if rank == 0 else None, src=0)),
+):
+    try:
+        call()
+        failures.append(f"{name} on CUDA was not refused")
+    except (ValueError, RuntimeError) as e:
+        if "CUDA" not in str(e):
+            failures.append(f"{name} on CUDA: unclear error {e}")
 
 # DDP on a CUDA model: W ranks with a batch each against one model stepped on the whole
 # batch (the average of the ranks' gradients is the whole batch's gradient).

@@ -114,7 +114,7 @@ pub unsafe extern "C" fn gradwire_gpu_reduce_scatter(
     guard(|| {
         let w = "gradwire_gpu_reduce_scatter";
         let (g, c) = gpu(gpu_p, w)?;
-        check_disjoint(sendbuf, recvcount * c.size(), recvbuf, recvcount, dtype(dt, w)?.size(), w)?;
+        check_disjoint(sendbuf, recvcount.saturating_mul(c.size()), recvbuf, recvcount, dtype(dt, w)?.size(), w)?;
         // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
         unsafe { g.reduce_scatter(&c, sendbuf as u64, recvbuf as u64, recvcount, dtype(dt, w)?, redop(op, w)?, stream as _) }
     })
@@ -136,7 +136,7 @@ pub unsafe extern "C" fn gradwire_gpu_allgather(
     guard(|| {
         let w = "gradwire_gpu_allgather";
         let (g, c) = gpu(gpu_p, w)?;
-        check_disjoint(sendbuf, sendcount, recvbuf, sendcount * c.size(), dtype(dt, w)?.size(), w)?;
+        check_disjoint(sendbuf, sendcount, recvbuf, sendcount.saturating_mul(c.size()), dtype(dt, w)?.size(), w)?;
         // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
         unsafe { g.allgather(&c, sendbuf as u64, recvbuf as u64, sendcount, dtype(dt, w)?, stream as _) }
     })

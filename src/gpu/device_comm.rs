@@ -4,10 +4,14 @@
 //! device-to-host into a pinned region, gradwire's allreduce across the nodes,
 //! host-to-device, NCCL allgather; no other copy. Broadcast, reduce-scatter and allgather
 //! across nodes go through the pinned region and gradwire's collective over every rank.
+//! The pinned region is bounded: the cross-node steps go through it in chunks.
 //!
 //! A call returns once its work is enqueued; where a host step is needed it first waits
 //! (with the communicator's deadline) for the stream to reach the data, so work the
 //! caller queued earlier on that stream is ordered before it, and later work after it.
+//! A call that fails after it has queued work stops the communicator: NCCL is aborted
+//! (its node peers' kernels end instead of waiting for this rank) and every later call
+//! fails with the first failure.
 
 use super::memory::{driver_err, expect_device, Event, PinnedStaging};
 use super::nccl::NcclGroup;
@@ -17,7 +21,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{invalid, Error, Result};
 use cudarc::driver::sys::{self as cu, CUresult, CUstream};
 use cudarc::driver::CudaContext;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// What a rank keeps for its GPU collectives; one call at a time.
@@ -27,19 +31,23 @@ struct State {
     cross: Communicator,
     staging: Option<PinnedStaging>,
     /// Recorded after the last copy out of the staging region: it must have run before
-    /// the region is written again (the next call may use another stream).
+    /// the region is written again (the next call may use another stream), and before
+    /// the region is freed.
     staging_free: Event,
     /// Marks the point a host step waits for.
     reached: Event,
-    /// One per chunk of a pipelined cross-node step: that chunk has reached the host.
-    chunks: Vec<Event>,
-    /// Set when a deadline passed and NCCL was aborted: every later call fails with it.
+    /// One per slot of the pipelined cross-node step: that slot's chunk is on the host.
+    slots: Vec<Event>,
+    /// The first failure after work was queued: every later call fails with it.
     broken: Option<String>,
 }
 
 /// Collectives on CUDA device memory over the ranks of a communicator (each rank one
 /// device; several ranks of a node on distinct devices).
 pub struct DeviceComm {
+    // Dropped first (fields drop in order): its NCCL communicator, events and pinned
+    // region go while the context still lives.
+    state: Mutex<State>,
     ctx: Arc<CudaContext>,
     device: usize,
     rank: usize,
@@ -48,7 +56,6 @@ pub struct DeviceComm {
     /// Another rank of the job, named when a stream wait times out.
     peer: usize,
     timeout: Duration,
-    state: Mutex<State>,
 }
 
 /// A host step's copy direction.
@@ -62,13 +69,44 @@ enum Copy {
 enum Mark {
     Reached,
     StagingFree,
-    Chunk(usize),
+    Slot(usize),
 }
 
-/// The cross-node step goes in chunks of this many bytes: while the host reduces one
-/// across the nodes, the next is on its way to the host and the last on its way back (and
-/// each host allreduce works on a cache-sized piece).
+/// The cross-node steps go in chunks of this many bytes: while the host reduces one across
+/// the nodes, the next is on its way to the host and the last on its way back (and each
+/// host collective works on a cache-sized piece).
 const PIPELINE_BYTES: usize = 4 << 20;
+/// Chunks of the allreduce's cross-node step in flight at once: the pinned region holds
+/// this many (16 MiB), whatever the buffer's size.
+const SLOTS: usize = 4;
+
+/// One call's hold on the communicator: its state, with the device's context current on
+/// this thread, and the caller's context current again when the call ends (a framework
+/// thread keeps its own current device).
+struct Call<'a> {
+    st: MutexGuard<'a, State>,
+    previous: cu::CUcontext,
+}
+
+impl Drop for Call<'_> {
+    fn drop(&mut self) {
+        // SAFETY: puts back the context that was current (possibly none) when the call began.
+        unsafe { cu::cuCtxSetCurrent(self.previous) };
+    }
+}
+
+impl std::ops::Deref for Call<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.st
+    }
+}
+
+impl std::ops::DerefMut for Call<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.st
+    }
+}
 
 impl DeviceComm {
     /// Makes the NCCL communicator of this rank's node on CUDA device `device`, and the
@@ -84,13 +122,19 @@ impl DeviceComm {
             return Err(invalid(format!("CUDA device {device} does not exist: this process sees {devices} device(s) (CUDA_VISIBLE_DEVICES?)")));
         }
         let ctx = CudaContext::new(device).map_err(|e| Error::Unsupported(format!("CUDA device {device}: {e:?}")))?;
+        let previous = current_context();
         bind(&ctx)?;
-        let node = comm.split_node_local()?;
-        let nccl = NcclGroup::new(&node)?;
-        let cross = comm.split_cross_node()?;
+        let made = (|| {
+            let node = comm.split_node_local()?;
+            let nccl = NcclGroup::new(&node)?;
+            let cross = comm.split_cross_node()?;
+            Ok(State { nccl, cross, staging: None, staging_free: Event::new()?, reached: Event::new()?, slots: Vec::new(), broken: None })
+        })();
+        // SAFETY: puts back the context that was current before.
+        unsafe { cu::cuCtxSetCurrent(previous) };
         let peer = (0..comm.size()).find(|&r| r != comm.rank()).unwrap_or(comm.rank());
-        let state = State { nccl, cross, staging: None, staging_free: Event::new()?, reached: Event::new()?, chunks: Vec::new(), broken: None };
         Ok(DeviceComm {
+            state: Mutex::new(made?),
             ctx,
             device,
             rank: comm.rank(),
@@ -98,7 +142,6 @@ impl DeviceComm {
             nodes: comm.size() / g,
             peer,
             timeout: comm.config().timeout,
-            state: Mutex::new(state),
         })
     }
 
@@ -123,9 +166,10 @@ impl DeviceComm {
         self.world / self.nodes
     }
 
-    /// Takes the state for one call, with the device current, after checking that `world`
-    /// is the communicator this one was made from.
-    fn enter(&self, world: &Communicator, w: &str) -> Result<std::sync::MutexGuard<'_, State>> {
+    /// Begins a call, after checking that `world` is the communicator this one was made
+    /// from and that each buffer (pointer, name, bytes) is memory of this device that
+    /// holds its bytes.
+    fn enter(&self, world: &Communicator, buffers: &[(u64, &str, usize)], w: &str) -> Result<Call<'_>> {
         if world.rank() != self.rank || world.size() != self.world {
             return Err(invalid(format!(
                 "{w}: called with rank {} of {} but the GPU communicator was made by rank {} of {}",
@@ -137,26 +181,21 @@ impl DeviceComm {
         }
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(why) = &st.broken {
-            return Err(Error::Unsupported(format!("{w}: this GPU communicator stopped after an earlier failure: {why}")));
+            return Err(Error::Aborted {
+                rank: self.rank,
+                peer: self.rank,
+                reason: format!("{w}: this GPU communicator stopped after an earlier failure: {why}"),
+            });
         }
+        let call = Call { st, previous: current_context() };
         bind(&self.ctx)?;
-        Ok(st)
-    }
-
-    fn check_device(&self, ptrs: &[(u64, &str)], bytes: usize, w: &str) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        for (i, &(p, name)) in ptrs.iter().enumerate() {
-            if p == 0 {
-                return Err(invalid(format!("{w}: {name} is NULL")));
-            }
+        for (i, &(p, name, bytes)) in buffers.iter().enumerate() {
             // In place: the same pointer needs no second question to the driver.
-            if ptrs[..i].iter().all(|&(q, _)| q != p) {
-                expect_device(p as *const u8, self.device, w, name)?;
+            if bytes > 0 && buffers[..i].iter().all(|&(q, _, b)| q != p || b < bytes) {
+                expect_device(p as *const u8, bytes, self.device, w, name)?;
             }
         }
-        Ok(())
+        Ok(call)
     }
 
     /// Allreduce of `count` elements from `send` into `recv` (the same pointer: in place)
@@ -170,53 +209,58 @@ impl DeviceComm {
     pub unsafe fn allreduce(&self, world: &Communicator, send: u64, recv: u64, count: usize, dtype: DType, op: ReduceOp, stream: CUstream) -> Result<()> {
         let w = "gradwire_gpu_allreduce";
         op.check(dtype).map_err(|e| prefixed(e, w))?;
-        self.check_device(&[(send, "sendbuf"), (recv, "recvbuf")], count * dtype.size(), w)?;
-        let mut st = self.enter(world, w)?;
+        let bytes = byte_len(count, 1, dtype, w)?;
+        let mut st = self.enter(world, &[(send, "sendbuf", bytes), (recv, "recvbuf", bytes)], w)?;
         if count == 0 {
             return Ok(());
         }
-        let es = dtype.size() as u64;
-        let g = st.nccl.size();
         if self.nodes == 1 {
             // SAFETY: the caller's contract: both buffers hold `count` elements on this device.
             return unsafe { st.nccl.all_reduce(send, recv, count, dtype, op, stream) };
         }
+        let es = dtype.size() as u64;
+        let g = st.nccl.size();
         let i = st.nccl.rank();
-        if count % g == 0 {
-            // Reduce-scatter into this rank's own part of `recv`: with send == recv that is
-            // NCCL's in-place form, and the allgather from it is too.
-            let shard = count / g;
-            let mine = recv + i as u64 * shard as u64 * es;
-            // SAFETY: `mine`, this rank's shard, lies inside `recv`; the caller's contract covers both.
-            unsafe { st.nccl.reduce_scatter(send, mine, shard, dtype, op, stream) }?;
-            // SAFETY: the shard lies inside `recv`.
-            unsafe { self.across(&mut st, mine, shard, dtype, op, stream, w) }?;
-            // SAFETY: `mine` inside `recv` (NCCL's in-place allgather).
-            unsafe { st.nccl.all_gather(mine, recv, shard, dtype, stream) }
-        } else {
-            // Uneven: the node's allreduce, each rank carries its part across, then every
-            // part is broadcast from its owner inside the node.
-            // SAFETY: the caller's contract: both buffers hold `count` elements on this device.
-            unsafe { st.nccl.all_reduce(send, recv, count, dtype, op, stream) }?;
-            let part = |j: usize| (count * j / g, count * (j + 1) / g);
-            let (lo, hi) = part(i);
-            // SAFETY: part i lies inside `recv`.
-            unsafe { self.across(&mut st, recv + lo as u64 * es, hi - lo, dtype, op, stream, w) }?;
-            let nccl = &st.nccl;
-            nccl.grouped(|| {
-                (0..g).try_for_each(|j| {
-                    let (lo, hi) = part(j);
-                    let at = recv + lo as u64 * es;
-                    // SAFETY: part j lies inside `recv`.
-                    unsafe { nccl.broadcast(at, at, hi - lo, dtype, j, stream) }
+        let body = |st: &mut State| -> Result<()> {
+            if count % g == 0 {
+                // Reduce-scatter into this rank's own part of `recv`: with send == recv that
+                // is NCCL's in-place form, and the allgather from it is too.
+                let shard = count / g;
+                let mine = recv + i as u64 * shard as u64 * es;
+                // SAFETY: `mine`, this rank's shard, lies inside `recv`; the caller's contract covers both.
+                unsafe { st.nccl.reduce_scatter(send, mine, shard, dtype, op, stream) }?;
+                // SAFETY: the shard lies inside `recv`.
+                unsafe { self.across(st, mine, shard, dtype, op, stream, w) }?;
+                // SAFETY: `mine` inside `recv` (NCCL's in-place allgather).
+                unsafe { st.nccl.all_gather(mine, recv, shard, dtype, stream) }
+            } else {
+                // Uneven: the node's allreduce, each rank carries its part across, then every
+                // part is broadcast from its owner inside the node.
+                // SAFETY: the caller's contract: both buffers hold `count` elements on this device.
+                unsafe { st.nccl.all_reduce(send, recv, count, dtype, op, stream) }?;
+                let part = |j: usize| (count * j / g, count * (j + 1) / g);
+                let (lo, hi) = part(i);
+                // SAFETY: part i lies inside `recv`.
+                unsafe { self.across(st, recv + lo as u64 * es, hi - lo, dtype, op, stream, w) }?;
+                let nccl = &st.nccl;
+                nccl.grouped(|| {
+                    (0..g).try_for_each(|j| {
+                        let (lo, hi) = part(j);
+                        let at = recv + lo as u64 * es;
+                        // SAFETY: part j lies inside `recv`.
+                        unsafe { nccl.broadcast(at, at, hi - lo, dtype, j, stream) }
+                    })
                 })
-            })
-        }
+            }
+        };
+        let r = body(&mut st);
+        self.settle(&mut st, r, stream)
     }
 
     /// The cross-node step of the allreduce: `n` elements at `at` to the host, allreduced
     /// over the cross-node group, and back, pipelined in chunks of [`PIPELINE_BYTES`]
-    /// (every rank of the group cuts the same `n` the same way).
+    /// through [`SLOTS`] slots of the pinned region (every rank of the group cuts the same
+    /// `n` the same way).
     ///
     /// # Safety
     /// As [`DeviceComm::allreduce`], for `n` elements at `at`.
@@ -225,29 +269,38 @@ impl DeviceComm {
         let es = dtype.size();
         let per = (PIPELINE_BYTES / es).max(1);
         let parts: Vec<(usize, usize)> = (0..n).step_by(per).map(|lo| (lo, (lo + per).min(n))).collect();
-        let host = self.staging(st, n * es, w)?;
-        while st.chunks.len() < parts.len() {
-            st.chunks.push(Event::new()?);
+        let slots = parts.len().min(SLOTS);
+        let host = self.staging(st, slots * per * es, w)?;
+        while st.slots.len() < slots {
+            st.slots.push(Event::new()?);
         }
-        // Every chunk's copy to the host queued at once: they run back to back on the
-        // stream while the host works through the chunks that have arrived.
+        let slot = |k: usize| -> *mut u8 {
+            // SAFETY: slot k % slots lies inside the staging region (slots × per elements).
+            unsafe { host.add(k % slots * per * es) }
+        };
+        // Queues chunk k's copy to the host, into its slot. A slot is written again only
+        // after the copy back of its last chunk, which is queued before on the one stream.
+        let fetch = |st: &State, k: usize| -> Result<()> {
+            let (lo, hi) = parts[k];
+            // SAFETY: chunk k of the caller's buffer and its slot, (hi - lo) elements each.
+            unsafe { self.copy(Copy::ToHost, at + (lo * es) as u64, slot(k), (hi - lo) * es, stream) }?;
+            st.slots[k % slots].record(stream)
+        };
+        for k in 0..slots {
+            fetch(st, k)?;
+        }
         for (k, &(lo, hi)) in parts.iter().enumerate() {
-            // SAFETY: chunk k of the staging region (n elements long) and of the caller's
-            // buffer; the region is not touched again until the chunk's event has passed.
-            unsafe { self.copy(Copy::ToHost, at + (lo * es) as u64, host.add(lo * es), (hi - lo) * es, stream) }?;
-            st.chunks[k].record(stream)?;
+            self.wait(st, Mark::Slot(k % slots), &format!("{w}: the device-to-host copy"))?;
+            // SAFETY: chunk k has arrived in its slot (its event passed); nothing else uses
+            // the slot until its copy back is queued below.
+            unsafe { st.cross.run(Request::new(Collective::Allreduce, dtype, op, hi - lo), slot(k), slot(k)) }.map_err(|e| prefixed(e, w))?;
+            // SAFETY: as above.
+            unsafe { self.copy(Copy::ToDevice, at + (lo * es) as u64, slot(k), (hi - lo) * es, stream) }?;
+            if k + slots < parts.len() {
+                fetch(st, k + slots)?;
+            }
         }
-        for (k, &(lo, hi)) in parts.iter().enumerate() {
-            self.wait(st, Mark::Chunk(k), &format!("{w}: the device-to-host copy"))?;
-            // SAFETY: inside the staging region, n elements long.
-            let part = unsafe { host.add(lo * es) };
-            // SAFETY: chunk k has arrived in the staging region (its event passed); nothing
-            // else uses that part until its copy back is queued below.
-            unsafe { st.cross.run(Request::new(Collective::Allreduce, dtype, op, hi - lo), part, part) }.map_err(|e| prefixed(e, w))?;
-            // SAFETY: as above; the copy back runs after every copy to the host (one stream).
-            unsafe { self.copy(Copy::ToDevice, at + (lo * es) as u64, part, (hi - lo) * es, stream) }?;
-        }
-        st.staging_free.record(stream)
+        Ok(())
     }
 
     /// Broadcast of `count` elements in `buf` from world rank `root`.
@@ -259,8 +312,8 @@ impl DeviceComm {
         if root >= self.world {
             return Err(invalid(format!("{w}: root {root} is not a rank (the communicator has {} ranks)", self.world)));
         }
-        self.check_device(&[(buf, "buf")], count * dtype.size(), w)?;
-        let mut st = self.enter(world, w)?;
+        let bytes = byte_len(count, 1, dtype, w)?;
+        let mut st = self.enter(world, &[(buf, "buf", bytes)], w)?;
         if count == 0 {
             return Ok(());
         }
@@ -268,20 +321,22 @@ impl DeviceComm {
             // SAFETY: the caller's contract; one node, so NCCL's ranks are the world's.
             return unsafe { st.nccl.broadcast(buf, buf, count, dtype, root, stream) };
         }
-        let bytes = count * dtype.size();
-        let host = if self.rank == root {
-            // SAFETY: `buf` holds `bytes` (the caller's contract).
-            unsafe { self.to_host(&mut st, buf, bytes, 0, stream, w) }?
-        } else {
-            self.staging(&mut st, bytes, w)?
-        };
-        // SAFETY: the staging region holds `bytes`; the root's copy has arrived in it.
-        unsafe { world.run(Request { root, ..Request::new(Collective::Broadcast, dtype, ReduceOp::Sum, count) }, host, host) }.map_err(|e| prefixed(e, w))?;
-        if self.rank != root {
-            // SAFETY: `buf` holds `bytes` (the caller's contract); so does the staging region.
-            unsafe { self.copy(Copy::ToDevice, buf, host, bytes, stream) }?;
-        }
-        st.staging_free.record(stream)
+        let mine = self.rank == root;
+        let r = self.in_pieces(&mut st, count, 1, dtype, stream, w, |st, host, lo, len| {
+            let at = buf + (lo * dtype.size()) as u64;
+            if mine {
+                // SAFETY: chunk [lo, lo + len) of `buf` (the caller's contract) into the region.
+                unsafe { self.fetch_now(st, at, host, len * dtype.size(), stream, w) }?;
+            }
+            // SAFETY: the region holds the chunk; the root's copy has arrived in it.
+            unsafe { world.run(Request { root, ..Request::new(Collective::Broadcast, dtype, ReduceOp::Sum, len) }, host, host) }.map_err(|e| prefixed(e, w))?;
+            if !mine {
+                // SAFETY: as above, back into `buf`.
+                unsafe { self.copy(Copy::ToDevice, at, host, len * dtype.size(), stream) }?;
+            }
+            Ok(())
+        });
+        self.settle(&mut st, r, stream)
     }
 
     /// Reduce-scatter: `send` holds size × `recvcount` elements; `recv` gets this rank's
@@ -302,8 +357,8 @@ impl DeviceComm {
     ) -> Result<()> {
         let w = "gradwire_gpu_reduce_scatter";
         op.check(dtype).map_err(|e| prefixed(e, w))?;
-        self.check_device(&[(send, "sendbuf"), (recv, "recvbuf")], recvcount * dtype.size(), w)?;
-        let mut st = self.enter(world, w)?;
+        let (part, whole) = (byte_len(recvcount, 1, dtype, w)?, byte_len(recvcount, self.world, dtype, w)?);
+        let mut st = self.enter(world, &[(send, "sendbuf", whole), (recv, "recvbuf", part)], w)?;
         if recvcount == 0 {
             return Ok(());
         }
@@ -311,18 +366,22 @@ impl DeviceComm {
             // SAFETY: the caller's contract.
             return unsafe { st.nccl.reduce_scatter(send, recv, recvcount, dtype, op, stream) };
         }
-        let part = recvcount * dtype.size();
-        // The input after room for the result.
-        // SAFETY: `send` holds size × `part` bytes (the caller's contract).
-        let input = unsafe { self.to_host(&mut st, send, part * self.world, part, stream, w) }?;
-        // SAFETY: `to_host` put the input `part` bytes into the region; the two areas do
-        // not overlap.
-        let out = unsafe { input.sub(part) };
-        // SAFETY: inside the staging region, which holds `part` bytes before the input.
-        unsafe { world.run(Request::new(Collective::ReduceScatter, dtype, op, recvcount), input, out) }.map_err(|e| prefixed(e, w))?;
-        // SAFETY: `recv` holds `part` bytes (the caller's contract); so does `out`.
-        unsafe { self.copy(Copy::ToDevice, recv, out, part, stream) }?;
-        st.staging_free.record(stream)
+        let (es, wn) = (dtype.size(), self.world);
+        // Per piece of the blocks: [the result: len][every rank's block's piece: W × len].
+        let r = self.in_pieces(&mut st, recvcount, wn + 1, dtype, stream, w, |st, host, lo, len| {
+            // SAFETY: the region holds (W + 1) × len elements from `host`.
+            let input = unsafe { host.add(len * es) };
+            for b in 0..wn {
+                // SAFETY: piece [lo, lo + len) of block b of `send` into slot b of the input.
+                unsafe { self.copy(Copy::ToHost, send + ((b * recvcount + lo) * es) as u64, input.add(b * len * es), len * es, stream) }?;
+            }
+            self.arrived(st, stream, w)?;
+            // SAFETY: the input has arrived; the result area lies before it.
+            unsafe { world.run(Request::new(Collective::ReduceScatter, dtype, op, len), input, host) }.map_err(|e| prefixed(e, w))?;
+            // SAFETY: piece [lo, lo + len) of `recv`.
+            unsafe { self.copy(Copy::ToDevice, recv + (lo * es) as u64, host, len * es, stream) }
+        });
+        self.settle(&mut st, r, stream)
     }
 
     /// Allgather: `recv` holds size × `sendcount` elements, rank r's block at r.
@@ -331,8 +390,8 @@ impl DeviceComm {
     /// As [`DeviceComm::allreduce`], for the sizes named; the buffers do not overlap.
     pub unsafe fn allgather(&self, world: &Communicator, send: u64, recv: u64, sendcount: usize, dtype: DType, stream: CUstream) -> Result<()> {
         let w = "gradwire_gpu_allgather";
-        self.check_device(&[(send, "sendbuf"), (recv, "recvbuf")], sendcount * dtype.size(), w)?;
-        let mut st = self.enter(world, w)?;
+        let (part, whole) = (byte_len(sendcount, 1, dtype, w)?, byte_len(sendcount, self.world, dtype, w)?);
+        let mut st = self.enter(world, &[(send, "sendbuf", part), (recv, "recvbuf", whole)], w)?;
         if sendcount == 0 {
             return Ok(());
         }
@@ -340,17 +399,66 @@ impl DeviceComm {
             // SAFETY: the caller's contract.
             return unsafe { st.nccl.all_gather(send, recv, sendcount, dtype, stream) };
         }
-        let part = sendcount * dtype.size();
-        // This rank's block after room for the whole result.
-        // SAFETY: `send` holds `part` bytes (the caller's contract).
-        let host = unsafe { self.to_host(&mut st, send, part, part * self.world, stream, w) }?;
-        // SAFETY: inside the staging region, which holds the result area before the block.
-        let out = unsafe { host.sub(part * self.world) };
-        // SAFETY: the region holds the result area then the block; they do not overlap.
-        unsafe { world.run(Request::new(Collective::Allgather, dtype, ReduceOp::Sum, sendcount), host, out) }.map_err(|e| prefixed(e, w))?;
-        // SAFETY: `recv` holds size × `part` bytes (the caller's contract); so does `out`.
-        unsafe { self.copy(Copy::ToDevice, recv, out, part * self.world, stream) }?;
-        st.staging_free.record(stream)
+        let (es, wn) = (dtype.size(), self.world);
+        // Per piece of the blocks: [every rank's piece: W × len][this rank's piece: len].
+        let r = self.in_pieces(&mut st, sendcount, wn + 1, dtype, stream, w, |st, host, lo, len| {
+            // SAFETY: the region holds (W + 1) × len elements from `host`.
+            let own = unsafe { host.add(wn * len * es) };
+            // SAFETY: piece [lo, lo + len) of `send` into the last slot.
+            unsafe { self.fetch_now(st, send + (lo * es) as u64, own, len * es, stream, w) }?;
+            // SAFETY: this rank's piece has arrived; the result area lies before it.
+            unsafe { world.run(Request::new(Collective::Allgather, dtype, ReduceOp::Sum, len), own, host) }.map_err(|e| prefixed(e, w))?;
+            for b in 0..wn {
+                // SAFETY: rank b's piece into piece [lo, lo + len) of block b of `recv`.
+                unsafe { self.copy(Copy::ToDevice, recv + ((b * sendcount + lo) * es) as u64, host.add(b * len * es), len * es, stream) }?;
+            }
+            Ok(())
+        });
+        self.settle(&mut st, r, stream)
+    }
+
+    /// Runs `piece(state, host, lo, len)` for the pieces [lo, lo + len) of `count`
+    /// elements, each through the pinned region (`per_piece` × len elements of room), one
+    /// after another: a piece writes the region only once the copies out of it that the
+    /// last piece queued have run. The layout of a piece's room is the closure's.
+    #[allow(clippy::too_many_arguments)]
+    fn in_pieces(
+        &self,
+        st: &mut State,
+        count: usize,
+        per_piece: usize,
+        dtype: DType,
+        stream: CUstream,
+        w: &str,
+        mut piece: impl FnMut(&mut State, *mut u8, usize, usize) -> Result<()>,
+    ) -> Result<()> {
+        let per = (PIPELINE_BYTES / dtype.size()).max(1).min(count);
+        let host = self.staging(st, per * per_piece * dtype.size(), w)?;
+        for lo in (0..count).step_by(per) {
+            if lo > 0 {
+                st.staging_free.record(stream)?;
+                self.wait(st, Mark::StagingFree, &format!("{w}: the copy out of the staging region"))?;
+            }
+            piece(st, host, lo, per.min(count - lo))?;
+        }
+        Ok(())
+    }
+
+    /// Ends a call that may have queued work: on success the staging region is marked free
+    /// after the call's copies; on failure too (so that freeing it waits for them), and the
+    /// communicator stops: NCCL is aborted, so node peers waiting for this rank's part end.
+    fn settle(&self, st: &mut State, r: Result<()>, stream: CUstream) -> Result<()> {
+        let marked = st.staging_free.record(stream);
+        match r.and(marked) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if st.broken.is_none() {
+                    st.broken = Some(e.to_string());
+                    st.nccl.abort();
+                }
+                Err(e)
+            }
+        }
     }
 
     /// The staging region, at least `bytes` long, once the copies out of it queued by
@@ -364,20 +472,21 @@ impl DeviceComm {
         st.staging.as_ref().map(|s| s.as_ptr()).ok_or_else(|| invalid("no staging region"))
     }
 
-    /// Copies `bytes` at `at` into the staging region at offset `offset` (once the stream
-    /// has reached them) and returns the start of the copy on the host.
+    /// Copies `bytes` at `at` to `host` and waits (with the deadline) until they are there.
     ///
     /// # Safety
-    /// `at` is device memory of this device valid for `bytes`.
-    unsafe fn to_host(&self, st: &mut State, at: u64, bytes: usize, offset: usize, stream: CUstream, w: &str) -> Result<*mut u8> {
-        let base = self.staging(st, offset + bytes, w)?;
-        // SAFETY: the region holds offset + bytes; `at` is the caller's device buffer.
-        let host = unsafe { base.add(offset) };
-        // SAFETY: `at` holds `bytes` (the caller's contract), `host` the region's part.
+    /// `at` is device memory of this device valid for `bytes`; `host` a part of the
+    /// staging region as long.
+    unsafe fn fetch_now(&self, st: &mut State, at: u64, host: *mut u8, bytes: usize, stream: CUstream, w: &str) -> Result<()> {
+        // SAFETY: the caller's contract.
         unsafe { self.copy(Copy::ToHost, at, host, bytes, stream) }?;
+        self.arrived(st, stream, w)
+    }
+
+    /// Waits (with the deadline) until the stream has run what is queued on it so far.
+    fn arrived(&self, st: &mut State, stream: CUstream, w: &str) -> Result<()> {
         st.reached.record(stream)?;
-        self.wait(st, Mark::Reached, &format!("{w}: the device-to-host copy"))?;
-        Ok(host)
+        self.wait(st, Mark::Reached, &format!("{w}: the device-to-host copy"))
     }
 
     /// Enqueues one copy between `dev` and the pinned `host` on `stream`.
@@ -398,21 +507,48 @@ impl DeviceComm {
         }
     }
 
-    /// Waits for `mark` with the deadline; past it NCCL is aborted (its kernels may wait
-    /// for a dead peer forever) and this communicator stops.
-    fn wait(&self, st: &mut State, mark: Mark, what: &str) -> Result<()> {
+    /// Waits for `mark` with the deadline (the failure, if any, stops the communicator
+    /// when the call settles).
+    fn wait(&self, st: &State, mark: Mark, what: &str) -> Result<()> {
         let ev = match mark {
             Mark::Reached => &st.reached,
             Mark::StagingFree => &st.staging_free,
-            Mark::Chunk(k) => &st.chunks[k],
+            Mark::Slot(k) => &st.slots[k],
         };
-        let r = ev.wait(self.timeout, self.rank, self.peer, what);
-        if let Err(e) = &r {
-            st.broken = Some(e.to_string());
+        ev.wait(self.timeout, self.rank, self.peer, what)
+    }
+}
+
+impl Drop for DeviceComm {
+    /// The pinned region is released only once the copies out of it have run; if they do
+    /// not within the deadline (a stuck stream), it is left mapped rather than freed under
+    /// a copy that may still write into it.
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        let previous = current_context();
+        let settled = bind(&self.ctx).is_ok() && st.staging_free.wait(self.timeout, self.rank, self.peer, "freeing the GPU communicator").is_ok();
+        if !settled {
+            std::mem::forget(st.staging.take());
             st.nccl.abort();
         }
-        r
+        // SAFETY: puts back the context that was current before.
+        unsafe { cu::cuCtxSetCurrent(previous) };
     }
+}
+
+/// The bytes of `count` × `blocks` elements of `dtype`, or an error if they overflow what a
+/// buffer can hold.
+fn byte_len(count: usize, blocks: usize, dtype: DType, w: &str) -> Result<usize> {
+    count.checked_mul(blocks).and_then(|n| n.checked_mul(dtype.size())).filter(|&b| b <= isize::MAX as usize).ok_or_else(|| {
+        invalid(format!("{w}: {count} elements{} of {} overflow a buffer", if blocks > 1 { format!(" x {blocks} ranks") } else { String::new() }, dtype.name()))
+    })
+}
+
+fn current_context() -> cu::CUcontext {
+    let mut c = std::ptr::null_mut();
+    // SAFETY: writes one context handle (null when none is current); on failure it stays null.
+    unsafe { cu::cuCtxGetCurrent(&mut c) };
+    c
 }
 
 fn bind(ctx: &Arc<CudaContext>) -> Result<()> {

@@ -5,8 +5,8 @@ use crate::error::{invalid, Error, Result};
 use crate::mem::Region;
 use cudarc::driver::sys::{self as cu, CUresult};
 use cudarc::driver::CudaContext;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Where a pointer's memory lives, as the CUDA driver sees it.
@@ -34,56 +34,73 @@ fn check(r: CUresult, what: &str) -> Result<()> {
 
 /// Whether the CUDA driver library is already loaded in this process. Only a process that
 /// loaded it can hold device pointers, so host entry points ask the driver about a
-/// pointer only then, and a CPU-only process never loads CUDA for the check.
+/// pointer only then, and a CPU-only process never loads CUDA for the check. Once seen
+/// loaded it stays so; not seen, the question is asked again at most every 10 ms (it
+/// takes the loader's lock), so a library loaded later is noticed that soon.
 fn cuda_in_process() -> bool {
     static SEEN: AtomicBool = AtomicBool::new(false);
+    static NEXT_PROBE_NS: AtomicU64 = AtomicU64::new(0);
+    static START: OnceLock<Instant> = OnceLock::new();
     if SEEN.load(Ordering::Relaxed) {
         return true;
     }
-    // SAFETY: RTLD_NOLOAD only looks the name up among the loaded objects; a handle found
-    // is released at once (the library stays, as others hold it).
-    let loaded = ["libcuda.so.1", "libcuda.so"].iter().any(|name| unsafe {
-        let c = std::ffi::CString::new(*name).unwrap_or_default();
-        let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+    let now = START.get_or_init(Instant::now).elapsed().as_nanos() as u64;
+    if now < NEXT_PROBE_NS.load(Ordering::Relaxed) {
+        return false;
+    }
+    // SAFETY: RTLD_NOLOAD only looks the name up among the loaded objects (their file
+    // names and sonames: cudarc's `libcuda.so` carries the soname `libcuda.so.1`); a handle
+    // found is released at once (the library stays, as others hold it).
+    let loaded = unsafe {
+        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
         if !h.is_null() {
             libc::dlclose(h);
         }
         !h.is_null()
-    });
+    };
     // cudarc opens the driver by its own list of names: one must load (it panics if none).
     // SAFETY: only dlopens candidate names.
     if loaded && unsafe { cu::is_culib_present() } {
         SEEN.store(true, Ordering::Relaxed);
         return true;
     }
+    NEXT_PROBE_NS.store(now + 10_000_000, Ordering::Relaxed);
     false
+}
+
+/// What the driver says of `ptr`: (memory type, device ordinal, managed, the allocation's
+/// start and size); `None` for memory it does not know or when CUDA is not in use here.
+fn attributes(ptr: *const u8) -> Option<(u32, usize, bool, u64, usize)> {
+    if ptr.is_null() || !cuda_in_process() {
+        return None;
+    }
+    // One driver call for every attribute (this runs on every collective's buffers).
+    use cu::CUpointer_attribute::{
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL as ORDINAL, CU_POINTER_ATTRIBUTE_IS_MANAGED as MANAGED, CU_POINTER_ATTRIBUTE_MEMORY_TYPE as TYPE,
+        CU_POINTER_ATTRIBUTE_RANGE_SIZE as SIZE, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR as START,
+    };
+    let mut attrs = [TYPE, ORDINAL, MANAGED, START, SIZE];
+    let (mut kind, mut ordinal, mut managed, mut start, mut size) = (0u32, 0i32, 0u32, 0u64, 0usize);
+    let mut out: [*mut std::ffi::c_void; 5] = [
+        &mut kind as *mut u32 as *mut _,
+        &mut ordinal as *mut i32 as *mut _,
+        &mut managed as *mut u32 as *mut _,
+        &mut start as *mut u64 as *mut _,
+        &mut size as *mut usize as *mut _,
+    ];
+    // SAFETY: one output slot of the attribute's size per attribute; a pointer the driver
+    // does not know comes back as memory type 0, not as a fault.
+    let r = unsafe { cu::cuPointerGetAttributes(5, attrs.as_mut_ptr(), out.as_mut_ptr(), ptr as cu::CUdeviceptr) };
+    (r == CUresult::CUDA_SUCCESS && kind != 0).then_some((kind, ordinal.max(0) as usize, managed == 1, start, size))
 }
 
 /// The kind of memory at `ptr`. Anything the driver does not know (plain `malloc`, a
 /// process without CUDA, CUDA not initialised) is host memory.
 pub fn memory_kind(ptr: *const u8) -> MemoryKind {
-    if ptr.is_null() || !cuda_in_process() {
-        return MemoryKind::Host;
-    }
-    // One driver call for the three attributes (this runs on every collective's buffers).
-    use cu::CUpointer_attribute::{
-        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL as ORDINAL, CU_POINTER_ATTRIBUTE_IS_MANAGED as MANAGED, CU_POINTER_ATTRIBUTE_MEMORY_TYPE as TYPE,
-    };
-    let mut attrs = [TYPE, ORDINAL, MANAGED];
-    let (mut kind, mut ordinal, mut managed) = (0u32, 0i32, 0u32);
-    let mut out: [*mut std::ffi::c_void; 3] = [&mut kind as *mut u32 as *mut _, &mut ordinal as *mut i32 as *mut _, &mut managed as *mut u32 as *mut _];
-    // SAFETY: one output slot of the attribute's size per attribute; a pointer the driver
-    // does not know comes back as memory type 0, not as a fault.
-    let r = unsafe { cu::cuPointerGetAttributes(3, attrs.as_mut_ptr(), out.as_mut_ptr(), ptr as cu::CUdeviceptr) };
-    if r != CUresult::CUDA_SUCCESS {
-        return MemoryKind::Host;
-    }
-    if managed == 1 {
-        MemoryKind::Managed
-    } else if kind == cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-        MemoryKind::Device(ordinal.max(0) as usize)
-    } else {
-        MemoryKind::Host
+    match attributes(ptr) {
+        Some((_, _, true, _, _)) => MemoryKind::Managed,
+        Some((kind, ordinal, _, _, _)) if kind == cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => MemoryKind::Device(ordinal),
+        _ => MemoryKind::Host,
     }
 }
 
@@ -98,16 +115,27 @@ pub fn expect_host(ptr: *const u8, w: &str, name: &str) -> Result<()> {
 }
 
 /// An error unless `ptr`, passed as `name` to `w`, is memory of CUDA device `device` (or
-/// managed memory).
-pub fn expect_device(ptr: *const u8, device: usize, w: &str, name: &str) -> Result<()> {
-    match memory_kind(ptr) {
-        MemoryKind::Device(d) if d == device => Ok(()),
-        MemoryKind::Managed => Ok(()),
-        MemoryKind::Device(d) => Err(invalid(format!("{w}: {name} {ptr:p} is memory of CUDA device {d}, but this GPU communicator is on device {device}"))),
-        MemoryKind::Host => {
-            Err(invalid(format!("{w}: {name} {ptr:p} is host memory; {w} takes CUDA device memory (host buffers go through the plain gradwire_* calls)")))
-        }
+/// managed memory) whose allocation holds `bytes` from `ptr` on.
+pub fn expect_device(ptr: *const u8, bytes: usize, device: usize, w: &str, name: &str) -> Result<()> {
+    if ptr.is_null() {
+        return Err(invalid(format!("{w}: {name} is NULL")));
     }
+    let host = || invalid(format!("{w}: {name} {ptr:p} is host memory; {w} takes CUDA device memory (host buffers go through the plain gradwire_* calls)"));
+    let (kind, ordinal, managed, start, size) = attributes(ptr).ok_or_else(host)?;
+    if !managed && kind != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Err(host());
+    }
+    if !managed && ordinal != device {
+        return Err(invalid(format!("{w}: {name} {ptr:p} is memory of CUDA device {ordinal}, but this GPU communicator is on device {device}")));
+    }
+    let end = (ptr as u64).checked_add(bytes as u64);
+    if size > 0 && end.is_none_or(|e| e > start.saturating_add(size as u64)) {
+        return Err(invalid(format!(
+            "{w}: {name} {ptr:p} holds {} bytes to the end of its allocation, but the call needs {bytes}",
+            (start + size as u64).saturating_sub(ptr as u64)
+        )));
+    }
+    Ok(())
 }
 
 /// A host region registered (pinned) with CUDA: device copies to and from it run at full
@@ -254,7 +282,7 @@ mod tests {
         let p = v.as_ptr() as *const u8;
         assert_eq!(memory_kind(p), MemoryKind::Host);
         expect_host(p, "gradwire_allreduce", "sendbuf").unwrap();
-        let e = expect_device(p, 0, "gradwire_gpu_allreduce", "recvbuf").unwrap_err().to_string();
+        let e = expect_device(p, 256, 0, "gradwire_gpu_allreduce", "recvbuf").unwrap_err().to_string();
         assert!(e.contains("gradwire_gpu_allreduce: recvbuf") && e.contains("is host memory") && e.contains("plain gradwire_* calls"), "{e}");
         assert_eq!(memory_kind(std::ptr::null()), MemoryKind::Host);
     }

@@ -138,7 +138,11 @@ pub fn run(comm: &Communicator, hierarchical: bool) -> Result<bool> {
     let dev = stream.alloc_zeros::<f32>(16).map_err(gpu)?;
     let e = gradwire::gpu::expect_host(ptr(&dev, &stream) as *const u8, "gradwire_allreduce", "sendbuf");
     let dev_refused = matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("CUDA device"));
-    t.case("wrong memory kinds refused", usize::from(!host_refused) + usize::from(!dev_refused))?;
+    // A count past the end of the device allocation: refused before NCCL reads beyond it.
+    // SAFETY: refused before any access.
+    let e = unsafe { dc.allreduce(comm, ptr(&dev, &stream), ptr(&dev, &stream), 1 << 20, DType::F32, ReduceOp::Sum, s) };
+    let short_refused = matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("to the end of its allocation"));
+    t.case("wrong memory kinds and short buffers refused", usize::from(!host_refused) + usize::from(!dev_refused) + usize::from(!short_refused))?;
 
     if me == 0 {
         println!("gpu-check: {} passed, {} failed", t.passed, t.failed);
