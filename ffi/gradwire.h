@@ -114,10 +114,13 @@ int gradwire_wait(gradwire_work_t *work, int64_t timeout_ms);
  * stays valid and a failure (a timeout included) is left for gradwire_wait to return. */
 int gradwire_test(gradwire_work_t *work, int *done);
 int gradwire_broadcast(gradwire_comm_t *comm, void *buf, size_t count, gradwire_dtype_t dtype, int root);
-/* recvbuf holds size * sendcount elements; part r comes from rank r. */
+/* recvbuf holds size * sendcount elements; part r comes from rank r. In place as NCCL (and
+ * MPI_IN_PLACE): sendbuf = recvbuf + rank * sendcount; other overlaps are refused. */
 int gradwire_allgather(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t sendcount,
                        gradwire_dtype_t dtype);
-/* sendbuf holds size * recvcount elements; rank r receives the reduction of part r. */
+/* sendbuf holds size * recvcount elements; rank r receives the reduction of part r. In
+ * place as NCCL: recvbuf = sendbuf + rank * recvcount (the other parts are left as they
+ * were); other overlaps are refused. */
 int gradwire_reduce_scatter(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t recvcount,
                             gradwire_dtype_t dtype, gradwire_op_t op);
 int gradwire_barrier(gradwire_comm_t *comm);
@@ -222,10 +225,12 @@ int gradwire_gpu_allreduce(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *
                            gradwire_dtype_t dtype, gradwire_op_t op, void *stream);
 int gradwire_gpu_broadcast(gradwire_gpu_comm_t *gpu, void *buf, size_t count, gradwire_dtype_t dtype, int root,
                            void *stream);
-/* sendbuf holds size x recvcount elements; the buffers must not overlap. */
+/* sendbuf holds size x recvcount elements; in place as NCCL: recvbuf = sendbuf + rank x
+ * recvcount; no other overlap. */
 int gradwire_gpu_reduce_scatter(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *recvbuf, size_t recvcount,
                                 gradwire_dtype_t dtype, gradwire_op_t op, void *stream);
-/* recvbuf holds size x sendcount elements, rank r's block at r; no overlap. */
+/* recvbuf holds size x sendcount elements, rank r's block at r; in place as NCCL: sendbuf
+ * = recvbuf + rank x sendcount; no other overlap. */
 int gradwire_gpu_allgather(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *recvbuf, size_t sendcount,
                            gradwire_dtype_t dtype, void *stream);
 

@@ -209,10 +209,13 @@ unsafe fn bad_inputs() {
     // An empty batch is a no-op.
     assert_eq!(gradwire_p2p_batch(comm, std::ptr::null(), 0), 0, "{}", last_error());
     expect(gradwire_allgather(comm, xp, shifted, 4, 0), INVALID, "overlap");
-    expect(gradwire_allgather(comm, xp, xp, 4, 0), INVALID, "overlap");
+    // One rank: the same pointer is NCCL's in-place layout (this rank's block at offset 0).
+    assert_eq!(gradwire_allgather(comm, xp, xp, 4, 0), 0, "{}", last_error());
     expect(gradwire_allgather(comm, xp, std::ptr::null_mut(), 4, 0), INVALID, "recvbuf is NULL");
     expect(gradwire_allgather(null, xp, shifted, 4, 0), INVALID, "comm is NULL");
-    expect(gradwire_reduce_scatter(comm, xp, xp, 4, 0, 0), INVALID, "overlap");
+    assert_eq!(gradwire_reduce_scatter(comm, xp, xp, 4, 0, 0), 0, "{}", last_error());
+    // SAFETY: inside `x`, one element on: neither in-place layout.
+    expect(gradwire_reduce_scatter(comm, xp, unsafe { xp.add(4) }, 4, 0, 0), INVALID, "recvbuf = sendbuf + rank x recvcount");
     expect(gradwire_reduce_scatter(comm, xp, shifted, 4, 0, 5), INVALID, "unknown op 5");
     expect(gradwire_reduce_scatter(comm, std::ptr::null(), xp, 4, 0, 0), INVALID, "sendbuf is NULL");
     expect(gradwire_barrier(bogus), INVALID, "not a live communicator");

@@ -102,6 +102,23 @@ int main(void) {
         for (int r = 0; r < size; r++) want += input(r, (size_t)rank * part + i, seed + 3);
         wrong += mine[i] != want;
     }
+
+    /* The same in place, as NCCL (and MPI_IN_PLACE) lay them out: the allgather's input is
+     * this rank's block of its output, the reduce-scatter's output this rank's block of
+     * its input (the other blocks stay as they were). */
+    float *own = all + (size_t)rank * part;
+    for (size_t i = 0; i < part; i++) own[i] = input(rank, i, seed + 4);
+    CHECK(gradwire_allgather(comm, own, all, part, GRADWIRE_FLOAT32));
+    for (int r = 0; r < size; r++)
+        for (size_t i = 0; i < part; i++) wrong += all[(size_t)r * part + i] != input(r, i, seed + 4);
+    for (size_t i = 0; i < part * (size_t)size; i++) all[i] = input(rank, i, seed + 5);
+    CHECK(gradwire_reduce_scatter(comm, all, own, part, GRADWIRE_FLOAT32, GRADWIRE_SUM));
+    for (size_t i = 0; i < part * (size_t)size; i++) {
+        size_t block = i / part;
+        float want = 0;
+        for (int r = 0; r < size; r++) want += input(r, i, seed + 5);
+        wrong += all[i] != (block == (size_t)rank ? want : input(rank, i, seed + 5));
+    }
     CHECK(gradwire_barrier(comm));
 
     CHECK(gradwire_free(comm, buf));

@@ -103,22 +103,6 @@ def _contiguous(t, what):
     return c, lambda: t.copy_(c)
 
 
-def _overlap(a, b):
-    """Whether the memory of two contiguous CPU tensors overlaps."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _then(first, second):
-    """A function that runs `first`, then `second`."""
-
-    def both():
-        first()
-        second()
-
-    return both
-
-
 def _blocking(opts):
     """Whether torch will wait for this call at once (`async_op=False`): it then runs as
     gradwire's blocking call, on this thread, with no work handle to complete."""
@@ -497,10 +481,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         out, back = dense(output_tensor, "all_gather_into_tensor")
         if out.numel() != src.numel() * self._comm.size or out.dtype != src.dtype:
             raise ValueError(f"gradwire: all_gather_into_tensor output must hold {self._comm.size} x {src.numel()} elements of {src.dtype}")
-        # FSDP gathers in place: the input is the output's own part. gradwire's buffers
-        # must not overlap, so that part goes in as a copy (1/W of the output).
-        if _overlap(src, out):
-            src = src.clone()
+        # FSDP gathers in place (the input is the output's own part): gradwire takes that
+        # layout as NCCL does.
         if cuda:
             self._gpu(out).allgather(src, out)
             back()
@@ -536,11 +518,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         out, back = dense(output_tensor, "reduce_scatter_tensor")
         if src.numel() != out.numel() * self._comm.size or out.dtype != src.dtype:
             raise ValueError(f"gradwire: reduce_scatter_tensor input must hold {self._comm.size} x {out.numel()} elements of {out.dtype}")
-        # In place (the output is the input's own part): the result lands in a separate
-        # tensor and is copied back once the call has finished.
-        if _overlap(src, out):
-            target, out = out, torch.empty_like(out)
-            back = _then(back, lambda: target.copy_(out))
+        # In place (the output is the input's own part): gradwire takes that layout as
+        # NCCL does.
         if cuda:
             self._gpu(out).reduce_scatter(src, out, op=op)
             back()

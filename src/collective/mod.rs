@@ -132,6 +132,61 @@ impl Request {
     }
 }
 
+/// Whether `send` and `recv` are NCCL's in-place layout of an allgather (`send` is this
+/// rank's block of `recv`) or of a reduce-scatter (`recv` is this rank's block of `send`).
+pub(crate) fn in_place_block(op: Collective, send: *const u8, recv: *mut u8, slen: usize, rlen: usize, rank: usize) -> bool {
+    let (s, r) = (send as usize, recv as usize);
+    slen > 0
+        && rlen > 0
+        && match op {
+            Collective::Allgather => r.checked_add(rank * slen) == Some(s),
+            Collective::ReduceScatter => s.checked_add(rank * rlen) == Some(r),
+            _ => false,
+        }
+}
+
+/// Runs an in-place allgather or reduce-scatter (NCCL's layouts) through a copy of this
+/// rank's block (1/W of the whole), so that no two views of the same bytes are alive:
+/// the allgather sends from a copy of its block; the reduce-scatter reduces into a
+/// separate block and copies it into place once the call is done.
+///
+/// # Safety
+/// As for [`Communicator::start`]: `send` readable for `slen` and `recv` writable for
+/// `rlen` bytes, laid out as [`in_place_block`] says.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_in_place_block(
+    st: &mut EngineState,
+    deadline: Instant,
+    call: CallHeader,
+    req: Request,
+    algo: Algo,
+    tune: Sizes,
+    send: *mut u8,
+    slen: usize,
+    recv: *mut u8,
+    rlen: usize,
+) -> Result<()> {
+    if req.op == Collective::Allgather {
+        // SAFETY: `send` holds this rank's block (the caller's contract); copied before
+        // `recv`, which contains it, is borrowed.
+        let own = unsafe { std::slice::from_raw_parts(send, slen) }.to_vec();
+        // SAFETY: `recv` is writable for `rlen` bytes; the only view of them now.
+        let whole = unsafe { std::slice::from_raw_parts_mut(recv, rlen) };
+        return run(st, deadline, call, req, algo, tune, Some(&own), whole);
+    }
+    let mut block = vec![0u8; rlen];
+    {
+        // SAFETY: `send` is readable for `slen` bytes; no mutable view of them is alive
+        // until this borrow ends.
+        let whole = unsafe { std::slice::from_raw_parts(send as *const u8, slen) };
+        run(st, deadline, call, req, algo, tune, Some(whole), &mut block)?;
+    }
+    // SAFETY: `recv` is this rank's block of `send`, writable for `rlen` bytes; the shared
+    // view above has ended.
+    unsafe { std::slice::from_raw_parts_mut(recv, rlen) }.copy_from_slice(&block);
+    Ok(())
+}
+
 impl Communicator {
     /// Starts a collective on raw buffers and returns at once.
     ///
@@ -139,7 +194,9 @@ impl Communicator {
     /// `send` must be readable for the request's send length and `recv` writable for its
     /// receive length (see [`Request::lengths`]); both must stay valid, and `recv` must not
     /// be read or written by anyone else, until the returned `Work` has completed. `send`
-    /// may equal `recv` (in place) for allreduce, broadcast and reduce.
+    /// may equal `recv` (in place) for allreduce, broadcast and reduce; in place as NCCL
+    /// defines it, an allgather's `send` may be this rank's block of `recv` and a
+    /// reduce-scatter's `recv` this rank's block of `send` ([`in_place_block`]).
     pub unsafe fn start(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<Work> {
         let job = self.job(req, send, recv)?;
         Ok(self.submit(describe(&req), job))
@@ -167,8 +224,17 @@ impl Communicator {
         if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
             return Err(invalid("null buffer"));
         }
-        if slen > 0 && std::ptr::eq(send, recv) && matches!(req.op, Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll) {
-            return Err(invalid(format!("{} cannot run in place (its send and receive buffers are the same)", req.op.name())));
+        let block = in_place_block(req.op, send, recv, slen, rlen, self.rank());
+        if slen > 0 && std::ptr::eq(send, recv) && !block && matches!(req.op, Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll) {
+            return Err(invalid(format!(
+                "{} cannot run with the same send and receive buffer (in place, as NCCL: {})",
+                req.op.name(),
+                match req.op {
+                    Collective::Allgather => "send is this rank's block of recv",
+                    Collective::ReduceScatter => "recv is this rank's block of send",
+                    _ => "not offered",
+                }
+            )));
         }
         let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes };
         let default_algo = self.config.algo;
@@ -177,6 +243,10 @@ impl Communicator {
             let (s, r) = (s, r);
             // Sequence numbers are given at execution, in the order operations run.
             let call = CallHeader { op: req.op.into(), dtype: req.dtype, redop: req.redop, root: req.root as u32, count: req.count as u64, seq: st.next_seq() };
+            if block {
+                // SAFETY: as below; `in_place_block` checked the layout.
+                return unsafe { run_in_place_block(st, deadline, call, req, req.algo.unwrap_or(default_algo), tune, s.0, slen, r.0, rlen) };
+            }
             // In place, the receive buffer is the only view of the bytes: a shared view of
             // them beside the mutable one would break Rust's aliasing rules.
             // SAFETY: lengths and validity are the caller's contract (see `start`).
@@ -226,6 +296,36 @@ impl Communicator {
         let req = Request::new(Collective::Allgather, T::DTYPE, ReduceOp::Sum, send.len());
         // SAFETY: borrows outlive wait().
         unsafe { self.run(req, send.as_ptr() as *const u8, recv.as_mut_ptr() as *mut u8) }
+    }
+
+    /// Allgather in place (NCCL's and MPI_IN_PLACE's layout): `buf` holds `size` blocks,
+    /// this rank's block is its contribution; afterwards block r is rank r's.
+    pub fn allgather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let block = self.blocks_of(buf.len(), "allgather_in_place")?;
+        let req = Request::new(Collective::Allgather, T::DTYPE, ReduceOp::Sum, block);
+        let p = buf.as_mut_ptr();
+        // SAFETY: `buf` is exclusively borrowed until run() returns; the send block lies
+        // inside it, at this rank's index.
+        unsafe { self.run(req, p.add(self.rank() * block) as *const u8, p as *mut u8) }
+    }
+
+    /// Reduce-scatter in place (NCCL's and MPI_IN_PLACE's layout): `buf` holds `size`
+    /// blocks; afterwards this rank's block holds the reduction of every rank's block of
+    /// that index (the other blocks are left as they were).
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let block = self.blocks_of(buf.len(), "reduce_scatter_in_place")?;
+        let req = Request::new(Collective::ReduceScatter, T::DTYPE, op, block);
+        let p = buf.as_mut_ptr();
+        // SAFETY: as for allgather_in_place; the receive block is this rank's.
+        unsafe { self.run(req, p as *const u8, p.add(self.rank() * block) as *mut u8) }
+    }
+
+    /// The block length of a buffer of `size` equal blocks.
+    fn blocks_of(&self, len: usize, what: &str) -> Result<usize> {
+        if len % self.size() != 0 {
+            return Err(invalid(format!("{what}: {len} elements do not split into {} equal blocks", self.size())));
+        }
+        Ok(len / self.size())
     }
 
     /// All-to-all with equal blocks: `send` and `recv` hold `size` blocks of the same

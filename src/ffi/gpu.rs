@@ -3,6 +3,7 @@
 //! collectives enqueued on the caller's stream, as NCCL's are.
 
 use super::{comm, dtype, gradwire_comm_t, gradwire_dtype_t, gradwire_op_t, guard, live_handle, out, put, redop, registry, root_of, take_handle, to_handle};
+use crate::collective::Collective;
 use crate::error::{invalid, Result};
 use crate::gpu::DeviceComm;
 use std::ffi::{c_int, c_void};
@@ -114,7 +115,7 @@ pub unsafe extern "C" fn gradwire_gpu_reduce_scatter(
     guard(|| {
         let w = "gradwire_gpu_reduce_scatter";
         let (g, c) = gpu(gpu_p, w)?;
-        check_disjoint(sendbuf, recvcount.saturating_mul(c.size()), recvbuf, recvcount, dtype(dt, w)?.size(), w)?;
+        check_disjoint(Collective::ReduceScatter, c.rank(), sendbuf, recvcount.saturating_mul(c.size()), recvbuf, recvcount, dtype(dt, w)?.size(), w)?;
         // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
         unsafe { g.reduce_scatter(&c, sendbuf as u64, recvbuf as u64, recvcount, dtype(dt, w)?, redop(op, w)?, stream as _) }
     })
@@ -136,18 +137,22 @@ pub unsafe extern "C" fn gradwire_gpu_allgather(
     guard(|| {
         let w = "gradwire_gpu_allgather";
         let (g, c) = gpu(gpu_p, w)?;
-        check_disjoint(sendbuf, sendcount, recvbuf, sendcount.saturating_mul(c.size()), dtype(dt, w)?.size(), w)?;
+        check_disjoint(Collective::Allgather, c.rank(), sendbuf, sendcount, recvbuf, sendcount.saturating_mul(c.size()), dtype(dt, w)?.size(), w)?;
         // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
         unsafe { g.allgather(&c, sendbuf as u64, recvbuf as u64, sendcount, dtype(dt, w)?, stream as _) }
     })
 }
 
-/// An error when the two buffers (in elements of `es` bytes) overlap.
-fn check_disjoint(send: *const c_void, slen: usize, recv: *mut c_void, rlen: usize, es: usize, w: &str) -> Result<()> {
+/// An error when the two buffers (in elements of `es` bytes) overlap other than in NCCL's
+/// in-place layout of `op` (which NCCL runs as such, and the cross-node path piece by
+/// piece: each piece is read before it is written).
+#[allow(clippy::too_many_arguments)]
+fn check_disjoint(op: Collective, rank: usize, send: *const c_void, slen: usize, recv: *mut c_void, rlen: usize, es: usize, w: &str) -> Result<()> {
     let (s, r) = (send as usize, recv as usize);
     let (sb, rb) = (slen.saturating_mul(es), rlen.saturating_mul(es));
-    if sb > 0 && rb > 0 && s < r.saturating_add(rb) && r < s.saturating_add(sb) {
-        return Err(invalid(format!("{w}: sendbuf and recvbuf overlap")));
+    let block = crate::collective::in_place_block(op, send as *const u8, recv as *mut u8, sb, rb, rank);
+    if sb > 0 && rb > 0 && !block && s < r.saturating_add(rb) && r < s.saturating_add(sb) {
+        return Err(invalid(format!("{w}: sendbuf and recvbuf overlap (in place, as NCCL: this rank's block of the larger buffer)")));
     }
     Ok(())
 }

@@ -236,8 +236,15 @@ fn check_buffers(c: &Communicator, req: &Request, send: *const c_void, recv: *mu
     host_memory(send, slen, recv, rlen, what)?;
     let (s, r) = (send as usize, recv as usize);
     let in_place_ok = matches!(req.op, Collective::Allreduce | Collective::Broadcast | Collective::Reduce);
-    if slen > 0 && rlen > 0 && !(in_place_ok && s == r) && s < r.saturating_add(rlen) && r < s.saturating_add(slen) {
-        return Err(invalid(format!("{what}: sendbuf and recvbuf overlap{}", if in_place_ok { " (pass the same pointer for in place)" } else { "" })));
+    let block = crate::collective::in_place_block(req.op, send as *const u8, recv as *mut u8, slen, rlen, c.rank());
+    if slen > 0 && rlen > 0 && !(in_place_ok && s == r) && !block && s < r.saturating_add(rlen) && r < s.saturating_add(slen) {
+        let how = match req.op {
+            _ if in_place_ok => " (pass the same pointer for in place)",
+            Collective::Allgather => " (in place, as NCCL: sendbuf = recvbuf + rank x sendcount)",
+            Collective::ReduceScatter => " (in place, as NCCL: recvbuf = sendbuf + rank x recvcount)",
+            _ => "",
+        };
+        return Err(invalid(format!("{what}: sendbuf and recvbuf overlap{how}")));
     }
     Ok(())
 }

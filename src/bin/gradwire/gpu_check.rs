@@ -129,6 +129,24 @@ pub fn run(comm: &Communicator, hierarchical: bool) -> Result<bool> {
     let got = stream.clone_dtoh(&recv).map_err(gpu)?;
     t.case("allgather f32", (0..m * w).filter(|&i| got[i] != x[i / m][i % m]).count())?;
 
+    // The same in place, as NCCL lays them out: this rank's block of the larger buffer.
+    let es = std::mem::size_of::<f32>() as u64;
+    let whole = stream.clone_htod(&x[me]).map_err(gpu)?;
+    let own = ptr(&whole, &stream) + (me * m) as u64 * es;
+    // SAFETY: `whole` holds w × m elements; `own` is this rank's block of it.
+    unsafe { dc.reduce_scatter(comm, ptr(&whole, &stream), own, m, DType::F32, ReduceOp::Sum, s) }?;
+    let got = stream.clone_dtoh(&whole).map_err(gpu)?;
+    let want = |i: usize| if i / m == me { x.iter().map(|v| v[i]).sum::<f32>() } else { x[me][i] };
+    t.case("reduce-scatter f32 sum in place", (0..m * w).filter(|&i| got[i] != want(i)).count())?;
+    let mut mine = vec![0f32; m * w];
+    mine[me * m..(me + 1) * m].copy_from_slice(&x[me][..m]);
+    let whole = stream.clone_htod(&mine).map_err(gpu)?;
+    let own = ptr(&whole, &stream) + (me * m) as u64 * es;
+    // SAFETY: as above.
+    unsafe { dc.allgather(comm, own, ptr(&whole, &stream), m, DType::F32, s) }?;
+    let got = stream.clone_dtoh(&whole).map_err(gpu)?;
+    t.case("allgather f32 in place", (0..m * w).filter(|&i| got[i] != x[i / m][i % m]).count())?;
+
     // The wrong kind of memory: a host buffer to a device call, a device buffer to a host
     // one. Each must be a clear error, not a fault.
     let host = [0f32; 16];
