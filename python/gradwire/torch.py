@@ -372,17 +372,22 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         """The gradwire communicator under this group."""
         return self._comm
 
+    def _each_on_gpu(self, tensors, opts, what, call):
+        """`call(gpu, t)` for each CUDA tensor (a contiguous copy where it is not), on the
+        GPU communicator of its device; the work of the whole call."""
+        for t in tensors:
+            c, back = _dense(t, what)
+            call(self._gpu(c), c)
+            back()
+        return _cuda_work(tensors, opts, tensors[0].device)
+
     # --- collectives -------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
         self._start_p2p()
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if _on_cuda(tensors, "allreduce"):
-            for t in tensors:
-                c, back = _dense(t, "allreduce")
-                self._gpu(c).allreduce(c, op=op)
-                back()
-            return _cuda_work(tensors, opts, tensors[0].device)
+            return self._each_on_gpu(tensors, opts, "allreduce", lambda gpu, t: gpu.allreduce(t, op=op))
         if len(tensors) == 1 and tensors[0].is_contiguous():
             t = _cpu(tensors[0], "allreduce")
             if _blocking(opts):
@@ -422,11 +427,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._start_p2p()
         root = opts.rootRank if opts is not None else 0
         if _on_cuda(tensors, "broadcast"):
-            for t in tensors:
-                c, back = _dense(t, "broadcast")
-                self._gpu(c).broadcast(c, root=root)
-                back()
-            return _cuda_work(tensors, opts, tensors[0].device)
+            return self._each_on_gpu(tensors, opts, "broadcast", lambda gpu, t: gpu.broadcast(t, root=root))
         if len(tensors) == 1:
             c, back = _contiguous(tensors[0], "broadcast")
             if _blocking(opts):

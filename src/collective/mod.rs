@@ -196,7 +196,7 @@ impl Communicator {
     /// be read or written by anyone else, until the returned `Work` has completed. `send`
     /// may equal `recv` (in place) for allreduce, broadcast and reduce; in place as NCCL
     /// defines it, an allgather's `send` may be this rank's block of `recv` and a
-    /// reduce-scatter's `recv` this rank's block of `send` ([`in_place_block`]).
+    /// reduce-scatter's `recv` this rank's block of `send`.
     pub unsafe fn start(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<Work> {
         let job = self.job(req, send, recv)?;
         Ok(self.submit(describe(&req), job))
