@@ -11,6 +11,9 @@
  *     value, or a count whose buffer would exceed PTRDIFF_MAX bytes returns
  *     GRADWIRE_ERR_INVALID_ARGUMENT; nothing crosses this boundary as a panic or abort (a
  *     bug inside gradwire returns GRADWIRE_ERR_INTERNAL and fails the communicator).
+ *   - Arguments are checked on each rank: a call refused on some ranks only (say, an
+ *     overlap that is the in-place layout on one rank and not on another) leaves the
+ *     others waiting until GRADWIRE_TIMEOUT_MS, which then names the missing rank.
  *   - Blocking calls return when the operation is complete on this rank, or with an error
  *     naming the peer rank and the operation once GRADWIRE_TIMEOUT_MS has passed since it
  *     started running (operations queued ahead of it run first, each with its own deadline).

@@ -359,3 +359,48 @@ fn in_place_allgather_and_reduce_scatter_match() {
         }
     }
 }
+
+/// The in-place reduce-scatter on buffers from gradwire's shared memory, large enough for
+/// the zero-copy form (peers reduce straight out of this rank's buffer while its own block
+/// is the output), and the in-place allgather on them, over shm at 3 ranks.
+#[test]
+fn in_place_collectives_on_shared_buffers() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let (world, m) = (3, 100_003);
+    let input = |rank: usize, call: usize, n: usize| -> Vec<f32> {
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ ((rank as u64) << 32 | call as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        (0..n).map(|_| rng.random_range(-1000..=1000) as f32).collect()
+    };
+    let p = port();
+    let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..world)
+            .map(|r| {
+                let input = &input;
+                s.spawn(move || {
+                    let mut c = cfg(60_000);
+                    c.transport = TransportChoice::Shm;
+                    let comm = Communicator::with_env(env(r, world, p), c).unwrap();
+                    let region = gradwire::mem::Region::shared("in-place-test", m * world * 4).unwrap();
+                    // SAFETY: the region is ours, page-aligned and m × world f32 long.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(region.as_ptr() as *mut f32, m * world) };
+                    buf.copy_from_slice(&input(r, 0, m * world));
+                    comm.reduce_scatter_in_place(buf, ReduceOp::Sum).unwrap();
+                    let reduced = buf.to_vec();
+                    buf.fill(0.0);
+                    buf[r * m..(r + 1) * m].copy_from_slice(&input(r, 1, m));
+                    comm.allgather_in_place(buf).unwrap();
+                    (reduced, buf.to_vec())
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ins: Vec<Vec<f32>> = (0..world).map(|r| input(r, 0, m * world)).collect();
+    let gathered: Vec<f32> = (0..world).flat_map(|r| input(r, 1, m)).collect();
+    for (r, (reduced, all)) in results.iter().enumerate() {
+        let want: Vec<f32> = (0..m * world).map(|j| if j / m == r { ins.iter().map(|x| x[j]).sum() } else { ins[r][j] }).collect();
+        assert!(reduced == &want, "rank {r}: reduce-scatter in place on shared buffers (seed {seed})");
+        assert!(all == &gathered, "rank {r}: allgather in place on shared buffers (seed {seed})");
+    }
+}

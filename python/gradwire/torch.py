@@ -103,6 +103,22 @@ def _contiguous(t, what):
     return c, lambda: t.copy_(c)
 
 
+def _overlap(a, b):
+    """Whether the memory of two contiguous tensors overlaps."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _then(first, second):
+    """A function that runs `first`, then `second`."""
+
+    def both():
+        first()
+        second()
+
+    return both
+
+
 def _blocking(opts):
     """Whether torch will wait for this call at once (`async_op=False`): it then runs as
     gradwire's blocking call, on this thread, with no work handle to complete."""
@@ -483,7 +499,9 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         if out.numel() != src.numel() * self._comm.size or out.dtype != src.dtype:
             raise ValueError(f"gradwire: all_gather_into_tensor output must hold {self._comm.size} x {src.numel()} elements of {src.dtype}")
         # FSDP gathers in place (the input is the output's own part): gradwire takes that
-        # layout as NCCL does.
+        # layout as NCCL does. Any other overlap goes in as a copy, on every rank alike.
+        if _overlap(src, out) and src.data_ptr() != out.data_ptr() + self.rank() * src.numel() * src.element_size():
+            src = src.clone()
         if cuda:
             self._gpu(out).allgather(src, out)
             back()
@@ -520,7 +538,10 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         if src.numel() != out.numel() * self._comm.size or out.dtype != src.dtype:
             raise ValueError(f"gradwire: reduce_scatter_tensor input must hold {self._comm.size} x {out.numel()} elements of {out.dtype}")
         # In place (the output is the input's own part): gradwire takes that layout as
-        # NCCL does.
+        # NCCL does. Any other overlap lands in a separate tensor, copied back at the end.
+        if _overlap(src, out) and out.data_ptr() != src.data_ptr() + self.rank() * out.numel() * out.element_size():
+            target, out = out, torch.empty_like(out)
+            back = _then(back, lambda: target.copy_(out))
         if cuda:
             self._gpu(out).reduce_scatter(src, out, op=op)
             back()

@@ -139,8 +139,8 @@ pub(crate) fn in_place_block(op: Collective, send: *const u8, recv: *mut u8, sle
     slen > 0
         && rlen > 0
         && match op {
-            Collective::Allgather => r.checked_add(rank * slen) == Some(s),
-            Collective::ReduceScatter => s.checked_add(rank * rlen) == Some(r),
+            Collective::Allgather => rank.checked_mul(slen).and_then(|o| r.checked_add(o)) == Some(s),
+            Collective::ReduceScatter => rank.checked_mul(rlen).and_then(|o| s.checked_add(o)) == Some(r),
             _ => false,
         }
 }
@@ -226,15 +226,15 @@ impl Communicator {
         }
         let block = in_place_block(req.op, send, recv, slen, rlen, self.rank());
         if slen > 0 && std::ptr::eq(send, recv) && !block && matches!(req.op, Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll) {
-            return Err(invalid(format!(
-                "{} cannot run with the same send and receive buffer (in place, as NCCL: {})",
-                req.op.name(),
-                match req.op {
-                    Collective::Allgather => "send is this rank's block of recv",
-                    Collective::ReduceScatter => "recv is this rank's block of send",
-                    _ => "not offered",
+            return Err(invalid(match req.op {
+                Collective::Allgather => {
+                    "allgather cannot run with the same send and receive buffer (in place, as NCCL: send is this rank's block of recv)".to_string()
                 }
-            )));
+                Collective::ReduceScatter => {
+                    "reduce_scatter cannot run with the same send and receive buffer (in place, as NCCL: recv is this rank's block of send)".to_string()
+                }
+                _ => format!("{} cannot run in place (its send and receive buffers are the same)", req.op.name()),
+            }));
         }
         let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes };
         let default_algo = self.config.algo;

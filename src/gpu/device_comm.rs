@@ -343,7 +343,9 @@ impl DeviceComm {
     /// reduced block.
     ///
     /// # Safety
-    /// As [`DeviceComm::allreduce`], for the sizes named; the buffers do not overlap.
+    /// As [`DeviceComm::allreduce`], for the sizes named; the buffers are disjoint or in
+    /// NCCL's in-place layout (this rank's block of the larger one: each piece of it is
+    /// read before it is written).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn reduce_scatter(
         &self,
@@ -387,7 +389,9 @@ impl DeviceComm {
     /// Allgather: `recv` holds size × `sendcount` elements, rank r's block at r.
     ///
     /// # Safety
-    /// As [`DeviceComm::allreduce`], for the sizes named; the buffers do not overlap.
+    /// As [`DeviceComm::allreduce`], for the sizes named; the buffers are disjoint or in
+    /// NCCL's in-place layout (this rank's block of the larger one: each piece of it is
+    /// read before it is written).
     pub unsafe fn allgather(&self, world: &Communicator, send: u64, recv: u64, sendcount: usize, dtype: DType, stream: CUstream) -> Result<()> {
         let w = "gradwire_gpu_allgather";
         let (part, whole) = (byte_len(sendcount, 1, dtype, w)?, byte_len(sendcount, self.world, dtype, w)?);
