@@ -104,3 +104,37 @@ pub fn unavailable() -> Option<String> {
         Err(e) => Some(format!("the CUDA driver cannot count devices: {e}")),
     }
 }
+
+/// What `gradwire info` says of usable GPUs: the CUDA version the driver supports, NCCL's
+/// version, and each device's name and memory. Call only when [`unavailable`] is `None`.
+pub fn describe() -> Vec<String> {
+    use cudarc::driver::sys as cu;
+    let mut lines = Vec::new();
+    let mut driver = 0;
+    // SAFETY: the driver is loadable (the caller checked); writes one int.
+    if unsafe { cu::cuDriverGetVersion(&mut driver) } == cu::CUresult::CUDA_SUCCESS {
+        lines.push(format!("CUDA driver supports CUDA {}.{}", driver / 1000, driver % 1000 / 10));
+    }
+    match cudarc::nccl::result::get_nccl_version() {
+        // NCCL >= 2.9 encodes major * 10000 + minor * 100 + patch.
+        Ok(v) => lines.push(format!("NCCL {}.{}.{}", v / 10000, v % 10000 / 100, v % 100)),
+        Err(e) => lines.push(format!("NCCL version unknown: {e:?}")),
+    }
+    let count = CudaContext::device_count().unwrap_or(0);
+    for ordinal in 0..count {
+        let (mut dev, mut name, mut bytes) = (0, [0 as std::ffi::c_char; 128], 0usize);
+        // SAFETY: cuDeviceGetCount succeeded, so the driver is initialised; each call writes
+        // into its own out-parameter (the name NUL-terminated within its 128 bytes).
+        let ok = unsafe {
+            cu::cuDeviceGet(&mut dev, ordinal) == cu::CUresult::CUDA_SUCCESS
+                && cu::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev) == cu::CUresult::CUDA_SUCCESS
+                && cu::cuDeviceTotalMem_v2(&mut bytes, dev) == cu::CUresult::CUDA_SUCCESS
+        };
+        if ok {
+            // SAFETY: NUL-terminated by the driver within the buffer.
+            let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy();
+            lines.push(format!("device {ordinal}: {name}, {} MiB", bytes >> 20));
+        }
+    }
+    lines
+}

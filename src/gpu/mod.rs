@@ -16,5 +16,5 @@ mod memory;
 mod nccl;
 
 pub use device_comm::DeviceComm;
-pub use load::{nccl_link_dir, nccl_search, unavailable, NcclSearch};
+pub use load::{describe, nccl_link_dir, nccl_search, unavailable, NcclSearch};
 pub use memory::{expect_device, expect_host, memory_kind, staging_bandwidth, MemoryKind};

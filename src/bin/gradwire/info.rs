@@ -54,7 +54,12 @@ pub fn run(settings_only: bool) -> i32 {
     }
     #[cfg(feature = "cuda")]
     match gradwire::gpu::unavailable() {
-        None => println!("  nccl (GPU)       available: {} CUDA device(s)", cudarc_devices()),
+        None => {
+            println!("  nccl (GPU)       available: {} CUDA device(s)", cudarc_devices());
+            for line in gradwire::gpu::describe() {
+                println!("                   {line}");
+            }
+        }
         Some(why) => println!("  nccl (GPU)       unavailable: {why}"),
     }
     #[cfg(not(feature = "cuda"))]
