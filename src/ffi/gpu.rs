@@ -16,8 +16,9 @@ pub type gradwire_gpu_comm_t = gradwire_gpu_comm;
 
 /// The GPU communicator behind `p` with the communicator it was made from.
 fn gpu(p: *const gradwire_gpu_comm_t, w: &str) -> Result<(Arc<DeviceComm>, Arc<crate::comm::Communicator>)> {
-    let (comm_id, g) = live_handle(&registry().gpus, p, w, "gpu communicator")?;
-    let c = registry().comms.get(&comm_id).cloned().ok_or_else(|| invalid(format!("{w}: the GPU communicator's communicator is finalized")))?;
+    let reg = registry();
+    let (comm_id, g) = live_handle(&reg.gpus, p, w, "gpu communicator")?;
+    let c = reg.comms.get(&comm_id).cloned().ok_or_else(|| invalid(format!("{w}: the GPU communicator's communicator is finalized")))?;
     Ok((g, c))
 }
 
@@ -115,9 +116,10 @@ pub unsafe extern "C" fn gradwire_gpu_reduce_scatter(
     guard(|| {
         let w = "gradwire_gpu_reduce_scatter";
         let (g, c) = gpu(gpu_p, w)?;
-        check_disjoint(Collective::ReduceScatter, c.rank(), sendbuf, recvcount.saturating_mul(c.size()), recvbuf, recvcount, dtype(dt, w)?.size(), w)?;
+        let d = dtype(dt, w)?;
+        check_disjoint(Collective::ReduceScatter, c.rank(), sendbuf, recvcount.saturating_mul(c.size()), recvbuf, recvcount, d.size(), w)?;
         // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
-        unsafe { g.reduce_scatter(&c, sendbuf as u64, recvbuf as u64, recvcount, dtype(dt, w)?, redop(op, w)?, stream as _) }
+        unsafe { g.reduce_scatter(&c, sendbuf as u64, recvbuf as u64, recvcount, d, redop(op, w)?, stream as _) }
     })
 }
 
@@ -137,9 +139,10 @@ pub unsafe extern "C" fn gradwire_gpu_allgather(
     guard(|| {
         let w = "gradwire_gpu_allgather";
         let (g, c) = gpu(gpu_p, w)?;
-        check_disjoint(Collective::Allgather, c.rank(), sendbuf, sendcount, recvbuf, sendcount.saturating_mul(c.size()), dtype(dt, w)?.size(), w)?;
+        let d = dtype(dt, w)?;
+        check_disjoint(Collective::Allgather, c.rank(), sendbuf, sendcount, recvbuf, sendcount.saturating_mul(c.size()), d.size(), w)?;
         // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
-        unsafe { g.allgather(&c, sendbuf as u64, recvbuf as u64, sendcount, dtype(dt, w)?, stream as _) }
+        unsafe { g.allgather(&c, sendbuf as u64, recvbuf as u64, sendcount, d, stream as _) }
     })
 }
 

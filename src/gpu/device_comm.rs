@@ -13,7 +13,7 @@
 //! (its node peers' kernels end instead of waiting for this rank) and every later call
 //! fails with the first failure.
 
-use super::memory::{driver_err, expect_device, Event, PinnedStaging};
+use super::memory::{cuda_err, driver_err, expect_device, Current, Event, PinnedStaging};
 use super::nccl::NcclGroup;
 use crate::collective::{Collective, Request};
 use crate::comm::Communicator;
@@ -81,18 +81,10 @@ const PIPELINE_BYTES: usize = 4 << 20;
 const SLOTS: usize = 4;
 
 /// One call's hold on the communicator: its state, with the device's context current on
-/// this thread, and the caller's context current again when the call ends (a framework
-/// thread keeps its own current device).
+/// this thread until the call ends.
 struct Call<'a> {
     st: MutexGuard<'a, State>,
-    previous: cu::CUcontext,
-}
-
-impl Drop for Call<'_> {
-    fn drop(&mut self) {
-        // SAFETY: puts back the context that was current (possibly none) when the call began.
-        unsafe { cu::cuCtxSetCurrent(self.previous) };
-    }
+    _current: Current,
 }
 
 impl std::ops::Deref for Call<'_> {
@@ -117,24 +109,20 @@ impl DeviceComm {
             return Err(Error::Unsupported(why));
         }
         let g = crate::collective::hierarchical::same_ranks_per_node(comm, "GPU collectives")?;
-        let devices = CudaContext::device_count().map_err(|e| Error::Unsupported(format!("cuDeviceGetCount: {e:?}")))?.max(0) as usize;
+        let devices = CudaContext::device_count().map_err(|e| cuda_err("cuDeviceGetCount", e))?.max(0) as usize;
         if device >= devices {
             return Err(invalid(format!("CUDA device {device} does not exist: this process sees {devices} device(s) (CUDA_VISIBLE_DEVICES?)")));
         }
-        let ctx = CudaContext::new(device).map_err(|e| Error::Unsupported(format!("CUDA device {device}: {e:?}")))?;
-        let previous = current_context();
-        bind(&ctx)?;
-        let made = (|| {
-            let node = comm.split_node_local()?;
-            let nccl = NcclGroup::new(&node)?;
-            let cross = comm.split_cross_node()?;
-            Ok(State { nccl, cross, staging: None, staging_free: Event::new()?, reached: Event::new()?, slots: Vec::new(), broken: None })
-        })();
-        // SAFETY: puts back the context that was current before.
-        unsafe { cu::cuCtxSetCurrent(previous) };
+        let ctx = CudaContext::new(device).map_err(|e| cuda_err(&format!("CUDA device {device}"), e))?;
+        let current = Current::make(&ctx)?;
+        let node = comm.split_node_local()?;
+        let nccl = NcclGroup::new(&node)?;
+        let cross = comm.split_cross_node()?;
+        let state = State { nccl, cross, staging: None, staging_free: Event::new()?, reached: Event::new()?, slots: Vec::new(), broken: None };
+        drop(current);
         let peer = (0..comm.size()).find(|&r| r != comm.rank()).unwrap_or(comm.rank());
         Ok(DeviceComm {
-            state: Mutex::new(made?),
+            state: Mutex::new(state),
             ctx,
             device,
             rank: comm.rank(),
@@ -143,6 +131,14 @@ impl DeviceComm {
             peer,
             timeout: comm.config().timeout,
         })
+    }
+
+    /// [`DeviceComm::new`] on the device of this rank's index in its node, modulo the
+    /// devices this process sees (what `gradwire launch` and torchrun give each rank).
+    pub fn on_local_device(comm: &Communicator) -> Result<Self> {
+        let index = comm.topology().local_ranks(comm.rank()).iter().position(|&r| r == comm.rank()).unwrap_or(0);
+        let devices = CudaContext::device_count().unwrap_or(1).max(1) as usize;
+        Self::new(comm, index % devices)
     }
 
     /// The CUDA device this rank's buffers live on.
@@ -187,8 +183,7 @@ impl DeviceComm {
                 reason: format!("{w}: this GPU communicator stopped after an earlier failure: {why}"),
             });
         }
-        let call = Call { st, previous: current_context() };
-        bind(&self.ctx)?;
+        let call = Call { st, _current: Current::make(&self.ctx)? };
         for (i, &(p, name, bytes)) in buffers.iter().enumerate() {
             // In place: the same pointer needs no second question to the driver.
             if bytes > 0 && buffers[..i].iter().all(|&(q, _, b)| q != p || b < bytes) {
@@ -529,14 +524,12 @@ impl Drop for DeviceComm {
     /// a copy that may still write into it.
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        let previous = current_context();
-        let settled = bind(&self.ctx).is_ok() && st.staging_free.wait(self.timeout, self.rank, self.peer, "freeing the GPU communicator").is_ok();
-        if !settled {
+        let current = Current::make(&self.ctx);
+        if current.is_err() || st.staging_free.wait(self.timeout, self.rank, self.peer, "freeing the GPU communicator").is_err() {
             std::mem::forget(st.staging.take());
             st.nccl.abort();
         }
-        // SAFETY: puts back the context that was current before.
-        unsafe { cu::cuCtxSetCurrent(previous) };
+        drop(st.staging.take()); // unregistered while the device's context is current
     }
 }
 
@@ -546,17 +539,6 @@ fn byte_len(count: usize, blocks: usize, dtype: DType, w: &str) -> Result<usize>
     count.checked_mul(blocks).and_then(|n| n.checked_mul(dtype.size())).filter(|&b| b <= isize::MAX as usize).ok_or_else(|| {
         invalid(format!("{w}: {count} elements{} of {} overflow a buffer", if blocks > 1 { format!(" x {blocks} ranks") } else { String::new() }, dtype.name()))
     })
-}
-
-fn current_context() -> cu::CUcontext {
-    let mut c = std::ptr::null_mut();
-    // SAFETY: writes one context handle (null when none is current); on failure it stays null.
-    unsafe { cu::cuCtxGetCurrent(&mut c) };
-    c
-}
-
-fn bind(ctx: &Arc<CudaContext>) -> Result<()> {
-    ctx.bind_to_thread().map_err(|e| Error::Unsupported(format!("cuCtxSetCurrent: {e:?}")))
 }
 
 fn prefixed(e: Error, w: &str) -> Error {

@@ -24,6 +24,42 @@ pub(super) fn driver_err(what: &str, r: CUresult) -> Error {
     Error::Unsupported(format!("{what}: {r:?}"))
 }
 
+/// A failed cudarc driver call, named.
+pub(super) fn cuda_err(what: &str, e: cudarc::driver::DriverError) -> Error {
+    Error::Unsupported(format!("{what}: {e:?}"))
+}
+
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        cuda_err("CUDA", e)
+    }
+}
+
+/// `ctx` current on this thread until dropped, then whatever was current before (possibly
+/// none): a framework's thread keeps its own current device across gradwire's calls.
+pub(super) struct Current {
+    previous: cu::CUcontext,
+}
+
+impl Current {
+    pub(super) fn make(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let mut previous = std::ptr::null_mut();
+        // SAFETY: writes one context handle (null when none is current); on failure it
+        // stays null.
+        unsafe { cu::cuCtxGetCurrent(&mut previous) };
+        let current = Current { previous };
+        ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        Ok(current)
+    }
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        // SAFETY: puts back the context that was current when this was made.
+        unsafe { cu::cuCtxSetCurrent(self.previous) };
+    }
+}
+
 fn check(r: CUresult, what: &str) -> Result<()> {
     if r == CUresult::CUDA_SUCCESS {
         Ok(())
@@ -148,7 +184,7 @@ pub(super) struct PinnedStaging {
 impl PinnedStaging {
     pub(super) fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
         let region = Region::anonymous(bytes)?;
-        ctx.bind_to_thread().map_err(|e| Error::Unsupported(format!("cuCtxSetCurrent: {e:?}")))?;
+        let _current = Current::make(ctx)?;
         // SAFETY: the region is a live, page-aligned mapping of `len` bytes owned by us; it
         // is unregistered in Drop before the mapping goes away.
         let r = unsafe { cu::cuMemHostRegister_v2(region.as_ptr() as *mut _, region.len(), cu::CU_MEMHOSTREGISTER_PORTABLE) };
@@ -237,9 +273,10 @@ pub fn staging_bandwidth(device: usize, bytes: usize, reps: usize) -> Result<[f6
     if let Some(why) = super::unavailable() {
         return Err(Error::Unsupported(why));
     }
-    let ctx = CudaContext::new(device).map_err(|e| Error::Unsupported(format!("CUDA device {device}: {e:?}")))?;
-    let stream = ctx.new_stream().map_err(|e| Error::Unsupported(format!("cuStreamCreate: {e:?}")))?;
-    let dev = stream.alloc_zeros::<u8>(bytes).map_err(|e| Error::Unsupported(format!("cuMemAlloc: {e:?}")))?;
+    let ctx = CudaContext::new(device).map_err(|e| cuda_err(&format!("CUDA device {device}"), e))?;
+    let _current = Current::make(&ctx)?;
+    let stream = ctx.new_stream().map_err(|e| cuda_err("cuStreamCreate", e))?;
+    let dev = stream.alloc_zeros::<u8>(bytes).map_err(|e| cuda_err("cuMemAlloc", e))?;
     let (dptr, _) = cudarc::driver::DevicePtr::device_ptr(&dev, &stream);
     let staging = PinnedStaging::new(&ctx, bytes)?;
     let mut pinned: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -259,7 +296,7 @@ pub fn staging_bandwidth(device: usize, bytes: usize, reps: usize) -> Result<[f6
                 }
             };
             check(r, "cuMemcpyAsync")?;
-            stream.synchronize().map_err(|e| Error::Unsupported(format!("cuStreamSynchronize: {e:?}")))?;
+            stream.synchronize().map_err(|e| cuda_err("cuStreamSynchronize", e))?;
             best = best.min(t.elapsed().as_secs_f64());
         }
         Ok(bytes as f64 / best / 1e9)

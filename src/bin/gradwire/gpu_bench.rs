@@ -5,19 +5,12 @@
 //! path crosses through) against the same copies from `cuMemAllocHost` memory.
 
 use gradwire::gpu::{staging_bandwidth, DeviceComm};
-use gradwire::{Communicator, DType, Error, ReduceOp, Result};
+use gradwire::{Communicator, DType, ReduceOp, Result};
 use std::time::Instant;
 
-fn gpu(e: cudarc::driver::DriverError) -> Error {
-    Error::Unsupported(format!("CUDA: {e:?}"))
-}
-
 pub fn run(comm: &Communicator, sizes: &[usize], iters: usize) -> Result<bool> {
-    let local = comm.topology().local_ranks(comm.rank());
-    let local_index = local.iter().position(|&r| r == comm.rank()).unwrap_or(0);
-    let devices = cudarc::driver::CudaContext::device_count().unwrap_or(1).max(1) as usize;
-    let dc = DeviceComm::new(comm, local_index % devices)?;
-    let stream = dc.context().new_stream().map_err(gpu)?;
+    let dc = DeviceComm::on_local_device(comm)?;
+    let stream = dc.context().new_stream()?;
     let lead = comm.rank() == 0;
     if lead {
         println!("# gpu-bench: {} ranks on {} node(s), NCCL groups of {}, float32 sum, {iters} iterations", comm.size(), dc.nodes(), dc.local_size());
@@ -25,7 +18,7 @@ pub fn run(comm: &Communicator, sizes: &[usize], iters: usize) -> Result<bool> {
     }
     for &bytes in sizes {
         let n = bytes / 4;
-        let dev = stream.alloc_zeros::<f32>(n).map_err(gpu)?;
+        let dev = stream.alloc_zeros::<f32>(n)?;
         let (p, _) = cudarc::driver::DevicePtr::device_ptr(&dev, &stream);
         let call = || {
             // SAFETY: `dev` holds n f32 on this device and outlives the synchronisation.
@@ -34,13 +27,13 @@ pub fn run(comm: &Communicator, sizes: &[usize], iters: usize) -> Result<bool> {
         for _ in 0..3 {
             call()?;
         }
-        stream.synchronize().map_err(gpu)?;
+        stream.synchronize()?;
         comm.barrier()?;
         let t = Instant::now();
         for _ in 0..iters {
             call()?;
         }
-        stream.synchronize().map_err(gpu)?;
+        stream.synchronize()?;
         let gpu_s = t.elapsed().as_secs_f64() / iters as f64;
         let mut host = vec![0f32; n];
         for _ in 0..3 {

@@ -16,10 +16,6 @@ fn inputs(seed: u64, rank: usize, n: usize, range: i32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-range..range) as f32).collect()
 }
 
-fn gpu(e: cudarc::driver::DriverError) -> Error {
-    Error::Unsupported(format!("CUDA: {e:?}"))
-}
-
 fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
     s.device_ptr(stream).0
 }
@@ -50,17 +46,14 @@ impl Tally<'_> {
 
 pub fn run(comm: &Communicator, hierarchical: bool) -> Result<bool> {
     let seed = gradwire::check::job_seed(comm)?;
-    let local = comm.topology().local_ranks(comm.rank());
-    let local_index = local.iter().position(|&r| r == comm.rank()).unwrap_or(0);
-    let devices = cudarc::driver::CudaContext::device_count().unwrap_or(1).max(1) as usize;
-    let dc = DeviceComm::new(comm, local_index % devices)?;
+    let dc = DeviceComm::on_local_device(comm)?;
     if hierarchical && dc.nodes() < 2 {
         return Err(gradwire::Error::Config(
             "gpu-check --hierarchical: every rank is on one node, so the cross-node path would not run (give the ranks distinct GRADWIRE_HOST_ID)".into(),
         ));
     }
     // A stream of our own, not the default one: the calls must order on the stream given.
-    let stream = dc.context().new_stream().map_err(gpu)?;
+    let stream = dc.context().new_stream()?;
     let s = stream.cu_stream();
     let (w, me) = (comm.size(), comm.rank());
     let all = |n: usize, range: i32| -> Vec<Vec<f32>> { (0..w).map(|r| inputs(seed, r, n, range)).collect() };
@@ -72,79 +65,79 @@ pub fn run(comm: &Communicator, hierarchical: bool) -> Result<bool> {
     // Allreduce, out of place and in place, with a count that does not split evenly.
     for (name, n, in_place) in [("allreduce f32 sum, 1 Mi elements", 1 << 20, false), ("allreduce f32 sum in place, 3 Mi + 3 elements", (3 << 20) + 3, true)] {
         let x = all(n, 1000);
-        let send = stream.clone_htod(&x[me]).map_err(gpu)?;
-        let recv = if in_place { None } else { Some(stream.alloc_zeros::<f32>(n).map_err(gpu)?) };
+        let send = stream.clone_htod(&x[me])?;
+        let recv = if in_place { None } else { Some(stream.alloc_zeros::<f32>(n)?) };
         let (sp, rp) = (ptr(&send, &stream), recv.as_ref().map_or(ptr(&send, &stream), |r| ptr(r, &stream)));
         // SAFETY: both are device allocations of n f32 on this device, alive until the
         // stream is read back below.
         unsafe { dc.allreduce(comm, sp, rp, n, DType::F32, ReduceOp::Sum, s) }?;
-        let got = stream.clone_dtoh(recv.as_ref().unwrap_or(&send)).map_err(gpu)?;
+        let got = stream.clone_dtoh(recv.as_ref().unwrap_or(&send))?;
         t.case(name, (0..n).filter(|&i| got[i] != x.iter().map(|v| v[i]).sum::<f32>()).count())?;
     }
 
     // Average: every rank's input is the same multiple of its rank, so the mean is exact.
     let n = 4096;
     let mine: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * (me as f32 + 1.0) * 4.0).collect();
-    let buf = stream.clone_htod(&mine).map_err(gpu)?;
+    let buf = stream.clone_htod(&mine)?;
     // SAFETY: as above.
     unsafe { dc.allreduce(comm, ptr(&buf, &stream), ptr(&buf, &stream), n, DType::F32, ReduceOp::Avg, s) }?;
-    let got = stream.clone_dtoh(&buf).map_err(gpu)?;
+    let got = stream.clone_dtoh(&buf)?;
     let mean = |i: usize| (i % 7) as f32 * 4.0 * (w as f32 + 1.0) / 2.0;
     t.case("allreduce f32 avg", (0..n).filter(|&i| (got[i] - mean(i)).abs() > 1e-4 * mean(i).abs().max(1.0)).count())?;
 
     // bfloat16: small integers, whose sums bfloat16 holds exactly.
     let x = all(n, 4);
     let bits: Vec<u16> = x[me].iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-    let send = stream.clone_htod(&bits).map_err(gpu)?;
-    let recv = stream.alloc_zeros::<u16>(n).map_err(gpu)?;
+    let send = stream.clone_htod(&bits)?;
+    let recv = stream.alloc_zeros::<u16>(n)?;
     // SAFETY: as above.
     unsafe { dc.allreduce(comm, ptr(&send, &stream), ptr(&recv, &stream), n, DType::BF16, ReduceOp::Sum, s) }?;
-    let got: Vec<f32> = stream.clone_dtoh(&recv).map_err(gpu)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect();
+    let got: Vec<f32> = stream.clone_dtoh(&recv)?.into_iter().map(|b| bf16::from_bits(b).to_f32()).collect();
     t.case("allreduce bf16 sum", (0..n).filter(|&i| got[i] != x.iter().map(|v| v[i]).sum::<f32>()).count())?;
 
     // Broadcast from the last rank.
     let n = 1 << 18;
     let x = all(n, 1000);
     let root = w - 1;
-    let buf = stream.clone_htod(&x[me]).map_err(gpu)?;
+    let buf = stream.clone_htod(&x[me])?;
     // SAFETY: as above.
     unsafe { dc.broadcast(comm, ptr(&buf, &stream), n, DType::F32, root, s) }?;
-    let got = stream.clone_dtoh(&buf).map_err(gpu)?;
+    let got = stream.clone_dtoh(&buf)?;
     t.case("broadcast f32 from the last rank", (0..n).filter(|&i| got[i] != x[root][i]).count())?;
 
     // Reduce-scatter and allgather.
     let m = 1 << 16;
     let x = all(m * w, 1000);
-    let send = stream.clone_htod(&x[me]).map_err(gpu)?;
-    let recv = stream.alloc_zeros::<f32>(m).map_err(gpu)?;
+    let send = stream.clone_htod(&x[me])?;
+    let recv = stream.alloc_zeros::<f32>(m)?;
     // SAFETY: send holds w × m elements, recv m.
     unsafe { dc.reduce_scatter(comm, ptr(&send, &stream), ptr(&recv, &stream), m, DType::F32, ReduceOp::Max, s) }?;
-    let got = stream.clone_dtoh(&recv).map_err(gpu)?;
+    let got = stream.clone_dtoh(&recv)?;
     let want = |i: usize| x.iter().map(|v| v[me * m + i]).fold(f32::MIN, f32::max);
     t.case("reduce-scatter f32 max", (0..m).filter(|&i| got[i] != want(i)).count())?;
-    let send = stream.clone_htod(&x[me][..m]).map_err(gpu)?;
-    let recv = stream.alloc_zeros::<f32>(m * w).map_err(gpu)?;
+    let send = stream.clone_htod(&x[me][..m])?;
+    let recv = stream.alloc_zeros::<f32>(m * w)?;
     // SAFETY: send holds m elements, recv w × m.
     unsafe { dc.allgather(comm, ptr(&send, &stream), ptr(&recv, &stream), m, DType::F32, s) }?;
-    let got = stream.clone_dtoh(&recv).map_err(gpu)?;
+    let got = stream.clone_dtoh(&recv)?;
     t.case("allgather f32", (0..m * w).filter(|&i| got[i] != x[i / m][i % m]).count())?;
 
     // The same in place, as NCCL lays them out: this rank's block of the larger buffer.
     let es = std::mem::size_of::<f32>() as u64;
-    let whole = stream.clone_htod(&x[me]).map_err(gpu)?;
+    let whole = stream.clone_htod(&x[me])?;
     let own = ptr(&whole, &stream) + (me * m) as u64 * es;
     // SAFETY: `whole` holds w × m elements; `own` is this rank's block of it.
     unsafe { dc.reduce_scatter(comm, ptr(&whole, &stream), own, m, DType::F32, ReduceOp::Sum, s) }?;
-    let got = stream.clone_dtoh(&whole).map_err(gpu)?;
+    let got = stream.clone_dtoh(&whole)?;
     let want = |i: usize| if i / m == me { x.iter().map(|v| v[i]).sum::<f32>() } else { x[me][i] };
     t.case("reduce-scatter f32 sum in place", (0..m * w).filter(|&i| got[i] != want(i)).count())?;
     let mut mine = vec![0f32; m * w];
     mine[me * m..(me + 1) * m].copy_from_slice(&x[me][..m]);
-    let whole = stream.clone_htod(&mine).map_err(gpu)?;
+    let whole = stream.clone_htod(&mine)?;
     let own = ptr(&whole, &stream) + (me * m) as u64 * es;
     // SAFETY: as above.
     unsafe { dc.allgather(comm, own, ptr(&whole, &stream), m, DType::F32, s) }?;
-    let got = stream.clone_dtoh(&whole).map_err(gpu)?;
+    let got = stream.clone_dtoh(&whole)?;
     t.case("allgather f32 in place", (0..m * w).filter(|&i| got[i] != x[i / m][i % m]).count())?;
 
     // The wrong kind of memory: a host buffer to a device call, a device buffer to a host
@@ -153,7 +146,7 @@ pub fn run(comm: &Communicator, hierarchical: bool) -> Result<bool> {
     // SAFETY: refused before any access (the point of the case).
     let e = unsafe { dc.allreduce(comm, host.as_ptr() as u64, host.as_ptr() as u64, 16, DType::F32, ReduceOp::Sum, s) };
     let host_refused = matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("host memory"));
-    let dev = stream.alloc_zeros::<f32>(16).map_err(gpu)?;
+    let dev = stream.alloc_zeros::<f32>(16)?;
     let e = gradwire::gpu::expect_host(ptr(&dev, &stream) as *const u8, "gradwire_allreduce", "sendbuf");
     let dev_refused = matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("CUDA device"));
     // A count past the end of the device allocation: refused before NCCL reads beyond it.
