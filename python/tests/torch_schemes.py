@@ -343,6 +343,15 @@ if mode == "kill":
         sys.exit(1)
     except gradwire.GradwireError as e:
         print(f"rank {rank}: caught {type(e).__name__} after {time.monotonic() - start:.1f} s: {e}", flush=True)
+        # Stay until every survivor has caught it too (or 10 s): a survivor that left at
+        # once would be lost in turn to a peer still waiting on it, which would then
+        # rightly name this rank instead of the killed one.
+        here = f"/tmp/gradwire-ps-kill-{os.environ['MASTER_PORT']}"
+        os.makedirs(here, exist_ok=True)
+        open(f"{here}/{rank}", "w").close()
+        until = time.monotonic() + 10
+        while len(os.listdir(here)) < world - 1 and time.monotonic() < until:
+            time.sleep(0.01)
         os._exit(3)
 
 bsp_matches_reference()
