@@ -66,6 +66,13 @@ pub struct RingSteps<'b> {
     pub first: isize,
     pub steps: usize,
     pub reduce_steps: usize,
+    /// The call's own input, laid out as the buffer, where it is not already in it: the
+    /// first step sends from it and every reduce step combines it with what arrives
+    /// ([`Sink::ReduceFrom`]), so it is never copied into the buffer first.
+    pub input: Option<&'b [u8]>,
+    /// Where the part this rank finishes (at the last reduce step) lands instead of its
+    /// place in the buffer: a reduce-scatter's output. Only for rings that end there.
+    pub finished: Option<&'b mut [u8]>,
 }
 
 /// Runs `ring` pipelined: every part is cut into chunks of about `chunk` bytes (at most
@@ -76,13 +83,20 @@ pub struct RingSteps<'b> {
 /// are one exchange whose sends wait for the receives they forward. Cost: steps·C messages
 /// of S/(W·C) bytes, the bytes of the plain ring (steps/W · Sβ); the pipeline fills in one
 /// chunk.
-pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: &RingSteps<'_>, chunk: usize) -> Result<()> {
+pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: RingSteps<'_>, chunk: usize) -> Result<()> {
     let (w, r) = (cx.world, cx.rank as isize);
     let (next, prev) = ((cx.rank + 1) % w, (cx.rank + w - 1) % w);
     let elem = cx.dtype.size();
     let (red, red_last) = (cx.combine(), cx.combine_last());
     let bounds = ring.bounds;
     assert!(bounds.len() == w + 1 && bounds[w] <= buf.len(), "ring bounds must cover {w} parts of the buffer");
+    assert!(ring.input.is_none_or(|i| i.len() >= bounds[w]), "a ring's input must cover its parts");
+    // The part finished at the last reduce step is never forwarded when the ring ends there.
+    let finished_part = cx.modw(r - ring.reduce_steps as isize + ring.first);
+    let finished = ring.finished.map(|f| {
+        assert!(ring.steps == ring.reduce_steps && f.len() == bounds[finished_part + 1] - bounds[finished_part], "a finished part's place must fit it");
+        f.as_mut_ptr()
+    });
     // Both ends of a link derive the same chunking from the same bounds. Links with a
     // rendezvous (verbs) stream a large payload themselves, and a chunk below the
     // rendezvous size would go through their credit ring instead: on soft-RoCE, 16 MiB at 2
@@ -113,16 +127,28 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: &RingSteps<'_>, ch
             // same time: a forwarding send waits for its receive (`after`), and bytes come
             // back around the ring only after our send of them has completed.
             let data = unsafe { Span::raw(base.add(lo), hi - lo) };
-            sends.push(SendOp::forwarding(next, (g * c_out + k) as u32, data, after));
+            sends.push(match ring.input {
+                // The first step sends this rank's own part, still unreduced.
+                Some(input) if g == 0 => SendOp::new(next, k as u32, &input[lo..hi]),
+                _ => SendOp::forwarding(next, (g * c_out + k) as u32, data, after),
+            });
         }
         for j in 0..c_in {
             let (lo, hi) = chunk_of(bounds, rp, j, c_in, elem);
-            // SAFETY: as above.
-            let dst = unsafe { Span::raw(base.add(lo), hi - lo) };
-            let sink = match g + 1 {
-                n if n < ring.reduce_steps => Sink::Reduce { dst, elem, reduce: &red },
-                n if n == ring.reduce_steps => Sink::Reduce { dst, elem, reduce: &red_last },
-                _ => Sink::Copy(dst),
+            let last_reduce = g + 1 == ring.reduce_steps;
+            // SAFETY: as above; a finished part's place is `finished`, borrowed by `ring`,
+            // into which its chunks are laid out as in the part.
+            let dst = unsafe {
+                match finished {
+                    Some(f) if last_reduce => Span::raw(f.add(lo - bounds[rp]), hi - lo),
+                    _ => Span::raw(base.add(lo), hi - lo),
+                }
+            };
+            let reduce: &dyn Fn(&mut [u8], &[u8]) = if last_reduce { &red_last } else { &red };
+            let sink = match ring.input {
+                _ if g + 1 > ring.reduce_steps => Sink::Copy(dst),
+                Some(input) => Sink::ReduceFrom { dst, with: &input[lo..hi], elem, reduce },
+                None => Sink::Reduce { dst, elem, reduce },
             };
             recvs.push(RecvOp { peer: prev, step: (g * c_in + j) as u32, sink });
         }
@@ -146,27 +172,31 @@ fn chunk_bringing(bounds: &[usize], part: usize, end: usize, c: usize, elem: usi
 /// Most chunks a ring part is cut into: bounds the exchange's bookkeeping.
 pub const MAX_RING_CHUNKS: usize = 64;
 
-/// Ring reduce-scatter: W−1 steps; afterwards rank r holds the reduced (for `Avg`, also
-/// divided) part r+1+shift. Cost (W−1)α + (W−1)/W·Sβ.
-pub fn ring_reduce_scatter(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], shift: isize, chunk: usize) -> Result<()> {
+/// Ring reduce-scatter of `input` (parts by `bounds`): W−1 steps; rank r's reduced (for
+/// `Avg`, also divided) part r lands in `out`. The parts passed on lie in `work` (as long
+/// as the input), each written once: the input's part combined with what arrived. Cost
+/// (W−1)α + (W−1)/W·Sβ.
+pub fn ring_reduce_scatter(cx: &mut Ctx<'_>, work: &mut [u8], input: &[u8], out: &mut [u8], bounds: &[usize], chunk: usize) -> Result<()> {
     let steps = cx.world - 1;
-    ring_pipelined(cx, buf, &RingSteps { bounds, first: shift, steps, reduce_steps: steps }, chunk)
+    let ring = RingSteps { bounds, first: -1, steps, reduce_steps: steps, input: Some(input), finished: Some(out) };
+    ring_pipelined(cx, work, ring, chunk)
 }
 
 /// Ring allgather: rank r starts owning part r+own; W−1 steps circulate every part.
 /// Cost (W−1)α + (W−1)/W·Sβ.
 pub fn ring_allgather(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], own: isize, chunk: usize) -> Result<()> {
-    ring_pipelined(cx, buf, &RingSteps { bounds, first: own, steps: cx.world - 1, reduce_steps: 0 }, chunk)
+    ring_pipelined(cx, buf, RingSteps { bounds, first: own, steps: cx.world - 1, reduce_steps: 0, input: None, finished: None }, chunk)
 }
 
 /// Ring allreduce (bandwidth-optimal for large buffers): reduce-scatter then allgather, as
 /// one pipelined ring. Cost 2(W−1)α + 2(W−1)/W·Sβ. Every rank ends with bit-identical
-/// data because each part is finished by exactly one rank and then copied.
-pub fn ring_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8], chunk: usize) -> Result<()> {
+/// data because each part is finished by exactly one rank and then copied. Out of place
+/// (`input` given) the input is read where it lies, never copied into `buf`.
+pub fn ring_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8], input: Option<&[u8]>, chunk: usize) -> Result<()> {
     let w = cx.world;
     let elem = cx.dtype.size();
     let bounds = part_bounds(buf.len() / elem, w, elem);
-    ring_pipelined(cx, buf, &RingSteps { bounds: &bounds, first: 0, steps: 2 * (w - 1), reduce_steps: w - 1 }, chunk)
+    ring_pipelined(cx, buf, RingSteps { bounds: &bounds, first: 0, steps: 2 * (w - 1), reduce_steps: w - 1, input, finished: None }, chunk)
 }
 
 /// Allreduce of f16/bf16 that rounds each element once, as [`reduce_all`] does where every

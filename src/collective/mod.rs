@@ -466,15 +466,15 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
     }
     match req.op {
         Collective::Allreduce => {
-            if let Some(send) = send {
-                recv.copy_from_slice(send);
-            }
             if world == 1 {
+                if let Some(send) = send {
+                    recv.copy_from_slice(send);
+                }
                 return Ok(());
             }
+            let half = algo == Algo::Auto && on_one_host.is_none() && matches!(req.dtype, DType::F16 | DType::BF16);
             let algo = match algo {
                 Algo::Auto if on_one_host.is_some() => Algo::SharedMemory,
-                Algo::Auto if matches!(req.dtype, DType::F16 | DType::BF16) => return algos::half_allreduce(&mut cx, recv, tune.small, tune.ring_chunk),
                 Algo::Auto if recv.len() < tune.small => Algo::RecursiveDoubling,
                 Algo::Auto => Algo::Ring,
                 Algo::SharedMemory if on_one_host.is_none() => {
@@ -482,6 +482,14 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                 }
                 a => a,
             };
+            // The ring reads an out-of-place input where it lies; the others start from a copy.
+            let ring = algo == Algo::Ring && !half;
+            if let (Some(send), false) = (send, ring) {
+                recv.copy_from_slice(send);
+            }
+            if half {
+                return algos::half_allreduce(&mut cx, recv, tune.small, tune.ring_chunk);
+            }
             match algo {
                 Algo::SharedMemory => {
                     let one_host = on_one_host.as_mut().ok_or_else(|| invalid("no shared memory"))?;
@@ -489,7 +497,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                 }
                 Algo::RecursiveDoubling => algos::recursive_doubling_allreduce(&mut cx, recv),
                 Algo::HalvingDoubling => algos::halving_doubling_allreduce(&mut cx, recv),
-                _ => algos::ring_allreduce(&mut cx, recv, tune.ring_chunk),
+                _ => algos::ring_allreduce(&mut cx, recv, send, tune.ring_chunk),
             }
         }
         Collective::AllToAll => {
@@ -505,16 +513,19 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             if let Some(one_host) = &mut on_one_host {
                 return one_host.reduce_scatter(&host_call, send, recv, req.dtype, req.redop);
             }
+            if world == 1 {
+                recv.copy_from_slice(send);
+                return Ok(());
+            }
             let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
             let work = crate::transport::scratch_bytes(scratch, send.len());
-            work.copy_from_slice(send);
             if matches!(req.dtype, DType::F16 | DType::BF16) {
+                work.copy_from_slice(send);
                 algos::direct_reduce_scatter(&mut cx, work, &bounds)?;
-            } else {
-                algos::ring_reduce_scatter(&mut cx, work, &bounds, -1, tune.ring_chunk)?;
+                recv.copy_from_slice(&work[bounds[rank]..bounds[rank + 1]]);
+                return Ok(());
             }
-            recv.copy_from_slice(&work[bounds[rank]..bounds[rank + 1]]);
-            Ok(())
+            algos::ring_reduce_scatter(&mut cx, work, send, recv, &bounds, tune.ring_chunk)
         }
         Collective::Allgather => {
             let send = send.ok_or_else(|| invalid("allgather cannot run in place"))?;

@@ -78,14 +78,34 @@ pub enum Sink<'a> {
     /// Combine into `dst` element by element with `reduce(dst_part, src_part)`; both parts
     /// are whole elements of `elem` bytes.
     Reduce { dst: Span<'a>, elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
+    /// As `Reduce`, with the other operand read from `with` (as long as `dst`) instead of
+    /// from `dst`: `dst = reduce(with, arrived)`. A ring reduce-scatter combines its input
+    /// with what arrives straight into the output, where it would otherwise copy the whole
+    /// input into the output first and read it back from memory.
+    ReduceFrom { dst: Span<'a>, with: &'a [u8], elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
 }
 
 impl Sink<'_> {
     fn len(&self) -> usize {
         match self {
             Sink::Copy(b) => b.len(),
-            Sink::Reduce { dst, .. } => dst.len(),
+            Sink::Reduce { dst, .. } | Sink::ReduceFrom { dst, .. } => dst.len(),
         }
+    }
+}
+
+/// Bytes of `with` copied into `dst` before they are combined with the arrived bytes: small
+/// enough that the copy is still in L1 when it is read back.
+const COMBINE_BLOCK: usize = 16 << 10;
+
+/// `dst = reduce(dst, src)`, or with `with`, `dst = reduce(with, src)` (`dst`'s old bytes
+/// unused). Lengths are equal and whole elements; `COMBINE_BLOCK` is a multiple of every
+/// element size, so each block is too.
+fn combine(dst: &mut [u8], with: Option<&[u8]>, src: &[u8], reduce: &dyn Fn(&mut [u8], &[u8])) {
+    let Some(with) = with else { return reduce(dst, src) };
+    for ((d, w), s) in dst.chunks_mut(COMBINE_BLOCK).zip(with.chunks(COMBINE_BLOCK)).zip(src.chunks(COMBINE_BLOCK)) {
+        d.copy_from_slice(w);
+        reduce(d, s);
     }
 }
 
@@ -430,58 +450,8 @@ impl Links {
                     st.payload_done += n;
                     n
                 }
-                Sink::Reduce { dst, elem, reduce } => {
-                    // SAFETY: as above.
-                    let dst = unsafe { dst.bytes_mut() };
-                    let elem = *elem;
-                    if st.carry == 0 {
-                        // Reduce straight out of the transport's memory where it has some.
-                        let at = st.payload_done;
-                        let mut carry = [0u8; 16];
-                        let mut rem = 0;
-                        let r = self.link(peer)?.try_read_in_place(expected - at, &mut |bytes: &[u8]| {
-                            let whole = bytes.len() / elem * elem;
-                            reduce(&mut dst[at..at + whole], &bytes[..whole]);
-                            rem = bytes.len() - whole;
-                            carry[..rem].copy_from_slice(&bytes[whole..]);
-                        });
-                        if let Some(r) = r {
-                            let n = r.map_err(|e| lost(rank, peer, call, "receive", e))?;
-                            // A partial element waits in the scratch for the rest of its bytes.
-                            let scratch_bytes: &mut [u8] = bytemuck_bytes(&mut self.scratch);
-                            scratch_bytes[..rem].copy_from_slice(&carry[..rem]);
-                            st.carry = rem;
-                            st.payload_done += n;
-                            if n == 0 {
-                                break;
-                            }
-                            total += n;
-                            continue;
-                        }
-                    }
-                    let mut scratch = std::mem::take(&mut self.scratch);
-                    let bytes = bytemuck_bytes(&mut scratch);
-                    let want = (expected - st.payload_done).min(bytes.len() - st.carry);
-                    let r = self.link(peer)?.try_read(&mut bytes[st.carry..st.carry + want]);
-                    let n = match r {
-                        Ok(n) => n,
-                        Err(e) => {
-                            self.scratch = scratch;
-                            return Err(lost(rank, peer, call, "receive", e));
-                        }
-                    };
-                    let have = st.carry + n;
-                    let whole = have / elem * elem;
-                    if whole > 0 {
-                        let at = st.payload_done - st.carry;
-                        reduce(&mut dst[at..at + whole], &bytes[..whole]);
-                        bytes.copy_within(whole..have, 0);
-                    }
-                    st.carry = have - whole;
-                    st.payload_done += n;
-                    self.scratch = scratch;
-                    n
-                }
+                Sink::Reduce { dst, elem, reduce } => self.read_reducing(op.peer, call, st, expected, *dst, None, *elem, *reduce)?,
+                Sink::ReduceFrom { dst, with, elem, reduce } => self.read_reducing(op.peer, call, st, expected, *dst, Some(with), *elem, *reduce)?,
             };
             if n == 0 {
                 break;
@@ -489,6 +459,69 @@ impl Links {
             total += n;
         }
         Ok(total)
+    }
+
+    /// Reads what arrives for a reducing sink into `dst` (see [`combine`]): straight out
+    /// of the transport's memory where it has some, else through the scratch. Returns the
+    /// payload bytes read (0: none ready).
+    #[allow(clippy::too_many_arguments)]
+    fn read_reducing(
+        &mut self,
+        peer: usize,
+        call: &CallHeader,
+        st: &mut RecvState,
+        expected: usize,
+        dst: Span<'_>,
+        with: Option<&[u8]>,
+        elem: usize,
+        reduce: &dyn Fn(&mut [u8], &[u8]),
+    ) -> Result<usize> {
+        let rank = self.rank;
+        // SAFETY: the exchange is working on this receive (see `Span`).
+        let dst = unsafe { dst.bytes_mut() };
+        if st.carry == 0 {
+            // Reduce straight out of the transport's memory where it has some.
+            let at = st.payload_done;
+            let mut carry = [0u8; 16];
+            let mut rem = 0;
+            let r = self.link(peer)?.try_read_in_place(expected - at, &mut |bytes: &[u8]| {
+                let whole = bytes.len() / elem * elem;
+                combine(&mut dst[at..at + whole], with.map(|w| &w[at..at + whole]), &bytes[..whole], reduce);
+                rem = bytes.len() - whole;
+                carry[..rem].copy_from_slice(&bytes[whole..]);
+            });
+            if let Some(r) = r {
+                let n = r.map_err(|e| lost(rank, peer, call, "receive", e))?;
+                // A partial element waits in the scratch for the rest of its bytes.
+                let scratch_bytes: &mut [u8] = bytemuck_bytes(&mut self.scratch);
+                scratch_bytes[..rem].copy_from_slice(&carry[..rem]);
+                st.carry = rem;
+                st.payload_done += n;
+                return Ok(n);
+            }
+        }
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let bytes = bytemuck_bytes(&mut scratch);
+        let want = (expected - st.payload_done).min(bytes.len() - st.carry);
+        let r = self.link(peer)?.try_read(&mut bytes[st.carry..st.carry + want]);
+        let n = match r {
+            Ok(n) => n,
+            Err(e) => {
+                self.scratch = scratch;
+                return Err(lost(rank, peer, call, "receive", e));
+            }
+        };
+        let have = st.carry + n;
+        let whole = have / elem * elem;
+        if whole > 0 {
+            let at = st.payload_done - st.carry;
+            combine(&mut dst[at..at + whole], with.map(|w| &w[at..at + whole]), &bytes[..whole], reduce);
+            bytes.copy_within(whole..have, 0);
+        }
+        st.carry = have - whole;
+        st.payload_done += n;
+        self.scratch = scratch;
+        Ok(n)
     }
 
     fn check_header(&mut self, op: &RecvOp<'_>, raw: &[u8; HEADER_LEN], call: &CallHeader) -> Result<()> {
