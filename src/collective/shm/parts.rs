@@ -190,20 +190,26 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming:
 /// and 20.6). Phase base + k + 1 says, from the root, that segment k is in its half k % 2;
 /// from any other rank, that it has copied segment k out. The call ends with one barrier
 /// for all (every rank then stands at the same phase).
+const BROADCAST_SEGMENTS: usize = 8;
+const MIN_BROADCAST_SEGMENT: usize = 64 << 10;
+
 pub(super) fn broadcast(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, streaming: bool) -> Result<()> {
     let (me, n) = (cx.rank, buf.len());
     let half = cx.slot_len()? * cx.world / 2 / 64 * 64;
     if half == 0 {
         return Err(crate::error::invalid(format!("GRADWIRE_SHM_STAGE_BYTES={} leaves no staging room for a broadcast", cx.ctl.stage_len())));
     }
+    // At least BROADCAST_SEGMENTS segments where the halves would hold fewer: a 1 MiB
+    // broadcast in two 576 KiB halves overlaps only half of the two copies.
+    let seg = n.div_ceil(BROADCAST_SEGMENTS).next_multiple_of(64).max(MIN_BROADCAST_SEGMENT).min(half);
     let base = cx.ctl.phase(me).load(Ordering::Relaxed);
-    let segments = n.div_ceil(half).max(1) as u64;
+    let segments = n.div_ceil(seg).max(1) as u64;
     let area = |k: u64| {
         // SAFETY: half k % 2 of the root's staged area (2 halves fit in it).
         unsafe { cx.ctl.stage(root).add((k % 2) as usize * half) }
     };
     for k in 0..segments {
-        let (off, len) = (k as usize * half, (n - (k as usize * half).min(n)).min(half));
+        let (off, len) = (k as usize * seg, (n - (k as usize * seg).min(n)).min(seg));
         if me == root {
             if k >= 2 {
                 // Half k % 2 held segment k − 2: every rank has copied it out.
