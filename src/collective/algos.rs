@@ -58,9 +58,11 @@ unsafe fn view<'a>(base: *mut u8, lo: usize, hi: usize) -> &'a mut [u8] {
 
 /// The steps of a ring over the parts given by `bounds`: at step g rank r sends part
 /// r − g + `first` to r+1 and receives part r − g − 1 + `first` from r−1, reducing it into
-/// place for the first `reduce_steps` steps and copying it after. The receive of step g is
-/// what step g+1 forwards, so a reduce-scatter followed by an allgather is one ring of
-/// 2(W−1) steps. An `Avg` is divided by W as the last reduce step completes each part.
+/// place (or, given an `input`, combining it with the input's part there; the last reduce
+/// step may land in `finished`) for the first `reduce_steps` steps and copying it after.
+/// The receive of step g is what step g+1 forwards, so a reduce-scatter followed by an
+/// allgather is one ring of 2(W−1) steps. An `Avg` is divided by W as the last reduce step
+/// completes each part.
 pub struct RingSteps<'b> {
     pub bounds: &'b [usize],
     pub first: isize,
@@ -400,9 +402,9 @@ pub fn chain_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usi
 /// root − 1 → root − 2 → … → root; each rank reduces piece k into its copy as it arrives
 /// while forwarding piece k − 1, so every link carries S once and the reduction overlaps
 /// the transfer (a binomial tree sends S ⌈log2 W⌉ times into the root's link: 4 namespaces
-/// at 10 Gbit/s, 64 MiB, 0.42 GB/s). The ranks between the tail and the root reduce in
-/// `work` (a copy of their input, which they keep; the others may pass an empty one). Cost
-/// (pieces + W − 2)α + Sβ.
+/// at 10 Gbit/s, 64 MiB, 0.42 GB/s). The ranks between the tail and the root keep their
+/// input: they combine it with what arrives into `work` (as long as `buf`; the others may
+/// pass an empty one) and pass that on. Cost (pieces + W − 2)α + Sβ.
 pub fn chain_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usize, work: &mut [u8]) -> Result<()> {
     let w = cx.world;
     let v = (cx.rank + w - root) % w;
@@ -415,12 +417,7 @@ pub fn chain_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usize,
     let len = buf.len();
     let bound = |k: usize| (k * piece).min(len);
     let last = v == w - 1;
-    let acc: &mut [u8] = if v == 0 || last {
-        buf
-    } else {
-        work.copy_from_slice(buf);
-        work
-    };
+    let (acc, input): (&mut [u8], Option<&[u8]>) = if v == 0 || last { (buf, None) } else { (&mut work[..len], Some(buf)) };
     let base = acc.as_mut_ptr();
     // Step k: the tail sends piece k; every other rank receives piece k (reducing it into
     // its copy) and, unless it is the root, forwards piece k − 1.
@@ -430,11 +427,14 @@ pub fn chain_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usize,
         let mut sends: Vec<SendOp<'_>> =
             send_piece.map(|p| SendOp::new(toward_root, p as u32, unsafe { view(base, bound(p), bound(p + 1)) })).into_iter().collect();
         let mut recvs: Vec<RecvOp<'_>> = recv_piece
-            .map(|p| RecvOp {
-                peer: from_tail,
-                step: p as u32,
+            .map(|p| {
                 // SAFETY: as for the send: piece p of `acc`, disjoint from the piece sent.
-                sink: Sink::Reduce { dst: unsafe { view(base, bound(p), bound(p + 1)) }.into(), elem, reduce: &red },
+                let dst = unsafe { view(base, bound(p), bound(p + 1)) }.into();
+                let sink = match input {
+                    Some(input) => Sink::ReduceFrom { dst, with: &input[bound(p)..bound(p + 1)], elem, reduce: &red },
+                    None => Sink::Reduce { dst, elem, reduce: &red },
+                };
+                RecvOp { peer: from_tail, step: p as u32, sink }
             })
             .into_iter()
             .collect();

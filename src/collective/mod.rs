@@ -192,8 +192,9 @@ impl Communicator {
     ///
     /// # Safety
     /// `send` must be readable for the request's send length and `recv` writable for its
-    /// receive length (see [`Request::lengths`]); both must stay valid, and `recv` must not
-    /// be read or written by anyone else, until the returned `Work` has completed. `send`
+    /// receive length (see [`Request::lengths`]); both must stay valid, `recv` must not be
+    /// read or written by anyone else and `send` not written (the collectives read it
+    /// where it lies, as the call runs), until the returned `Work` has completed. `send`
     /// may equal `recv` (in place) for allreduce, broadcast and reduce; in place as NCCL
     /// defines it, an allgather's `send` may be this rank's block of `recv` and a
     /// reduce-scatter's `recv` this rank's block of `send`.

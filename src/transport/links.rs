@@ -79,9 +79,9 @@ pub enum Sink<'a> {
     /// are whole elements of `elem` bytes.
     Reduce { dst: Span<'a>, elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
     /// As `Reduce`, with the other operand read from `with` (as long as `dst`) instead of
-    /// from `dst`: `dst = reduce(with, arrived)`. A ring reduce-scatter combines its input
-    /// with what arrives straight into the output, where it would otherwise copy the whole
-    /// input into the output first and read it back from memory.
+    /// from `dst`: `dst = reduce(with, arrived)`. A ring or chain combines its own input
+    /// with what arrives straight into the bytes it passes on (or its output), where it
+    /// would otherwise first copy the whole input there and read it back from memory.
     ReduceFrom { dst: Span<'a>, with: &'a [u8], elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
 }
 

@@ -183,24 +183,28 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming:
     by_segments(cx, n, slot, &mut [&mut stage, &mut take])
 }
 
+/// Segments a broadcast is cut into at least, where its size allows (see [`broadcast`]).
+const BROADCAST_SEGMENTS: usize = 8;
+/// The smallest broadcast segment: below it a segment's phase handoff costs more than
+/// the overlap saves.
+const MIN_BROADCAST_SEGMENT: usize = 64 << 10;
+
 /// Broadcast: the root's `buf` into every rank's, pipelined through the two halves of the
 /// root's staged area: the root writes segment k + 1 into one half while the others copy
 /// segment k out of the other (one barrier per segment would serialise the two copies:
 /// 2 ranks, 16 and 64 MiB, 15.1 and 12.1 GB/s against the links' pipelined chain's 24.7
 /// and 20.6). Phase base + k + 1 says, from the root, that segment k is in its half k % 2;
 /// from any other rank, that it has copied segment k out. The call ends with one barrier
-/// for all (every rank then stands at the same phase).
-const BROADCAST_SEGMENTS: usize = 8;
-const MIN_BROADCAST_SEGMENT: usize = 64 << 10;
-
+/// for all (every rank then stands at the same phase). A call the halves would cut into
+/// fewer than [`BROADCAST_SEGMENTS`] segments goes in smaller ones (of at least
+/// [`MIN_BROADCAST_SEGMENT`] bytes), so that the two copies overlap there too.
 pub(super) fn broadcast(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, streaming: bool) -> Result<()> {
     let (me, n) = (cx.rank, buf.len());
     let half = cx.slot_len()? * cx.world / 2 / 64 * 64;
     if half == 0 {
         return Err(crate::error::invalid(format!("GRADWIRE_SHM_STAGE_BYTES={} leaves no staging room for a broadcast", cx.ctl.stage_len())));
     }
-    // At least BROADCAST_SEGMENTS segments where the halves would hold fewer: a 1 MiB
-    // broadcast in two 576 KiB halves overlaps only half of the two copies.
+    // A 1 MiB broadcast in two 576 KiB halves would overlap only half of the two copies.
     let seg = n.div_ceil(BROADCAST_SEGMENTS).next_multiple_of(64).max(MIN_BROADCAST_SEGMENT).min(half);
     let base = cx.ctl.phase(me).load(Ordering::Relaxed);
     let segments = n.div_ceil(seg).max(1) as u64;
