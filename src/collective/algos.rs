@@ -72,6 +72,13 @@ pub struct RingSteps<'b> {
     /// first step sends from it and every reduce step combines it with what arrives
     /// ([`Sink::ReduceFrom`]), so it is never copied into the buffer first.
     pub input: Option<&'b [u8]>,
+    /// Byte of the buffer where `input` starts: 0, or for an allgather (no reduce steps)
+    /// its own part, the only one it has.
+    pub input_at: usize,
+    /// Copy `input` into its place in the buffer beside the exchange, a piece whenever no
+    /// link is ready (an allgather's own part, which no step then sends from the buffer):
+    /// the ring starts at once instead of after the copy.
+    pub place_input: bool,
     /// Where the part this rank finishes (at the last reduce step) lands instead of its
     /// place in the buffer: a reduce-scatter's output. Only for rings that end there.
     pub finished: Option<&'b mut [u8]>,
@@ -92,7 +99,8 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: RingSteps<'_>, chu
     let (red, red_last) = (cx.combine(), cx.combine_last());
     let bounds = ring.bounds;
     assert!(bounds.len() == w + 1 && bounds[w] <= buf.len(), "ring bounds must cover {w} parts of the buffer");
-    assert!(ring.input.is_none_or(|i| i.len() >= bounds[w]), "a ring's input must cover its parts");
+    let at = ring.input_at;
+    assert!(ring.input.is_none_or(|i| at + i.len() <= buf.len() && (at == 0 || ring.reduce_steps == 0)), "a ring's input must lie in its buffer");
     // The part finished at the last reduce step is never forwarded when the ring ends there.
     let finished_part = cx.modw(r - ring.reduce_steps as isize + ring.first);
     let finished = ring.finished.map(|f| {
@@ -131,7 +139,7 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: RingSteps<'_>, chu
             let data = unsafe { Span::raw(base.add(lo), hi - lo) };
             sends.push(match ring.input {
                 // The first step sends this rank's own part, still unreduced.
-                Some(input) if g == 0 => SendOp::new(next, k as u32, &input[lo..hi]),
+                Some(input) if g == 0 => SendOp::new(next, k as u32, &input[lo - at..hi - at]),
                 _ => SendOp::forwarding(next, (g * c_out + k) as u32, data, after),
             });
         }
@@ -155,8 +163,25 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: RingSteps<'_>, chu
             recvs.push(RecvOp { peer: prev, step: (g * c_in + j) as u32, sink });
         }
     }
-    cx.exchange(&mut sends, &mut recvs)
+    let (Some(input), true) = (ring.input, ring.place_input) else {
+        return cx.exchange(&mut sends, &mut recvs);
+    };
+    let mut placed = 0;
+    let mut place = || {
+        let n = (input.len() - placed).min(PLACE_PIECE);
+        // SAFETY: bytes `at + placed..` of `buf` lie in the input's place, which no send
+        // or receive of this ring touches (its first step sends from `input`).
+        unsafe { std::ptr::copy_nonoverlapping(input[placed..].as_ptr(), base.add(at + placed), n) };
+        placed += n;
+        placed < input.len()
+    };
+    cx.links.exchange_beside(&cx.call, &mut sends, &mut recvs, cx.deadline, &mut place)?;
+    while place() {}
+    Ok(())
 }
+
+/// Bytes of an input copied into place each time an exchange finds no link ready.
+const PLACE_PIECE: usize = 256 << 10;
 
 /// Byte range of chunk `k` of `c` of part `part` (element-balanced, like the parts).
 fn chunk_of(bounds: &[usize], part: usize, k: usize, c: usize, elem: usize) -> (usize, usize) {
@@ -180,14 +205,17 @@ pub const MAX_RING_CHUNKS: usize = 64;
 /// (W−1)α + (W−1)/W·Sβ.
 pub fn ring_reduce_scatter(cx: &mut Ctx<'_>, work: &mut [u8], input: &[u8], out: &mut [u8], bounds: &[usize], chunk: usize) -> Result<()> {
     let steps = cx.world - 1;
-    let ring = RingSteps { bounds, first: -1, steps, reduce_steps: steps, input: Some(input), finished: Some(out) };
+    let ring = RingSteps { bounds, first: -1, steps, reduce_steps: steps, input: Some(input), input_at: 0, place_input: false, finished: Some(out) };
     ring_pipelined(cx, work, ring, chunk)
 }
 
-/// Ring allgather: rank r starts owning part r+own; W−1 steps circulate every part.
-/// Cost (W−1)α + (W−1)/W·Sβ.
-pub fn ring_allgather(cx: &mut Ctx<'_>, buf: &mut [u8], bounds: &[usize], own: isize, chunk: usize) -> Result<()> {
-    ring_pipelined(cx, buf, RingSteps { bounds, first: own, steps: cx.world - 1, reduce_steps: 0, input: None, finished: None }, chunk)
+/// Ring allgather: rank r starts owning part r+own (in `buf`, or given as `input`, copied
+/// into place while the ring runs); W−1 steps circulate every part. Cost (W−1)α +
+/// (W−1)/W·Sβ.
+pub fn ring_allgather(cx: &mut Ctx<'_>, buf: &mut [u8], input: Option<&[u8]>, bounds: &[usize], own: isize, chunk: usize) -> Result<()> {
+    let at = bounds[cx.modw(cx.rank as isize + own)];
+    let ring = RingSteps { bounds, first: own, steps: cx.world - 1, reduce_steps: 0, input, input_at: at, place_input: true, finished: None };
+    ring_pipelined(cx, buf, ring, chunk)
 }
 
 /// Ring allreduce (bandwidth-optimal for large buffers): reduce-scatter then allgather, as
@@ -198,7 +226,8 @@ pub fn ring_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8], input: Option<&[u8]>, ch
     let w = cx.world;
     let elem = cx.dtype.size();
     let bounds = part_bounds(buf.len() / elem, w, elem);
-    ring_pipelined(cx, buf, RingSteps { bounds: &bounds, first: 0, steps: 2 * (w - 1), reduce_steps: w - 1, input, finished: None }, chunk)
+    let ring = RingSteps { bounds: &bounds, first: 0, steps: 2 * (w - 1), reduce_steps: w - 1, input, input_at: 0, place_input: false, finished: None };
+    ring_pipelined(cx, buf, ring, chunk)
 }
 
 /// Allreduce of f16/bf16 that rounds each element once, as [`reduce_all`] does where every
@@ -233,7 +262,7 @@ pub fn half_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8], small: usize, chunk: usi
     }
     let bounds = part_bounds(buf.len() / dtype.size(), w, dtype.size());
     direct_reduce_scatter(cx, buf, &bounds)?;
-    ring_allgather(cx, buf, &bounds, 0, chunk)
+    ring_allgather(cx, buf, None, &bounds, 0, chunk)
 }
 
 /// Reduce-scatter that rounds each element once (for f16/bf16): part p of every rank's

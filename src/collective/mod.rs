@@ -534,8 +534,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                 return one_host.allgather(&host_call, send, recv);
             }
             let bounds: Vec<usize> = (0..=world).map(|i| i * send.len()).collect();
-            recv[bounds[rank]..bounds[rank + 1]].copy_from_slice(send);
-            algos::ring_allgather(&mut cx, recv, &bounds, 0, tune.ring_chunk)
+            algos::ring_allgather(&mut cx, recv, Some(send), &bounds, 0, tune.ring_chunk)
         }
         Collective::Broadcast => {
             if world == 1 {

@@ -215,7 +215,20 @@ impl Links {
     /// peer complete in list order; a send with [`SendOp::after`] starts once that receive
     /// is complete, so one exchange can run a whole pipelined algorithm.
     pub fn exchange(&mut self, call: &CallHeader, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>], deadline: Instant) -> Result<()> {
-        self.exchange_calls(Calls::Same(call), sends, recvs, deadline)
+        self.exchange_calls(Calls::Same(call), sends, recvs, deadline, None)
+    }
+
+    /// [`Links::exchange`], running `side_work` whenever no link is ready instead of
+    /// waiting: a bounded piece of local work each time, returning whether any is left.
+    pub fn exchange_beside(
+        &mut self,
+        call: &CallHeader,
+        sends: &mut [SendOp<'_>],
+        recvs: &mut [RecvOp<'_>],
+        deadline: Instant,
+        side_work: &mut dyn FnMut() -> bool,
+    ) -> Result<()> {
+        self.exchange_calls(Calls::Same(call), sends, recvs, deadline, Some(side_work))
     }
 
     /// `Links::exchange` where every operation is a call of its own: send i carries
@@ -238,10 +251,17 @@ impl Links {
                 recv_calls.len()
             )));
         }
-        self.exchange_calls(Calls::Each { sends: send_calls, recvs: recv_calls }, sends, recvs, deadline)
+        self.exchange_calls(Calls::Each { sends: send_calls, recvs: recv_calls }, sends, recvs, deadline, None)
     }
 
-    fn exchange_calls(&mut self, calls: Calls<'_>, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>], deadline: Instant) -> Result<()> {
+    fn exchange_calls(
+        &mut self,
+        calls: Calls<'_>,
+        sends: &mut [SendOp<'_>],
+        recvs: &mut [RecvOp<'_>],
+        deadline: Instant,
+        mut side_work: Option<&mut dyn FnMut() -> bool>,
+    ) -> Result<()> {
         if let Some(bad) = sends.iter().find(|s| s.after.is_some_and(|i| i >= recvs.len())) {
             return Err(Error::InvalidArgument(format!("send of step {} waits for receive {:?} of {}", bad.step, bad.after, recvs.len())));
         }
@@ -357,6 +377,12 @@ impl Links {
                 if gone.is_some() {
                     continue;
                 }
+            }
+            if let Some(work) = side_work.as_mut() {
+                if work() {
+                    continue;
+                }
+                side_work = None;
             }
             let idle = *idle_since.get_or_insert(now);
             self.wait_ready(&pending_send, &pending_recv, now.duration_since(idle), deadline)?;
