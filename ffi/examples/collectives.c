@@ -31,6 +31,29 @@ static float input(int rank, size_t i, unsigned seed) {
     return (float)((int)(x % 2001u) - 1000);
 }
 
+/* Allgathers `mine` (`part` elements per rank) into `all`, then reduce-scatters `all` back
+ * into `mine`, and counts the elements that differ from sums computed here. `mine` may be
+ * this rank's block of `all`: in place, as NCCL (and MPI_IN_PLACE) lay them out, where the
+ * other blocks of the reduce-scatter's input stay as they were. */
+static long gather_then_scatter(gradwire_comm_t *comm, int rank, int size, float *mine, float *all, size_t part, unsigned seed) {
+    const size_t whole = part * (size_t)size;
+    const int in_place = mine == all + (size_t)rank * part;
+    long wrong = 0;
+    for (size_t i = 0; i < part; i++) mine[i] = input(rank, i, seed);
+    CHECK(gradwire_allgather(comm, mine, all, part, GRADWIRE_FLOAT32));
+    for (size_t i = 0; i < whole; i++) wrong += all[i] != input((int)(i / part), i % part, seed);
+    for (size_t i = 0; i < whole; i++) all[i] = input(rank, i, seed + 1);
+    CHECK(gradwire_reduce_scatter(comm, all, mine, part, GRADWIRE_FLOAT32, GRADWIRE_SUM));
+    for (size_t i = 0; i < part; i++) {
+        float want = 0;
+        for (int r = 0; r < size; r++) want += input(r, (size_t)rank * part + i, seed + 1);
+        wrong += mine[i] != want;
+    }
+    for (size_t i = 0; i < whole; i++)
+        if (!in_place || i / part != (size_t)rank) wrong += all[i] != input(rank, i, seed + 1);
+    return wrong;
+}
+
 int main(void) {
     gradwire_comm_t *comm = NULL;
     CHECK(gradwire_init(&comm));
@@ -88,37 +111,11 @@ int main(void) {
     CHECK(gradwire_deregister(comm, grads));
     free(grads);
 
-    /* Allgather and reduce-scatter. */
+    /* Allgather and reduce-scatter, then the same in place. */
     const size_t part = 1001;
     float *mine = malloc(part * sizeof(float)), *all = malloc(part * (size_t)size * sizeof(float));
-    for (size_t i = 0; i < part; i++) mine[i] = input(rank, i, seed + 2);
-    CHECK(gradwire_allgather(comm, mine, all, part, GRADWIRE_FLOAT32));
-    for (int r = 0; r < size; r++)
-        for (size_t i = 0; i < part; i++) wrong += all[(size_t)r * part + i] != input(r, i, seed + 2);
-    for (size_t i = 0; i < part * (size_t)size; i++) all[i] = input(rank, i, seed + 3);
-    CHECK(gradwire_reduce_scatter(comm, all, mine, part, GRADWIRE_FLOAT32, GRADWIRE_SUM));
-    for (size_t i = 0; i < part; i++) {
-        float want = 0;
-        for (int r = 0; r < size; r++) want += input(r, (size_t)rank * part + i, seed + 3);
-        wrong += mine[i] != want;
-    }
-
-    /* The same in place, as NCCL (and MPI_IN_PLACE) lay them out: the allgather's input is
-     * this rank's block of its output, the reduce-scatter's output this rank's block of
-     * its input (the other blocks stay as they were). */
-    float *own = all + (size_t)rank * part;
-    for (size_t i = 0; i < part; i++) own[i] = input(rank, i, seed + 4);
-    CHECK(gradwire_allgather(comm, own, all, part, GRADWIRE_FLOAT32));
-    for (int r = 0; r < size; r++)
-        for (size_t i = 0; i < part; i++) wrong += all[(size_t)r * part + i] != input(r, i, seed + 4);
-    for (size_t i = 0; i < part * (size_t)size; i++) all[i] = input(rank, i, seed + 5);
-    CHECK(gradwire_reduce_scatter(comm, all, own, part, GRADWIRE_FLOAT32, GRADWIRE_SUM));
-    for (size_t i = 0; i < part * (size_t)size; i++) {
-        size_t block = i / part;
-        float want = 0;
-        for (int r = 0; r < size; r++) want += input(r, i, seed + 5);
-        wrong += all[i] != (block == (size_t)rank ? want : input(rank, i, seed + 5));
-    }
+    wrong += gather_then_scatter(comm, rank, size, mine, all, part, seed + 2);
+    wrong += gather_then_scatter(comm, rank, size, all + (size_t)rank * part, all, part, seed + 4);
     CHECK(gradwire_barrier(comm));
 
     CHECK(gradwire_free(comm, buf));

@@ -68,17 +68,13 @@ pub struct RingSteps<'b> {
     pub first: isize,
     pub steps: usize,
     pub reduce_steps: usize,
-    /// The call's own input, laid out as the buffer, where it is not already in it: the
-    /// first step sends from it and every reduce step combines it with what arrives
-    /// ([`Sink::ReduceFrom`]), so it is never copied into the buffer first.
+    /// The call's own input, where it is not already in the buffer: the first step sends
+    /// from it, so the ring starts at once. With reduce steps it is laid out as the buffer
+    /// and every reduce step combines it with what arrives ([`Sink::ReduceFrom`]), so it is
+    /// never copied into the buffer. Without (an allgather) it is this rank's part, which
+    /// no step then touches in the buffer: it is copied into place beside the exchange, a
+    /// piece whenever no link is ready.
     pub input: Option<&'b [u8]>,
-    /// Byte of the buffer where `input` starts: 0, or for an allgather (no reduce steps)
-    /// its own part, the only one it has.
-    pub input_at: usize,
-    /// Copy `input` into its place in the buffer beside the exchange, a piece whenever no
-    /// link is ready (an allgather's own part, which no step then sends from the buffer):
-    /// the ring starts at once instead of after the copy.
-    pub place_input: bool,
     /// Where the part this rank finishes (at the last reduce step) lands instead of its
     /// place in the buffer: a reduce-scatter's output. Only for rings that end there.
     pub finished: Option<&'b mut [u8]>,
@@ -99,8 +95,9 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: RingSteps<'_>, chu
     let (red, red_last) = (cx.combine(), cx.combine_last());
     let bounds = ring.bounds;
     assert!(bounds.len() == w + 1 && bounds[w] <= buf.len(), "ring bounds must cover {w} parts of the buffer");
-    let at = ring.input_at;
-    assert!(ring.input.is_none_or(|i| at + i.len() <= buf.len() && (at == 0 || ring.reduce_steps == 0)), "a ring's input must lie in its buffer");
+    // Where `input` starts in the buffer: this rank's part without reduce steps.
+    let at = if ring.reduce_steps == 0 { bounds[cx.modw(r + ring.first)] } else { 0 };
+    assert!(ring.input.is_none_or(|i| at + i.len() <= buf.len()), "a ring's input must lie in its buffer");
     // The part finished at the last reduce step is never forwarded when the ring ends there.
     let finished_part = cx.modw(r - ring.reduce_steps as isize + ring.first);
     let finished = ring.finished.map(|f| {
@@ -163,7 +160,7 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: RingSteps<'_>, chu
             recvs.push(RecvOp { peer: prev, step: (g * c_in + j) as u32, sink });
         }
     }
-    let (Some(input), true) = (ring.input, ring.place_input) else {
+    let (Some(input), 0) = (ring.input, ring.reduce_steps) else {
         return cx.exchange(&mut sends, &mut recvs);
     };
     let mut placed = 0;
@@ -205,7 +202,7 @@ pub const MAX_RING_CHUNKS: usize = 64;
 /// (W−1)α + (W−1)/W·Sβ.
 pub fn ring_reduce_scatter(cx: &mut Ctx<'_>, work: &mut [u8], input: &[u8], out: &mut [u8], bounds: &[usize], chunk: usize) -> Result<()> {
     let steps = cx.world - 1;
-    let ring = RingSteps { bounds, first: -1, steps, reduce_steps: steps, input: Some(input), input_at: 0, place_input: false, finished: Some(out) };
+    let ring = RingSteps { bounds, first: -1, steps, reduce_steps: steps, input: Some(input), finished: Some(out) };
     ring_pipelined(cx, work, ring, chunk)
 }
 
@@ -213,8 +210,7 @@ pub fn ring_reduce_scatter(cx: &mut Ctx<'_>, work: &mut [u8], input: &[u8], out:
 /// into place while the ring runs); W−1 steps circulate every part. Cost (W−1)α +
 /// (W−1)/W·Sβ.
 pub fn ring_allgather(cx: &mut Ctx<'_>, buf: &mut [u8], input: Option<&[u8]>, bounds: &[usize], own: isize, chunk: usize) -> Result<()> {
-    let at = bounds[cx.modw(cx.rank as isize + own)];
-    let ring = RingSteps { bounds, first: own, steps: cx.world - 1, reduce_steps: 0, input, input_at: at, place_input: true, finished: None };
+    let ring = RingSteps { bounds, first: own, steps: cx.world - 1, reduce_steps: 0, input, finished: None };
     ring_pipelined(cx, buf, ring, chunk)
 }
 
@@ -226,7 +222,7 @@ pub fn ring_allreduce(cx: &mut Ctx<'_>, buf: &mut [u8], input: Option<&[u8]>, ch
     let w = cx.world;
     let elem = cx.dtype.size();
     let bounds = part_bounds(buf.len() / elem, w, elem);
-    let ring = RingSteps { bounds: &bounds, first: 0, steps: 2 * (w - 1), reduce_steps: w - 1, input, input_at: 0, place_input: false, finished: None };
+    let ring = RingSteps { bounds: &bounds, first: 0, steps: 2 * (w - 1), reduce_steps: w - 1, input, finished: None };
     ring_pipelined(cx, buf, ring, chunk)
 }
 
