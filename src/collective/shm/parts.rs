@@ -144,7 +144,8 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType,
 pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming: bool) -> Result<()> {
     let (w, me, n) = (cx.world, cx.rank, send.len());
     debug_assert_eq!(recv.len(), n * w);
-    recv[me * n..][..n].copy_from_slice(send);
+    let stream_out = streaming && recv.len() >= STREAM_OUT_MIN;
+    copy_out(&mut recv[me * n..][..n], send, stream_out);
     let mut stage = |off: usize, len: usize| {
         // SAFETY: the start of our own staging area (`len` <= the staged area); peers read
         // it only after the barrier that follows, and have stopped reading the segment
@@ -156,7 +157,7 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming
             // SAFETY: p's staging area holds this segment of its part (first barrier) and
             // is not rewritten before the segment's last barrier.
             let theirs = unsafe { std::slice::from_raw_parts(cx.ctl.stage(p), len) };
-            recv[p * n + off..][..len].copy_from_slice(theirs);
+            copy_out(&mut recv[p * n + off..][..len], theirs, stream_out);
         }
     };
     // One part per rank and segment: the whole staged area serves ours.
@@ -168,7 +169,8 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming
 pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming: bool) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
     let n = recv.len() / w;
-    recv[me * n..][..n].copy_from_slice(&send[me * n..][..n]);
+    let stream_out = streaming && recv.len() >= STREAM_OUT_MIN;
+    copy_out(&mut recv[me * n..][..n], &send[me * n..][..n], stream_out);
     let slot = cx.slot_len()?;
     let others = || (0..w).filter(move |&p| p != me);
     let mut stage = |off: usize, len: usize| stage_blocks(cx, send, n, slot, off, len, streaming);
@@ -177,10 +179,22 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming:
             // SAFETY: slot `me` of p's staging area holds this segment of p's block for us
             // (first barrier) and is not rewritten before the segment's last barrier.
             let theirs = unsafe { std::slice::from_raw_parts(cx.ctl.stage(p).add(me * slot), len) };
-            recv[p * n + off..][..len].copy_from_slice(theirs);
+            copy_out(&mut recv[p * n + off..][..len], theirs, stream_out);
         }
     };
     by_segments(cx, n, slot, &mut [&mut stage, &mut take])
+}
+
+/// From this many bytes of output, a call that stages with streaming stores writes its
+/// output with them too: an output this large is not read back from cache, and plain
+/// stores would first read every line of it. Below it the output stays in cache.
+const STREAM_OUT_MIN: usize = 8 << 20;
+
+/// Copies `src` into the caller's `dst`, with streaming stores if `streaming`.
+fn copy_out(dst: &mut [u8], src: &[u8], streaming: bool) {
+    assert_eq!(dst.len(), src.len());
+    // SAFETY: `dst` is writable for `src.len()` bytes (a slice of that length), disjoint from `src`.
+    unsafe { copy_for_peers(dst.as_mut_ptr(), src, streaming) }
 }
 
 /// Segments a broadcast is cut into at least, where its size allows (see [`broadcast`]).
