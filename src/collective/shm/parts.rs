@@ -145,19 +145,27 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming
     let (w, me, n) = (cx.world, cx.rank, send.len());
     debug_assert_eq!(recv.len(), n * w);
     let stream_out = streaming && recv.len() >= STREAM_OUT_MIN;
-    copy_out(&mut recv[me * n..][..n], send, stream_out);
+    let (before, rest) = recv.split_at_mut(me * n);
+    let (mine, after) = rest.split_at_mut(n);
     let mut stage = |off: usize, len: usize| {
-        // SAFETY: the start of our own staging area (`len` <= the staged area); peers read
-        // it only after the barrier that follows, and have stopped reading the segment
-        // before (they passed the barrier that ended it).
-        unsafe { copy_for_peers(cx.ctl.stage(me), &send[off..][..len], streaming) };
+        // Our part goes into our staging area and into its place in `recv` block by block,
+        // read from `send` once: the second copy finds the block in cache.
+        for b in (off..off + len).step_by(BLOCK) {
+            let block = &send[b..(b + BLOCK).min(off + len)];
+            // SAFETY: inside our own staging area (`len` <= the staged area); peers read
+            // it only after the barrier that follows, and have stopped reading the segment
+            // before (they passed the barrier that ended it).
+            unsafe { copy_for_peers(cx.ctl.stage(me).add(b - off), block, streaming) };
+            copy_out(&mut mine[b..][..block.len()], block, stream_out);
+        }
     };
     let mut take = |off: usize, len: usize| {
         for p in (0..w).filter(|&p| p != me) {
             // SAFETY: p's staging area holds this segment of its part (first barrier) and
             // is not rewritten before the segment's last barrier.
             let theirs = unsafe { std::slice::from_raw_parts(cx.ctl.stage(p), len) };
-            copy_out(&mut recv[p * n + off..][..len], theirs, stream_out);
+            let dst = if p < me { &mut before[p * n..] } else { &mut after[(p - me - 1) * n..] };
+            copy_out(&mut dst[off..][..len], theirs, stream_out);
         }
     };
     // One part per rank and segment: the whole staged area serves ours.
