@@ -49,24 +49,43 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import Comm, Work, _background, unique_id
+from . import _OPS, Comm, Work, _background, _tensor, unique_id
 
 __all__ = ["ProcessGroupGradwire", "register", "completed_future_of"]
 
 _ID_KEY = "gradwire/unique_id"
 
 
-def _op_name(op):
+# torch's reduce ops by their hash (their kind; equality then tells a PREMUL_SUM with the
+# same hash apart): a call costs one lookup instead of a comparison per op.
+_REDUCE_OPS = {
+    hash(torch_op): (torch_op, name)
     for torch_op, name in (
         (dist.ReduceOp.SUM, "sum"),
         (dist.ReduceOp.AVG, "avg"),
         (dist.ReduceOp.MIN, "min"),
         (dist.ReduceOp.MAX, "max"),
         (dist.ReduceOp.PRODUCT, "product"),
-    ):
-        if op == torch_op:
-            return name
-    raise ValueError(f"gradwire: reduce op {op} is not supported (SUM, AVG, MIN, MAX, PRODUCT)")
+    )
+}
+
+
+def _op_name(op):
+    hit = _REDUCE_OPS.get(hash(op))
+    if hit is None or not op == hit[0]:
+        raise ValueError(f"gradwire: reduce op {getattr(op, 'op', op)} is not supported (SUM, AVG, MIN, MAX, PRODUCT)")
+    return hit[1]
+
+
+def _op_of(opts):
+    """gradwire's name of the call's reduce op (SUM without options)."""
+    return _op_name(opts.reduceOp) if opts is not None else "sum"
+
+
+def _plain(t):
+    """Whether `t` is a contiguous CPU tensor: what gradwire takes as it is, on the shortest
+    path (every microsecond counts against a 1 MiB call's 30)."""
+    return t.is_cpu and t.is_contiguous()
 
 
 _CUDA_CALLS = "allreduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), barrier"
@@ -105,12 +124,14 @@ def _contiguous(t, what):
 
 def _overlap(a, b):
     """Whether the memory of two contiguous tensors overlaps."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+    a0, b0, an, bn = a.data_ptr(), b.data_ptr(), a.nbytes, b.nbytes
+    return an > 0 and bn > 0 and a0 < b0 + bn and b0 < a0 + an
 
 
 def _then(first, second):
-    """A function that runs `first`, then `second`."""
+    """A function that runs `first` (if any), then `second`."""
+    if first is None:
+        return second
 
     def both():
         first()
@@ -130,13 +151,17 @@ class _Work(dist.Work):
     call finishes. `wait()` raises the failure as RuntimeError (GradwireError is one).
     Completed work costs no future and no lock until someone asks for them."""
 
+    # Completed work sets only its result (class defaults for the rest: most calls wait).
+    _pending = _finish = _future = _error = _lock = None
+    _done = True
+
     def __init__(self, result, pending=None, finish=None):
         super().__init__()
-        self._result, self._pending, self._finish = result, pending, finish
-        self._future = None
-        self._error = None
-        self._done = pending is None
-        self._lock = None if self._done else threading.Lock()
+        self._result = result
+        if pending is not None:
+            self._pending, self._finish = pending, finish
+            self._done = False
+            self._lock = threading.Lock()
 
     def _complete(self):
         with self._lock:
@@ -327,12 +352,13 @@ class _P2PBatch:
             self._lock.release()
 
 
-def _done_or_pending(result, pending, finish):
+def _done_or_pending(result, pending, finish=None):
     """The work of a call made blocking (`pending` is the call's result, not a Work: finish
-    now) or non-blocking."""
+    now, if there is anything to finish) or non-blocking."""
     if isinstance(pending, Work):
         return _Work(result, pending, finish)
-    finish()
+    if finish is not None:
+        finish()
     return _Work(result)
 
 
@@ -401,20 +427,18 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         self._start_p2p()
-        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = _op_of(opts)
+        if len(tensors) == 1 and _plain(tensors[0]):
+            t = tensors[0]
+            p, n, dt = _tensor(t, "allreduce")
+            return _done_or_pending(tensors, self._comm._allreduce(p, p, n, dt, _OPS[op], [t], not _blocking(opts)))
         if _on_cuda(tensors, "allreduce"):
             return self._each_on_gpu(tensors, opts, "allreduce", lambda gpu, t: gpu.allreduce(t, op=op))
-        if len(tensors) == 1 and tensors[0].is_contiguous():
-            t = _cpu(tensors[0], "allreduce")
-            if _blocking(opts):
-                self._comm.allreduce(t, op=op)
-                return _Work(tensors)
-            return _Work(tensors, self._comm.iallreduce(t, op=op))
         return self.allreduce_coalesced(tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         self._start_p2p()
-        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = _op_of(opts)
         cuda = _on_cuda(tensors, "allreduce_coalesced")
         for t in tensors:
             if not cuda:
@@ -459,7 +483,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):
         self._start_p2p()
-        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = _op_of(opts)
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
             c, back = _contiguous(t, "reduce")
@@ -489,29 +513,35 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _Work(output_tensors)
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
-        # Every microsecond here counts against a 1 MiB call's 40 (no reshape: gradwire
+        # Every microsecond here counts against a 1 MiB call's 30 (no reshape: gradwire
         # takes any contiguous tensor as its elements in order).
         self._start_p2p()
-        cuda = _on_cuda([output_tensor, input_tensor], "all_gather_into_tensor")
-        dense = _dense if cuda else _contiguous
-        src, _ = dense(input_tensor, "all_gather_into_tensor")
-        out, back = dense(output_tensor, "all_gather_into_tensor")
-        if out.numel() != src.numel() * self._comm.size or out.dtype != src.dtype:
-            raise ValueError(f"gradwire: all_gather_into_tensor output must hold {self._comm.size} x {src.numel()} elements of {src.dtype}")
+        what = "all_gather_into_tensor"
+        if _plain(output_tensor) and _plain(input_tensor):
+            src, out, back, cuda = input_tensor, output_tensor, None, False
+        else:
+            cuda = _on_cuda([output_tensor, input_tensor], what)
+            dense = _dense if cuda else _contiguous
+            src, _ = dense(input_tensor, what)
+            out, back = dense(output_tensor, what)
+        n, size = src.numel(), self._comm.size
+        if out.numel() != n * size or out.dtype != src.dtype:
+            raise ValueError(f"gradwire: {what} output must hold {size} x {n} elements of {src.dtype}")
         # FSDP gathers in place (the input is the output's own part): gradwire takes that
         # layout as NCCL does. Any other overlap goes in as a copy, on every rank alike.
-        if _overlap(src, out) and src.data_ptr() != out.data_ptr() + self.rank() * src.numel() * src.element_size():
+        if _overlap(src, out) and src.data_ptr() != out.data_ptr() + self._comm.rank * src.nbytes:
             src = src.clone()
         if cuda:
             self._gpu(out).allgather(src, out)
             back()
             return _cuda_work([output_tensor], opts, out.device)
-        pending = self._comm.allgather(src, out, async_op=not _blocking(opts))
+        sp, _, dt = _tensor(src, what)
+        pending = self._comm._allgather(sp, out.data_ptr(), n, dt, [src, out], not _blocking(opts))
         return _done_or_pending([output_tensor], pending, back)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         self._start_p2p()
-        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = _op_of(opts)
         for out, ins in zip(output_tensors, input_tensors):
             if len(ins) != self.size():
                 raise ValueError(f"gradwire: reduce_scatter needs {self.size()} input tensors, got {len(ins)}")
@@ -530,23 +560,29 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         self._start_p2p()
-        op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        cuda = _on_cuda([output_tensor, input_tensor], "reduce_scatter_tensor")
-        dense = _dense if cuda else _contiguous
-        src, _ = dense(input_tensor, "reduce_scatter_tensor")
-        out, back = dense(output_tensor, "reduce_scatter_tensor")
-        if src.numel() != out.numel() * self._comm.size or out.dtype != src.dtype:
-            raise ValueError(f"gradwire: reduce_scatter_tensor input must hold {self._comm.size} x {out.numel()} elements of {out.dtype}")
+        op = _op_of(opts)
+        what = "reduce_scatter_tensor"
+        if _plain(output_tensor) and _plain(input_tensor):
+            src, out, back, cuda = input_tensor, output_tensor, None, False
+        else:
+            cuda = _on_cuda([output_tensor, input_tensor], what)
+            dense = _dense if cuda else _contiguous
+            src, _ = dense(input_tensor, what)
+            out, back = dense(output_tensor, what)
+        m, size = out.numel(), self._comm.size
+        if src.numel() != m * size or out.dtype != src.dtype:
+            raise ValueError(f"gradwire: {what} input must hold {size} x {m} elements of {out.dtype}")
         # In place (the output is the input's own part): gradwire takes that layout as
         # NCCL does. Any other overlap lands in a separate tensor, copied back at the end.
-        if _overlap(src, out) and out.data_ptr() != src.data_ptr() + self.rank() * out.numel() * out.element_size():
+        if _overlap(src, out) and out.data_ptr() != src.data_ptr() + self._comm.rank * out.nbytes:
             target, out = out, torch.empty_like(out)
             back = _then(back, lambda: target.copy_(out))
         if cuda:
             self._gpu(out).reduce_scatter(src, out, op=op)
             back()
             return _cuda_work([output_tensor], opts, out.device)
-        pending = self._comm.reduce_scatter(src, out, op=op, async_op=not _blocking(opts))
+        sp, _, dt = _tensor(src, what)
+        pending = self._comm._reduce_scatter(sp, out.data_ptr(), m, dt, _OPS[op], [src, out], not _blocking(opts))
         return _done_or_pending([output_tensor], pending, back)
 
     def gather(self, output_tensors, input_tensors, opts=None):
