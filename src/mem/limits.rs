@@ -22,6 +22,29 @@ pub fn page_size() -> usize {
     }
 }
 
+/// The size of this host's largest CPU cache (the last level, which the cores share), as
+/// sysfs gives it; 32 MiB where it does not.
+pub fn last_level_cache() -> usize {
+    static SIZE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SIZE.get_or_init(|| {
+        (0..8)
+            .filter_map(|i| std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size")).ok())
+            .filter_map(|s| cache_bytes(s.trim()))
+            .max()
+            .unwrap_or(32 << 20)
+    })
+}
+
+/// A cache size as sysfs writes it ("32768K", "2M", "512").
+fn cache_bytes(s: &str) -> Option<usize> {
+    let (digits, unit) = match s.as_bytes().last()? {
+        b'K' => (&s[..s.len() - 1], 1 << 10),
+        b'M' => (&s[..s.len() - 1], 1 << 20),
+        _ => (s, 1),
+    };
+    digits.parse::<usize>().ok().and_then(|v| v.checked_mul(unit))
+}
+
 /// `RLIMIT_MEMLOCK` (soft, hard): how much memory this process may pin, which RDMA
 /// registration needs.
 fn memlock() -> Option<(libc::rlim_t, libc::rlim_t)> {
@@ -39,4 +62,19 @@ pub fn memlock_text() -> String {
 /// True when the soft `RLIMIT_MEMLOCK` is below `bytes`.
 pub fn memlock_below(bytes: u64) -> bool {
     memlock().is_some_and(|(soft, _)| soft != libc::RLIM_INFINITY && soft < bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cache_bytes;
+
+    #[test]
+    fn cache_sizes_read_as_sysfs_writes_them() {
+        assert_eq!(cache_bytes("32768K"), Some(32 << 20));
+        assert_eq!(cache_bytes("2M"), Some(2 << 20));
+        assert_eq!(cache_bytes("512"), Some(512));
+        assert_eq!(cache_bytes(""), None);
+        assert_eq!(cache_bytes("K"), None);
+        assert_eq!(cache_bytes("lots"), None);
+    }
 }

@@ -16,7 +16,7 @@ mod registration;
 mod registry;
 
 pub use grad_buffer::{GradBuffer, Slot, SLOT_ALIGN};
-pub use limits::{host_memory, memlock_below, memlock_text, page_size};
+pub use limits::{host_memory, last_level_cache, memlock_below, memlock_text, page_size};
 pub use region::{Region, RegionKind};
 pub use registration::Registration;
 pub use registry::{shared_cover, shared_region_of, SharedCover, SharedRegion};

@@ -24,6 +24,7 @@ use super::{ShmCtx, BLOCK};
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
+use crate::mem::last_level_cache;
 use std::sync::atomic::Ordering;
 
 /// Runs the segments `0..n` in steps of `seg` bytes: each step `step(off, len)` of a
@@ -144,7 +145,7 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType,
 pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming: bool) -> Result<()> {
     let (w, me, n) = (cx.world, cx.rank, send.len());
     debug_assert_eq!(recv.len(), n * w);
-    let stream_out = streaming && recv.len() >= STREAM_OUT_MIN;
+    let stream_out = streams_out(send.len(), recv.len());
     let (before, rest) = recv.split_at_mut(me * n);
     let (mine, after) = rest.split_at_mut(n);
     let mut stage = |off: usize, len: usize| {
@@ -177,7 +178,7 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming
 pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming: bool) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
     let n = recv.len() / w;
-    let stream_out = streaming && recv.len() >= STREAM_OUT_MIN;
+    let stream_out = streams_out(send.len(), recv.len());
     copy_out(&mut recv[me * n..][..n], &send[me * n..][..n], stream_out);
     let slot = cx.slot_len()?;
     let others = || (0..w).filter(move |&p| p != me);
@@ -193,10 +194,13 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming:
     by_segments(cx, n, slot, &mut [&mut stage, &mut take])
 }
 
-/// From this many bytes of output, a call that stages with streaming stores writes its
-/// output with them too: an output this large is not read back from cache, and plain
-/// stores would first read every line of it. Below it the output stays in cache.
-const STREAM_OUT_MIN: usize = 8 << 20;
+/// Whether a call writes its output with streaming stores: when what it reads and writes
+/// does not fit the last-level cache, its output is not read back from cache, and plain
+/// stores would first read every line of it. (Staging takes its own kind of stores: its
+/// segments stay in cache with plain ones.)
+fn streams_out(send: usize, recv: usize) -> bool {
+    send + recv >= last_level_cache()
+}
 
 /// Copies `src` into the caller's `dst`, with streaming stores if `streaming`.
 fn copy_out(dst: &mut [u8], src: &[u8], streaming: bool) {
