@@ -53,6 +53,18 @@ fn shm_64mib() {
     check(4, "shm", &[], LARGE);
 }
 
+/// Allgather and all-to-all whose send and receive together outgrow the last-level cache
+/// (64 MiB in all here, against this host's 32 MiB) write their output with streaming
+/// stores, whichever kind the staging takes; an odd world gives a middle rank, whose own
+/// block lies between its peers'.
+#[test]
+fn shm_staged_outputs_beyond_the_cache() {
+    for stores in ["plain", "streaming"] {
+        let args = ["--large", "64M", "--counts", "7919", "--collectives", "allgather,alltoall", "--dtypes", "float32", "--ops", "sum"];
+        check_with_env(3, "shm", &[], &args, &[("GRADWIRE_SHM_STORES", stores)]);
+    }
+}
+
 /// Without cross-memory attach (`GRADWIRE_SHM_CMA=0`, or a kernel that refuses it),
 /// large one-host allreduces on private buffers go staged in segments of about 1 MiB:
 /// every dtype and op, an odd world (uneven parts) and an odd count (parts not a whole

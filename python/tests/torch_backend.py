@@ -293,10 +293,26 @@ if world >= 4:
             failures.append(f"rank {rank}: all_reduce on the subgroup {last} gave {int(v)}")
 dist.barrier()
 
-# Errors a torch user can catch: wrong device, unsupported dtype, avg of an integer.
+# Work that completed when made (reduce runs when called) still hands out a future that
+# holds the result, and the tensor it holds is the caller's.
+case += 1
+rows = [inp(r, case, n, torch.float64) for r in range(world)]
+x = rows[rank].clone()
+held = dist.reduce(x, dst=0, async_op=True).get_future().wait()
+cases += 1
+if not (isinstance(held, list) and len(held) == 1 and held[0].data_ptr() == x.data_ptr()):
+    failures.append(f"rank {rank}: reduce's completed work: its future held {held!r}, not [x]")
+if rank == 0:
+    expect("reduce, through a completed work's future", x, reference(rows, "sum", torch.float64))
+dist.barrier()
+
+# Errors a torch user can catch: wrong device, unsupported dtype, avg of an integer, a
+# reduce op gradwire lacks (refused on each rank before anything is sent).
 for what, call in [
     ("avg of int32", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG)),
     ("uint16", lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint16))),
+    ("BAND", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND)),
+    ("BXOR reduce_scatter", lambda: dist.reduce_scatter_tensor(torch.ones(4, dtype=torch.int32), torch.ones(4 * world, dtype=torch.int32), op=dist.ReduceOp.BXOR)),
 ]:
     cases += 1
     try:

@@ -94,7 +94,8 @@ pub(super) fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType
 
 /// Copies `src` to `dst` in our staging area, for peers to read: with non-temporal stores
 /// when `streaming` (x86-64), so the lines go to memory instead of staying modified in this
-/// core's cache, from where every peer's read has to fetch them. How fast that fetch is
+/// core's cache, from where every peer's read has to fetch them. (`parts` also writes
+/// outputs too large for the cache with it, fenced alike.) How fast that fetch is
 /// changes on a virtual machine from one minute to the next: two processes handing 512 KiB
 /// back and forth (benches/peers/handoff.c) ran at 3.4-4.8 GB/s with plain copies against
 /// 16-20 with streaming ones in some minutes, and 14-16 either way in others, where plain
