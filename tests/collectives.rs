@@ -55,14 +55,17 @@ fn shm_64mib() {
 
 /// Allgather and all-to-all whose send and receive together outgrow the last-level cache
 /// (64 MiB in all here, against this host's 32 MiB) write their output with streaming
-/// stores, whichever kind the staging takes; an odd world gives a middle rank, whose own
-/// block lies between its peers'.
+/// stores: staged (private buffers), whichever kind the staging takes, and straight out of
+/// the peers' buffers (shared ones). An odd world gives a middle rank, whose own block
+/// lies between its peers'.
 #[test]
-fn shm_staged_outputs_beyond_the_cache() {
+fn shm_outputs_beyond_the_cache() {
+    let args =
+        |buffers| ["--buffers", buffers, "--large", "64M", "--counts", "7919", "--collectives", "allgather,alltoall", "--dtypes", "float32", "--ops", "sum"];
     for stores in ["plain", "streaming"] {
-        let args = ["--large", "64M", "--counts", "7919", "--collectives", "allgather,alltoall", "--dtypes", "float32", "--ops", "sum"];
-        check_with_env(3, "shm", &[], &args, &[("GRADWIRE_SHM_STORES", stores)]);
+        check_with_env(3, "shm", &[], &args("private"), &[("GRADWIRE_SHM_STORES", stores)]);
     }
+    check(3, "shm", &[], &args("shared"));
 }
 
 /// Without cross-memory attach (`GRADWIRE_SHM_CMA=0`, or a kernel that refuses it),

@@ -19,12 +19,11 @@
 //! collective has timed faster (as for the staged allreduce: in a slow minute of this host,
 //! plain copies into staging ran at a third of the speed).
 
-use super::staged::copy_for_peers;
+use super::staged::{copy_for_peers, copy_out, streams_out};
 use super::{ShmCtx, BLOCK};
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::mem::last_level_cache;
 use std::sync::atomic::Ordering;
 
 /// Runs the segments `0..n` in steps of `seg` bytes: each step `step(off, len)` of a
@@ -192,21 +191,6 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming:
         }
     };
     by_segments(cx, n, slot, &mut [&mut stage, &mut take])
-}
-
-/// Whether a call writes its output with streaming stores: when what it reads and writes
-/// does not fit the last-level cache, its output is not read back from cache, and plain
-/// stores would first read every line of it. (Staging takes its own kind of stores: its
-/// segments stay in cache with plain ones.)
-fn streams_out(send: usize, recv: usize) -> bool {
-    send + recv >= last_level_cache()
-}
-
-/// Copies `src` into the caller's `dst`, with streaming stores if `streaming`.
-fn copy_out(dst: &mut [u8], src: &[u8], streaming: bool) {
-    assert_eq!(dst.len(), src.len());
-    // SAFETY: `dst` is writable for `src.len()` bytes (a slice of that length), disjoint from `src`.
-    unsafe { copy_for_peers(dst.as_mut_ptr(), src, streaming) }
 }
 
 /// Segments a broadcast is cut into at least, where its size allows (see [`broadcast`]).

@@ -16,6 +16,7 @@
 //! broadcast lost too), the kernel's page pinning costing more than the copy it saves.
 
 use super::peer_buffers::PEER_BLOCK;
+use super::staged::{copy_out, streams_out};
 use super::ShmCtx;
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
@@ -44,8 +45,9 @@ impl<'s> Sources<'s> {
         Sources { peers, body, len, scratch }
     }
 
-    /// Copies bytes `from..from + dst.len()` of rank `p`'s send buffer into `dst`.
-    fn read(&self, cx: &ShmCtx<'_>, p: usize, from: usize, dst: &mut [u8]) {
+    /// Copies bytes `from..from + dst.len()` of rank `p`'s send buffer into `dst`, with
+    /// streaming stores if `streaming`.
+    fn read(&self, cx: &ShmCtx<'_>, p: usize, from: usize, dst: &mut [u8], streaming: bool) {
         let page = page_size();
         for (piece, at) in pieces(from..from + dst.len(), &self.body, self.len, page) {
             let d = &mut dst[piece.start - from..piece.end - from];
@@ -61,7 +63,7 @@ impl<'s> Sources<'s> {
                 }
             };
             // SAFETY: as above; `d` is ours and overlaps no peer's memory.
-            unsafe { std::ptr::copy_nonoverlapping(src, d.as_mut_ptr(), d.len()) };
+            copy_out(d, unsafe { std::slice::from_raw_parts(src, d.len()) }, streaming);
         }
     }
 
@@ -73,7 +75,7 @@ impl<'s> Sources<'s> {
             // call's last barrier.
             return unsafe { std::slice::from_raw_parts(self.peers[p].add(from - self.body.start), block.len()) };
         }
-        self.read(cx, p, from, block);
+        self.read(cx, p, from, block, false);
         block
     }
 }
@@ -122,10 +124,10 @@ fn finish(cx: &ShmCtx<'_>) -> Result<()> {
 
 /// Allgather: every peer's `send` (n bytes) into its part of `recv`.
 pub(super) fn allgather(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
-    let n = send.len();
-    recv[cx.rank * n..][..n].copy_from_slice(send);
+    let (n, streaming) = (send.len(), streams_out(send.len(), recv.len()));
+    copy_out(&mut recv[cx.rank * n..][..n], send, streaming);
     for p in peers_from_next(cx) {
-        src.read(cx, p, 0, &mut recv[p * n..][..n]);
+        src.read(cx, p, 0, &mut recv[p * n..][..n], streaming);
     }
     finish(cx)
 }
@@ -133,10 +135,10 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &
 /// All-to-all: block `me` of every peer's `send` into block p of `recv` (blocks of
 /// `recv.len() / W` bytes).
 pub(super) fn alltoall(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
-    let (me, n) = (cx.rank, recv.len() / cx.world);
-    recv[me * n..][..n].copy_from_slice(&send[me * n..][..n]);
+    let (me, n, streaming) = (cx.rank, recv.len() / cx.world, streams_out(send.len(), recv.len()));
+    copy_out(&mut recv[me * n..][..n], &send[me * n..][..n], streaming);
     for p in peers_from_next(cx) {
-        src.read(cx, p, me * n, &mut recv[p * n..][..n]);
+        src.read(cx, p, me * n, &mut recv[p * n..][..n], streaming);
     }
     finish(cx)
 }
@@ -144,7 +146,7 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &m
 /// Broadcast: every rank but the root copies the root's buffer into its own.
 pub(super) fn broadcast(cx: &ShmCtx<'_>, src: &Sources<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     if cx.rank != root {
-        src.read(cx, root, 0, buf);
+        src.read(cx, root, 0, buf, false);
     }
     finish(cx)
 }

@@ -5,6 +5,7 @@ use super::{ShmCtx, BLOCK};
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
+use crate::mem::last_level_cache;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -92,10 +93,25 @@ pub(super) fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType
     }
 }
 
+/// Whether a call writes its output with streaming stores: when what it reads and writes
+/// does not fit the last-level cache, its output is not read back from cache, and plain
+/// stores would first read every line of it. (The staging areas take their own kind of
+/// stores: their segments stay in cache with plain ones.)
+pub(super) fn streams_out(send: usize, recv: usize) -> bool {
+    send + recv >= last_level_cache()
+}
+
+/// Copies `src` into the caller's `dst`, with streaming stores if `streaming`.
+pub(super) fn copy_out(dst: &mut [u8], src: &[u8], streaming: bool) {
+    assert_eq!(dst.len(), src.len());
+    // SAFETY: `dst` is writable for `src.len()` bytes (a slice of that length), disjoint from `src`.
+    unsafe { copy_for_peers(dst.as_mut_ptr(), src, streaming) }
+}
+
 /// Copies `src` to `dst` in our staging area, for peers to read: with non-temporal stores
 /// when `streaming` (x86-64), so the lines go to memory instead of staying modified in this
-/// core's cache, from where every peer's read has to fetch them. (`parts` also writes
-/// outputs too large for the cache with it, fenced alike.) How fast that fetch is
+/// core's cache, from where every peer's read has to fetch them. ([`copy_out`] writes
+/// outputs too large for the cache with it too, fenced alike.) How fast that fetch is
 /// changes on a virtual machine from one minute to the next: two processes handing 512 KiB
 /// back and forth (benches/peers/handoff.c) ran at 3.4-4.8 GB/s with plain copies against
 /// 16-20 with streaming ones in some minutes, and 14-16 either way in others, where plain
