@@ -38,7 +38,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         env: "GRADWIRE_SHM_STORES",
         default: "auto",
-        help: "How the one-host staged collectives write what peers read: plain or streaming (non-temporal) stores; auto times both per collective and size class and keeps the faster. (Not their output: the one-host allgather and all-to-all, staged or not, write theirs with streaming stores whenever send and receive together outgrow the last-level cache.)",
+        help: "How the one-host staged collectives write what peers read: plain or streaming (non-temporal) stores; auto times both per collective and size class and keeps the faster. (Not their output: the one-host allgather and all-to-all, staged or not, write theirs with streaming stores whenever send and receive together outgrow the last-level cache, a broadcast whenever its buffer alone does.)",
     },
     Setting {
         env: "GRADWIRE_SHM_CMA",

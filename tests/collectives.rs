@@ -54,14 +54,15 @@ fn shm_64mib() {
 }
 
 /// Allgather and all-to-all whose send and receive together outgrow the last-level cache
-/// (64 MiB in all here, against this host's 32 MiB) write their output with streaming
-/// stores: staged (private buffers), whichever kind the staging takes, and straight out of
-/// the peers' buffers (shared ones). An odd world gives a middle rank, whose own block
-/// lies between its peers'.
+/// (64 MiB in all here, against this host's 32 MiB), and a broadcast whose buffer does,
+/// write their output with streaming stores: staged (private buffers), whichever kind the
+/// staging takes, and straight out of the peers' buffers (shared ones). An odd world gives
+/// a middle rank, whose own block lies between its peers'.
 #[test]
 fn shm_outputs_beyond_the_cache() {
-    let args =
-        |buffers| ["--buffers", buffers, "--large", "64M", "--counts", "7919", "--collectives", "allgather,alltoall", "--dtypes", "float32", "--ops", "sum"];
+    let args = |buffers| {
+        ["--buffers", buffers, "--large", "64M", "--counts", "7919", "--collectives", "allgather,alltoall,broadcast", "--dtypes", "float32", "--ops", "sum"]
+    };
     for stores in ["plain", "streaming"] {
         check_with_env(3, "shm", &[], &args("private"), &[("GRADWIRE_SHM_STORES", stores)]);
     }

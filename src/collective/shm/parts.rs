@@ -24,6 +24,7 @@ use super::{ShmCtx, BLOCK};
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
+use crate::mem::last_level_cache;
 use std::sync::atomic::Ordering;
 
 /// Runs the segments `0..n` in steps of `seg` bytes: each step `step(off, len)` of a
@@ -240,7 +241,10 @@ pub(super) fn broadcast(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, streaming:
             }
             // SAFETY: the root wrote segment k into half k % 2 (its phase) and rewrites it
             // only once we announce below that we have copied it.
-            unsafe { std::ptr::copy_nonoverlapping(area(k), buf.as_mut_ptr().add(off), len) };
+            let theirs = unsafe { std::slice::from_raw_parts(area(k), len) };
+            // A buffer larger than the cache is not read back from it (see `streams_out`;
+            // from 16 MiB, where the root's and ours first outgrow it, this lost).
+            copy_out(&mut buf[off..off + len], theirs, n >= last_level_cache());
         }
         cx.advance(base + k + 1);
     }

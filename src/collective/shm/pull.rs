@@ -21,7 +21,7 @@ use super::ShmCtx;
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::mem::page_size;
+use crate::mem::{last_level_cache, page_size};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -146,7 +146,8 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &m
 /// Broadcast: every rank but the root copies the root's buffer into its own.
 pub(super) fn broadcast(cx: &ShmCtx<'_>, src: &Sources<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     if cx.rank != root {
-        src.read(cx, root, 0, buf, false);
+        // Streamed as the staged broadcast's output is (see `parts::broadcast`).
+        src.read(cx, root, 0, buf, buf.len() >= last_level_cache());
     }
     finish(cx)
 }
