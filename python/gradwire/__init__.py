@@ -660,38 +660,32 @@ class Comm:
     # below check their arguments and call these; so does the torch backend, which checks
     # its tensors once on its own (a microsecond less per call).
 
-    def _allreduce(self, sp, rp, n, dt, op, keep, async_op):
+    def _call(self, blocking, nonblocking, args, keep, async_op):
+        """`blocking(handle, *args)`, returning keep[-1], or `nonblocking(handle, *args,
+        &work)`, returning a Work that keeps `keep` alive."""
         if async_op:
             w = ctypes.c_void_p()
-            _check(load_library().gradwire_iallreduce(self._live(), sp, rp, n, dt, op, ctypes.byref(w)))
+            _check(nonblocking(self._live(), *args, ctypes.byref(w)))
             return Work(w, keep)
-        _check(load_library().gradwire_allreduce(self._live(), sp, rp, n, dt, op))
+        _check(blocking(self._live(), *args))
         return keep[-1]
+
+    def _allreduce(self, sp, rp, n, dt, op, keep, async_op):
+        lib = load_library()
+        return self._call(lib.gradwire_allreduce, lib.gradwire_iallreduce, (sp, rp, n, dt, op), keep, async_op)
 
     def _broadcast(self, p, n, dt, root, keep, async_op):
-        if async_op:
-            w = ctypes.c_void_p()
-            _check(load_library().gradwire_ibroadcast(self._live(), p, n, dt, root, ctypes.byref(w)))
-            return Work(w, keep)
-        _check(load_library().gradwire_broadcast(self._live(), p, n, dt, root))
-        return keep[-1]
+        lib = load_library()
+        return self._call(lib.gradwire_broadcast, lib.gradwire_ibroadcast, (p, n, dt, root), keep, async_op)
 
     def _allgather(self, sp, rp, n, dt, keep, async_op):
-        if async_op:
-            w = ctypes.c_void_p()
-            _check(load_library().gradwire_iallgather(self._live(), sp, rp, n, dt, ctypes.byref(w)))
-            return Work(w, keep)
-        _check(load_library().gradwire_allgather(self._live(), sp, rp, n, dt))
-        return keep[-1]
+        lib = load_library()
+        return self._call(lib.gradwire_allgather, lib.gradwire_iallgather, (sp, rp, n, dt), keep, async_op)
 
     def _reduce_scatter(self, sp, rp, m, dt, op, keep, async_op):
         """`m`: the elements of the output (the input holds size x m)."""
-        if async_op:
-            w = ctypes.c_void_p()
-            _check(load_library().gradwire_ireduce_scatter(self._live(), sp, rp, m, dt, op, ctypes.byref(w)))
-            return Work(w, keep)
-        _check(load_library().gradwire_reduce_scatter(self._live(), sp, rp, m, dt, op))
-        return keep[-1]
+        lib = load_library()
+        return self._call(lib.gradwire_reduce_scatter, lib.gradwire_ireduce_scatter, (sp, rp, m, dt, op), keep, async_op)
 
     def allreduce(self, x: Buffer, op: str = "sum", out: Optional[Buffer] = None) -> Buffer:
         """Reduces `x` over all ranks into `out` (default: in place); returns the result."""
@@ -779,12 +773,8 @@ class Comm:
                 counts.append((ctypes.c_size_t * self.size)(*v))
             sc, rc = counts
             count = 0
-        if not async_op:
-            _check(load_library().gradwire_alltoall(self._live(), sp, sc, rp, rc, count, dt))
-            return out
-        w = ctypes.c_void_p()
-        _check(load_library().gradwire_ialltoall(self._live(), sp, sc, rp, rc, count, dt, ctypes.byref(w)))
-        return Work(w, [x, sc, rc, out])
+        lib = load_library()
+        return self._call(lib.gradwire_alltoall, lib.gradwire_ialltoall, (sp, sc, rp, rc, count, dt), [x, sc, rc, out], async_op)
 
     def send(self, x: Buffer, peer: int, tag: int = 0) -> None:
         """Sends `x` to rank `peer`; matched in order by that rank's recv with the same tag."""

@@ -122,6 +122,19 @@ def _contiguous(t, what):
     return c, lambda: t.copy_(c)
 
 
+def _pair(output_tensor, input_tensor, what):
+    """(input, output, a function that puts the result back in `output_tensor` or None,
+    whether on CUDA): a call's two tensors as gradwire takes them, contiguous CPU ones as
+    they are."""
+    if _plain(output_tensor) and _plain(input_tensor):
+        return input_tensor, output_tensor, None, False
+    cuda = _on_cuda([output_tensor, input_tensor], what)
+    dense = _dense if cuda else _contiguous
+    src, _ = dense(input_tensor, what)
+    out, back = dense(output_tensor, what)
+    return src, out, back, cuda
+
+
 def _overlap(a, b):
     """Whether the memory of two contiguous tensors overlaps."""
     a0, b0, an, bn = a.data_ptr(), b.data_ptr(), a.nbytes, b.nbytes
@@ -517,13 +530,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         # takes any contiguous tensor as its elements in order).
         self._start_p2p()
         what = "all_gather_into_tensor"
-        if _plain(output_tensor) and _plain(input_tensor):
-            src, out, back, cuda = input_tensor, output_tensor, None, False
-        else:
-            cuda = _on_cuda([output_tensor, input_tensor], what)
-            dense = _dense if cuda else _contiguous
-            src, _ = dense(input_tensor, what)
-            out, back = dense(output_tensor, what)
+        src, out, back, cuda = _pair(output_tensor, input_tensor, what)
         n, size = src.numel(), self._comm.size
         if out.numel() != n * size or out.dtype != src.dtype:
             raise ValueError(f"gradwire: {what} output must hold {size} x {n} elements of {src.dtype}")
@@ -562,13 +569,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._start_p2p()
         op = _op_of(opts)
         what = "reduce_scatter_tensor"
-        if _plain(output_tensor) and _plain(input_tensor):
-            src, out, back, cuda = input_tensor, output_tensor, None, False
-        else:
-            cuda = _on_cuda([output_tensor, input_tensor], what)
-            dense = _dense if cuda else _contiguous
-            src, _ = dense(input_tensor, what)
-            out, back = dense(output_tensor, what)
+        src, out, back, cuda = _pair(output_tensor, input_tensor, what)
         m, size = out.numel(), self._comm.size
         if src.numel() != m * size or out.dtype != src.dtype:
             raise ValueError(f"gradwire: {what} input must hold {size} x {m} elements of {out.dtype}")
