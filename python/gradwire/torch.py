@@ -135,6 +135,19 @@ def _pair(output_tensor, input_tensor, what):
     return src, out, back, cuda
 
 
+def _blocks_of(whole, part, size, what, name):
+    """Checks that `whole` holds `size` blocks of `part`'s size and dtype (`name` says
+    which tensor of the call is the whole one)."""
+    if whole.numel() != part.numel() * size or whole.dtype != part.dtype:
+        raise ValueError(f"gradwire: {what} {name} must hold {size} x {part.numel()} elements of {part.dtype}")
+
+
+def _stray_overlap(whole, part, rank):
+    """Whether `part` overlaps `whole` other than as its block `rank`: the in-place layout
+    gradwire takes as NCCL does."""
+    return _overlap(whole, part) and part.data_ptr() != whole.data_ptr() + rank * part.nbytes
+
+
 def _overlap(a, b):
     """Whether the memory of two contiguous tensors overlaps."""
     a0, b0, an, bn = a.data_ptr(), b.data_ptr(), a.nbytes, b.nbytes
@@ -531,18 +544,16 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._start_p2p()
         what = "all_gather_into_tensor"
         src, out, back, cuda = _pair(output_tensor, input_tensor, what)
-        n, size = src.numel(), self._comm.size
-        if out.numel() != n * size or out.dtype != src.dtype:
-            raise ValueError(f"gradwire: {what} output must hold {size} x {n} elements of {src.dtype}")
-        # FSDP gathers in place (the input is the output's own part): gradwire takes that
-        # layout as NCCL does. Any other overlap goes in as a copy, on every rank alike.
-        if _overlap(src, out) and src.data_ptr() != out.data_ptr() + self._comm.rank * src.nbytes:
+        _blocks_of(out, src, self._comm.size, what, "output")
+        # FSDP gathers in place (the input is the output's own part). Any other overlap
+        # goes in as a copy, on every rank alike.
+        if _stray_overlap(out, src, self._comm.rank):
             src = src.clone()
         if cuda:
             self._gpu(out).allgather(src, out)
             back()
             return _cuda_work([output_tensor], opts, out.device)
-        sp, _, dt = _tensor(src, what)
+        sp, n, dt = _tensor(src, what)
         pending = self._comm._allgather(sp, out.data_ptr(), n, dt, [src, out], not _blocking(opts))
         return _done_or_pending([output_tensor], pending, back)
 
@@ -570,12 +581,10 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         op = _op_of(opts)
         what = "reduce_scatter_tensor"
         src, out, back, cuda = _pair(output_tensor, input_tensor, what)
-        m, size = out.numel(), self._comm.size
-        if src.numel() != m * size or out.dtype != src.dtype:
-            raise ValueError(f"gradwire: {what} input must hold {size} x {m} elements of {out.dtype}")
-        # In place (the output is the input's own part): gradwire takes that layout as
-        # NCCL does. Any other overlap lands in a separate tensor, copied back at the end.
-        if _overlap(src, out) and out.data_ptr() != src.data_ptr() + self._comm.rank * out.nbytes:
+        _blocks_of(src, out, self._comm.size, what, "input")
+        # In place: the output is the input's own part. Any other overlap lands in a
+        # separate tensor, copied back at the end.
+        if _stray_overlap(src, out, self._comm.rank):
             target, out = out, torch.empty_like(out)
             back = _then(back, lambda: target.copy_(out))
         if cuda:
@@ -583,7 +592,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             back()
             return _cuda_work([output_tensor], opts, out.device)
         sp, _, dt = _tensor(src, what)
-        pending = self._comm._reduce_scatter(sp, out.data_ptr(), m, dt, _OPS[op], [src, out], not _blocking(opts))
+        pending = self._comm._reduce_scatter(sp, out.data_ptr(), out.numel(), dt, _OPS[op], [src, out], not _blocking(opts))
         return _done_or_pending([output_tensor], pending, back)
 
     def gather(self, output_tensors, input_tensors, opts=None):

@@ -24,7 +24,6 @@ use super::{ShmCtx, BLOCK};
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::mem::last_level_cache;
 use std::sync::atomic::Ordering;
 
 /// Runs the segments `0..n` in steps of `seg` bytes: each step `step(off, len)` of a
@@ -145,7 +144,7 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType,
 pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming: bool) -> Result<()> {
     let (w, me, n) = (cx.world, cx.rank, send.len());
     debug_assert_eq!(recv.len(), n * w);
-    let stream_out = streams_out(send.len(), recv.len());
+    let stream_out = streams_out(send.len() + recv.len());
     let (before, rest) = recv.split_at_mut(me * n);
     let (mine, after) = rest.split_at_mut(n);
     let mut stage = |off: usize, len: usize| {
@@ -178,7 +177,7 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming
 pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming: bool) -> Result<()> {
     let (w, me) = (cx.world, cx.rank);
     let n = recv.len() / w;
-    let stream_out = streams_out(send.len(), recv.len());
+    let stream_out = streams_out(send.len() + recv.len());
     copy_out(&mut recv[me * n..][..n], &send[me * n..][..n], stream_out);
     let slot = cx.slot_len()?;
     let others = || (0..w).filter(move |&p| p != me);
@@ -219,6 +218,7 @@ pub(super) fn broadcast(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, streaming:
     let seg = n.div_ceil(BROADCAST_SEGMENTS).next_multiple_of(64).max(MIN_BROADCAST_SEGMENT).min(half);
     let base = cx.ctl.phase(me).load(Ordering::Relaxed);
     let segments = n.div_ceil(seg).max(1) as u64;
+    let stream_out = streams_out(n);
     let area = |k: u64| {
         // SAFETY: half k % 2 of the root's staged area (2 halves fit in it).
         unsafe { cx.ctl.stage(root).add((k % 2) as usize * half) }
@@ -242,9 +242,7 @@ pub(super) fn broadcast(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, streaming:
             // SAFETY: the root wrote segment k into half k % 2 (its phase) and rewrites it
             // only once we announce below that we have copied it.
             let theirs = unsafe { std::slice::from_raw_parts(area(k), len) };
-            // A buffer larger than the cache is not read back from it (see `streams_out`;
-            // from 16 MiB, where the root's and ours first outgrow it, this lost).
-            copy_out(&mut buf[off..off + len], theirs, n >= last_level_cache());
+            copy_out(&mut buf[off..off + len], theirs, stream_out);
         }
         cx.advance(base + k + 1);
     }

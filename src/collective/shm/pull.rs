@@ -21,7 +21,7 @@ use super::ShmCtx;
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
-use crate::mem::{last_level_cache, page_size};
+use crate::mem::page_size;
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -124,7 +124,7 @@ fn finish(cx: &ShmCtx<'_>) -> Result<()> {
 
 /// Allgather: every peer's `send` (n bytes) into its part of `recv`.
 pub(super) fn allgather(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
-    let (n, streaming) = (send.len(), streams_out(send.len(), recv.len()));
+    let (n, streaming) = (send.len(), streams_out(send.len() + recv.len()));
     copy_out(&mut recv[cx.rank * n..][..n], send, streaming);
     for p in peers_from_next(cx) {
         src.read(cx, p, 0, &mut recv[p * n..][..n], streaming);
@@ -135,7 +135,7 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &
 /// All-to-all: block `me` of every peer's `send` into block p of `recv` (blocks of
 /// `recv.len() / W` bytes).
 pub(super) fn alltoall(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
-    let (me, n, streaming) = (cx.rank, recv.len() / cx.world, streams_out(send.len(), recv.len()));
+    let (me, n, streaming) = (cx.rank, recv.len() / cx.world, streams_out(send.len() + recv.len()));
     copy_out(&mut recv[me * n..][..n], &send[me * n..][..n], streaming);
     for p in peers_from_next(cx) {
         src.read(cx, p, me * n, &mut recv[p * n..][..n], streaming);
@@ -146,8 +146,7 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &m
 /// Broadcast: every rank but the root copies the root's buffer into its own.
 pub(super) fn broadcast(cx: &ShmCtx<'_>, src: &Sources<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     if cx.rank != root {
-        // Streamed as the staged broadcast's output is (see `parts::broadcast`).
-        src.read(cx, root, 0, buf, buf.len() >= last_level_cache());
+        src.read(cx, root, 0, buf, streams_out(buf.len()));
     }
     finish(cx)
 }

@@ -93,12 +93,14 @@ pub(super) fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType
     }
 }
 
-/// Whether a call writes its output with streaming stores: when what it reads and writes
-/// does not fit the last-level cache, its output is not read back from cache, and plain
-/// stores would first read every line of it. (The staging areas take their own kind of
-/// stores: their segments stay in cache with plain ones.)
-pub(super) fn streams_out(send: usize, recv: usize) -> bool {
-    send + recv >= last_level_cache()
+/// Whether a call writes its output with streaming stores, given the bytes it works on
+/// (send and receive; a broadcast's buffer, counted once: from 16 MiB, where the root's
+/// and ours together first outgrow this host's cache, streaming lost). Past the last-level
+/// cache the output is not read back from cache, and plain stores would first read every
+/// line of it. (The staging areas take their own kind of stores: their segments stay in
+/// cache with plain ones.)
+pub(super) fn streams_out(bytes: usize) -> bool {
+    bytes >= last_level_cache()
 }
 
 /// Copies `src` into the caller's `dst`, with streaming stores if `streaming`.
