@@ -42,6 +42,8 @@ per-device backend lookup batch_isend_irecv makes, answered by the group itself.
 registers.
 """
 
+import ctypes
+import inspect
 import threading
 from datetime import timedelta
 from typing import Optional
@@ -49,7 +51,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _OPS, Comm, Work, _background, _tensor, unique_id
+from . import _OPS, Comm, Work, _background, _tensor, _torch_native, load_library, unique_id
 
 __all__ = ["ProcessGroupGradwire", "register", "completed_future_of"]
 
@@ -402,6 +404,9 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     # (the sends and receives gather into a batch here; see _P2PBatch).
     supports_coalescing = False
 
+    # Whether this class runs over the C++ group (_native_class).
+    _native = False
+
     def _get_backend(self, device):
         # torch's private per-device backend lookup (batch_isend_irecv asks it; checked on
         # torch 2.15). This group is its own CPU backend: its methods have the backend
@@ -417,6 +422,10 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             store.set(_ID_KEY, unique_id())
         uid = store.get(_ID_KEY)
         self._comm = Comm.from_unique_id(bytes(uid), size, rank)
+        if self._native:
+            lib = load_library()
+            calls = {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _NATIVE_CALLS}
+            self._attach(self._comm._h.value, calls)
         self._batch = None  # sends and receives not started yet (see _P2PBatch)
         self._gpus = {}  # device index -> GpuComm, made at the first call on that device
         self._gpus_lock = threading.Lock()
@@ -451,7 +460,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     # --- collectives -------------------------------------------------------------------
 
-    def allreduce(self, tensors, opts=None):
+    def _py_allreduce(self, tensors, opts=None):
         self._start_p2p()
         op = _op_of(opts)
         if len(tensors) == 1 and _plain(tensors[0]):
@@ -489,7 +498,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             return _Work(tensors)
         return _Work(tensors, self._comm.iallreduce(flat, op=op), scatter_back)
 
-    def broadcast(self, tensors, opts=None):
+    def _py_broadcast(self, tensors, opts=None):
         self._start_p2p()
         root = opts.rootRank if opts is not None else 0
         if _on_cuda(tensors, "broadcast"):
@@ -538,7 +547,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             return _cuda_work(output_tensors, opts, input_tensors[0].device)
         return _Work(output_tensors)
 
-    def all_gather_single(self, output_tensor, input_tensor, opts=None):
+    def _py_all_gather_single(self, output_tensor, input_tensor, opts=None):
         # Every microsecond here counts against a 1 MiB call's 30 (no reshape: gradwire
         # takes any contiguous tensor as its elements in order).
         self._start_p2p()
@@ -576,7 +585,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             return _cuda_work(output_tensors, opts, output_tensors[0].device)
         return _Work(output_tensors)
 
-    def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
+    def _py_reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         self._start_p2p()
         op = _op_of(opts)
         what = "reduce_scatter_tensor"
@@ -660,12 +669,16 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 self._batch = _P2PBatch(self._comm)
             batch = self._batch
             if batch.add(ops):
+                if self._native:
+                    self._set_p2p_pending(True)
                 return batch
 
     def _start_p2p(self):
         """Starts the sends and receives issued so far, ahead of the call being made."""
         if self._batch is not None and not self._batch.started:
             self._batch.start()
+            if self._native:
+                self._set_p2p_pending(False)
 
     def send(self, tensors, dst, tag):
         ops = [("send", _contiguous(t, "send")[0], dst, tag, lambda: None) for t in tensors]
@@ -686,19 +699,55 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._comm.barrier()
         return _Work([])
 
+    # The calls the C++ group (_torch_group.cpp) takes on its fast path when there is one
+    # (see _native_class), and hands these methods when it does not.
+    allreduce = _py_allreduce
+    broadcast = _py_broadcast
+    all_gather_single = _py_all_gather_single
+    reduce_scatter_single = _py_reduce_scatter_single
+
     # The names torch before 2.12 calls these by (checked on torch 2.11): the same calls.
-    _allgather_base = all_gather_single
-    _reduce_scatter_base = reduce_scatter_single
+    _allgather_base = _py_all_gather_single
+    _reduce_scatter_base = _py_reduce_scatter_single
     alltoall_base = all_to_all_single
 
     def shutdown(self):
+        if self._native:
+            self._detach()
         for gpu in self._gpus.values():
             gpu.free()
         self._comm.finalize()
 
 
+# The C calls the C++ group makes itself (it has the addresses of the library loaded here).
+_NATIVE_CALLS = ("gradwire_allreduce", "gradwire_broadcast", "gradwire_allgather", "gradwire_reduce_scatter")
+
+# The torch entry points of the calls the C++ group overrides: its class exposes torch's
+# own (which call the C++ virtual methods, without the GIL) in place of the Python methods.
+_NATIVE_ENTRIES = ("allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "_allgather_base", "_reduce_scatter_base")
+
+_native = None  # the group class over the C++ one, made at the first group
+
+
+def _native_class():
+    """ProcessGroupGradwire over the C++ hot path (_torch_group.cpp, built at the first
+    group: see _torch_native), or ProcessGroupGradwire itself where that is not built."""
+    global _native
+    if _native is None:
+        fast, _ = _torch_native.fast_group()
+        if fast is None:
+            _native = ProcessGroupGradwire
+        else:
+            # As torch's class holds them (binding descriptors, not the bare functions).
+            entries = {name: inspect.getattr_static(dist.ProcessGroup, name) for name in _NATIVE_ENTRIES if hasattr(dist.ProcessGroup, name)}
+            # The C++ class's metaclass is pybind11's, torch's ProcessGroup has its own.
+            meta = type("_NativeMeta", (type(fast), type(ProcessGroupGradwire)), {})
+            _native = meta("ProcessGroupGradwire", (ProcessGroupGradwire, fast), {**entries, "_native": True, "__module__": __name__})
+    return _native
+
+
 def _create(store, rank, size, timeout):
-    return ProcessGroupGradwire(store, rank, size, timeout)
+    return _native_class()(store, rank, size, timeout)
 
 
 def register() -> None:

@@ -21,6 +21,7 @@ steps.
 
 import gc
 import math
+import os
 import sys
 import time
 
@@ -35,6 +36,9 @@ torch.set_num_threads(1)
 dist.init_process_group("gradwire")
 rank, world = dist.get_rank(), dist.get_world_size()
 assert dist.get_backend() == "gradwire", dist.get_backend()
+# The C++ hot path is built and in use unless turned off (tests/python.rs runs both).
+native = os.environ.get("GRADWIRE_TORCH_NATIVE", "1") == "1"
+assert type(dist.group.WORLD)._native == native, f"C++ hot path in use: {type(dist.group.WORLD)._native}, wanted {native}"
 
 seed_t = torch.randint(0, 2**62, (1,), dtype=torch.int64)
 dist.broadcast(seed_t, src=0)
@@ -159,6 +163,12 @@ for dt in [torch.float32, torch.int64]:
         if async_op:
             work.wait()
         expect(f"reduce_scatter_tensor in place {dt} async_op={async_op}", whole[lo:hi], part_want)
+    # The input in the output, but not as its own part: gathered as a copy, on every rank.
+    stray = torch.zeros(n * world, dtype=dt)
+    other = (rank + 1) % world * n
+    stray[other : other + n].copy_(mine)
+    dist.all_gather_into_tensor(stray, stray[other : other + n])
+    expect(f"all_gather_into_tensor, input another part of the output {dt}", stray, (everyone.to(torch.float64), 0.0))
     outs = [torch.empty(n, dtype=dt) for _ in range(world)]
     dist.all_gather(outs, mine)
     expect(f"all_gather (list) {dt}", torch.cat(outs), (everyone.to(torch.float64), 0.0))

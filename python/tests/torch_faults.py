@@ -2,6 +2,8 @@
 ranks directly, so nothing but the fault stops them):
 
     torch_faults.py kill       rank 1 SIGKILLs itself before an all_reduce the others start
+    torch_faults.py kill_blocking  the same before blocking all_gather_into_tensor calls
+                               (the C++ hot path's; the others' errors are raised from it)
     torch_faults.py mismatch   rank 1 all_reduces 11 elements where the others give 10
     torch_faults.py tag        (2 ranks) rank 0 sends with tag 1, rank 1 receives with tag 2
 
@@ -24,7 +26,7 @@ dist.init_process_group("gradwire")
 rank = dist.get_rank()
 x = torch.ones(10 + (mode == "mismatch" and rank == 1), dtype=torch.float32)
 dist.all_reduce(torch.ones(10))  # every rank is up and connected
-if mode == "kill" and rank == 1:
+if mode in ("kill", "kill_blocking") and rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 start = time.monotonic()
 try:
@@ -35,6 +37,9 @@ try:
         else:
             dist.recv(y, src=0, tag=2)
     for _ in range(1000):
+        if mode == "kill_blocking":
+            dist.all_gather_into_tensor(torch.empty((1 << 14) * dist.get_world_size()), torch.ones(1 << 14))
+            continue
         work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
         work.wait()
         if mode == "mismatch":
@@ -42,7 +47,7 @@ try:
 except RuntimeError as e:
     # A small send completes into the peer's ring before the peer sees the wrong tag, so the
     # sender learns of it from its next call, as the peer's reason for leaving.
-    want = {"kill": (gradwire.PeerLostError,), "mismatch": (gradwire.MismatchError,), "tag": (gradwire.MismatchError, gradwire.PeerLostError)}[mode]
+    want = {"kill": (gradwire.PeerLostError,), "kill_blocking": (gradwire.PeerLostError,), "mismatch": (gradwire.MismatchError,), "tag": (gradwire.MismatchError, gradwire.PeerLostError)}[mode]
     if not isinstance(e, want):
         print(f"rank {rank}: caught {type(e).__name__}, not {want}: {e}", flush=True)
         os._exit(4)

@@ -1,0 +1,140 @@
+"""The torch backend's C++ hot path (_torch_group.cpp), built against the torch in use.
+
+torch's C++ ABI changes between releases, so no wheel can carry this extension: it is
+compiled at the first gradwire group a process makes (torch.utils.cpp_extension: g++ and
+ninja, about 40 s of one core) and cached under ~/.cache/gradwire (XDG_CACHE_HOME) by
+torch version, Python and source hash; later processes load it in milliseconds. Ranks
+starting together build it once: the others wait on a file lock (flock, which the kernel
+releases when its holder dies, so a killed build leaves no stale lock), for at most
+GRADWIRE_TORCH_NATIVE_WAIT_S (default 600) seconds before building on their own. Each
+builder compiles in a directory of its own and moves the result into place.
+
+Where it cannot be built (no compiler, no ninja, `GRADWIRE_TORCH_NATIVE=0`) the backend is
+the Python group alone, with one warning that says why: the same calls, 5-6 us slower each.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import warnings
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCE = os.path.join(_HERE, "_torch_group.cpp")
+_HEADER = os.path.join(_HERE, "gradwire.h")
+
+_lock = threading.Lock()
+_loaded = None  # (FastGroup class or None, why not)
+
+
+def fast_group():
+    """(the C++ group class, None) or (None, why it is not there); built once per process."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _load()
+            if _loaded[0] is None and _loaded[1] is not None:
+                warnings.warn(f"gradwire: the torch backend runs without its C++ hot path ({_loaded[1]})", RuntimeWarning, stacklevel=3)
+        return _loaded
+
+
+def _wanted():
+    value = os.environ.get("GRADWIRE_TORCH_NATIVE", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"GRADWIRE_TORCH_NATIVE={value!r}: expected 1 (build and use the C++ hot path, the default) or 0 (Python only)")
+    return value == "1"
+
+
+def _wait_s():
+    value = os.environ.get("GRADWIRE_TORCH_NATIVE_WAIT_S", "600").strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds <= 86400:
+        raise ValueError(f"GRADWIRE_TORCH_NATIVE_WAIT_S={value!r}: expected seconds to wait for another process's build, 0 to 86400")
+    return seconds
+
+
+def _load():
+    if not _wanted():
+        return None, None  # asked for: no warning
+    wait_s = _wait_s()
+    import torch
+
+    digest = hashlib.sha256()
+    for path in (_SOURCE, _HEADER):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest.update(torch.__version__.encode())
+    digest.update(sys.version.encode())
+    name = "gradwire_torch_group"
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = os.path.join(home, "gradwire", f"torch-{digest.hexdigest()[:16]}")
+    target = os.path.join(cache, name + suffix)
+    try:
+        if not os.path.exists(target):
+            os.makedirs(cache, exist_ok=True)
+            with _build_lock(os.path.join(cache, "build.lock"), wait_s):
+                if not os.path.exists(target):  # else built while this process waited
+                    return _build(name, cache, target).FastGroup, None
+        spec = importlib.util.spec_from_file_location(name, target)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.FastGroup, None
+    except Exception as e:  # noqa: BLE001 (any failure leaves the Python group, said once)
+        return None, f"{type(e).__name__}: {_gist(e)}; set GRADWIRE_TORCH_NATIVE=0 to run without it quietly"
+
+
+def _gist(error):
+    """One line of a failure: a compiler's first error where there is one."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or [repr(error)])[0 if errors else -1]
+
+
+@contextlib.contextmanager
+def _build_lock(path, wait_s):
+    """Holds an exclusive flock on `path` while the body runs; waits for it at most
+    `wait_s` seconds, then runs the body without it."""
+    with open(path, "a") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break  # a stuck builder: build without it
+                time.sleep(0.2)
+        yield  # the lock goes with the file
+
+
+def _build(name, cache, target):
+    """Compiles the extension, loads it (a module loads once per process) and puts it in
+    the cache."""
+    from torch.utils import cpp_extension
+
+    with tempfile.TemporaryDirectory(dir=cache, prefix="build-") as tmp:
+        module = cpp_extension.load(
+            name,
+            [_SOURCE],
+            extra_include_paths=[_HERE],
+            extra_cflags=["-O2"],
+            build_directory=tmp,
+            verbose=False,
+            is_python_module=True,
+        )
+        built = os.path.join(tmp, name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+        if not os.path.exists(built):
+            built = os.path.join(tmp, name + ".so")
+        os.replace(built, target)  # atomic: a concurrent builder's copy is as good
+    return module
