@@ -241,7 +241,8 @@ fn torch_backend_faults_name_the_rank() {
 /// `pip install .` into a fresh virtual environment (system site-packages only for torch):
 /// the wheel carries libgradwire.so and the `gradwire` command, and
 /// `init_process_group("gradwire")` works with no import and no gradwire variable, under
-/// torchrun and under the installed `gradwire launch`, outside the repository.
+/// torchrun and under the installed `gradwire launch`, outside the repository; the C++
+/// part of the torch backend builds from the installed files.
 #[test]
 fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
     if !python_has("torch") {
@@ -260,10 +261,12 @@ fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
         t
     };
     ok(Command::new("python3").args(["-m", "venv", "--system-site-packages"]).arg(&venv), "python3 -m venv");
-    ok(Command::new(venv.join("bin/pip")).args(["install", "--quiet", root]), "pip install .");
+    ok(Command::new(venv.join("bin/pip")).args(["install", "--quiet", &format!("{root}[torch]")]), "pip install .[torch]");
     std::fs::copy(format!("{root}/python/examples/ddp_gradwire.py"), dir.join("ddp_gradwire.py")).unwrap();
+    // A cache of its own: the installed files, not the repository's, build the C++ part.
+    let cache = dir.join("cache");
     let clean = |cmd: &mut Command| {
-        cmd.current_dir(&dir).env("OMP_NUM_THREADS", "1");
+        cmd.current_dir(&dir).env("OMP_NUM_THREADS", "1").env("XDG_CACHE_HOME", &cache);
         for k in ["GRADWIRE_LIB", "PYTHONPATH", "GRADWIRE_JOB_SECRET", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"] {
             cmd.env_remove(k);
         }
@@ -273,6 +276,13 @@ fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
     clean(&mut where_lib);
     let lib = ok(&mut where_lib, "import gradwire");
     assert!(lib.trim().starts_with(venv.to_str().unwrap()), "the library is not the bundled one: {lib}");
+    // The wheel carries the torch backend's C++ source and gradwire.h, which build where it
+    // is installed (into the empty cache above).
+    let mut native = Command::new(venv.join("bin/python"));
+    native.args(["-c", "import gradwire._torch_native as n; c, why = n.fast_group(); print('C++ hot path:', c is not None, why, n.__file__)"]);
+    clean(&mut native);
+    let t = ok(&mut native, "the installed package's C++ hot path");
+    assert!(t.contains("C++ hot path: True None") && t.contains(venv.to_str().unwrap()), "{t}");
     let mut torchrun = Command::new(venv.join("bin/python"));
     torchrun.args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "ddp_gradwire.py"]);
     clean(&mut torchrun);

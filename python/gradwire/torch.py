@@ -13,7 +13,11 @@ id), so MASTER_PORT stays torch's and no job secret is needed. Deadlines are gra
 the rank and the call, never a hang.
 
 A call torch waits for at once (`async_op=False`, told by the options' `asyncOp`) runs as
-gradwire's blocking call on the caller's thread: no handle, no hand-off. `async_op=True`
+gradwire's blocking call on the caller's thread: no handle, no hand-off. allreduce,
+broadcast, all_gather_into_tensor and reduce_scatter_tensor made so on contiguous CPU
+tensors go from torch's C++ entry point straight to gradwire's C call, without the GIL
+(_torch_group.cpp, built against the torch in use at the first group: see _torch_native);
+every other call, and every call where that cannot be built, runs the Python methods here. `async_op=True`
 calls (and DDP's buckets) are gradwire's non-blocking calls. Work that someone waits on is
 completed by that caller; work whose future is asked for (DDP's buckets) is completed by one
 completion thread per process, in order (no thread per operation), so the buckets reduce
@@ -56,6 +60,8 @@ from . import _OPS, Comm, Work, _background, _tensor, _torch_native, load_librar
 __all__ = ["ProcessGroupGradwire", "register", "completed_future_of"]
 
 _ID_KEY = "gradwire/unique_id"
+_ARRIVED_KEY = "gradwire/arrived"
+_ALL_ARRIVED_KEY = "gradwire/all_arrived"
 
 
 # torch's reduce ops by their hash (their kind; equality then tells a PREMUL_SUM with the
@@ -315,8 +321,9 @@ class _P2PBatch:
     in which every rank sends before it receives then completes, as it does on NCCL; a
     send nobody waits for or follows with another call does not start."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, on_start=None):
         self._comm = comm
+        self._on_start = on_start  # called (with this batch) once it has started
         self._ops = []
         self._backs = []
         self._lock = threading.Lock()
@@ -349,6 +356,8 @@ class _P2PBatch:
                 self._work = self._comm.p2p_batch(self._ops, async_op=True)
             except Exception as e:  # noqa: BLE001 (raised to whoever waits)
                 self._error, self._done = e, True
+        if self._on_start is not None:
+            self._on_start(self)
 
     def _finish(self):
         # Under the lock, once the gradwire work has finished.
@@ -420,6 +429,12 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         super().__init__(rank, size)
         if rank == 0:
             store.set(_ID_KEY, unique_id())
+        # Every rank is here (past the C++ part's first build, which may take a minute on
+        # one node and none on another) before any joins the communicator, whose connect
+        # deadline is gradwire's; this wait is torch's store's, under the group's timeout.
+        if store.add(_ARRIVED_KEY, 1) == size:
+            store.set(_ALL_ARRIVED_KEY, b"1")
+        store.wait([_ALL_ARRIVED_KEY])
         uid = store.get(_ID_KEY)
         self._comm = Comm.from_unique_id(bytes(uid), size, rank)
         if self._native:
@@ -427,6 +442,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             calls = {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _NATIVE_CALLS}
             self._attach(self._comm._h.value, calls)
         self._batch = None  # sends and receives not started yet (see _P2PBatch)
+        self._p2p_lock = threading.Lock()  # the open batch, and the C++ group's flag for it
         self._gpus = {}  # device index -> GpuComm, made at the first call on that device
         self._gpus_lock = threading.Lock()
 
@@ -664,21 +680,27 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def _queue_p2p(self, ops):
         """Adds ops to the open batch (a new one if it has started) and returns it."""
-        while True:
-            if self._batch is None or self._batch.started:
-                self._batch = _P2PBatch(self._comm)
-            batch = self._batch
-            if batch.add(ops):
-                if self._native:
-                    self._set_p2p_pending(True)
-                return batch
+        with self._p2p_lock:
+            if self._native:  # before the ops go in: no collective may pass them
+                self._set_p2p_pending(True)
+            while True:
+                if self._batch is None or self._batch.started:
+                    self._batch = _P2PBatch(self._comm, self._p2p_started if self._native else None)
+                batch = self._batch
+                if batch.add(ops):
+                    return batch
+
+    def _p2p_started(self, batch):
+        """A batch has started (whoever started it): once the group's open batch has, the
+        C++ group's blocking calls may take their fast path again."""
+        with self._p2p_lock:
+            if self._batch is batch:
+                self._set_p2p_pending(False)
 
     def _start_p2p(self):
         """Starts the sends and receives issued so far, ahead of the call being made."""
         if self._batch is not None and not self._batch.started:
             self._batch.start()
-            if self._native:
-                self._set_p2p_pending(False)
 
     def send(self, tensors, dst, tag):
         ops = [("send", _contiguous(t, "send")[0], dst, tag, lambda: None) for t in tensors]
@@ -735,14 +757,16 @@ def _native_class():
     global _native
     if _native is None:
         fast, _ = _torch_native.fast_group()
-        if fast is None:
-            _native = ProcessGroupGradwire
-        else:
-            # As torch's class holds them (binding descriptors, not the bare functions).
-            entries = {name: inspect.getattr_static(dist.ProcessGroup, name) for name in _NATIVE_ENTRIES if hasattr(dist.ProcessGroup, name)}
-            # The C++ class's metaclass is pybind11's, torch's ProcessGroup has its own.
-            meta = type("_NativeMeta", (type(fast), type(ProcessGroupGradwire)), {})
-            _native = meta("ProcessGroupGradwire", (ProcessGroupGradwire, fast), {**entries, "_native": True, "__module__": __name__})
+        _native = ProcessGroupGradwire
+        if fast is not None:
+            try:
+                # As torch's class holds them (binding descriptors, not the bare functions).
+                entries = {name: inspect.getattr_static(dist.ProcessGroup, name) for name in _NATIVE_ENTRIES if hasattr(dist.ProcessGroup, name)}
+                # The C++ class's metaclass is pybind11's, torch's ProcessGroup has its own.
+                meta = type("_NativeMeta", (type(fast), type(ProcessGroupGradwire)), {})
+                _native = meta("ProcessGroupGradwire", (ProcessGroupGradwire, fast), {**entries, "_native": True, "__module__": __name__})
+            except Exception as e:  # noqa: BLE001 (this torch is not the one checked: the Python group)
+                _torch_native.warn(f"{type(e).__name__}: {e}")
     return _native
 
 
