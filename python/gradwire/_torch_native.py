@@ -40,6 +40,7 @@ _RETRY_S = 600
 
 _lock = threading.Lock()
 _loaded = None  # (FastGroup class or None, why not)
+_where = None  # the file it was loaded from
 
 
 def fast_group():
@@ -77,6 +78,7 @@ def _wait_s():
 
 
 def _load():
+    global _where
     if not _wanted():
         return None, None  # asked for: no warning
     wait_s = _wait_s()
@@ -103,7 +105,9 @@ def _load():
                         return None, f"{f.read().strip()} (a build failed here {time.time() - os.path.getmtime(failed):.0f} s ago)"
                 if not os.path.exists(target):  # else built while this process waited
                     try:
-                        return _build(name, cache, target).FastGroup, None
+                        fast = _build(name, cache, target).FastGroup
+                        _where = target
+                        return fast, None
                     except Exception as e:
                         with open(failed, "w") as f:
                             f.write(f"{type(e).__name__}: {_gist(e)}")
@@ -111,6 +115,7 @@ def _load():
         spec = importlib.util.spec_from_file_location(name, target)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+        _where = target
         return module.FastGroup, None
     except Exception as e:  # noqa: BLE001 (any failure leaves the Python group, said once)
         return None, f"{type(e).__name__}: {_gist(e)}"
@@ -160,3 +165,18 @@ def _build(name, cache, target):
         os.environ["PATH"] = path
     return module
 
+
+
+def main():
+    """`python -m gradwire._torch_native`: builds the C++ part now (a container image's build
+    step, say, rather than a job's first group) and says where it is, or why not."""
+    fast, why = fast_group()
+    if fast is None:
+        print(f"gradwire: the torch backend's C++ hot path is not available: {why or 'GRADWIRE_TORCH_NATIVE=0'}")
+        return 1
+    print(f"gradwire: the torch backend's C++ hot path is built: {_where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

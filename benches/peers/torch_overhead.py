@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""torch_overhead.py -- what torch.distributed on the gradwire backend costs over the bare C call.
+
+One process per rank alternates, on the same tensors, the torch call
+(dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce; blocking) with
+the same collective through gradwire's C ABI directly (ctypes, no torch), ROUNDS times
+ITERS calls each; per round the slowest rank's mean; prints the medians and torch / C (as
+busbw ratios: C time / torch time). Alternating in one process takes the machine's
+minute-to-minute speed out of the comparison, which separate runs (collectives.sh's torch
+part) cannot. Run it with and without the C++ hot path (GRADWIRE_TORCH_NATIVE=0):
+
+    GRADWIRE_LIB=target/release/libgradwire.so PYTHONPATH=python OMP_NUM_THREADS=1 \\
+    target/release/gradwire launch -n 2 -- python3 benches/peers/torch_overhead.py -b 1M -e 4M
+"""
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+import gradwire
+import gradwire.torch  # noqa: F401 (registers the backend)
+from gloo_collectives import parse_size
+from gradwire import _check
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-b", "--minbytes", default="1M")
+    ap.add_argument("-e", "--maxbytes", default="4M")
+    ap.add_argument("-f", "--stepfactor", type=int, default=4)
+    ap.add_argument("-n", "--iters", type=int, default=300)
+    ap.add_argument("-r", "--rounds", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gradwire")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    lib, comm = gradwire.load_library(), group.comm
+    native = getattr(type(group), "_native", False)
+    if rank == 0:
+        print(f"# torch_overhead: W={world}, iters={args.iters}, rounds={args.rounds}, C++ hot path: {native}, torch {torch.__version__}")
+        print(f"{'collective':>16} {'size':>9} {'torch us':>9} {'C us':>9} {'torch/C busbw':>14}")
+    size = parse_size(args.minbytes)
+    while size <= parse_size(args.maxbytes):
+        part = size // 4 // world  # float32 elements of one rank's block
+        whole, block = torch.randn(part * world), torch.randn(part)
+        h, wp, bp = comm._h, whole.data_ptr(), block.data_ptr()
+        cases = [
+            ("allgather", lambda: dist.all_gather_into_tensor(whole, block), lambda: _check(lib.gradwire_allgather(h, bp, wp, part, 0))),
+            ("reduce_scatter", lambda: dist.reduce_scatter_tensor(block, whole), lambda: _check(lib.gradwire_reduce_scatter(h, wp, bp, part, 0, 0))),
+            ("allreduce", lambda: dist.all_reduce(whole), lambda: _check(lib.gradwire_allreduce(h, wp, wp, part * world, 0, 0))),
+        ]
+        for name, through_torch, bare in cases:
+            times = {"torch": [], "C": []}
+            for _ in range(args.rounds):
+                for kind, call in (("torch", through_torch), ("C", bare)):
+                    for _ in range(5):
+                        call()
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(args.iters):
+                        call()
+                    mean = torch.tensor([(time.perf_counter() - t0) / args.iters * 1e6], dtype=torch.float64)
+                    dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+                    times[kind].append(mean.item())
+            t, c = (sorted(v)[len(v) // 2] for v in (times["torch"], times["C"]))
+            if rank == 0:
+                print(f"{name:>16} {size:>9} {t:>9.1f} {c:>9.1f} {100 * c / t:>13.0f}%", flush=True)
+        size *= args.stepfactor
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
