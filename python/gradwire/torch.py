@@ -17,8 +17,8 @@ gradwire's blocking call on the caller's thread: no handle, no hand-off. allredu
 broadcast, all_gather_into_tensor and reduce_scatter_tensor made so on contiguous CPU
 tensors go from torch's C++ entry point straight to gradwire's C call, without the GIL
 (_torch_group.cpp, built against the torch in use at the first group: see _torch_native);
-every other call, and every call where that cannot be built, runs the Python methods here. `async_op=True`
-calls (and DDP's buckets) are gradwire's non-blocking calls. Work that someone waits on is
+every other call, and every call where that cannot be built, runs the Python methods here.
+`async_op=True` calls (and DDP's buckets) are gradwire's non-blocking calls. Work that someone waits on is
 completed by that caller; work whose future is asked for (DDP's buckets) is completed by one
 completion thread per process, in order (no thread per operation), so the buckets reduce
 while backward goes on. Broadcast, all_gather_into_tensor, reduce_scatter_tensor (what
