@@ -238,6 +238,44 @@ fn torch_backend_faults_name_the_rank() {
     }
 }
 
+/// Where the torch backend's C++ part cannot be built (no compiler), one warning says why
+/// and the Python group runs the calls; GRADWIRE_TORCH_NATIVE=0 chooses that without a
+/// warning; a malformed GRADWIRE_TORCH_NATIVE or GRADWIRE_TORCH_NATIVE_WAIT_S is a
+/// ValueError naming it at init_process_group.
+#[test]
+fn torch_backend_without_its_cpp_part_says_why() {
+    if !python_has("torch") {
+        eprintln!("SKIP torch_backend_without_its_cpp_part_says_why: torch is not importable");
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let cache = std::env::temp_dir().join(format!("gradwire-native-{}", std::process::id()));
+    for (mode, env) in [
+        ("no-compiler", vec![("CXX", "/bin/false")]),
+        ("off", vec![("GRADWIRE_TORCH_NATIVE", "0")]),
+        ("bad-setting", vec![("GRADWIRE_TORCH_NATIVE", "yes")]),
+        ("bad-setting", vec![("GRADWIRE_TORCH_NATIVE_WAIT_S", "nan")]),
+    ] {
+        let _ = std::fs::remove_dir_all(&cache);
+        let mut cmd = Command::new("python3");
+        cmd.arg(format!("{root}/python/tests/torch_native_fallback.py"))
+            .arg(mode)
+            .env("PYTHONPATH", format!("{root}/python"))
+            .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+            .env("XDG_CACHE_HOME", &cache)
+            .env("OMP_NUM_THREADS", "1");
+        rank_env(&mut cmd, 0, 1, free_port(), "python-native-test");
+        for (k, v) in &env {
+            cmd.env(k, v);
+        }
+        let out = run_with_limit(cmd, Duration::from_secs(120));
+        let t = text(&out);
+        println!("{mode} {env:?}: {t}");
+        assert!(out.status.success() && t.contains("fallback: ok"), "{mode} {env:?}:\n{t}");
+    }
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
 /// `pip install .` into a fresh virtual environment (system site-packages only for torch):
 /// the wheel carries libgradwire.so and the `gradwire` command, and
 /// `init_process_group("gradwire")` works with no import and no gradwire variable, under
