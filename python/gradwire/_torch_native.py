@@ -2,8 +2,9 @@
 
 torch's C++ ABI changes between releases, so no wheel can carry this extension: it is
 compiled at the first gradwire group a process makes (torch.utils.cpp_extension: g++ and
-ninja, about 40 s of one core) and cached under ~/.cache/gradwire (XDG_CACHE_HOME) by
-torch version, Python and source hash; later processes load it in milliseconds. Ranks
+ninja, about 40 s of one core) and cached under ~/.cache/gradwire (XDG_CACHE_HOME; the
+temporary directory for a user without a home) by torch build, Python, build flags and
+source hash; later processes load it in milliseconds. Ranks
 starting together build it once: the others wait on a file lock (flock, which the kernel
 releases when its holder dies, so a killed build leaves no stale lock), for at most
 GRADWIRE_TORCH_NATIVE_WAIT_S (default 600) seconds before building on their own, and a
@@ -43,12 +44,13 @@ _loaded = None  # (FastGroup class or None, why not)
 _where = None  # the file it was loaded from
 
 
-def fast_group():
-    """(the C++ group class, None) or (None, why it is not there); built once per process."""
+def fast_group(retry_failed=False):
+    """(the C++ group class, None) or (None, why it is not there); built once per process.
+    `retry_failed`: build even if a build failed here within the last 10 minutes."""
     global _loaded
     with _lock:
         if _loaded is None:
-            _loaded = _load()
+            _loaded = _load(retry_failed)
             if _loaded[0] is None and _loaded[1] is not None:
                 warn(_loaded[1])
         return _loaded
@@ -77,41 +79,58 @@ def _wait_s():
     return seconds
 
 
-def _load():
+def _cache_dir():
+    """Where builds go: XDG_CACHE_HOME, else ~/.cache, else (no home: a container user without
+    one) the temporary directory; never a relative path."""
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if not os.path.isabs(home):
+        home = tempfile.gettempdir()
+    return os.path.join(home, "gradwire")
+
+
+def _paths():
+    """(module name, this build's cache directory, the module's file there), keyed by what
+    the build depends on."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in (_SOURCE, _HEADER):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    # Builds of one torch version differ (pip, conda, source: their git revision and C++
+    # ABI); so do the flags this module builds with.
+    digest.update(repr((torch.__version__, torch.version.git_version, torch._C._GLIBCXX_USE_CXX11_ABI, sys.version, _FLAGS)).encode())
+    name = "gradwire_torch_group"
+    cache = os.path.join(_cache_dir(), f"torch-{digest.hexdigest()[:16]}")
+    return name, cache, os.path.join(cache, name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+
+
+def _load(retry_failed=False):
     global _where
     if not _wanted():
         return None, None  # asked for: no warning
     wait_s = _wait_s()
-    import torch
-
-    name = "gradwire_torch_group"
     try:
-        digest = hashlib.sha256()
-        for path in (_SOURCE, _HEADER):
-            with open(path, "rb") as f:
-                digest.update(f.read())
-        # Builds of one torch version differ (pip, conda, source: their git revision and
-        # C++ ABI); so do the flags this module builds with.
-        digest.update(repr((torch.__version__, torch.version.git_version, torch._C._GLIBCXX_USE_CXX11_ABI, sys.version, _FLAGS)).encode())
-        home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        cache = os.path.join(home, "gradwire", f"torch-{digest.hexdigest()[:16]}")
-        target = os.path.join(cache, name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+        name, cache, target = _paths()
         failed = os.path.join(cache, "failed")
         if not os.path.exists(target):
             os.makedirs(cache, exist_ok=True)
             with _build_lock(os.path.join(cache, "build.lock"), wait_s):
-                if os.path.exists(failed) and time.time() - os.path.getmtime(failed) < _RETRY_S:
+                if os.path.exists(target):
+                    pass  # built while this process waited
+                elif not retry_failed and os.path.exists(failed) and time.time() - os.path.getmtime(failed) < _RETRY_S:
                     with open(failed) as f:  # ranks starting together fail once, not in turn
-                        return None, f"{f.read().strip()} (a build failed here {time.time() - os.path.getmtime(failed):.0f} s ago)"
-                if not os.path.exists(target):  # else built while this process waited
+                        why = f.read().strip()
+                    return None, f"{why} (a build failed here {time.time() - os.path.getmtime(failed):.0f} s ago, {failed}; tried again after {_RETRY_S} s or by python -m gradwire._torch_native)"
+                else:
                     try:
                         fast = _build(name, cache, target).FastGroup
-                        _where = target
-                        return fast, None
                     except Exception as e:
                         with open(failed, "w") as f:
                             f.write(f"{type(e).__name__}: {_gist(e)}")
                         raise
+                    _where = target
+                    return fast, None
         spec = importlib.util.spec_from_file_location(name, target)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -150,10 +169,18 @@ def _build(name, cache, target):
     the cache."""
     from torch.utils import cpp_extension
 
-    # cpp_extension runs `ninja` from PATH: the one beside this interpreter (the extra's, in
-    # a virtual environment that is not activated) comes first.
-    path = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), path])
+    # cpp_extension runs `ninja` from PATH: the ninja package's (the extra's, wherever pip put
+    # it: a virtual environment that is not activated, ~/.local) and the one beside this
+    # interpreter come first.
+    path = os.environ.get("PATH")
+    first = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        first.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    os.environ["PATH"] = os.pathsep.join([*first, os.defpath if path is None else path])
     try:
         with tempfile.TemporaryDirectory(dir=cache, prefix="build-") as tmp:
             module = cpp_extension.load(name, [_SOURCE], extra_include_paths=[_HERE], build_directory=tmp, verbose=False, is_python_module=True, **_FLAGS)
@@ -162,7 +189,10 @@ def _build(name, cache, target):
                 built = os.path.join(tmp, name + ".so")
             os.replace(built, target)  # atomic: a process that finds it finds it whole
     finally:
-        os.environ["PATH"] = path
+        if path is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = path
     return module
 
 
@@ -170,7 +200,7 @@ def _build(name, cache, target):
 def main():
     """`python -m gradwire._torch_native`: builds the C++ part now (a container image's build
     step, say, rather than a job's first group) and says where it is, or why not."""
-    fast, why = fast_group()
+    fast, why = fast_group(retry_failed=True)
     if fast is None:
         print(f"gradwire: the torch backend's C++ hot path is not available: {why or 'GRADWIRE_TORCH_NATIVE=0'}")
         return 1

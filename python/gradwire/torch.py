@@ -431,10 +431,17 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             store.set(_ID_KEY, unique_id())
         # Every rank is here (past the C++ part's first build, which may take a minute on
         # one node and none on another) before any joins the communicator, whose connect
-        # deadline is gradwire's; this wait is torch's store's, under the group's timeout.
-        if store.add(_ARRIVED_KEY, 1) == size:
-            store.set(_ALL_ARRIVED_KEY, b"1")
-        store.wait([_ALL_ARRIVED_KEY])
+        # deadline is gradwire's; this wait is torch's store's, for the group's timeout.
+        # (Counted in generations: a store used again after destroy_process_group holds the
+        # last meeting's keys.)
+        arrived = store.add(_ARRIVED_KEY, 1)
+        everyone = f"{_ALL_ARRIVED_KEY}/{(arrived - 1) // size}"
+        if arrived % size == 0:
+            store.set(everyone, b"1")
+        if timeout is None:
+            store.wait([everyone])
+        else:
+            store.wait([everyone], timeout)
         uid = store.get(_ID_KEY)
         self._comm = Comm.from_unique_id(bytes(uid), size, rank)
         if self._native:
