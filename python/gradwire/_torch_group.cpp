@@ -139,9 +139,7 @@ class FastGroup : public c10d::PyProcessGroup {
     auto op = op_of(opts.reduceOp);
     if (comm != nullptr && op && tensors.size() == 1 && plain(tensors[0]) && !opts.sparseIndices) {
       auto& t = tensors[0];
-      finish(calls_.allreduce(comm, t.data_ptr(), t.data_ptr(), t.numel(), *dtype_of(t), *op));
-      fast_calls_.fetch_add(1, std::memory_order_relaxed);
-      return c10::make_intrusive<DoneWork>(tensors);
+      return done(calls_.allreduce(comm, t.data_ptr(), t.data_ptr(), t.numel(), *dtype_of(t), *op), tensors);
     }
     return python("_py_allreduce", tensors, opts);
   }
@@ -152,9 +150,7 @@ class FastGroup : public c10d::PyProcessGroup {
     if (comm != nullptr && tensors.size() == 1 && plain(tensors[0]) && opts.rootTensor == 0 && opts.rootRank >= 0 &&
         opts.rootRank < getSize()) {
       auto& t = tensors[0];
-      finish(calls_.broadcast(comm, t.data_ptr(), t.numel(), *dtype_of(t), static_cast<int>(opts.rootRank)));
-      fast_calls_.fetch_add(1, std::memory_order_relaxed);
-      return c10::make_intrusive<DoneWork>(tensors);
+      return done(calls_.broadcast(comm, t.data_ptr(), t.numel(), *dtype_of(t), static_cast<int>(opts.rootRank)), tensors);
     }
     return python("_py_broadcast", tensors, opts);
   }
@@ -164,9 +160,7 @@ class FastGroup : public c10d::PyProcessGroup {
     auto comm = fast(opts.asyncOp);
     if (comm != nullptr && plain(output) && plain(input) && output.scalar_type() == input.scalar_type() &&
         output.numel() == input.numel() * getSize() && !stray_overlap(output, input, getRank())) {
-      finish(calls_.allgather(comm, input.data_ptr(), output.data_ptr(), input.numel(), *dtype_of(input)));
-      fast_calls_.fetch_add(1, std::memory_order_relaxed);
-      return c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{output});
+      return done(calls_.allgather(comm, input.data_ptr(), output.data_ptr(), input.numel(), *dtype_of(input)), {output});
     }
     return python("_py_all_gather_single", output, input, opts);
   }
@@ -178,9 +172,7 @@ class FastGroup : public c10d::PyProcessGroup {
     auto op = op_of(opts.reduceOp);
     if (comm != nullptr && op && plain(output) && plain(input) && output.scalar_type() == input.scalar_type() &&
         input.numel() == output.numel() * getSize() && !stray_overlap(input, output, getRank())) {
-      finish(calls_.reduce_scatter(comm, input.data_ptr(), output.data_ptr(), output.numel(), *dtype_of(output), *op));
-      fast_calls_.fetch_add(1, std::memory_order_relaxed);
-      return c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{output});
+      return done(calls_.reduce_scatter(comm, input.data_ptr(), output.data_ptr(), output.numel(), *dtype_of(output), *op), {output});
     }
     return python("_py_reduce_scatter_single", output, input, opts);
   }
@@ -198,14 +190,17 @@ class FastGroup : public c10d::PyProcessGroup {
     return comm_.load(std::memory_order_acquire);
   }
 
-  // Raises a failed call's error as the Python binding does (gradwire._check: GradwireError
-  // of the code's kind, with the calling thread's error text, so on this thread).
-  static void finish(int code) {
+  // The finished work of a fast call that returned `code`; a failure is raised as the Python
+  // binding raises it (gradwire._check: GradwireError of the code's kind, with the calling
+  // thread's error text, so on this thread).
+  c10::intrusive_ptr<Work> done(int code, std::vector<at::Tensor> result) {
     if (code != 0) {
       py::gil_scoped_acquire gil;
       py::module_::import("gradwire").attr("_check")(code);
       throw std::runtime_error("gradwire: call failed with code " + std::to_string(code));
     }
+    fast_calls_.fetch_add(1, std::memory_order_relaxed);
+    return c10::make_intrusive<DoneWork>(std::move(result));
   }
 
   // The Python group's method `name` (as torch's trampoline calls an override).

@@ -23,7 +23,6 @@ import importlib.util
 import math
 import os
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -102,7 +101,7 @@ def _paths():
     digest.update(repr((torch.__version__, torch.version.git_version, torch._C._GLIBCXX_USE_CXX11_ABI, sys.version, _FLAGS)).encode())
     name = "gradwire_torch_group"
     cache = os.path.join(_cache_dir(), f"torch-{digest.hexdigest()[:16]}")
-    return name, cache, os.path.join(cache, name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    return name, cache, os.path.join(cache, name + ".so")  # as cpp_extension names it
 
 
 def _load(retry_failed=False):
@@ -184,10 +183,7 @@ def _build(name, cache, target):
     try:
         with tempfile.TemporaryDirectory(dir=cache, prefix="build-") as tmp:
             module = cpp_extension.load(name, [_SOURCE], extra_include_paths=[_HERE], build_directory=tmp, verbose=False, is_python_module=True, **_FLAGS)
-            built = os.path.join(tmp, name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
-            if not os.path.exists(built):
-                built = os.path.join(tmp, name + ".so")
-            os.replace(built, target)  # atomic: a process that finds it finds it whole
+            os.replace(os.path.join(tmp, os.path.basename(target)), target)  # atomic: a process that finds it finds it whole
     finally:
         if path is None:
             del os.environ["PATH"]

@@ -755,26 +755,26 @@ _NATIVE_CALLS = ("gradwire_allreduce", "gradwire_broadcast", "gradwire_allgather
 # own (which call the C++ virtual methods, without the GIL) in place of the Python methods.
 _NATIVE_ENTRIES = ("allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "_allgather_base", "_reduce_scatter_base")
 
-_native = None  # the group class over the C++ one, made at the first group
+_native_group_class = None  # the group class over the C++ one, made at the first group
 
 
 def _native_class():
     """ProcessGroupGradwire over the C++ hot path (_torch_group.cpp, built at the first
     group: see _torch_native), or ProcessGroupGradwire itself where that is not built."""
-    global _native
-    if _native is None:
+    global _native_group_class
+    if _native_group_class is None:
         fast, _ = _torch_native.fast_group()
-        _native = ProcessGroupGradwire
+        _native_group_class = ProcessGroupGradwire
         if fast is not None:
             try:
                 # As torch's class holds them (binding descriptors, not the bare functions).
                 entries = {name: inspect.getattr_static(dist.ProcessGroup, name) for name in _NATIVE_ENTRIES if hasattr(dist.ProcessGroup, name)}
                 # The C++ class's metaclass is pybind11's, torch's ProcessGroup has its own.
                 meta = type("_NativeMeta", (type(fast), type(ProcessGroupGradwire)), {})
-                _native = meta("ProcessGroupGradwire", (ProcessGroupGradwire, fast), {**entries, "_native": True, "__module__": __name__})
+                _native_group_class = meta("ProcessGroupGradwire", (ProcessGroupGradwire, fast), {**entries, "_native": True, "__module__": __name__})
             except Exception as e:  # noqa: BLE001 (this torch is not the one checked: the Python group)
                 _torch_native.warn(f"{type(e).__name__}: {e}")
-    return _native
+    return _native_group_class
 
 
 def _create(store, rank, size, timeout):
