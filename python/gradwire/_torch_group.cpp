@@ -12,7 +12,12 @@
 // Python class ProcessGroupGradwire derives from it and keeps every other method.
 
 #include <torch/extension.h>
+// torch 2.12 moved the trampoline's header into py/.
+#if __has_include(<torch/csrc/distributed/c10d/py/PyProcessGroup.hpp>)
 #include <torch/csrc/distributed/c10d/py/PyProcessGroup.hpp>
+#else
+#include <torch/csrc/distributed/c10d/PyProcessGroup.hpp>
+#endif
 
 #include <atomic>
 #include <optional>

@@ -751,9 +751,43 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 # The C calls the C++ group makes itself (it has the addresses of the library loaded here).
 _NATIVE_CALLS = ("gradwire_allreduce", "gradwire_broadcast", "gradwire_allgather", "gradwire_reduce_scatter")
 
-# The torch entry points of the calls the C++ group overrides: its class exposes torch's
-# own (which call the C++ virtual methods, without the GIL) in place of the Python methods.
-_NATIVE_ENTRIES = ("allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "_allgather_base", "_reduce_scatter_base")
+# The calls the C++ group overrides, by torch's name for them, and the Python method that
+# makes each otherwise (torch before 2.12 names the tensor forms _allgather_base and
+# _reduce_scatter_base).
+_NATIVE_ENTRIES = {
+    "allreduce": "_py_allreduce",
+    "broadcast": "_py_broadcast",
+    "all_gather_single": "_py_all_gather_single",
+    "reduce_scatter_single": "_py_reduce_scatter_single",
+    "_allgather_base": "_py_all_gather_single",
+    "_reduce_scatter_base": "_py_reduce_scatter_single",
+}
+
+
+def _gate(name, entry, python_name):
+    """The method `name` of the group over the C++ one: a blocking call on CPU tensors goes to
+    torch's entry point (`entry`, which calls the C++ method without the GIL), every other
+    call to the Python method at once. Async and CUDA calls so return the Python group's own
+    work object, with all its methods (is_completed, exception, ...), at no extra cost; torch's
+    wrapper of a Python work that the C++ side would return forwards only wait and
+    get_future. The C++ method checks the rest (contiguity, dtype, op) itself."""
+    if name in ("allreduce", "broadcast"):
+
+        def call(self, tensors, opts=None):
+            if opts is not None and not opts.asyncOp and type(tensors) is list and len(tensors) == 1 and tensors[0].is_cpu:
+                return entry(self, tensors, opts)
+            return getattr(self, python_name)(tensors, opts)
+
+    else:
+
+        def call(self, output, input, opts=None):
+            if opts is not None and not opts.asyncOp and output.is_cpu and input.is_cpu:
+                return entry(self, output, input, opts)
+            return getattr(self, python_name)(output, input, opts)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
 
 _native_group_class = None  # the group class over the C++ one, made at the first group
 
@@ -767,10 +801,18 @@ def _native_class():
         _native_group_class = ProcessGroupGradwire
         if fast is not None:
             try:
-                # As torch's class holds them (binding descriptors, not the bare functions).
-                entries = {name: inspect.getattr_static(dist.ProcessGroup, name) for name in _NATIVE_ENTRIES if hasattr(dist.ProcessGroup, name)}
-                # The C++ class's metaclass is pybind11's, torch's ProcessGroup has its own.
-                meta = type("_NativeMeta", (type(fast), type(ProcessGroupGradwire)), {})
+                if not hasattr(dist.AllreduceOptions(), "asyncOp"):
+                    raise RuntimeError(f"torch {torch.__version__} does not say which calls are blocking (no asyncOp)")
+                # torch's entry points as its class holds them (binding descriptors).
+                entries = {
+                    name: _gate(name, inspect.getattr_static(dist.ProcessGroup, name), python_name)
+                    for name, python_name in _NATIVE_ENTRIES.items()
+                    if hasattr(dist.ProcessGroup, name)
+                }
+                # The C++ class's metaclass is pybind11's; torch's ProcessGroup has its own
+                # from torch 2.12 (before, pybind11's too, which cannot be a base twice).
+                metas = tuple(dict.fromkeys((type(fast), type(ProcessGroupGradwire))))
+                meta = metas[0] if len(metas) == 1 else type("_NativeMeta", metas, {})
                 _native_group_class = meta("ProcessGroupGradwire", (ProcessGroupGradwire, fast), {**entries, "_native": True, "__module__": __name__})
             except Exception as e:  # noqa: BLE001 (this torch is not the one checked: the Python group)
                 _torch_native.warn(f"{type(e).__name__}: {e}")

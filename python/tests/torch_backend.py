@@ -269,6 +269,22 @@ if world > 1:
         if "any source" not in str(e):
             failures.append(f"rank {rank}: recv from any source: unclear error {e}")
 
+# Async work is the Python group's own, with or without the C++ path: completed and
+# without an exception once waited for (torch's wrapper of a work the C++ side returns
+# would say neither).
+x, outp = torch.ones(64), torch.empty(64 * world)
+for what, call in [
+    ("all_reduce", lambda: dist.all_reduce(x, async_op=True)),
+    ("broadcast", lambda: dist.broadcast(x, src=0, async_op=True)),
+    ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(outp, x, async_op=True)),
+    ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(x, outp, async_op=True)),
+]:
+    work = call()
+    work.wait()
+    cases += 1
+    if not work.is_completed() or work.exception() is not None:
+        failures.append(f"rank {rank}: async {what}: waited for, completed {work.is_completed()}, exception {work.exception()}")
+
 # Which calls take the C++ group's fast path (blocking, contiguous CPU tensors, what gradwire
 # takes as it is) and which go to the Python group (the results are checked above).
 if native:
