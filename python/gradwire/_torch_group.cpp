@@ -9,7 +9,10 @@
 // name with a `_py_` prefix, exactly as before; so do its errors.
 //
 // FastGroup is torch's own trampoline (PyProcessGroup) with the hot calls overridden: the
-// Python class ProcessGroupGradwire derives from it and keeps every other method.
+// Python class ProcessGroupGradwire derives from it and keeps every other method. Its entry
+// points (gradwire/torch.py, _gate) send async and CUDA calls to the Python methods before
+// they reach C++, so those return the group's own work; what comes here otherwise is a
+// blocking CPU call from Python, or any call torch's C++ makes itself (DDP's reducer).
 
 #include <torch/extension.h>
 // torch 2.12 moved the trampoline's header into py/.
