@@ -24,7 +24,11 @@
 #   local   one host, W in --ranks: gradwire (`gradwire launch -n W gradwire bench COLL
 #           --transport shm --buffers B --check`), Open MPI over its shared-memory BTL
 #           (--mca pml ob1 --mca btl self,vader, as compare.sh), Gloo over TCP loopback;
-#           sizes -b..-e (1M..64M, x4)
+#           sizes -b..-e (1M..64M, x4); plus, for allgather, alltoall and broadcast, the
+#           one-copy ceiling (benches/peers/thread_copies.c: W threads of one process
+#           copying every output byte once, straight from its input): gradwire's busbw
+#           is also reported as a fraction of it, and the goals against Open MPI say
+#           where the ceiling itself is below the goal
 #   netns   --netns-ranks (4) ranks, one per network namespace, links shaped to
 #           --netns-rate (10) Gbit/s (`gradwire launch --netns --link-gbit R`, needs
 #           root): gradwire over TCP, Open MPI inside the same launch through
@@ -277,6 +281,13 @@ if [ "$NETNS_STATUS" = ok ] &&
     BOUND_STATUS="n/a (gcc failed on tcpring.c)"
 fi
 meta bound_status "$BOUND_STATUS"
+COPY_STATUS=ok
+if ! has_part local; then
+    COPY_STATUS="not run (--parts)"
+elif ! gcc -O3 -pthread -o "$BUILD/thread_copies" "$PEERS/thread_copies.c" >"$RESULTS/logs/thread_copies_build.log" 2>&1; then
+    COPY_STATUS="n/a (gcc failed on thread_copies.c)"
+fi
+meta copy_status "$COPY_STATUS"
 
 # ---- 2. runs -----------------------------------------------------------------
 BENCH_ARGS=(-b "$MIN" -e "$MAX" -f "$FACTOR" -n "$ITERS" -w "$WARMUP")
@@ -345,6 +356,15 @@ part_local() {  # part_local REPEAT
             else
                 record_na mpi "$coll" "$w" local "$rep" "$MPI_STATUS"
             fi
+            case "$coll" in
+                allgather|alltoall|broadcast)
+                    if [ "$COPY_STATUS" = ok ]; then
+                        run_one threads "$coll" "$w" local "$rep" \
+                            "$BUILD/thread_copies" -c "$coll" -W "$w" "${BENCH_ARGS[@]}" --csv CSV
+                    else
+                        record_na threads "$coll" "$w" local "$rep" "$COPY_STATUS"
+                    fi ;;
+            esac
             if [ "$GLOO_STATUS" = ok ] && [ "$GW_OK" = 1 ]; then
                 run_one gloo "$coll" "$w" local "$rep" \
                     env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 \
