@@ -102,6 +102,32 @@ fn shm_cross_memory_attach_every_dtype_and_op() {
     }
 }
 
+/// Reduce-scatter, allgather, all-to-all and broadcast of private buffers from 256 KiB time
+/// cross-memory attach against staging and keep the faster: every rank takes attach in the
+/// same first tries (the log shows it) and then says which it keeps; where the kernel
+/// refuses it, every rank says so and stages. The check after the timed calls finds no
+/// wrong element (every call of both forms is checked in `tests/engine.rs`,
+/// `shm_private_buffers_attached_or_staged_all_match`).
+#[test]
+fn shm_other_collectives_time_attach_against_staging_and_say_so() {
+    let allowed = cross_memory_attach_allowed("shm_other_collectives_time_attach_against_staging_and_say_so");
+    for coll in ["reduce_scatter", "allgather", "alltoall", "broadcast"] {
+        let args = ["bench", coll, "-b", "1M", "-e", "1M", "-n", "6", "-w", "0", "--transport", "shm", "--check"];
+        let out = launch(3, &[], &args, &[("GRADWIRE_LOG", "debug")]);
+        let t = text(&out);
+        assert!(out.status.success() && !t.contains("panicked"), "{coll}: {t}");
+        // The table's one row (1 MiB, less what does not divide into 3 parts).
+        let row = t.lines().find(|l| l.trim_start().starts_with("10485")).unwrap_or_else(|| panic!("{coll}: no 1 MiB row:\n{t}"));
+        assert_eq!(row.split_whitespace().last(), Some("0"), "{coll}: wrong elements:\n{t}");
+        if allowed {
+            every_rank_logged(&t, 3, "through cross-memory attach");
+            every_rank_logged(&t, 3, "(private buffers): ");
+        } else {
+            every_rank_logged(&t, 3, "refused");
+        }
+    }
+}
+
 /// An 8 KiB staging area, no cross-memory attach: segments of 6 KiB (33 to 130 per call of
 /// 100003 elements) and a short last one. The staged form has no barrier after its copy-out, so a rank starts its
 /// next segment while a slower peer may still copy out of the last one; with more ranks

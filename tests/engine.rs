@@ -29,6 +29,25 @@ fn port() -> u16 {
     gradwire::bootstrap::store::unused_ports(1).unwrap()
 }
 
+/// Runs `body` on `world` ranks, each a thread with its own communicator (a 60 s timeout,
+/// `configure`d per rank), and returns what each returned, in rank order.
+fn ranks_as_threads<T: Send>(world: usize, configure: impl Fn(usize, &mut Config) + Sync, body: impl Fn(usize, &Communicator) -> T + Sync) -> Vec<T> {
+    let p = port();
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..world)
+            .map(|r| {
+                let (configure, body) = (&configure, &body);
+                s.spawn(move || {
+                    let mut c = cfg(60_000);
+                    configure(r, &mut c);
+                    body(r, &Communicator::with_env(env(r, world, p), c).unwrap())
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 fn pair(timeout_ms: u64) -> (Communicator, Communicator) {
     let p = port();
     let t = std::thread::spawn(move || Communicator::with_env(env(1, 2, p), cfg(timeout_ms)).unwrap());
@@ -309,6 +328,69 @@ fn shm_every_collective_back_to_back_all_match() {
     }
 }
 
+/// Private buffers of reduce-scatter, allgather, all-to-all and broadcast from 256 KiB go
+/// through cross-memory attach or staging, whichever each rank has timed faster; every rank
+/// makes the same first tries (the 3rd and 5th call of a size take cross-memory attach), so
+/// six calls of each run both forms. With attach on, off, and on only for even ranks (the
+/// others never want it: all stage), at 2 and 3 ranks (threads), every call is checked
+/// against an independent reference on fresh random integers (exact in f32).
+#[test]
+fn shm_private_buffers_attached_or_staged_all_match() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let n = 70_000; // floats per rank's part: 280 KB
+    for (world, attach) in [(2, "on"), (3, "on"), (3, "off"), (3, "even ranks")] {
+        let input = |rank: usize, call: usize, len: usize| -> Vec<f32> {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ ((rank as u64) << 32 | call as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            (0..len).map(|_| rng.random_range(-1000..=1000) as f32).collect()
+        };
+        // Call i: collective i / 6, the (i % 6)+1-th call of it; broadcast's root rotates.
+        let calls = 24;
+        let lens = |i: usize| match i / 6 {
+            0 => (n * world, n),         // reduce-scatter
+            1 => (n, n * world),         // allgather
+            2 => (n * world, n * world), // all-to-all
+            _ => (n, n),                 // broadcast
+        };
+        let configure = |r: usize, c: &mut Config| {
+            c.transport = TransportChoice::Shm;
+            c.shm_cma = attach == "on" || (attach == "even ranks" && r % 2 == 0);
+        };
+        let results: Vec<Vec<Vec<f32>>> = ranks_as_threads(world, configure, |r, comm| {
+            (0..calls)
+                .map(|i| {
+                    let (sl, rl) = lens(i);
+                    let send = input(r, i, sl);
+                    let mut recv = vec![0f32; rl];
+                    match i / 6 {
+                        0 => comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum).unwrap(),
+                        1 => comm.allgather(&send, &mut recv).unwrap(),
+                        2 => comm.alltoall(&send, &mut recv).unwrap(),
+                        _ => {
+                            recv.copy_from_slice(&send);
+                            comm.broadcast(&mut recv, i % world).unwrap()
+                        }
+                    }
+                    recv
+                })
+                .collect()
+        });
+        for i in 0..calls {
+            let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(r, i, lens(i).0)).collect();
+            for (r, got) in results.iter().enumerate() {
+                let want: Vec<f32> = match i / 6 {
+                    0 => (r * n..(r + 1) * n).map(|j| inputs.iter().map(|x| x[j]).sum()).collect(),
+                    1 => inputs.concat(),
+                    2 => inputs.iter().flat_map(|x| x[r * n..(r + 1) * n].to_vec()).collect(),
+                    _ => inputs[i % world].clone(),
+                };
+                let wrong = got[i].iter().zip(&want).filter(|(g, w)| g != w).count() + got[i].len().abs_diff(want.len());
+                assert_eq!(wrong, 0, "{world} ranks (attach {attach}), rank {r}, call {i}: {wrong} wrong elements (seed {seed})");
+            }
+        }
+    }
+}
+
 /// Allgather and reduce-scatter in place (NCCL's layout: this rank's block of the larger
 /// buffer), over shm and tcp at 3 ranks, against sums computed independently on fresh
 /// random integers; the reduce-scatter leaves the other blocks as they were.
@@ -323,31 +405,23 @@ fn in_place_allgather_and_reduce_scatter_match() {
     };
     let blocks = [1usize, 7919, 100_003];
     for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
-        let p = port();
-        let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
-            let ranks: Vec<_> = (0..world)
-                .map(|r| {
-                    let input = &input;
-                    s.spawn(move || {
-                        let mut c = cfg(60_000);
-                        c.transport = transport;
-                        let comm = Communicator::with_env(env(r, world, p), c).unwrap();
-                        let mut outs = Vec::new();
-                        for (i, &m) in blocks.iter().enumerate() {
-                            let mut buf = vec![0f32; m * world];
-                            buf[r * m..(r + 1) * m].copy_from_slice(&input(r, 2 * i, m));
-                            comm.allgather_in_place(&mut buf).unwrap();
-                            outs.push(buf);
-                            let mut buf = input(r, 2 * i + 1, m * world);
-                            comm.reduce_scatter_in_place(&mut buf, ReduceOp::Sum).unwrap();
-                            outs.push(buf);
-                        }
-                        outs
-                    })
-                })
-                .collect();
-            ranks.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let results: Vec<Vec<Vec<f32>>> = ranks_as_threads(
+            world,
+            |_, c| c.transport = transport,
+            |r, comm| {
+                let mut outs = Vec::new();
+                for (i, &m) in blocks.iter().enumerate() {
+                    let mut buf = vec![0f32; m * world];
+                    buf[r * m..(r + 1) * m].copy_from_slice(&input(r, 2 * i, m));
+                    comm.allgather_in_place(&mut buf).unwrap();
+                    outs.push(buf);
+                    let mut buf = input(r, 2 * i + 1, m * world);
+                    comm.reduce_scatter_in_place(&mut buf, ReduceOp::Sum).unwrap();
+                    outs.push(buf);
+                }
+                outs
+            },
+        );
         for (i, &m) in blocks.iter().enumerate() {
             let gathered: Vec<f32> = (0..world).flat_map(|r| input(r, 2 * i, m)).collect();
             let reduce_in: Vec<Vec<f32>> = (0..world).map(|r| input(r, 2 * i + 1, m * world)).collect();

@@ -1,8 +1,9 @@
 //! One-host collectives through shared memory. The other collectives (reduce-scatter,
 //! allgather, all-to-all, broadcast, reduce, barrier) share the allreduce's machinery:
 //! its barriers and call checks, its staging areas ([`parts`]) and, from [`LARGE_MIN`]
-//! bytes where every rank maps every peer's buffer, its agreement on working in the peers'
-//! buffers ([`pull`]: each rank copies what it receives straight out of them).
+//! bytes, its agreement on working in the peers' buffers ([`pull`]: each rank copies what
+//! it receives straight out of them, mapped where every rank maps every peer's buffer, else
+//! through cross-memory attach where every rank has timed that faster than staging).
 //!
 //! The allreduce comes in four forms chosen by size, by where the buffers live and by what
 //! the kernel allows (see [`OneHost::allreduce`]):
@@ -56,7 +57,7 @@ use crate::transport::shm::ShmDomain;
 use crate::transport::Backoff;
 use control::Control;
 use peer_buffers::{agree_on_form, shm_allreduce_in_peer_buffers, Agreed, Attach, PeerAccess};
-use pull::Sources;
+use pull::{PeerBuffers, Sources};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -104,41 +105,55 @@ impl OneHost {
     /// ([`pull`]) or through the staging areas ([`parts`]).
     pub(crate) fn reduce_scatter(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
-        match agree_mapped(&cx, send, send.len(), dtype.size())? {
-            Some((peers, body)) => pull::reduce_scatter(&cx, &mut Sources::new(peers, body, send.len(), &mut self.state.attach.scratch), send, recv, dtype, op),
-            None => staged_stores(&mut self.state.part_stores.reduce_scatter, send.len(), dtype, |streaming| {
-                parts::reduce_scatter(&cx, send, recv, dtype, op, streaming)
-            }),
-        }
+        let st = &mut self.state;
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.reduce_scatter, &mut st.part_stores.reduce_scatter, send, dtype, |how| match how {
+            How::Pulled(mut src) => pull::reduce_scatter(&cx, &mut src, send, recv, dtype, op),
+            How::Staged(streaming) => parts::reduce_scatter(&cx, send, recv, dtype, op, streaming),
+        })
     }
 
     /// Allgather among all ranks (all on this host) (see [`pull`] and [`parts`]).
     pub(crate) fn allgather(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
-        match agree_mapped(&cx, send, recv.len(), 1)? {
-            Some((peers, body)) => pull::allgather(&cx, &Sources::new(peers, body, send.len(), &mut self.state.attach.scratch), send, recv),
-            None => staged_stores(&mut self.state.part_stores.allgather, recv.len(), DType::U8, |streaming| parts::allgather(&cx, send, recv, streaming)),
-        }
+        let st = &mut self.state;
+        // What the call moves per rank is the whole output.
+        let moved = recv.len();
+        pulled_or_staged_sized(&cx, &mut st.attach, &mut st.part_forms.allgather, &mut st.part_stores.allgather, send, moved, DType::U8, |how| match how {
+            How::Pulled(src) => pull::allgather(&cx, &src, send, recv),
+            How::Staged(streaming) => parts::allgather(&cx, send, recv, streaming),
+        })
     }
 
     /// All-to-all with equal blocks among all ranks (all on this host) (see [`pull`] and
     /// [`parts`]).
     pub(crate) fn alltoall(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
-        match agree_mapped(&cx, send, send.len(), 1)? {
-            Some((peers, body)) => pull::alltoall(&cx, &Sources::new(peers, body, send.len(), &mut self.state.attach.scratch), send, recv),
-            None => staged_stores(&mut self.state.part_stores.alltoall, send.len(), DType::U8, |streaming| parts::alltoall(&cx, send, recv, streaming)),
-        }
+        let st = &mut self.state;
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.alltoall, &mut st.part_stores.alltoall, send, DType::U8, |how| match how {
+            How::Pulled(src) => pull::alltoall(&cx, &src, send, recv),
+            How::Staged(streaming) => parts::alltoall(&cx, send, recv, streaming),
+        })
     }
 
     /// Broadcast of the root's `buf` among all ranks (all on this host) (see [`pull`] and
     /// [`parts`]).
     pub(crate) fn broadcast(&mut self, call: &OneHostCall<'_>, buf: &mut [u8], root: usize) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
-        match agree_mapped(&cx, buf, buf.len(), 1)? {
-            Some((peers, body)) => pull::broadcast(&cx, &Sources::new(peers, body, buf.len(), &mut self.state.attach.scratch), buf, root),
-            None => staged_stores(&mut self.state.part_stores.broadcast, buf.len(), DType::U8, |streaming| parts::broadcast(&cx, buf, root, streaming)),
-        }
+        let st = &mut self.state;
+        // The agreement publishes the buffer; the form then writes into it.
+        let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+        // SAFETY: `buf` is borrowed by this function; the agreement only reads its address
+        // and length (and, for a registered buffer, copies its first and last page) before
+        // the form runs, never while it writes.
+        let published = unsafe { std::slice::from_raw_parts(ptr, len) };
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.broadcast, &mut st.part_stores.broadcast, published, DType::U8, |how| {
+            // SAFETY: as above; from here on only the form touches the buffer.
+            let buf = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+            match how {
+                How::Pulled(src) => pull::broadcast(&cx, &src, buf, root),
+                How::Staged(streaming) => parts::broadcast(&cx, buf, root, streaming),
+            }
+        })
     }
 
     /// Reduce to `root` among all ranks (all on this host), through the staging areas (see
@@ -173,20 +188,68 @@ fn staged_stores(stores: &mut StoreChooser, len: usize, dtype: DType, run: impl 
     Ok(())
 }
 
-/// From [`LARGE_MIN`] bytes (`size`: what the call moves per rank), whether every rank
-/// maps every peer's `buf` (all from `gradwire_alloc` or registered in place), agreed in
-/// one barrier, or two when they are ([`agree_on_form`] without cross-memory attach): every
-/// rank's buffer from where all map it, and what of it they map; `None` when the call
-/// stages.
-fn agree_mapped(cx: &ShmCtx<'_>, buf: &[u8], size: usize, elem: usize) -> Result<Option<(Vec<*mut u8>, std::ops::Range<usize>)>> {
+/// How a one-host collective other than the allreduce runs: in the peers' buffers, or
+/// through the staging areas with plain (false) or streaming stores.
+enum How<'s> {
+    Pulled(Sources<'s>),
+    Staged(bool),
+}
+
+/// [`pulled_or_staged_sized`] for a call that moves `buf.len()` bytes per rank.
+fn pulled_or_staged(
+    cx: &ShmCtx<'_>,
+    attach: &mut Attach,
+    forms: &mut StoreChooser,
+    stores: &mut StoreChooser,
+    buf: &[u8],
+    dtype: DType,
+    run: impl FnOnce(How<'_>) -> Result<()>,
+) -> Result<()> {
+    pulled_or_staged_sized(cx, attach, forms, stores, buf, buf.len(), dtype, run)
+}
+
+/// Runs a one-host collective other than the allreduce that moves `size` bytes per rank,
+/// `buf` being this rank's send buffer. From [`LARGE_MIN`] bytes the ranks agree on how
+/// they reach each other's `buf` ([`agree_on_form`]): mapped where all come from
+/// `gradwire_alloc` or are registered in place; else, for private buffers, through
+/// cross-memory attach where every rank's `forms` has timed it faster than staging for this
+/// collective and size (every rank makes the same calls, so their first tries coincide),
+/// and the kernel allows it; else staged, with the stores `stores` has timed faster.
+#[allow(clippy::too_many_arguments)] // the collective's own state, split so each part can be borrowed
+fn pulled_or_staged_sized(
+    cx: &ShmCtx<'_>,
+    attach: &mut Attach,
+    forms: &mut StoreChooser,
+    stores: &mut StoreChooser,
+    buf: &[u8],
+    size: usize,
+    dtype: DType,
+    run: impl FnOnce(How<'_>) -> Result<()>,
+) -> Result<()> {
     if size < LARGE_MIN || cx.world == 1 {
-        return Ok(None);
+        return staged_stores(stores, size, dtype, |streaming| run(How::Staged(streaming)));
     }
-    let mut no_attach = Attach { enabled: false, scratch: Vec::new() };
-    Ok(match agree_on_form(cx, &mut no_attach, buf, elem)? {
-        Agreed::Mapped { peers, body } => Some((peers, body)),
-        _ => None,
-    })
+    let timed = attach.enabled;
+    let want_attach = timed && forms.choose(size, dtype);
+    let started = Instant::now();
+    let attached = match agree_on_form(cx, attach, want_attach, buf, dtype.size())? {
+        Agreed::Mapped { peers, body } => return run(How::Pulled(Sources::new(PeerBuffers::Mapped { peers, body }, buf.len(), &mut attach.scratch))),
+        Agreed::Attach(peers) => {
+            run(How::Pulled(Sources::new(PeerBuffers::Attached(peers), buf.len(), &mut attach.scratch)))?;
+            true
+        }
+        Agreed::Staged { .. } => {
+            staged_stores(stores, size, dtype, |streaming| run(How::Staged(streaming)))?;
+            false
+        }
+    };
+    // A rank that can no longer attach (the kernel refused) stages from now on, untimed.
+    if timed && attach.enabled {
+        if let Some(flip) = forms.record(size, dtype, attached, started.elapsed()) {
+            log::debug!("rank {}: {} (private buffers): {flip}", cx.rank, cx.call);
+        }
+    }
+    Ok(())
 }
 
 /// From `state.agree_from` bytes, the ranks agree on reaching each other's allreduce
@@ -195,7 +258,7 @@ fn agree_large(cx: &ShmCtx<'_>, state: &mut OneHostState, buf: &[u8], elem: usiz
     if buf.len() < state.agree_from {
         return Ok(None);
     }
-    match agree_on_form(cx, &mut state.attach, buf, elem)? {
+    match agree_on_form(cx, &mut state.attach, true, buf, elem)? {
         Agreed::Staged { someone_cannot_attach } => {
             if someone_cannot_attach && state.agree_from < ZERO_COPY_MIN {
                 state.agree_from = ZERO_COPY_MIN;
@@ -360,6 +423,9 @@ struct OneHostState {
     stores: StoreChooser,
     /// The same for the other staged collectives (each writes its own pattern).
     part_stores: PartStores,
+    /// For those other than the reduce: staging or cross-memory attach for private
+    /// buffers, by timing (see [`pulled_or_staged_sized`]).
+    part_forms: PartStores,
     /// Cross-memory attach for private buffers.
     attach: Attach,
     /// Size from which the ranks agree on a large form: [`LARGE_MIN`], or
@@ -368,7 +434,7 @@ struct OneHostState {
     agree_from: usize,
 }
 
-/// A store chooser per staged collective other than the allreduce.
+/// A chooser per collective other than the allreduce (of stores, or of forms).
 struct PartStores {
     reduce_scatter: StoreChooser,
     allgather: StoreChooser,
@@ -378,8 +444,7 @@ struct PartStores {
 }
 
 impl PartStores {
-    fn new(setting: StagedStores) -> Self {
-        let chooser = || StoreChooser::new(setting);
+    fn new(chooser: impl Fn() -> StoreChooser) -> Self {
         PartStores { reduce_scatter: chooser(), allgather: chooser(), alltoall: chooser(), broadcast: chooser(), reduce: chooser() }
     }
 }
@@ -393,7 +458,13 @@ impl Default for OneHostState {
 impl OneHostState {
     fn new(stores: StagedStores, cross_memory_attach: bool) -> Self {
         let attach = Attach { enabled: cross_memory_attach, scratch: Vec::new() };
-        OneHostState { stores: StoreChooser::new(stores), part_stores: PartStores::new(stores), attach, agree_from: LARGE_MIN }
+        OneHostState {
+            stores: StoreChooser::new(stores),
+            part_stores: PartStores::new(|| StoreChooser::new(stores)),
+            part_forms: PartStores::new(|| StoreChooser::forms(cross_memory_attach)),
+            attach,
+            agree_from: LARGE_MIN,
+        }
     }
 }
 

@@ -41,8 +41,9 @@ pub(super) enum Agreed {
 /// every rank can attach, that is all: staged. Otherwise each rank maps every peer's buffer
 /// if all are shared, reads a few bytes of every peer's buffer through cross-memory
 /// attach, and says what worked (barrier base+2). Every rank then takes the first form
-/// that worked for all: zero-copy, cross-memory attach, staged.
-pub(super) fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8], elem: usize) -> Result<Agreed> {
+/// that worked for all: zero-copy, cross-memory attach, staged. A rank that does not
+/// `want_attach` this call (its timing says staging is faster) publishes no address.
+pub(super) fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, want_attach: bool, buf: &[u8], elem: usize) -> Result<Agreed> {
     let (w, me) = (cx.world, cx.rank);
     let base = cx.ctl.phase(me).load(Ordering::Relaxed);
     // The phase before which a rank that fails here writes nothing into peers' buffers.
@@ -53,7 +54,7 @@ pub(super) fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, buf: &[u8], el
         cx.ctl.set_writes_done(done);
         e
     };
-    cx.ctl.publish_buffer(buf, attach.enabled);
+    cx.ctl.publish_buffer(buf, attach.enabled && want_attach);
     let ends_staged = cx.ctl.buffer_is_shared(me) && stage_ends(cx, buf);
     cx.advance(base + 1);
     cx.wait_all(base + 1).and_then(|()| cx.check_calls()).map_err(never_wrote)?;
@@ -174,14 +175,7 @@ pub(super) fn shm_allreduce_in_peer_buffers(
     if let PeerAccess::Attach { scratch, .. } = &mut access {
         scratch.resize((w - 1) * PEER_BLOCK / 8, 0);
     }
-    let attach_failed = |p: usize, pid: u32, e: std::io::Error| {
-        // A peer that exits while we copy can also show as a bad address.
-        let e = match process_gone(pid) {
-            Some(cause) => Error::PeerLost { rank: me, peer: p, op: cx.call.to_string(), cause },
-            None => Error::io(format!("rank {me}: cross-memory attach to rank {p}'s buffer (pid {pid}) in {}", cx.call), e),
-        };
-        cx.fail_in_peer_buffers(e, done)
-    };
+    let attach_failed = |p: usize, pid: u32, e: std::io::Error| cx.fail_in_peer_buffers(attach_error(cx, p, pid, e), done);
     for b in (lo..hi).step_by(PEER_BLOCK) {
         let len = (b + PEER_BLOCK).min(hi) - b;
         match &mut access {
@@ -220,6 +214,26 @@ pub(super) fn shm_allreduce_in_peer_buffers(
     }
     cx.advance(done);
     cx.wait_all(done).map_err(|e| cx.fail_in_peer_buffers(e, done))
+}
+
+/// The error of a failed cross-memory attach to rank `p` (process `pid`), by its cause: the
+/// peer's process is gone (the kernel says so, or it exits while we copy, which can also
+/// show as a bad address), or some peer is gone or gave up (a bad address: the buffer went
+/// back to its caller; the peer's reason names the first failure), else the kernel's error.
+pub(super) fn attach_error(cx: &ShmCtx<'_>, p: usize, pid: u32, e: std::io::Error) -> Error {
+    let me = cx.rank;
+    let lost = |cause| Error::PeerLost { rank: me, peer: p, op: cx.call.to_string(), cause };
+    if e.raw_os_error() == Some(libc::ESRCH) {
+        return lost(format!("process {pid} exited"));
+    }
+    if let Some(cause) = process_gone(pid) {
+        return lost(cause);
+    }
+    let peers = (0..cx.world).filter(|&q| q != me);
+    peers
+        .map(|q| cx.check_peer(q, super::PROC_CHECK_AFTER))
+        .find_map(|r| r.err())
+        .unwrap_or_else(|| Error::io(format!("rank {me}: cross-memory attach to rank {p}'s buffer (pid {pid}) in {}", cx.call), e))
 }
 
 /// Copies the first and last page of `buf` to the start of our staging area (before the

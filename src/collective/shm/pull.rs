@@ -1,38 +1,47 @@
 //! Reduce-scatter, allgather, broadcast and all-to-all in the peers' buffers (see the module
-//! comment of `collective::shm`). Once the ranks have agreed that every rank maps every
-//! peer's send buffer ([`agree_on_form`](super::peer_buffers::agree_on_form): buffers from
-//! `gradwire_alloc` or registered in place), each rank copies what it receives straight out
-//! of the mappings into its receive buffer, once; reduce-scatter reduces its part out of
-//! them block by block. Nobody writes into a peer's buffer, so one more barrier ends the
-//! call: every rank has finished reading (nobody gets its buffer back while a peer may
-//! still read it). Each rank reads its peers in a different order (the one after it first),
-//! so that no buffer has every reader at once.
+//! comment of `collective::shm`). Once the ranks have agreed how every rank reaches every
+//! peer's send buffer ([`agree_on_form`](super::peer_buffers::agree_on_form)), each rank
+//! copies what it receives straight out of them into its receive buffer, once:
+//! reduce-scatter reduces its part out of them block by block. They are mapped here where
+//! all come from `gradwire_alloc` or are registered in place; private ones the kernel
+//! copies through cross-memory attach. Nobody writes into a peer's buffer, so one more
+//! barrier ends the call: every rank has finished reading (nobody gets its buffer back while
+//! a peer may still read it). Each rank reads its peers in a different order (the one after
+//! it first), so that no buffer has every reader at once.
 //!
-//! Private buffers stage instead (`parts`): cross-memory attach, which copies once too,
-//! lost to staging at every size in alternating runs (busbw GB/s, 1 to 64 MiB, 2 rounds:
-//! 2 ranks, allgather 8.5-10.6 against 15.1-19.3 at 1-4 MiB and 3.7 against 4.7 at 64 MiB,
-//! all-to-all 8.8-9.3 against 11.4-15.3 and 3.6-3.7 against 5.0-5.2; 4 ranks, allgather
-//! 2.5-3.7 against 4.0-10.6, all-to-all 2.4-4.7 against 3.5-7.4; reduce-scatter and
-//! broadcast lost too), the kernel's page pinning costing more than the copy it saves.
+//! Private buffers take cross-memory attach or staging (`parts`), whichever has timed
+//! faster for the collective and size on this host (`OneHostState::part_forms`): the kernel
+//! pins the peer's pages for every call, which on one host cost more than staging's second
+//! copy at every size (2 ranks, allgather 8.5-10.6 against 15.1-19.3 GB/s busbw at 1-4
+//! MiB, 3.7 against 4.7 at 64 MiB) and on another less (2 ranks, allgather, alternating,
+//! 1 MiB 55-76 against 109-120 us, 4-16 MiB 1.1-1.2x, 64 MiB even; Open MPI's vader,
+//! which copies the same way, 65-72 us at 1 MiB there).
 
-use super::peer_buffers::PEER_BLOCK;
+use super::peer_buffers::{attach_error, PEER_BLOCK};
 use super::staged::{copy_out, streams_out};
 use super::ShmCtx;
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::mem::page_size;
+use crate::sys::cma::fetch;
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-/// The peers' send buffers, mapped here as the ranks agreed.
+/// How the ranks agreed to reach each other's send buffers.
+pub(super) enum PeerBuffers {
+    /// Mapped here: every rank's buffer from `body.start` (ours null), and the bytes of
+    /// every buffer that every rank maps; the rest (a registered buffer's partial first
+    /// and last pages) every rank staged (see `peer_buffers::stage_ends`).
+    Mapped { peers: Vec<*mut u8>, body: Range<usize> },
+    /// Through cross-memory attach: every rank's process and buffer address.
+    Attached(Vec<(u32, u64)>),
+}
+
+/// The peers' send buffers, as the ranks agreed to reach them.
 pub(super) struct Sources<'s> {
-    /// Every rank's buffer from `body.start` (ours null).
-    peers: Vec<*mut u8>,
-    /// The bytes of every buffer that every rank maps; the rest (a registered buffer's
-    /// partial first and last pages) every rank staged (see `peer_buffers::stage_ends`).
-    body: Range<usize>,
+    buffers: PeerBuffers,
     /// Bytes of every rank's send buffer (the same on all: the calls match).
     len: usize,
     /// Where blocks land that cannot be read in place: W−1 blocks of [`PEER_BLOCK`].
@@ -40,16 +49,24 @@ pub(super) struct Sources<'s> {
 }
 
 impl<'s> Sources<'s> {
-    /// The peers' send buffers of `len` bytes, as the agreement mapped them.
-    pub(super) fn new(peers: Vec<*mut u8>, body: Range<usize>, len: usize, scratch: &'s mut Vec<u64>) -> Self {
-        Sources { peers, body, len, scratch }
+    /// The peers' send buffers of `len` bytes, reached as agreed.
+    pub(super) fn new(buffers: PeerBuffers, len: usize, scratch: &'s mut Vec<u64>) -> Self {
+        Sources { buffers, len, scratch }
     }
 
     /// Copies bytes `from..from + dst.len()` of rank `p`'s send buffer into `dst`, with
-    /// streaming stores if `streaming`.
-    fn read(&self, cx: &ShmCtx<'_>, p: usize, from: usize, dst: &mut [u8], streaming: bool) {
+    /// streaming stores if `streaming` (where we copy; the kernel copies attached bytes).
+    /// A failed attach fails the call for every rank at once ([`abandon`]).
+    fn read(&self, cx: &ShmCtx<'_>, p: usize, from: usize, dst: &mut [u8], streaming: bool) -> Result<()> {
+        let (peers, body) = match &self.buffers {
+            PeerBuffers::Mapped { peers, body } => (peers, body),
+            PeerBuffers::Attached(peers) => {
+                let (pid, addr) = peers[p];
+                return fetch(pid, addr + from as u64, dst).map_err(|e| abandon(cx, attach_error(cx, p, pid, e)));
+            }
+        };
         let page = page_size();
-        for (piece, at) in pieces(from..from + dst.len(), &self.body, self.len, page) {
+        for (piece, at) in pieces(from..from + dst.len(), body, self.len, page) {
             let d = &mut dst[piece.start - from..piece.end - from];
             // SAFETY: `at` says where `piece` lies: in p's mapped buffer (which stays mapped
             // and unwritten until the call's last barrier), or in the copy of its first or
@@ -57,7 +74,7 @@ impl<'s> Sources<'s> {
             // then too (see `peer_buffers::stage_ends`).
             let src = unsafe {
                 match at {
-                    Where::Body => self.peers[p].add(piece.start - self.body.start),
+                    Where::Body => peers[p].add(piece.start - body.start),
                     Where::FirstPage => cx.ctl.stage(p).add(piece.start),
                     Where::LastPage => cx.ctl.stage(p).add(page + piece.start - (self.len - page)),
                 }
@@ -65,18 +82,21 @@ impl<'s> Sources<'s> {
             // SAFETY: as above; `d` is ours and overlaps no peer's memory.
             copy_out(d, unsafe { std::slice::from_raw_parts(src, d.len()) }, streaming);
         }
+        Ok(())
     }
 
     /// Bytes `from..from + block.len()` of rank `p`'s send buffer: in place where every
     /// rank maps it, else copied into `block`.
-    fn view<'a>(&'a self, cx: &ShmCtx<'_>, p: usize, from: usize, block: &'a mut [u8]) -> &'a [u8] {
-        if self.body.start <= from && from + block.len() <= self.body.end {
-            // SAFETY: inside p's mapped buffer, which stays mapped and unwritten until the
-            // call's last barrier.
-            return unsafe { std::slice::from_raw_parts(self.peers[p].add(from - self.body.start), block.len()) };
+    fn view<'a>(&'a self, cx: &ShmCtx<'_>, p: usize, from: usize, block: &'a mut [u8]) -> Result<&'a [u8]> {
+        if let PeerBuffers::Mapped { peers, body } = &self.buffers {
+            if body.start <= from && from + block.len() <= body.end {
+                // SAFETY: inside p's mapped buffer, which stays mapped and unwritten until
+                // the call's last barrier.
+                return Ok(unsafe { std::slice::from_raw_parts(peers[p].add(from - body.start), block.len()) });
+            }
         }
-        self.read(cx, p, from, block, false);
-        block
+        self.read(cx, p, from, block, false)?;
+        Ok(block)
     }
 }
 
@@ -116,10 +136,16 @@ fn finish(cx: &ShmCtx<'_>) -> Result<()> {
     std::sync::atomic::fence(Ordering::Acquire);
     (0..cx.world).filter(|&p| p != cx.rank).try_for_each(|p| cx.check_peer(p, Duration::ZERO))?;
     cx.advance(done);
-    cx.wait_all(done).inspect_err(|e| {
-        cx.ctl.set_writes_done(done);
-        cx.ctl.set_aborted(&e.to_string());
-    })
+    cx.wait_all(done).map_err(|e| abandon(cx, e))
+}
+
+/// A rank that fails while peers may still read its buffer says so at once (its abort
+/// flag): their reads are then known to be void, and those waiting for it fail too.
+fn abandon(cx: &ShmCtx<'_>, e: Error) -> Error {
+    let done = cx.ctl.phase(cx.rank).load(Ordering::Relaxed) + 1;
+    cx.ctl.set_writes_done(done);
+    cx.ctl.set_aborted(&e.to_string());
+    e
 }
 
 /// Allgather: every peer's `send` (n bytes) into its part of `recv`.
@@ -127,7 +153,7 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &
     let (n, streaming) = (send.len(), streams_out(send.len() + recv.len()));
     copy_out(&mut recv[cx.rank * n..][..n], send, streaming);
     for p in peers_from_next(cx) {
-        src.read(cx, p, 0, &mut recv[p * n..][..n], streaming);
+        src.read(cx, p, 0, &mut recv[p * n..][..n], streaming)?;
     }
     finish(cx)
 }
@@ -138,7 +164,7 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &m
     let (me, n, streaming) = (cx.rank, recv.len() / cx.world, streams_out(send.len() + recv.len()));
     copy_out(&mut recv[me * n..][..n], &send[me * n..][..n], streaming);
     for p in peers_from_next(cx) {
-        src.read(cx, p, me * n, &mut recv[p * n..][..n], streaming);
+        src.read(cx, p, me * n, &mut recv[p * n..][..n], streaming)?;
     }
     finish(cx)
 }
@@ -146,7 +172,7 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &m
 /// Broadcast: every rank but the root copies the root's buffer into its own.
 pub(super) fn broadcast(cx: &ShmCtx<'_>, src: &Sources<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     if cx.rank != root {
-        src.read(cx, root, 0, buf, streams_out(buf.len()));
+        src.read(cx, root, 0, buf, streams_out(buf.len()))?;
     }
     finish(cx)
 }
@@ -160,8 +186,14 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, src: &mut Sources<'_>, send: &[u8]
     for b in (0..n).step_by(PEER_BLOCK) {
         let len = PEER_BLOCK.min(n - b);
         let blocks = crate::transport::scratch_bytes(&mut scratch, (w - 1) * PEER_BLOCK).chunks_mut(PEER_BLOCK);
-        let theirs = peers_from_next(cx).zip(blocks).map(|(p, block)| src.view(cx, p, me * n + b, &mut block[..len]));
-        reduce_all(dtype, op, w, &mut recv[b..b + len], theirs);
+        let theirs: Result<Vec<&[u8]>> = peers_from_next(cx).zip(blocks).map(|(p, block)| src.view(cx, p, me * n + b, &mut block[..len])).collect();
+        match theirs {
+            Ok(theirs) => reduce_all(dtype, op, w, &mut recv[b..b + len], theirs),
+            Err(e) => {
+                *src.scratch = scratch;
+                return Err(e);
+            }
+        }
     }
     *src.scratch = scratch;
     finish(cx)

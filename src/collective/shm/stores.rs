@@ -19,9 +19,15 @@ use std::time::Duration;
 /// later disagree lose speed, never correctness. Measured (2 ranks, 1-256 MiB, alternating
 /// runs): in a good minute within 1-4 % of plain stores, 1.7x streaming ones; in a slow
 /// minute, 3.5-4.5x plain.
+///
+/// The same chooser picks, for the collectives other than the allreduce, between staging
+/// private buffers and reading them through cross-memory attach ([`StoreChooser::forms`]):
+/// which is faster depends on the host (the kernel's page pinning against a second copy).
 #[derive(Default)]
 pub struct StoreChooser {
     setting: StagedStores,
+    /// What the two choices are, for the log: [false, true].
+    kinds: [&'static str; 2],
     classes: Vec<StoreClass>,
 }
 
@@ -65,7 +71,14 @@ const SWITCH_GAIN: f64 = 0.9;
 
 impl StoreChooser {
     pub fn new(setting: StagedStores) -> Self {
-        StoreChooser { setting, classes: Vec::new() }
+        StoreChooser { setting, kinds: ["plain stores", "streaming stores"], classes: Vec::new() }
+    }
+
+    /// Between staging (false) and cross-memory attach (true) for private buffers, timed as
+    /// the stores are; staging only unless `attach` (`GRADWIRE_SHM_CMA`).
+    pub(super) fn forms(attach: bool) -> Self {
+        let setting = if attach { StagedStores::Auto } else { StagedStores::Plain };
+        StoreChooser { setting, kinds: ["staging", "cross-memory attach"], classes: Vec::new() }
     }
 
     fn class(&mut self, len: usize, dtype: DType) -> &mut StoreClass {
@@ -94,6 +107,7 @@ impl StoreChooser {
     /// Records the time of a call of `len` bytes; returns the new choice, explained, when
     /// it changed.
     pub fn record(&mut self, len: usize, dtype: DType, streaming: bool, took: Duration) -> Option<String> {
+        let [off, on] = self.kinds;
         let c = self.class(len, dtype);
         if !std::mem::replace(&mut c.warm, true) {
             return None;
@@ -129,8 +143,8 @@ impl StoreChooser {
         // A first choice, or the host changed: look at the other kind again soon.
         c.calls_since_probe = 0;
         c.probe_every = PROBE_MIN;
-        let kind = if after { "streaming" } else { "plain" };
-        Some(format!("{len} bytes of {} now uses {kind} stores (plain {plain:.3} ns/B, streaming {stream:.3} ns/B)", dtype.name()))
+        let kind = if after { on } else { off };
+        Some(format!("{len} bytes of {} now uses {kind} ({off} {plain:.3} ns/B, {on} {stream:.3} ns/B)", dtype.name()))
     }
 }
 
