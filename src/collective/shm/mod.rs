@@ -58,6 +58,7 @@ use crate::transport::Backoff;
 use control::Control;
 use peer_buffers::{agree_on_form, shm_allreduce_in_peer_buffers, Agreed, Attach, PeerAccess};
 use pull::{PeerBuffers, Sources};
+use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -106,7 +107,7 @@ impl OneHost {
     pub(crate) fn reduce_scatter(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         let st = &mut self.state;
-        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.reduce_scatter, &mut st.part_stores.reduce_scatter, send, dtype, |how| match how {
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.reduce_scatter, &mut st.part_stores.reduce_scatter, send, dtype, |how, send| match how {
             How::Pulled(mut src) => pull::reduce_scatter(&cx, &mut src, send, recv, dtype, op),
             How::Staged(streaming) => parts::reduce_scatter(&cx, send, recv, dtype, op, streaming),
         })
@@ -118,10 +119,19 @@ impl OneHost {
         let st = &mut self.state;
         // What the call moves per rank is the whole output.
         let moved = recv.len();
-        pulled_or_staged_sized(&cx, &mut st.attach, &mut st.part_forms.allgather, &mut st.part_stores.allgather, send, moved, DType::U8, |how| match how {
-            How::Pulled(src) => pull::allgather(&cx, &src, send, recv),
-            How::Staged(streaming) => parts::allgather(&cx, send, recv, streaming),
-        })
+        pulled_or_staged_sized(
+            &cx,
+            &mut st.attach,
+            &mut st.part_forms.allgather,
+            &mut st.part_stores.allgather,
+            send,
+            moved,
+            DType::U8,
+            |how, send| match how {
+                How::Pulled(src) => pull::allgather(&cx, &src, send, recv),
+                How::Staged(streaming) => parts::allgather(&cx, send, recv, streaming),
+            },
+        )
     }
 
     /// All-to-all with equal blocks among all ranks (all on this host) (see [`pull`] and
@@ -129,7 +139,7 @@ impl OneHost {
     pub(crate) fn alltoall(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         let st = &mut self.state;
-        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.alltoall, &mut st.part_stores.alltoall, send, DType::U8, |how| match how {
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.alltoall, &mut st.part_stores.alltoall, send, DType::U8, |how, send| match how {
             How::Pulled(src) => pull::alltoall(&cx, &src, send, recv),
             How::Staged(streaming) => parts::alltoall(&cx, send, recv, streaming),
         })
@@ -141,18 +151,9 @@ impl OneHost {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         let st = &mut self.state;
         // The agreement publishes the buffer; the form then writes into it.
-        let (ptr, len) = (buf.as_mut_ptr(), buf.len());
-        // SAFETY: `buf` is borrowed by this function; the agreement only reads its address
-        // and length (and, for a registered buffer, copies its first and last page) before
-        // the form runs, never while it writes.
-        let published = unsafe { std::slice::from_raw_parts(ptr, len) };
-        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.broadcast, &mut st.part_stores.broadcast, published, DType::U8, |how| {
-            // SAFETY: as above; from here on only the form touches the buffer.
-            let buf = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-            match how {
-                How::Pulled(src) => pull::broadcast(&cx, &src, buf, root),
-                How::Staged(streaming) => parts::broadcast(&cx, buf, root, streaming),
-            }
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.broadcast, &mut st.part_stores.broadcast, buf, DType::U8, |how, buf| match how {
+            How::Pulled(src) => pull::broadcast(&cx, &src, buf, root),
+            How::Staged(streaming) => parts::broadcast(&cx, buf, root, streaming),
         })
     }
 
@@ -196,50 +197,53 @@ enum How<'s> {
 }
 
 /// [`pulled_or_staged_sized`] for a call that moves `buf.len()` bytes per rank.
-fn pulled_or_staged(
+fn pulled_or_staged<B: Deref<Target = [u8]>>(
     cx: &ShmCtx<'_>,
     attach: &mut Attach,
     forms: &mut StoreChooser,
     stores: &mut StoreChooser,
-    buf: &[u8],
+    buf: B,
     dtype: DType,
-    run: impl FnOnce(How<'_>) -> Result<()>,
+    run: impl FnOnce(How<'_>, B) -> Result<()>,
 ) -> Result<()> {
-    pulled_or_staged_sized(cx, attach, forms, stores, buf, buf.len(), dtype, run)
+    let size = buf.len();
+    pulled_or_staged_sized(cx, attach, forms, stores, buf, size, dtype, run)
 }
 
 /// Runs a one-host collective other than the allreduce that moves `size` bytes per rank,
-/// `buf` being this rank's send buffer. From [`LARGE_MIN`] bytes the ranks agree on how
-/// they reach each other's `buf` ([`agree_on_form`]): mapped where all come from
-/// `gradwire_alloc` or are registered in place; else, for private buffers, through
-/// cross-memory attach where every rank's `forms` has timed it faster than staging for this
-/// collective and size (every rank makes the same calls, so their first tries coincide),
-/// and the kernel allows it; else staged, with the stores `stores` has timed faster.
+/// `buf` being this rank's send buffer (handed on to `run`: a broadcast then writes it).
+/// From [`LARGE_MIN`] bytes the ranks agree on how they reach each other's `buf`
+/// ([`agree_on_form`]): mapped where all come from `gradwire_alloc` or are registered in
+/// place; else, for private buffers, through cross-memory attach where every rank's `forms`
+/// has timed it faster than staging for this collective and size (every rank makes the
+/// same calls, so their first tries coincide), and the kernel allows it; else staged, with
+/// the stores `stores` has timed faster.
 #[allow(clippy::too_many_arguments)] // the collective's own state, split so each part can be borrowed
-fn pulled_or_staged_sized(
+fn pulled_or_staged_sized<B: Deref<Target = [u8]>>(
     cx: &ShmCtx<'_>,
     attach: &mut Attach,
     forms: &mut StoreChooser,
     stores: &mut StoreChooser,
-    buf: &[u8],
+    buf: B,
     size: usize,
     dtype: DType,
-    run: impl FnOnce(How<'_>) -> Result<()>,
+    run: impl FnOnce(How<'_>, B) -> Result<()>,
 ) -> Result<()> {
     if size < LARGE_MIN || cx.world == 1 {
-        return staged_stores(stores, size, dtype, |streaming| run(How::Staged(streaming)));
+        return staged_stores(stores, size, dtype, |streaming| run(How::Staged(streaming), buf));
     }
     let timed = attach.enabled;
     let want_attach = timed && forms.choose(size, dtype);
     let started = Instant::now();
-    let attached = match agree_on_form(cx, attach, want_attach, buf, dtype.size())? {
-        Agreed::Mapped { peers, body } => return run(How::Pulled(Sources::new(PeerBuffers::Mapped { peers, body }, buf.len(), &mut attach.scratch))),
+    let len = buf.len();
+    let attached = match agree_on_form(cx, attach, want_attach, &buf, dtype.size())? {
+        Agreed::Mapped { peers, body } => return run(How::Pulled(Sources::new(PeerBuffers::Mapped { peers, body }, len, &mut attach.scratch)), buf),
         Agreed::Attach(peers) => {
-            run(How::Pulled(Sources::new(PeerBuffers::Attached(peers), buf.len(), &mut attach.scratch)))?;
+            run(How::Pulled(Sources::new(PeerBuffers::Attached(peers), len, &mut attach.scratch)), buf)?;
             true
         }
         Agreed::Staged { .. } => {
-            staged_stores(stores, size, dtype, |streaming| run(How::Staged(streaming)))?;
+            staged_stores(stores, size, dtype, |streaming| run(How::Staged(streaming), buf))?;
             false
         }
     };
