@@ -107,9 +107,11 @@ impl OneHost {
     pub(crate) fn reduce_scatter(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         let st = &mut self.state;
-        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.reduce_scatter, &mut st.part_stores.reduce_scatter, send, dtype, |how, send| match how {
-            How::Pulled(mut src) => pull::reduce_scatter(&cx, &mut src, send, recv, dtype, op),
-            How::Staged(streaming) => parts::reduce_scatter(&cx, send, recv, dtype, op, streaming),
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.reduce_scatter, &mut st.part_stores.reduce_scatter, send, send.len(), dtype, |how, send| {
+            match how {
+                How::Pulled(mut src) => pull::reduce_scatter(&cx, &mut src, send, recv, dtype, op),
+                How::Staged(streaming) => parts::reduce_scatter(&cx, send, recv, dtype, op, streaming),
+            }
         })
     }
 
@@ -119,19 +121,10 @@ impl OneHost {
         let st = &mut self.state;
         // What the call moves per rank is the whole output.
         let moved = recv.len();
-        pulled_or_staged_sized(
-            &cx,
-            &mut st.attach,
-            &mut st.part_forms.allgather,
-            &mut st.part_stores.allgather,
-            send,
-            moved,
-            DType::U8,
-            |how, send| match how {
-                How::Pulled(src) => pull::allgather(&cx, &src, send, recv),
-                How::Staged(streaming) => parts::allgather(&cx, send, recv, streaming),
-            },
-        )
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.allgather, &mut st.part_stores.allgather, send, moved, DType::U8, |how, send| match how {
+            How::Pulled(src) => pull::allgather(&cx, &src, send, recv),
+            How::Staged(streaming) => parts::allgather(&cx, send, recv, streaming),
+        })
     }
 
     /// All-to-all with equal blocks among all ranks (all on this host) (see [`pull`] and
@@ -139,7 +132,7 @@ impl OneHost {
     pub(crate) fn alltoall(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         let st = &mut self.state;
-        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.alltoall, &mut st.part_stores.alltoall, send, DType::U8, |how, send| match how {
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.alltoall, &mut st.part_stores.alltoall, send, send.len(), DType::U8, |how, send| match how {
             How::Pulled(src) => pull::alltoall(&cx, &src, send, recv),
             How::Staged(streaming) => parts::alltoall(&cx, send, recv, streaming),
         })
@@ -151,7 +144,8 @@ impl OneHost {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         let st = &mut self.state;
         // The agreement publishes the buffer; the form then writes into it.
-        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.broadcast, &mut st.part_stores.broadcast, buf, DType::U8, |how, buf| match how {
+        let len = buf.len();
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.broadcast, &mut st.part_stores.broadcast, buf, len, DType::U8, |how, buf| match how {
             How::Pulled(src) => pull::broadcast(&cx, &src, buf, root),
             How::Staged(streaming) => parts::broadcast(&cx, buf, root, streaming),
         })
@@ -196,20 +190,6 @@ enum How<'s> {
     Staged(bool),
 }
 
-/// [`pulled_or_staged_sized`] for a call that moves `buf.len()` bytes per rank.
-fn pulled_or_staged<B: Deref<Target = [u8]>>(
-    cx: &ShmCtx<'_>,
-    attach: &mut Attach,
-    forms: &mut StoreChooser,
-    stores: &mut StoreChooser,
-    buf: B,
-    dtype: DType,
-    run: impl FnOnce(How<'_>, B) -> Result<()>,
-) -> Result<()> {
-    let size = buf.len();
-    pulled_or_staged_sized(cx, attach, forms, stores, buf, size, dtype, run)
-}
-
 /// Runs a one-host collective other than the allreduce that moves `size` bytes per rank,
 /// `buf` being this rank's send buffer (handed on to `run`: a broadcast then writes it).
 /// From [`LARGE_MIN`] bytes the ranks agree on how they reach each other's `buf`
@@ -219,7 +199,7 @@ fn pulled_or_staged<B: Deref<Target = [u8]>>(
 /// same calls, so their first tries coincide), and the kernel allows it; else staged, with
 /// the stores `stores` has timed faster.
 #[allow(clippy::too_many_arguments)] // the collective's own state, split so each part can be borrowed
-fn pulled_or_staged_sized<B: Deref<Target = [u8]>>(
+fn pulled_or_staged<B: Deref<Target = [u8]>>(
     cx: &ShmCtx<'_>,
     attach: &mut Attach,
     forms: &mut StoreChooser,
@@ -428,7 +408,7 @@ struct OneHostState {
     /// The same for the other staged collectives (each writes its own pattern).
     part_stores: PartStores,
     /// For those other than the reduce: staging or cross-memory attach for private
-    /// buffers, by timing (see [`pulled_or_staged_sized`]).
+    /// buffers, by timing (see [`pulled_or_staged`]).
     part_forms: PartStores,
     /// Cross-memory attach for private buffers.
     attach: Attach,
