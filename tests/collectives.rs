@@ -102,7 +102,7 @@ fn shm_cross_memory_attach_every_dtype_and_op() {
     }
 }
 
-/// Reduce-scatter, allgather, all-to-all and broadcast of private buffers from 256 KiB time
+/// Reduce-scatter, allgather, all-to-all, broadcast and reduce of private buffers from 256 KiB time
 /// cross-memory attach against staging and keep the faster: every rank takes attach in the
 /// same first tries (the log shows it) and then says which it keeps; where the kernel
 /// refuses it, every rank says so and stages. The check after the timed calls finds no
@@ -111,7 +111,7 @@ fn shm_cross_memory_attach_every_dtype_and_op() {
 #[test]
 fn shm_other_collectives_time_attach_against_staging_and_say_so() {
     let allowed = cross_memory_attach_allowed("shm_other_collectives_time_attach_against_staging_and_say_so");
-    for coll in ["reduce_scatter", "allgather", "alltoall", "broadcast"] {
+    for coll in ["reduce_scatter", "allgather", "alltoall", "broadcast", "reduce"] {
         let args = ["bench", coll, "-b", "1M", "-e", "1M", "-n", "6", "-w", "0", "--transport", "shm", "--check"];
         let out = launch(3, &[], &args, &[("GRADWIRE_LOG", "debug")]);
         let t = text(&out);
@@ -219,7 +219,7 @@ fn shm_every_collective_every_buffer_kind() {
         let t = text(&out);
         assert!(out.status.success() && t.contains(", 0 failed") && !t.contains("panicked"), "{buffers}:\n{t}");
         if matches!(buffers, "shared" | "registered") {
-            for coll in ["reduce_scatter#", "allgather#", "alltoall#", "broadcast#"] {
+            for coll in ["reduce_scatter#", "allgather#", "alltoall#", "broadcast#", "reduce#"] {
                 let said = |r: usize| t.lines().any(|l| l.contains(&format!("rank {r}: {coll}")) && l.contains("zero-copy in the peers' buffers"));
                 assert!((0..3).all(said), "{buffers}: not every rank ran {coll} in the peers' buffers:\n{t}");
             }

@@ -328,7 +328,7 @@ fn shm_every_collective_back_to_back_all_match() {
     }
 }
 
-/// Private buffers of reduce-scatter, allgather, all-to-all and broadcast from 256 KiB go
+/// Private buffers of reduce-scatter, allgather, all-to-all, broadcast and reduce from 256 KiB go
 /// through cross-memory attach or staging, whichever each rank has timed faster; every rank
 /// makes the same first tries (the 3rd and 5th call of a size take cross-memory attach), so
 /// six calls of each run both forms. With attach on, off, and on only for even ranks (the
@@ -344,13 +344,13 @@ fn shm_private_buffers_attached_or_staged_all_match() {
             let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ ((rank as u64) << 32 | call as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
             (0..len).map(|_| rng.random_range(-1000..=1000) as f32).collect()
         };
-        // Call i: collective i / 6, the (i % 6)+1-th call of it; broadcast's root rotates.
-        let calls = 24;
+        // Call i: collective i / 6, the (i % 6)+1-th call of it; the roots rotate.
+        let calls = 30;
         let lens = |i: usize| match i / 6 {
             0 => (n * world, n),         // reduce-scatter
             1 => (n, n * world),         // allgather
             2 => (n * world, n * world), // all-to-all
-            _ => (n, n),                 // broadcast
+            _ => (n, n),                 // broadcast, reduce
         };
         let configure = |r: usize, c: &mut Config| {
             c.transport = TransportChoice::Shm;
@@ -366,9 +366,13 @@ fn shm_private_buffers_attached_or_staged_all_match() {
                         0 => comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum).unwrap(),
                         1 => comm.allgather(&send, &mut recv).unwrap(),
                         2 => comm.alltoall(&send, &mut recv).unwrap(),
-                        _ => {
+                        3 => {
                             recv.copy_from_slice(&send);
                             comm.broadcast(&mut recv, i % world).unwrap()
+                        }
+                        _ => {
+                            recv.copy_from_slice(&send);
+                            comm.reduce(&mut recv, (i + 1) % world, ReduceOp::Sum).unwrap()
                         }
                     }
                     recv
@@ -382,7 +386,9 @@ fn shm_private_buffers_attached_or_staged_all_match() {
                     0 => (r * n..(r + 1) * n).map(|j| inputs.iter().map(|x| x[j]).sum()).collect(),
                     1 => inputs.concat(),
                     2 => inputs.iter().flat_map(|x| x[r * n..(r + 1) * n].to_vec()).collect(),
-                    _ => inputs[i % world].clone(),
+                    3 => inputs[i % world].clone(),
+                    _ if r == (i + 1) % world => (0..n).map(|j| inputs.iter().map(|x| x[j]).sum()).collect(),
+                    _ => inputs[r].clone(),
                 };
                 let wrong = got[i].iter().zip(&want).filter(|(g, w)| g != w).count() + got[i].len().abs_diff(want.len());
                 assert_eq!(wrong, 0, "{world} ranks (attach {attach}), rank {r}, call {i}: {wrong} wrong elements (seed {seed})");

@@ -2,7 +2,8 @@
 //! allgather, all-to-all, broadcast, reduce, barrier) share the allreduce's machinery:
 //! its barriers and call checks, its staging areas ([`parts`]) and, from [`LARGE_MIN`]
 //! bytes, its agreement on working in the peers' buffers ([`pull`]: each rank copies what
-//! it receives straight out of them, mapped where every rank maps every peer's buffer, else
+//! it receives straight out of them, and the broadcast's root and the reduce's ranks
+//! write their share into them; mapped where every rank maps every peer's buffer, else
 //! through cross-memory attach where every rank has timed that faster than staging).
 //!
 //! The allreduce comes in four forms chosen by size, by where the buffers live and by what
@@ -36,7 +37,7 @@
 //! the layout of the staging area; [`control`] the collectives' part of every rank's control
 //! page; [`small`], [`staged`] and [`peer_buffers`] the allreduce's forms; [`stores`] the
 //! staged form's store tuner; [`parts`] the other collectives through the staging areas,
-//! [`pull`] in the peers' mapped buffers. The transport (`transport::shm`) owns the segments
+//! [`pull`] in the peers' buffers. The transport (`transport::shm`) owns the segments
 //! and their rings.
 
 mod control;
@@ -151,11 +152,16 @@ impl OneHost {
         })
     }
 
-    /// Reduce to `root` among all ranks (all on this host), through the staging areas (see
-    /// [`parts`]); the others' `buf` stay as they are.
+    /// Reduce to `root` among all ranks (all on this host) (see [`pull`] and [`parts`]); the
+    /// others' `buf` stay as they are.
     pub(crate) fn reduce(&mut self, call: &OneHostCall<'_>, buf: &mut [u8], root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
-        staged_stores(&mut self.state.part_stores.reduce, buf.len(), dtype, |streaming| parts::reduce(&cx, buf, root, dtype, op, streaming))
+        let st = &mut self.state;
+        let len = buf.len();
+        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.reduce, &mut st.part_stores.reduce, buf, len, dtype, |how, buf| match how {
+            How::Pulled(mut src) => pull::reduce(&cx, &mut src, buf, root, dtype, op),
+            How::Staged(streaming) => parts::reduce(&cx, buf, root, dtype, op, streaming),
+        })
     }
 
     /// Barrier among all ranks (all on this host): two phases, the calls checked between
@@ -191,7 +197,8 @@ enum How<'s> {
 }
 
 /// Runs a one-host collective other than the allreduce that moves `size` bytes per rank,
-/// `buf` being this rank's send buffer (handed on to `run`: a broadcast then writes it).
+/// `buf` being this rank's send buffer (handed on to `run`: a broadcast or reduce then
+/// writes it).
 /// From [`LARGE_MIN`] bytes the ranks agree on how they reach each other's `buf`
 /// ([`agree_on_form`]): mapped where all come from `gradwire_alloc` or are registered in
 /// place; else, for private buffers, through cross-memory attach where every rank's `forms`
@@ -407,8 +414,8 @@ struct OneHostState {
     stores: StoreChooser,
     /// The same for the other staged collectives (each writes its own pattern).
     part_stores: PartStores,
-    /// For those other than the reduce: staging or cross-memory attach for private
-    /// buffers, by timing (see [`pulled_or_staged`]).
+    /// Staging or cross-memory attach for their private buffers, by timing (see
+    /// [`pulled_or_staged`]).
     part_forms: PartStores,
     /// Cross-memory attach for private buffers.
     attach: Attach,

@@ -1,6 +1,6 @@
 //! Reduce-scatter, allgather, all-to-all, reduce and broadcast on one host, through the
-//! ranks' staging areas (every large call of private buffers, and every call below
-//! `LARGE_MIN`; `pull` takes large calls whose buffers every rank maps). Per segment (as
+//! ranks' staging areas (every call below `LARGE_MIN`, and large calls of private buffers
+//! unless cross-memory attach has timed faster; `pull` takes the others). Per segment (as
 //! many bytes of every part as a slot holds):
 //!
 //! - reduce-scatter copies the parts its peers own into its slots, and after a barrier

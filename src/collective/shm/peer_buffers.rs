@@ -259,7 +259,7 @@ fn stage_ends(cx: &ShmCtx<'_>, buf: &[u8]) -> bool {
 /// all ranks staged (see [`stage_ends`]), in rank order, so that all get bit-identical
 /// results, before the zero-copy form's last barrier (after it, a rank's staging area may
 /// be written again).
-fn reduce_staged_ends(cx: &ShmCtx<'_>, buf: &mut [u8], body: Range<usize>, dtype: DType, op: ReduceOp) {
+pub(super) fn reduce_staged_ends(cx: &ShmCtx<'_>, buf: &mut [u8], body: Range<usize>, dtype: DType, op: ReduceOp) {
     let (page, w) = (page_size(), cx.world);
     let (head, tail) = (body.start, buf.len() - body.end);
     // Where each end lies in a staging area: the head at its start, the tail at the end of

@@ -1,14 +1,16 @@
-//! Reduce-scatter, allgather, broadcast and all-to-all in the peers' buffers (see the module
-//! comment of `collective::shm`). Once the ranks have agreed how every rank reaches every
-//! peer's send buffer ([`agree_on_form`](super::peer_buffers::agree_on_form)), each rank
-//! copies what it receives straight out of them into its receive buffer, once:
+//! Reduce-scatter, allgather, broadcast, all-to-all and reduce in the peers' buffers (see
+//! the module comment of `collective::shm`). Once the ranks have agreed how every rank
+//! reaches every peer's buffer ([`agree_on_form`](super::peer_buffers::agree_on_form)),
+//! each rank copies what it receives straight out of them into its receive buffer, once:
 //! reduce-scatter reduces its part out of them block by block. They are mapped here where
 //! all come from `gradwire_alloc` or are registered in place; private ones the kernel
-//! copies through cross-memory attach. Nobody writes into a peer's buffer, so one more
-//! barrier ends the call: every rank has finished reading (nobody gets its buffer back while
-//! a peer may still read it). Each rank reads its peers in a different order (the one after
-//! it first), so that no buffer has every reader at once.
-//!
+//! copies through cross-memory attach. Two forms also write into a peer's buffer, so that
+//! every rank shares the work: the broadcast's root writes its share into the receivers'
+//! (they copy the rest), and the reduce's ranks write their reduced parts into the root's.
+//! One more barrier ends the call: every rank has finished reading and writing (nobody gets
+//! its buffer back while a peer may still read or write it; a rank that fails lets the
+//! writers finish first). Each rank reads its peers in a different order (the one after it
+//! first), so that no buffer has every reader at once.//!
 //! Private buffers take cross-memory attach or staging (`parts`), whichever has timed
 //! faster for the collective and size on this host (`OneHostState::part_forms`): the kernel
 //! pins the peer's pages for every call, which on one host cost more than staging's second
@@ -17,14 +19,14 @@
 //! 1 MiB 55-76 against 109-120 us, 4-16 MiB 1.1-1.2x, 64 MiB even; Open MPI's vader,
 //! which copies the same way, 65-72 us at 1 MiB there).
 
-use super::peer_buffers::{attach_error, PEER_BLOCK};
+use super::peer_buffers::{attach_error, reduce_staged_ends, PEER_BLOCK};
 use super::staged::{copy_out, streams_out};
 use super::ShmCtx;
 use crate::collective::reduce::reduce_all;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::mem::page_size;
-use crate::sys::cma::fetch;
+use crate::sys::cma::{fetch, put};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -85,6 +87,35 @@ impl<'s> Sources<'s> {
         Ok(())
     }
 
+    /// Writes `data` at byte `at` of rank `p`'s buffer (inside [`Self::writable`]), with
+    /// streaming stores if `streaming` (where we copy). A failed attach fails the call for
+    /// every rank at once ([`abandon`]).
+    fn write(&self, cx: &ShmCtx<'_>, p: usize, at: usize, data: &[u8], streaming: bool) -> Result<()> {
+        match &self.buffers {
+            PeerBuffers::Attached(peers) => {
+                let (pid, addr) = peers[p];
+                put(pid, addr + at as u64, data).map_err(|e| abandon(cx, attach_error(cx, p, pid, e)))
+            }
+            PeerBuffers::Mapped { peers, body } => {
+                assert!(body.start <= at && at + data.len() <= body.end, "a write into a peer's buffer outside the bytes every rank maps");
+                // SAFETY: inside p's mapped buffer (asserted), which stays mapped until the
+                // call's last barrier; the caller's form gives these bytes to us alone.
+                let dst = unsafe { std::slice::from_raw_parts_mut(peers[p].add(at - body.start), data.len()) };
+                copy_out(dst, data, streaming);
+                Ok(())
+            }
+        }
+    }
+
+    /// The bytes of every rank's buffer that a peer may write: all of them through
+    /// cross-memory attach, those every rank maps when mapped.
+    fn writable(&self) -> Range<usize> {
+        match &self.buffers {
+            PeerBuffers::Attached(_) => 0..self.len,
+            PeerBuffers::Mapped { body, .. } => body.clone(),
+        }
+    }
+
     /// Bytes `from..from + block.len()` of rank `p`'s send buffer: in place where every
     /// rank maps it, else copied into `block`.
     fn view<'a>(&'a self, cx: &ShmCtx<'_>, p: usize, from: usize, block: &'a mut [u8]) -> Result<&'a [u8]> {
@@ -139,6 +170,12 @@ fn finish(cx: &ShmCtx<'_>) -> Result<()> {
     cx.wait_all(done).map_err(|e| abandon(cx, e))
 }
 
+/// [`finish`] for a form where peers also write into our buffer: a rank that fails here
+/// lets the writers finish before its caller gets the buffer back.
+fn finish_written(cx: &ShmCtx<'_>, done: u64) -> Result<()> {
+    finish(cx).map_err(|e| cx.fail_in_peer_buffers(e, done))
+}
+
 /// A rank that fails while peers may still read its buffer says so at once (its abort
 /// flag): their reads are then known to be void, and those waiting for it fail too.
 fn abandon(cx: &ShmCtx<'_>, e: Error) -> Error {
@@ -169,12 +206,40 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &m
     finish(cx)
 }
 
-/// Broadcast: every rank but the root copies the root's buffer into its own.
+/// Broadcast: the root and the other ranks share the copying. Each receiver copies the
+/// root's buffer into its own but for the root's share, its last 1/W (of the bytes peers
+/// may write), which the root writes into every receiver's buffer meanwhile; so every rank
+/// copies (W−1)/W of the buffer, where receivers alone would copy all of it while the
+/// root's core idles.
 pub(super) fn broadcast(cx: &ShmCtx<'_>, src: &Sources<'_>, buf: &mut [u8], root: usize) -> Result<()> {
-    if cx.rank != root {
-        src.read(cx, root, 0, buf, streams_out(buf.len()))?;
+    let done = cx.ctl.phase(cx.rank).load(Ordering::Relaxed) + 1;
+    let streaming = streams_out(buf.len());
+    let share = root_share(buf.len(), cx.world, src.writable());
+    if cx.rank == root {
+        for b in share.clone().step_by(PEER_BLOCK) {
+            let block = &buf[b..(b + PEER_BLOCK).min(share.end)];
+            // A receiver that failed hands its buffer back once we have stopped writing (or
+            // a grace has passed): stop writing into anyone's.
+            peers_from_next(cx).try_for_each(|p| cx.check_peer(p, Duration::ZERO)).map_err(|e| cx.fail_in_peer_buffers(e, done))?;
+            for p in peers_from_next(cx) {
+                src.write(cx, p, b, block, streaming).map_err(|e| cx.fail_in_peer_buffers(e, done))?;
+            }
+        }
+        return finish_written(cx, done);
     }
-    finish(cx)
+    // The root writes `share` of our buffer: we keep it until the root has stopped.
+    let (head, tail) = buf.split_at_mut(share.start);
+    let tail = &mut tail[share.len()..];
+    src.read(cx, root, 0, head, streaming).and_then(|()| src.read(cx, root, share.end, tail, streaming)).map_err(|e| cx.fail_in_peer_buffers(e, done))?;
+    finish_written(cx, done)
+}
+
+/// The bytes of a broadcast of `len` bytes among `w` ranks that the root writes into the
+/// receivers' buffers: the last 1/W of those it may write, from a cache line.
+fn root_share(len: usize, w: usize, writable: Range<usize>) -> Range<usize> {
+    let start = (len - len / w).next_multiple_of(64).max(writable.start);
+    let end = writable.end.min(len);
+    start.min(end)..end
 }
 
 /// Reduce-scatter: part `me` of every peer's `send` reduced into `recv`, block by block
@@ -197,6 +262,49 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, src: &mut Sources<'_>, send: &[u8]
     }
     *src.scratch = scratch;
     finish(cx)
+}
+
+/// Reduce to `root`: rank r reduces part r of every rank's buffer (of the bytes peers may
+/// write) block by block, each peer's block read in place where mapped, else fetched into
+/// the scratch, and writes the finished block into the root's buffer (the root reduces its
+/// part in place), so that every rank reduces 1/W and only the root's buffer changes. The
+/// bytes outside those (a registered buffer's partial pages) the root reduces itself from
+/// the copies every rank staged.
+pub(super) fn reduce(cx: &ShmCtx<'_>, src: &mut Sources<'_>, buf: &mut [u8], root: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+    let (w, me) = (cx.world, cx.rank);
+    let done = cx.ctl.phase(me).load(Ordering::Relaxed) + 1;
+    let body = src.writable();
+    let bounds = crate::collective::algos::part_bounds(body.len() / dtype.size(), w, dtype.size());
+    let mine = body.start + bounds[me]..body.start + bounds[me + 1];
+    let mut scratch = std::mem::take(src.scratch);
+    let reduced = (|| {
+        for b in mine.clone().step_by(PEER_BLOCK) {
+            let len = PEER_BLOCK.min(mine.end - b);
+            let (acc, blocks) = crate::transport::scratch_bytes(&mut scratch, w * PEER_BLOCK).split_at_mut(PEER_BLOCK);
+            let theirs = peers_from_next(cx)
+                .zip(blocks.chunks_mut(PEER_BLOCK))
+                .map(|(p, block)| src.view(cx, p, b, &mut block[..len]))
+                .collect::<Result<Vec<&[u8]>>>()?;
+            if me == root {
+                reduce_all(dtype, op, w, &mut buf[b..b + len], theirs);
+                continue;
+            }
+            let acc = &mut acc[..len];
+            acc.copy_from_slice(&buf[b..b + len]);
+            reduce_all(dtype, op, w, acc, theirs);
+            // A root that failed hands its buffer back once we have stopped writing (or a
+            // grace has passed): stop writing into it.
+            cx.check_peer(root, Duration::ZERO)?;
+            src.write(cx, root, b, acc, false)?;
+        }
+        Ok(())
+    })();
+    *src.scratch = scratch;
+    reduced.map_err(|e| cx.fail_in_peer_buffers(e, done))?;
+    if me == root && body.len() < buf.len() {
+        reduce_staged_ends(cx, buf, body, dtype, op);
+    }
+    finish_written(cx, done)
 }
 
 #[cfg(test)]
