@@ -43,7 +43,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         env: "GRADWIRE_SHM_CMA",
         default: "1",
-        help: "1: one-host allreduces of private buffers from 256 KiB reach the peers' buffers through cross-memory attach (process_vm_readv/writev: one copy) where the kernel allows it, else they stage; reduce-scatter, allgather, all-to-all, broadcast and reduce of private buffers from 256 KiB reach them that way or stage, whichever each rank has timed faster for that collective and size (GRADWIRE_LOG=debug shows each choice); 0: always stage.",
+        help: "1: one-host allreduces of private buffers from 256 KiB reach the peers' buffers through cross-memory attach (process_vm_readv/writev: one copy) where the kernel allows it, else they stage; reduce-scatter, allgather, all-to-all, broadcast and reduce of private buffers from 256 KiB reach them that way or stage, whichever rank 0 has timed faster for that collective and size (the others follow it) (GRADWIRE_LOG=debug shows each choice); 0: always stage.",
     },
     Setting {
         env: "GRADWIRE_SPIN_US",

@@ -102,12 +102,12 @@ fn shm_cross_memory_attach_every_dtype_and_op() {
     }
 }
 
-/// Reduce-scatter, allgather, all-to-all, broadcast and reduce of private buffers from 256 KiB time
-/// cross-memory attach against staging and keep the faster: every rank takes attach in the
-/// same first tries (the log shows it) and then says which it keeps; where the kernel
-/// refuses it, every rank says so and stages. The check after the timed calls finds no
-/// wrong element (every call of both forms is checked in `tests/engine.rs`,
-/// `shm_private_buffers_attached_or_staged_all_match`).
+/// Reduce-scatter, allgather, all-to-all, broadcast and reduce of private buffers from 256
+/// KiB time cross-memory attach against staging and keep the faster: rank 0 decides for all
+/// (the others follow it), so every rank takes attach in the first tries (the log shows it)
+/// and rank 0 says which it keeps; where the kernel refuses it, every rank says so and
+/// stages. The check after the timed calls finds no wrong element (every call of both
+/// forms is checked in `tests/engine.rs`, `shm_private_buffers_attached_or_staged_all_match`).
 #[test]
 fn shm_other_collectives_time_attach_against_staging_and_say_so() {
     let allowed = cross_memory_attach_allowed("shm_other_collectives_time_attach_against_staging_and_say_so");
@@ -121,7 +121,8 @@ fn shm_other_collectives_time_attach_against_staging_and_say_so() {
         assert_eq!(row.split_whitespace().last(), Some("0"), "{coll}: wrong elements:\n{t}");
         if allowed {
             every_rank_logged(&t, 3, "through cross-memory attach");
-            every_rank_logged(&t, 3, "(private buffers): ");
+            assert!(t.lines().any(|l| l.contains("rank 0: ") && l.contains("(private buffers): ")), "{coll}: rank 0 never said which form it keeps:\n{t}");
+            assert!(!t.lines().any(|l| !l.contains("rank 0: ") && l.contains("(private buffers): ")), "{coll}: only rank 0 decides:\n{t}");
         } else {
             every_rank_logged(&t, 3, "refused");
         }

@@ -329,10 +329,10 @@ fn shm_every_collective_back_to_back_all_match() {
 }
 
 /// Private buffers of reduce-scatter, allgather, all-to-all, broadcast and reduce from 256 KiB go
-/// through cross-memory attach or staging, whichever each rank has timed faster; every rank
-/// makes the same first tries (the 3rd and 5th call of a size take cross-memory attach), so
-/// six calls of each run both forms. With attach on, off, and on only for even ranks (the
-/// others never want it: all stage), at 2 and 3 ranks (threads), every call is checked
+/// through cross-memory attach or staging, whichever rank 0 has timed faster (the others
+/// follow it: the 3rd and 5th call of a size take cross-memory attach), so six calls of
+/// each run both forms. With attach on, off, and on only for even ranks (the others cannot
+/// attach: all stage), at 2 and 3 ranks (threads), every call is checked
 /// against an independent reference on fresh random integers (exact in f32).
 #[test]
 fn shm_private_buffers_attached_or_staged_all_match() {

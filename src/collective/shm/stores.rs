@@ -23,6 +23,7 @@ use std::time::Duration;
 /// The same chooser picks, for the collectives other than the allreduce, between staging
 /// private buffers and reading them through cross-memory attach ([`StoreChooser::forms`]):
 /// which is faster depends on the host (the kernel's page pinning against a second copy).
+/// There rank 0's chooser decides for every rank (`pulled_or_staged` says why).
 #[derive(Default)]
 pub struct StoreChooser {
     setting: StagedStores,
