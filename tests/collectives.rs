@@ -112,7 +112,7 @@ fn shm_cross_memory_attach_every_dtype_and_op() {
 fn shm_other_collectives_time_attach_against_staging_and_say_so() {
     let allowed = cross_memory_attach_allowed("shm_other_collectives_time_attach_against_staging_and_say_so");
     for coll in ["reduce_scatter", "allgather", "alltoall", "broadcast", "reduce"] {
-        let args = ["bench", coll, "-b", "1M", "-e", "1M", "-n", "6", "-w", "0", "--transport", "shm", "--check"];
+        let args = ["bench", coll, "-b", "1M", "-e", "1M", "-n", "10", "-w", "0", "--transport", "shm", "--check"];
         let out = launch(3, &[], &args, &[("GRADWIRE_LOG", "debug")]);
         let t = text(&out);
         assert!(out.status.success() && !t.contains("panicked"), "{coll}: {t}");

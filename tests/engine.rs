@@ -330,7 +330,7 @@ fn shm_every_collective_back_to_back_all_match() {
 
 /// Private buffers of reduce-scatter, allgather, all-to-all, broadcast and reduce from 256 KiB go
 /// through cross-memory attach or staging, whichever rank 0 has timed faster (the others
-/// follow it: the 3rd and 5th call of a size take cross-memory attach), so six calls of
+/// follow it: the 3rd and 4th call of a size take cross-memory attach), so six calls of
 /// each run both forms. With attach on, off, and on only for even ranks (the others cannot
 /// attach: all stage), at 2 and 3 ranks (threads), every call is checked
 /// against an independent reference on fresh random integers (exact in f32).

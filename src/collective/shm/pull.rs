@@ -10,9 +10,10 @@
 //! One more barrier ends the call: every rank has finished reading and writing (nobody gets
 //! its buffer back while a peer may still read or write it; a rank that fails lets the
 //! writers finish first). Each rank reads its peers in a different order (the one after it
-//! first), so that no buffer has every reader at once.//!
-//! Private buffers take cross-memory attach or staging (`parts`), whichever has timed
-//! faster for the collective and size on this host (`OneHostState::part_forms`): the kernel
+//! first), so that no buffer has every reader at once.
+//!
+//! Private buffers take cross-memory attach or staging (`parts`), whichever rank 0 has
+//! timed faster for the collective and size on this host (`OneHostState::part_forms`): the kernel
 //! pins the peer's pages for every call, which on one host cost more than staging's second
 //! copy at every size (2 ranks, allgather 8.5-10.6 against 15.1-19.3 GB/s busbw at 1-4
 //! MiB, 3.7 against 4.7 at 64 MiB) and on another less (2 ranks, allgather, alternating,
