@@ -412,7 +412,7 @@ fn encode_call(call: &CallHeader) -> [u8; HEADER_LEN] {
 }
 
 /// What the one-host forms keep between calls (mostly the allreduce's; the pulling
-/// reduce-scatter borrows the scratch).
+/// reduce-scatter and reduce borrow the scratch).
 struct OneHostState {
     /// What the staged form has learned about this host's stores.
     stores: StoreChooser,

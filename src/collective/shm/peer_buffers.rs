@@ -42,7 +42,8 @@ pub(super) enum Agreed {
 /// if all are shared, reads a few bytes of every peer's buffer through cross-memory
 /// attach, and says what worked (barrier base+2). Every rank then takes the first form
 /// that worked for all: zero-copy, cross-memory attach, staged. A rank that does not
-/// `want_attach` this call (its timing says staging is faster) publishes no address.
+/// `want_attach` this call (rank 0, whose timing says staging is faster) publishes no
+/// address.
 pub(super) fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, want_attach: bool, buf: &[u8], elem: usize) -> Result<Agreed> {
     let (w, me) = (cx.world, cx.rank);
     let base = cx.ctl.phase(me).load(Ordering::Relaxed);
@@ -111,7 +112,7 @@ pub(super) struct Attach {
     /// `GRADWIRE_SHM_CMA`; cleared for good when the kernel refuses (permissions do not
     /// come back within a job).
     pub(super) enabled: bool,
-    /// Where peers' blocks land to be reduced: W−1 blocks.
+    /// Where peers' blocks land to be reduced: W−1 blocks (the reduce adds its own).
     pub(super) scratch: Vec<u64>,
 }
 

@@ -47,7 +47,8 @@ pub(super) struct Sources<'s> {
     buffers: PeerBuffers,
     /// Bytes of every rank's send buffer (the same on all: the calls match).
     len: usize,
-    /// Where blocks land that cannot be read in place: W−1 blocks of [`PEER_BLOCK`].
+    /// Where blocks land that cannot be read in place: W−1 blocks of [`PEER_BLOCK`] (W for
+    /// the reduce, whose own block is one).
     scratch: &'s mut Vec<u64>,
 }
 
@@ -72,9 +73,10 @@ impl<'s> Sources<'s> {
         for (piece, at) in pieces(from..from + dst.len(), body, self.len, page) {
             let d = &mut dst[piece.start - from..piece.end - from];
             // SAFETY: `at` says where `piece` lies: in p's mapped buffer (which stays mapped
-            // and unwritten until the call's last barrier), or in the copy of its first or
-            // last page p staged before the agreement's first barrier, which stays until
-            // then too (see `peer_buffers::stage_ends`).
+            // until the call's last barrier, and whose bytes we read nobody writes before
+            // then but, in the reduce, we ourselves after reading them), or in the copy of
+            // its first or last page p staged before the agreement's first barrier, which
+            // stays until then too (see `peer_buffers::stage_ends`).
             let src = unsafe {
                 match at {
                     Where::Body => peers[p].add(piece.start - body.start),
@@ -122,8 +124,9 @@ impl<'s> Sources<'s> {
     fn view<'a>(&'a self, cx: &ShmCtx<'_>, p: usize, from: usize, block: &'a mut [u8]) -> Result<&'a [u8]> {
         if let PeerBuffers::Mapped { peers, body } = &self.buffers {
             if body.start <= from && from + block.len() <= body.end {
-                // SAFETY: inside p's mapped buffer, which stays mapped and unwritten until
-                // the call's last barrier.
+                // SAFETY: inside p's mapped buffer, which stays mapped until the call's last
+                // barrier; nobody writes these bytes before then but, in the reduce, we
+                // ourselves once done with this view.
                 return Ok(unsafe { std::slice::from_raw_parts(peers[p].add(from - body.start), block.len()) });
             }
         }
@@ -220,13 +223,14 @@ pub(super) fn broadcast(cx: &ShmCtx<'_>, src: &Sources<'_>, buf: &mut [u8], root
         for b in share.clone().step_by(PEER_BLOCK) {
             let block = &buf[b..(b + PEER_BLOCK).min(share.end)];
             // A receiver that failed hands its buffer back once we have stopped writing (or
-            // a grace has passed): stop writing into anyone's.
-            peers_from_next(cx).try_for_each(|p| cx.check_peer(p, Duration::ZERO)).map_err(|e| cx.fail_in_peer_buffers(e, done))?;
+            // a grace has passed): stop writing into anyone's. Nobody writes into ours, so
+            // we fail at once.
+            peers_from_next(cx).try_for_each(|p| cx.check_peer(p, Duration::ZERO)).map_err(|e| abandon(cx, e))?;
             for p in peers_from_next(cx) {
-                src.write(cx, p, b, block, streaming).map_err(|e| cx.fail_in_peer_buffers(e, done))?;
+                src.write(cx, p, b, block, streaming)?;
             }
         }
-        return finish_written(cx, done);
+        return finish(cx);
     }
     // The root writes `share` of our buffer: we keep it until the root has stopped.
     let (head, tail) = buf.split_at_mut(share.start);
@@ -236,7 +240,7 @@ pub(super) fn broadcast(cx: &ShmCtx<'_>, src: &Sources<'_>, buf: &mut [u8], root
 }
 
 /// The bytes of a broadcast of `len` bytes among `w` ranks that the root writes into the
-/// receivers' buffers: the last 1/W of those it may write, from a cache line.
+/// receivers' buffers: the last 1/W of those it may write, from a multiple of 64 bytes.
 fn root_share(len: usize, w: usize, writable: Range<usize>) -> Range<usize> {
     let start = (len - len / w).next_multiple_of(64).max(writable.start);
     let end = writable.end.min(len);
@@ -301,8 +305,13 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, src: &mut Sources<'_>, buf: &mut [u8], roo
         Ok(())
     })();
     *src.scratch = scratch;
+    if me != root {
+        // Nobody writes into our buffer: we fail at once.
+        reduced.map_err(|e| abandon(cx, e))?;
+        return finish(cx);
+    }
     reduced.map_err(|e| cx.fail_in_peer_buffers(e, done))?;
-    if me == root && body.len() < buf.len() {
+    if body.len() < buf.len() {
         reduce_staged_ends(cx, buf, body, dtype, op);
     }
     finish_written(cx, done)

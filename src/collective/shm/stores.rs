@@ -17,7 +17,7 @@ use std::time::Duration;
 /// after 32 calls, then twice as seldom each time it loses again, at most every 1024 calls: a host whose cache
 /// hand-off slows down shows in the kind in use within three calls, one that recovers
 /// within the probe interval, and trying the slower kind costs little once the interval has
-/// grown (a probe of plain stores in a slow minute costs about five calls). The kind in use
+/// grown (a probe of plain stores in a slow minute, two calls, costs about ten). The kind in use
 /// changes only when the other is at least 10 % faster, so that noise does not flip it back
 /// and forth. Every rank makes the same calls, so the first tries coincide; ranks that
 /// later disagree lose speed, never correctness. Measured (2 ranks, 1-256 MiB, alternating
