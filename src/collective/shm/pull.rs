@@ -119,6 +119,13 @@ impl<'s> Sources<'s> {
         }
     }
 
+    /// Bytes `from..from + len` of every peer's send buffer, the next rank first
+    /// ([`peers_from_next`]): in place where every rank maps them, else copied into the
+    /// peer's own [`PEER_BLOCK`] of `blocks` (W−1 of them).
+    fn peer_blocks<'a>(&'a self, cx: &ShmCtx<'_>, from: usize, len: usize, blocks: &'a mut [u8]) -> Result<Vec<&'a [u8]>> {
+        peers_from_next(cx).zip(blocks.chunks_mut(PEER_BLOCK)).map(|(p, block)| self.view(cx, p, from, &mut block[..len])).collect()
+    }
+
     /// Bytes `from..from + block.len()` of rank `p`'s send buffer: in place where every
     /// rank maps it, else copied into `block`.
     fn view<'a>(&'a self, cx: &ShmCtx<'_>, p: usize, from: usize, block: &'a mut [u8]) -> Result<&'a [u8]> {
@@ -255,9 +262,7 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, src: &mut Sources<'_>, send: &[u8]
     let mut scratch = std::mem::take(src.scratch);
     for b in (0..n).step_by(PEER_BLOCK) {
         let len = PEER_BLOCK.min(n - b);
-        let blocks = crate::transport::scratch_bytes(&mut scratch, (w - 1) * PEER_BLOCK).chunks_mut(PEER_BLOCK);
-        let theirs: Result<Vec<&[u8]>> = peers_from_next(cx).zip(blocks).map(|(p, block)| src.view(cx, p, me * n + b, &mut block[..len])).collect();
-        match theirs {
+        match src.peer_blocks(cx, me * n + b, len, crate::transport::scratch_bytes(&mut scratch, (w - 1) * PEER_BLOCK)) {
             Ok(theirs) => reduce_all(dtype, op, w, &mut recv[b..b + len], theirs),
             Err(e) => {
                 *src.scratch = scratch;
@@ -286,10 +291,7 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, src: &mut Sources<'_>, buf: &mut [u8], roo
         for b in mine.clone().step_by(PEER_BLOCK) {
             let len = PEER_BLOCK.min(mine.end - b);
             let (acc, blocks) = crate::transport::scratch_bytes(&mut scratch, w * PEER_BLOCK).split_at_mut(PEER_BLOCK);
-            let theirs = peers_from_next(cx)
-                .zip(blocks.chunks_mut(PEER_BLOCK))
-                .map(|(p, block)| src.view(cx, p, b, &mut block[..len]))
-                .collect::<Result<Vec<&[u8]>>>()?;
+            let theirs = src.peer_blocks(cx, b, len, blocks)?;
             if me == root {
                 reduce_all(dtype, op, w, &mut buf[b..b + len], theirs);
                 continue;

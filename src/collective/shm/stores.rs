@@ -38,12 +38,12 @@ pub struct StoreChooser {
 
 #[derive(Clone, Copy, Default)]
 struct StoreClass {
-    warm: bool,
     /// Nanoseconds per byte of the latest calls, [plain, streaming].
     recent: [Recent; 2],
     /// The kind in use, once both are timed: true for streaming.
     streaming: Option<bool>,
-    /// The kind of the last call: a call of the other kind is not timed.
+    /// The kind of the last call (none before the class's first, which only warms up): a
+    /// call of the other kind is not timed.
     last: Option<bool>,
     calls_since_probe: u32,
     probe_every: u32,
@@ -117,7 +117,7 @@ impl StoreChooser {
         let [off, on] = self.kinds;
         let c = self.class(len, dtype);
         let changed = c.last.replace(streaming) != Some(streaming);
-        if !std::mem::replace(&mut c.warm, true) || changed {
+        if changed {
             return None;
         }
         let per_byte = took.as_nanos() as f64 / len.max(1) as f64;
