@@ -228,9 +228,13 @@ fn pulled_or_staged<B: Deref<Target = [u8]>>(
     let started = Instant::now();
     let len = buf.len();
     let attached = match agree_on_form(cx, attach, want_attach, &buf, dtype.size())? {
-        Agreed::Mapped { peers, body } => return run(How::Pulled(Sources::new(PeerBuffers::Mapped { peers, body }, len, &mut attach.scratch)), buf),
+        Agreed::Mapped { peers, body } => {
+            stores.ran_another_form(size, dtype);
+            return run(How::Pulled(Sources::new(PeerBuffers::Mapped { peers, body }, len, &mut attach.scratch)), buf);
+        }
         Agreed::Attach(peers) => {
             run(How::Pulled(Sources::new(PeerBuffers::Attached(peers), len, &mut attach.scratch)), buf)?;
+            stores.ran_another_form(size, dtype);
             true
         }
         Agreed::Staged { .. } => {

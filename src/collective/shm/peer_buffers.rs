@@ -173,9 +173,6 @@ pub(super) fn shm_allreduce_in_peer_buffers(
     let bounds = crate::collective::algos::part_bounds(buf.len() / elem, w, elem);
     let others = || (0..w).filter(move |&p| p != me);
     let (lo, hi) = (bounds[me], bounds[me + 1]);
-    if let PeerAccess::Attach { scratch, .. } = &mut access {
-        scratch.resize((w - 1) * PEER_BLOCK / 8, 0);
-    }
     let attach_failed = |p: usize, pid: u32, e: std::io::Error| cx.fail_in_peer_buffers(attach_error(cx, p, pid, e), done);
     for b in (lo..hi).step_by(PEER_BLOCK) {
         let len = (b + PEER_BLOCK).min(hi) - b;
@@ -188,7 +185,8 @@ pub(super) fn shm_allreduce_in_peer_buffers(
                 reduce_all(dtype, op, w, &mut buf[b..b + len], theirs);
             }
             PeerAccess::Attach { peers, scratch } => {
-                let blocks = crate::transport::bytemuck_bytes(scratch);
+                // Grown, never shrunk: the pulled reduce borrows the same scratch for W blocks.
+                let blocks = crate::transport::scratch_bytes(scratch, (w - 1) * PEER_BLOCK);
                 for (block, p) in blocks.chunks_mut(PEER_BLOCK).zip(others()) {
                     let (pid, addr) = peers[p];
                     fetch(pid, addr + b as u64, &mut block[..len]).map_err(|e| attach_failed(p, pid, e))?;

@@ -42,8 +42,8 @@ struct StoreClass {
     recent: [Recent; 2],
     /// The kind in use, once both are timed: true for streaming.
     streaming: Option<bool>,
-    /// The kind of the last call (none before the class's first, which only warms up): a
-    /// call of the other kind is not timed.
+    /// The kind of the last call (none before the class's first, which only warms up, and
+    /// after a call that ran another form): a call of the other kind is not timed.
     last: Option<bool>,
     calls_since_probe: u32,
     probe_every: u32,
@@ -109,6 +109,13 @@ impl StoreChooser {
                 }
             }
         }
+    }
+
+    /// Notes that a call of `len` bytes ran neither kind (the collective attached instead of
+    /// staging): the next call of this class is not timed, as after a change of kind, since
+    /// it too finds the cache as another form left it.
+    pub(super) fn ran_another_form(&mut self, len: usize, dtype: DType) {
+        self.class(len, dtype).last = None;
     }
 
     /// Records the time of a call of `len` bytes; returns the new choice, explained, when
@@ -244,6 +251,22 @@ mod tests {
             .collect();
         // Streaming from the first choice on, plain only in a probe (after 32 calls).
         assert!(used[8..].iter().filter(|&&s| !s).count() <= 2 && used[8..].iter().take(PROBE_MIN as usize - 1).all(|&s| s), "{used:?}");
+    }
+
+    #[test]
+    fn a_call_right_after_another_form_is_not_timed() {
+        // Streaming stores are in use; then the collective mostly attaches, and each staged
+        // call right after an attached one costs 20x: those calls must not flip the choice.
+        let mut ch = StoreChooser::default();
+        run(&mut ch, 1 << 20, 20, 0.1, 0.05);
+        assert!(ch.choose(1 << 20, DType::F32));
+        for _ in 0..10 {
+            ch.ran_another_form(1 << 20, DType::F32);
+            let s = ch.choose(1 << 20, DType::F32);
+            assert!(s);
+            assert_eq!(ch.record(1 << 20, DType::F32, s, Duration::from_millis(1)), None);
+        }
+        assert!(ch.choose(1 << 20, DType::F32));
     }
 
     #[test]
