@@ -12,7 +12,12 @@
 //   gcc -O2 benches/peers/tcpring.c -o target/peers/tcpring
 //   gradwire launch -n 2 -- target/peers/tcpring -b 16M -e 256M -f 4 -n 20 -w 5
 // --hosts A,B,... gives every rank's address in rank order (default: 127.0.0.1 for all);
-// rank r listens on MASTER_PORT + 1 + r.
+// rank r listens on MASTER_PORT + 1 + r. --cold receives into an S-byte buffer, cycling
+// through it, instead of a PIECE that stays in cache: what every collective must do with
+// the bytes it receives (write them somewhere the size of the call), still without
+// reducing them. Not the ceiling the goals are set against; it tells how much of a gap to
+// it is the receive's own memory traffic (on 2 cores shared by 4 ranks, where copies are
+// what bounds the rate).
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -98,12 +103,13 @@ static void read_all(int fd, char *p, size_t n) {
 
 // One size's traffic, `calls` calls of it: per link 2(W-1) chunks of S/W per call. One
 // thread, both sockets polled, non-blocking calls, at most PIECE bytes per system call,
-// sending from the S-byte buffer and receiving into a PIECE-sized one that stays in cache:
+// sending from the S-byte buffer and receiving into a PIECE-sized one that stays in cache
+// (with --cold, into an S-byte one):
 // the socket work of a ring allreduce and nothing else (an allreduce also writes the
 // received bytes somewhere cold and reduces them). Like gradwire's progress loop it spins
 // briefly before it sleeps when every rank has a core (`spin`).
 #define PIECE (1u << 20)
-static int spin;
+static int spin, cold;
 static void stream_calls(size_t size, int calls) {
     size_t total = (size_t)calls * 2 * (size_t)(world - 1) * (size / (size_t)world);
     size_t sent = 0, got = 0;
@@ -133,7 +139,9 @@ static void stream_calls(size_t size, int calls) {
         if (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) {
             size_t n = total - got;
             if (n > PIECE) n = PIECE;
-            ssize_t k = recv(from_prev, recv_buf, n, MSG_DONTWAIT);
+            size_t at = cold ? got % size : 0;
+            if (n > size - at) n = size - at;
+            ssize_t k = recv(from_prev, recv_buf + at, n, MSG_DONTWAIT);
             if (k == 0) { errno = ECONNRESET; die("read from previous rank"); }
             if (k < 0 && errno != EAGAIN && errno != EINTR) die("read from previous rank");
             if (k > 0) got += (size_t)k;
@@ -152,7 +160,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-w")) warmup = (int)parse_int("-w", v, 1, 1000000);
         else if (!strcmp(a, "--hosts") && v) hosts = v;
         else if (!strcmp(a, "--csv") && v) csv = v;
-        else usage_error("unknown argument or missing value (-b -e -f -n -w --hosts --csv)", a);
+        else if (!strcmp(a, "--cold")) cold = 1, i--;
+        else usage_error("unknown argument or missing value (-b -e -f -n -w --hosts --csv --cold)", a);
     }
     world = (int)parse_int("WORLD_SIZE (from a launcher)", getenv("WORLD_SIZE"), 2, 4096);
     rank = (int)parse_int("RANK (from a launcher)", getenv("RANK"), 0, world - 1);
@@ -220,15 +229,18 @@ int main(int argc, char **argv) {
     setsockopt(to_next, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 
     send_buf = mmap(NULL, max_b, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    recv_buf = mmap(NULL, PIECE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    size_t recv_len = cold ? max_b : PIECE;
+    recv_buf = mmap(NULL, recv_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (send_buf == MAP_FAILED || recv_buf == MAP_FAILED) die("mmap");
     memset(send_buf, rank + 1, max_b);
-    memset(recv_buf, 0, PIECE);
+    memset(recv_buf, 0, recv_len);
 
     FILE *out = NULL;
     if (rank == 0 && csv && !(out = fopen(csv, "w"))) die(csv);
     if (out) fprintf(out, "size_bytes,count,type,redop,time_us,algbw_gbs,busbw_gbs,wrong\n");
-    if (rank == 0) printf("# tcpring W=%d: ring streams, no reduction (per call: 2(W-1) chunks of S/W per link)\n%12s %12s %12s\n", world, "size", "time_us", "busbw_GB/s");
+    if (rank == 0)
+        printf("# tcpring W=%d: ring streams, no reduction (per call: 2(W-1) chunks of S/W per link), received into %s\n%12s %12s %12s\n", world,
+               cold ? "an S-byte buffer (--cold)" : "a 1 MiB buffer", "size", "time_us", "busbw_GB/s");
 
     // A fresh connection starts slow (congestion window, socket buffer autotuning): one
     // untimed call of the largest size first, so the smallest size is not the warm-up.
