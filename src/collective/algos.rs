@@ -178,7 +178,7 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: RingSteps<'_>, chu
 }
 
 /// Bytes of an input copied into place each time an exchange finds no link ready.
-const PLACE_PIECE: usize = 256 << 10;
+pub(super) const PLACE_PIECE: usize = 256 << 10;
 
 /// Byte range of chunk `k` of `c` of part `part` (element-balanced, like the parts).
 fn chunk_of(bounds: &[usize], part: usize, k: usize, c: usize, elem: usize) -> (usize, usize) {

@@ -8,6 +8,7 @@
 //! named. All-to-all with equal blocks is a [`crate::Collective`] of its own (on one host
 //! it goes through shared memory, see `collective::shm`).
 
+use super::algos::PLACE_PIECE;
 use super::shm::OneHost;
 use super::Ptr;
 use crate::comm::Communicator;
@@ -275,18 +276,33 @@ pub(super) fn alltoall_over_links(
     deadline: Instant,
 ) -> Result<()> {
     let w = soff.len() - 1;
-    rbuf[roff[me]..roff[me + 1]].copy_from_slice(&sbuf[soff[me]..soff[me + 1]]);
     let mut sends: Vec<SendOp> = (0..w).filter(|&p| p != me).map(|p| SendOp::new(p, 0, &sbuf[soff[p]..soff[p + 1]])).collect();
     let mut recvs: Vec<RecvOp> = Vec::with_capacity(w.saturating_sub(1));
+    let mut mine: &mut [u8] = &mut [];
     let mut rest: &mut [u8] = rbuf;
     for p in 0..w {
         let (block, tail) = std::mem::take(&mut rest).split_at_mut(roff[p + 1] - roff[p]);
         rest = tail;
         if p != me {
             recvs.push(RecvOp { peer: p, step: 0, sink: Sink::Copy(block.into()) });
+        } else {
+            mine = block;
         }
     }
-    links.exchange(call, &mut sends, &mut recvs, deadline)
+    // This rank's own block is copied beside the exchange, a piece whenever no link is
+    // ready, not before it: the links start at once (2 ranks in namespaces, 10 Gbit/s
+    // links, 64 MiB: 31.1-31.3 ms a call with the copy first, 28.0-28.9 beside).
+    let own = &sbuf[soff[me]..soff[me + 1]];
+    let mut placed = 0;
+    let mut place = || {
+        let n = (own.len() - placed).min(PLACE_PIECE);
+        mine[placed..placed + n].copy_from_slice(&own[placed..placed + n]);
+        placed += n;
+        placed < own.len()
+    };
+    links.exchange_beside(call, &mut sends, &mut recvs, deadline, &mut place)?;
+    while place() {}
+    Ok(())
 }
 
 /// Per peer, the point-to-point messages sent to it and received from it so far: the
