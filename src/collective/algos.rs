@@ -163,22 +163,11 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: RingSteps<'_>, chu
     let (Some(input), 0) = (ring.input, ring.reduce_steps) else {
         return cx.exchange(&mut sends, &mut recvs);
     };
-    let mut placed = 0;
-    let mut place = || {
-        let n = (input.len() - placed).min(PLACE_PIECE);
-        // SAFETY: bytes `at + placed..` of `buf` lie in the input's place, which no send
-        // or receive of this ring touches (its first step sends from `input`).
-        unsafe { std::ptr::copy_nonoverlapping(input[placed..].as_ptr(), base.add(at + placed), n) };
-        placed += n;
-        placed < input.len()
-    };
-    cx.links.exchange_beside(&cx.call, &mut sends, &mut recvs, cx.deadline, &mut place)?;
-    while place() {}
-    Ok(())
+    // SAFETY: bytes `at..at + input.len()` of `buf` are the input's place, which no send or
+    // receive of this ring touches (its first step sends from `input`): a borrow of its own.
+    let place = unsafe { std::slice::from_raw_parts_mut(base.add(at), input.len()) };
+    cx.links.exchange_copying(&cx.call, &mut sends, &mut recvs, cx.deadline, input, place)
 }
-
-/// Bytes of an input copied into place each time an exchange finds no link ready.
-pub(super) const PLACE_PIECE: usize = 256 << 10;
 
 /// Byte range of chunk `k` of `c` of part `part` (element-balanced, like the parts).
 fn chunk_of(bounds: &[usize], part: usize, k: usize, c: usize, elem: usize) -> (usize, usize) {

@@ -8,7 +8,6 @@
 //! named. All-to-all with equal blocks is a [`crate::Collective`] of its own (on one host
 //! it goes through shared memory, see `collective::shm`).
 
-use super::algos::PLACE_PIECE;
 use super::shm::OneHost;
 use super::Ptr;
 use crate::comm::Communicator;
@@ -292,17 +291,7 @@ pub(super) fn alltoall_over_links(
     // This rank's own block is copied beside the exchange, a piece whenever no link is
     // ready, not before it: the links start at once (2 ranks in namespaces, 10 Gbit/s
     // links, 64 MiB: 31.1-31.3 ms a call with the copy first, 28.0-28.9 beside).
-    let own = &sbuf[soff[me]..soff[me + 1]];
-    let mut placed = 0;
-    let mut place = || {
-        let n = (own.len() - placed).min(PLACE_PIECE);
-        mine[placed..placed + n].copy_from_slice(&own[placed..placed + n]);
-        placed += n;
-        placed < own.len()
-    };
-    links.exchange_beside(call, &mut sends, &mut recvs, deadline, &mut place)?;
-    while place() {}
-    Ok(())
+    links.exchange_copying(call, &mut sends, &mut recvs, deadline, &sbuf[soff[me]..soff[me + 1]], mine)
 }
 
 /// Per peer, the point-to-point messages sent to it and received from it so far: the

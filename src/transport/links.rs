@@ -98,6 +98,10 @@ impl Sink<'_> {
 /// enough that the copy is still in L1 when it is read back.
 const COMBINE_BLOCK: usize = 16 << 10;
 
+/// Bytes copied beside an exchange each time it finds no link ready
+/// ([`Links::exchange_copying`]).
+const COPY_PIECE: usize = 256 << 10;
+
 /// `dst = reduce(dst, src)`, or with `with`, `dst = reduce(with, src)` (`dst`'s old bytes
 /// unused). Lengths are equal and whole elements; `COMBINE_BLOCK` is a multiple of every
 /// element size, so each block is too.
@@ -218,17 +222,29 @@ impl Links {
         self.exchange_calls(Calls::Same(call), sends, recvs, deadline, None)
     }
 
-    /// [`Links::exchange`], running `side_work` whenever no link is ready instead of
-    /// waiting: a bounded piece of local work each time, returning whether any is left.
-    pub fn exchange_beside(
+    /// [`Links::exchange`] that also copies `from` into `to` (of the same length, touched by
+    /// no send or receive): a piece whenever no link is ready instead of waiting, the rest
+    /// after, so that the copy never holds the links back.
+    pub fn exchange_copying(
         &mut self,
         call: &CallHeader,
         sends: &mut [SendOp<'_>],
         recvs: &mut [RecvOp<'_>],
         deadline: Instant,
-        side_work: &mut dyn FnMut() -> bool,
+        from: &[u8],
+        to: &mut [u8],
     ) -> Result<()> {
-        self.exchange_calls(Calls::Same(call), sends, recvs, deadline, Some(side_work))
+        assert_eq!(from.len(), to.len(), "a copy beside an exchange needs equal lengths");
+        let mut copied = 0;
+        let mut copy_piece = || {
+            let n = (from.len() - copied).min(COPY_PIECE);
+            to[copied..copied + n].copy_from_slice(&from[copied..copied + n]);
+            copied += n;
+            copied < from.len()
+        };
+        self.exchange_calls(Calls::Same(call), sends, recvs, deadline, Some(&mut copy_piece))?;
+        while copy_piece() {}
+        Ok(())
     }
 
     /// `Links::exchange` where every operation is a call of its own: send i carries
