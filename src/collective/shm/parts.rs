@@ -73,9 +73,11 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtyp
     let mut stage = |off: usize, len: usize| stage_blocks(cx, send, n, slot, off, len, streaming);
     let mut take = |off: usize, len: usize| {
         let mine = &mut recv[off..off + len];
-        mine.copy_from_slice(&send[me * n + off..][..len]);
         for b in (0..len).step_by(BLOCK) {
             let e = (b + BLOCK).min(len);
+            // Our part's block goes in just before the reduction reads it back, still in
+            // cache (a copy of the whole segment first was a pass more over memory).
+            mine[b..e].copy_from_slice(&send[me * n + off + b..][..e - b]);
             // SAFETY: slot `me` of every peer's staging area holds this segment of part
             // `me` (first barrier) and is not rewritten before the segment's last barrier.
             let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.ctl.stage(p).add(me * slot + b), e - b) });

@@ -258,12 +258,17 @@ fn root_share(len: usize, w: usize, writable: Range<usize>) -> Range<usize> {
 /// (each block of every peer read in place where mapped, else fetched into the scratch).
 pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, src: &mut Sources<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let (w, me, n) = (cx.world, cx.rank, recv.len());
-    recv.copy_from_slice(&send[me * n..][..n]);
     let mut scratch = std::mem::take(src.scratch);
     for b in (0..n).step_by(PEER_BLOCK) {
         let len = PEER_BLOCK.min(n - b);
         match src.peer_blocks(cx, me * n + b, len, crate::transport::scratch_bytes(&mut scratch, (w - 1) * PEER_BLOCK)) {
-            Ok(theirs) => reduce_all(dtype, op, w, &mut recv[b..b + len], theirs),
+            Ok(theirs) => {
+                // Our part's block goes in just before the reduction reads it back, still
+                // in cache: a copy of the whole part first was a pass more over memory.
+                let mine = &mut recv[b..b + len];
+                mine.copy_from_slice(&send[me * n + b..][..len]);
+                reduce_all(dtype, op, w, mine, theirs)
+            }
             Err(e) => {
                 *src.scratch = scratch;
                 return Err(e);
