@@ -24,11 +24,11 @@
 #   local   one host, W in --ranks: gradwire (`gradwire launch -n W gradwire bench COLL
 #           --transport shm --buffers B --check`), Open MPI over its shared-memory BTL
 #           (--mca pml ob1 --mca btl self,vader, as compare.sh), Gloo over TCP loopback;
-#           sizes -b..-e (1M..64M, x4); plus, for allgather, alltoall and broadcast, the
-#           one-copy ceiling (benches/peers/thread_copies.c: W threads of one process
-#           copying every output byte once, straight from its input): gradwire's busbw
-#           is also reported as a fraction of it, and the goals against Open MPI say
-#           where the ceiling itself is below the goal
+#           sizes -b..-e (1M..64M, x4); plus, for allgather, alltoall, broadcast and
+#           reduce_scatter, the one-copy ceiling (benches/peers/thread_copies.c: W
+#           threads of one process copying, or reducing, every output byte once,
+#           straight from its inputs): gradwire's busbw is also reported as a fraction
+#           of it, and the goals say where the ceiling itself is below the goal
 #   netns   --netns-ranks (4) ranks, one per network namespace, links shaped to
 #           --netns-rate (10) Gbit/s (`gradwire launch --netns --link-gbit R`, needs
 #           root): gradwire over TCP, Open MPI inside the same launch through
@@ -357,7 +357,7 @@ part_local() {  # part_local REPEAT
                 record_na mpi "$coll" "$w" local "$rep" "$MPI_STATUS"
             fi
             case "$coll" in
-                allgather|alltoall|broadcast)
+                allgather|alltoall|broadcast|reduce_scatter)
                     if [ "$COPY_STATUS" = ok ]; then
                         run_one threads "$coll" "$w" local "$rep" \
                             "$BUILD/thread_copies" -c "$coll" -W "$w" "${BENCH_ARGS[@]}" --csv CSV

@@ -17,8 +17,8 @@ Output: markdown with
     busbw of gradwire, Open MPI and Gloo across repeats (range in brackets when there
     are several), gradwire / Open MPI, for netns the socket ceiling (tcpring's payload
     rate at the same size) and gradwire's fraction of it, the #wrong elements (max over
-    repeats); locally, for allgather, alltoall and broadcast, the one-copy ceiling
-    (thread_copies) and gradwire's fraction of it -- and, where the torch part ran it,
+    repeats); locally, for allgather, alltoall, broadcast and reduce_scatter, the one-copy
+    ceiling (thread_copies) and gradwire's fraction of it -- and, where the torch part ran it,
     torch.distributed on the gradwire
     backend against `gradwire bench` of the same collective and size;
   * the machine, the parameters and the exact commands.
@@ -136,7 +136,7 @@ def part_label(part):
 
 def ceiling_key(coll, w, part):
     """The ceiling a collective's busbw is set beside: the socket ceiling across namespaces,
-    the one-copy ceiling on one host (allgather, alltoall and broadcast only)."""
+    the one-copy ceiling on one host (allgather, alltoall, broadcast and reduce_scatter)."""
     if part.startswith("netns-"):
         return ("tcpring", "ceiling", w, part)
     return ("threads", coll, w, part)
@@ -259,7 +259,7 @@ def goals(res, meta, lines):
                 continue
             if "allreduce" in colls:
                 v, d, why = vs(g, w, "local", ("gradwire", "allreduce", w, "local"), 1.0, LOCAL_MIN,
-                               "gradwire allreduce")
+                               "gradwire allreduce", ceiling_key(g, w, "local"))
             else:
                 v, d, why = None, "", "allreduce not in --colls"
             row(f"{g} busbw ≥ allreduce's (same run)", where, v, d, why)
@@ -367,11 +367,12 @@ def main() -> int:
               "sustains, the ceiling of every collective's busbw over the same path.", "",
               "The one-copy ceiling is benches/peers/thread_copies.c on the same host, sizes and "
               "iterations: W threads of one process, one per rank, copying every output byte once "
-              "straight from the input that holds it (broadcast's copies shared by all W threads), "
+              "straight from the input that holds it (broadcast's copies shared by all W threads; "
+              "reduce-scatter's output written once as the float32 sum of the inputs' parts), "
               "a barrier ending each call. No library moving bytes between processes' private "
               "buffers copies less or has less in the way, so a goal set as a multiple of Open MPI "
-              "is out of reach on this machine where that multiple is above the ceiling "
-              "(\"below the goal\" in the Goals table).", ""]
+              "or of gradwire's allreduce is out of reach on this machine where that multiple is "
+              "above the ceiling (\"below the goal\" in the Goals table).", ""]
 
     bad = [r for r in res.runs if r["status"] != "ok"]
     if bad:

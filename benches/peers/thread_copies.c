@@ -1,24 +1,31 @@
 /*
- * thread_copies.c -- the one-copy ceiling of allgather, alltoall and broadcast on this
- * machine: W threads of one process, one per rank, each buffer its own allocation, and
- * every output byte copied once, straight from the input that holds it (memcpy; no kernel,
- * no staging, no process boundary, nothing to agree on). No library moving data between
- * processes' private buffers can copy less, nor with less in the way; so where this run's
- * Open MPI figure times a goal's multiple is above this, the goal is out of reach on this
- * machine. benches/collectives.sh runs it beside gradwire and Open MPI (tool "threads").
+ * thread_copies.c -- the one-copy ceiling of allgather, alltoall, broadcast and
+ * reduce-scatter on this machine: W threads of one process, one per rank, each buffer its
+ * own allocation, and every output byte copied (or reduced) once, straight from the inputs
+ * that hold it (memcpy, or one float32 sum per output element; no kernel, no staging, no
+ * process boundary, nothing to agree on). No library moving data between processes'
+ * private buffers can do less, nor with less in the way; so where a goal's reference (this
+ * run's Open MPI figure, or gradwire's allreduce) times the goal's multiple is above this,
+ * the goal is out of reach on this machine. benches/collectives.sh runs it beside gradwire
+ * and Open MPI (tool "threads").
  *
  *   allgather  thread t writes its output: part p from rank p's input (S/W bytes each,
  *              starting with part t+1, as gradwire reads its peers), S bytes per thread;
  *   alltoall   thread t writes block p of its output from block t of rank p's input;
  *   broadcast  from rank 0: the (W-1)·S bytes of the other ranks' outputs, cut into W equal
- *              pieces, one per thread (here the root may write the others' buffers too).
+ *              pieces, one per thread (here the root may write the others' buffers too);
+ *   reduce_scatter  thread t writes its output (S/W bytes of float32): the sum of part t of
+ *              every rank's input, block by block (each block of the output written once,
+ *              from the first two inputs, then added to from the rest while in L1).
  *
  * Sizes, timing and CSV as `gradwire bench` and benches/peers/mpi_collectives.c: S is the
- * whole buffer (allgather's output, alltoall's input of one rank, broadcast's buffer);
+ * whole buffer (allgather's output, alltoall's input of one rank, broadcast's buffer,
+ * reduce-scatter's input of one rank);
  * WARMUP untimed calls, then ITERS timed ones, each ended by a barrier of all threads (a
  * call ends when every rank has its data); time_us = the slowest thread's mean; busbw =
- * algbw x (W-1)/W (allgather, alltoall) or x 1 (broadcast). `wrong` counts output bytes
- * that differ from what they should hold after the last call.
+ * algbw x (W-1)/W (allgather, alltoall, reduce-scatter) or x 1 (broadcast). `wrong` counts
+ * output bytes (reduce-scatter: elements) that differ from what they should hold after the
+ * last call.
  *
  *   gcc -O3 -pthread benches/peers/thread_copies.c -o target/peers/thread_copies
  *   target/peers/thread_copies -c allgather -W 2 -b 1M -e 64M -f 4 -n 20 -w 5 [--csv FILE]
@@ -34,7 +41,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
-enum coll { ALLGATHER, ALLTOALL, BROADCAST };
+enum coll { ALLGATHER, ALLTOALL, BROADCAST, REDUCE_SCATTER };
 
 static enum coll coll;
 static int world, iters, warmup;
@@ -66,6 +73,27 @@ static double now(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* Elements per block of the reduce-scatter: the output's block stays in L1 while every
+ * input's is added to it. */
+#define RS_BLOCK 4096
+
+/* Thread t's reduce-scatter: part t of every rank's input summed into out[t], the inputs
+ * in the order t+1, t+2, ... (as gradwire reads its peers). */
+static void reduce_part(int t) {
+    size_t n = size / (size_t)world / sizeof(float);
+    float *dst = (float *)out[t];
+    for (size_t b = 0; b < n; b += RS_BLOCK) {
+        size_t e = b + RS_BLOCK < n ? b + RS_BLOCK : n;
+        const float *x = (const float *)in[(t + 1) % world] + (size_t)t * n;
+        const float *y = (const float *)in[(t + 2) % world] + (size_t)t * n;
+        for (size_t i = b; i < e; i++) dst[i] = x[i] + y[i];
+        for (int k = 3; k <= world; k++) {
+            const float *z = (const float *)in[(t + k) % world] + (size_t)t * n;
+            for (size_t i = b; i < e; i++) dst[i] += z[i];
+        }
+    }
+}
+
 /* One call's copies for thread t. */
 static void call(int t) {
     size_t part = size / (size_t)world;
@@ -93,6 +121,9 @@ static void call(int t) {
         }
         break;
     }
+    case REDUCE_SCATTER:
+        reduce_part(t);
+        break;
     }
 }
 
@@ -115,6 +146,18 @@ static void *thread_main(void *arg) {
 static long long wrong_bytes(void) {
     size_t part = size / (size_t)world;
     long long wrong = 0;
+    if (coll == REDUCE_SCATTER) {
+        /* Small whole numbers: every sum is exact in float32, whatever the order. */
+        for (int t = 0; t < world; t++) {
+            const float *got = (const float *)out[t];
+            for (size_t i = 0; i < part / sizeof(float); i++) {
+                float want = 0;
+                for (int p = 0; p < world; p++) want += ((const float *)in[p])[(size_t)t * part / sizeof(float) + i];
+                wrong += got[i] != want;
+            }
+        }
+        return wrong;
+    }
     for (int t = 0; t < world; t++) {
         for (int p = 0; p < world; p++) {
             const unsigned char *got, *want;
@@ -176,7 +219,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(o, "-w")) warmup = atoi(v);
         else if (!strcmp(o, "--csv")) csv = v;
         else {
-            fprintf(stderr, "usage: thread_copies -c allgather|alltoall|broadcast [-W W] [-b MIN] [-e MAX] [-f F] [-n ITERS] [-w WARMUP] [--csv FILE]\n");
+            fprintf(stderr, "usage: thread_copies -c allgather|alltoall|broadcast|reduce_scatter [-W W] [-b MIN] [-e MAX] [-f F] [-n ITERS] [-w WARMUP] [--csv FILE]\n");
             return 2;
         }
         i++;
@@ -184,6 +227,7 @@ int main(int argc, char **argv) {
     if (!name || !strcmp(name, "allgather")) coll = ALLGATHER, name = "allgather";
     else if (!strcmp(name, "alltoall")) coll = ALLTOALL;
     else if (!strcmp(name, "broadcast")) coll = BROADCAST;
+    else if (!strcmp(name, "reduce_scatter")) coll = REDUCE_SCATTER;
     else {
         printf("gw-na: thread_copies has no %s\n", name);
         return 0;
@@ -207,7 +251,12 @@ int main(int argc, char **argv) {
         if (size == 0) continue;
         for (int t = 0; t < world; t++) {
             in[t] = pages(size), out[t] = pages(size);
-            for (size_t i = 0; i < size; i++) in[t][i] = (unsigned char)(i * 131 + (size_t)t * 7 + 1);
+            if (coll == REDUCE_SCATTER) {
+                float *x = (float *)in[t];
+                for (size_t i = 0; i < size / sizeof(float); i++) x[i] = (float)((i * 131 + (size_t)t * 7 + 1) % 1021);
+            } else {
+                for (size_t i = 0; i < size; i++) in[t][i] = (unsigned char)(i * 131 + (size_t)t * 7 + 1);
+            }
             memset(out[t], 0, size);
         }
         for (int t = 0; t < world; t++) pthread_create(&threads[t], NULL, thread_main, (void *)(intptr_t)t);
