@@ -1,7 +1,7 @@
 //! Collective algorithms over point-to-point links (any transport), each documented with
 //! its cost in steps (α) and bytes a rank sends (β), S = buffer bytes, W = ranks.
 
-use super::reduce::{finish, reduce_all, reduce_bytes};
+use super::reduce::{finish, reduce_all, reduce_all_from, reduce_bytes, reduce_bytes_from};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use crate::transport::frame::CallHeader;
@@ -30,6 +30,18 @@ impl Ctx<'_> {
     fn combine_last(&self) -> impl Fn(&mut [u8], &[u8]) + 'static {
         let (dtype, op, w) = (self.dtype, self.op, self.world);
         move |d: &mut [u8], s: &[u8]| reduce_all(dtype, op, w, d, [s])
+    }
+
+    /// `dst = op(a, src)`, in one pass: a reduce step whose other operand is not in `dst`.
+    fn combine_from(&self) -> impl Fn(&mut [u8], &[u8], &[u8]) + 'static {
+        let (dtype, op) = (self.dtype, self.op);
+        move |d: &mut [u8], a: &[u8], s: &[u8]| reduce_bytes_from(dtype, op, d, a, s)
+    }
+
+    /// [`Self::combine_from`] as the step that finishes each element.
+    fn combine_last_from(&self) -> impl Fn(&mut [u8], &[u8], &[u8]) + 'static {
+        let (dtype, op, w) = (self.dtype, self.op, self.world);
+        move |d: &mut [u8], a: &[u8], s: &[u8]| reduce_all_from(dtype, op, w, d, a, [s])
     }
 
     fn exchange(&mut self, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<()> {
@@ -93,6 +105,7 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: RingSteps<'_>, chu
     let (next, prev) = ((cx.rank + 1) % w, (cx.rank + w - 1) % w);
     let elem = cx.dtype.size();
     let (red, red_last) = (cx.combine(), cx.combine_last());
+    let (red_from, red_last_from) = (cx.combine_from(), cx.combine_last_from());
     let bounds = ring.bounds;
     assert!(bounds.len() == w + 1 && bounds[w] <= buf.len(), "ring bounds must cover {w} parts of the buffer");
     // Where `input` starts in the buffer: this rank's part without reduce steps.
@@ -151,11 +164,10 @@ pub fn ring_pipelined(cx: &mut Ctx<'_>, buf: &mut [u8], ring: RingSteps<'_>, chu
                     _ => Span::raw(base.add(lo), hi - lo),
                 }
             };
-            let reduce: &dyn Fn(&mut [u8], &[u8]) = if last_reduce { &red_last } else { &red };
             let sink = match ring.input {
                 _ if g + 1 > ring.reduce_steps => Sink::Copy(dst),
-                Some(input) => Sink::ReduceFrom { dst, with: &input[lo..hi], elem, reduce },
-                None => Sink::Reduce { dst, elem, reduce },
+                Some(input) => Sink::ReduceFrom { dst, with: &input[lo..hi], elem, reduce: if last_reduce { &red_last_from } else { &red_from } },
+                None => Sink::Reduce { dst, elem, reduce: if last_reduce { &red_last } else { &red } },
             };
             recvs.push(RecvOp { peer: prev, step: (g * c_in + j) as u32, sink });
         }
@@ -424,7 +436,7 @@ pub fn chain_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usize,
     let v = (cx.rank + w - root) % w;
     let (toward_root, from_tail) = ((cx.rank + w - 1) % w, (cx.rank + 1) % w);
     let (dtype, op) = (cx.dtype, cx.op);
-    let red = cx.combine();
+    let (red, red_from) = (cx.combine(), cx.combine_from());
     let elem = dtype.size();
     let piece = piece.max(elem) / elem * elem;
     let n = buf.len().div_ceil(piece).max(1);
@@ -445,7 +457,7 @@ pub fn chain_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usize,
                 // SAFETY: as for the send: piece p of `acc`, disjoint from the piece sent.
                 let dst = unsafe { view(base, bound(p), bound(p + 1)) }.into();
                 let sink = match input {
-                    Some(input) => Sink::ReduceFrom { dst, with: &input[bound(p)..bound(p + 1)], elem, reduce: &red },
+                    Some(input) => Sink::ReduceFrom { dst, with: &input[bound(p)..bound(p + 1)], elem, reduce: &red_from },
                     None => Sink::Reduce { dst, elem, reduce: &red },
                 };
                 RecvOp { peer: from_tail, step: p as u32, sink }

@@ -55,6 +55,46 @@ fn combine_bool(op: ReduceOp, d: &mut [u8], s: &[u8]) {
     combine_u8(if or { ReduceOp::Max } else { ReduceOp::Min }, d, s)
 }
 
+/// `d = f(a, b)` element-wise: a combine whose first operand is not `d` itself, in one
+/// pass (where copying `a` into `d` first and combining there would be two).
+#[inline(always)]
+fn zip3<T: Copy>(d: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
+    d.iter_mut().zip(a).zip(b).for_each(|((d, a), b)| *d = f(*a, *b));
+}
+
+/// [`combine_f32`] and [`combine_f64`] with the accumulator read from `a`: the same
+/// operations in the same order (`min` = b < a ? b : a), so the same results bit for bit.
+macro_rules! combine_float_from {
+    ($($name:ident: $t:ty),*) => {$(
+        #[inline(always)]
+        fn $name(op: ReduceOp, d: &mut [$t], a: &[$t], b: &[$t]) {
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => zip3(d, a, b, |x, y| x + y),
+                ReduceOp::Min => zip3(d, a, b, |x, y| if y < x { y } else { x }),
+                ReduceOp::Max => zip3(d, a, b, |x, y| if y > x { y } else { x }),
+                ReduceOp::Product => zip3(d, a, b, |x, y| x * y),
+            }
+        }
+    )*};
+}
+combine_float_from!(combine_f32_from: f32, combine_f64_from: f64);
+
+/// The integer combines with the accumulator read from `a` (see `combine_int`).
+macro_rules! combine_int_from {
+    ($($name:ident: $t:ty),*) => {$(
+        #[inline(always)]
+        fn $name(op: ReduceOp, d: &mut [$t], a: &[$t], b: &[$t]) {
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => zip3(d, a, b, <$t>::wrapping_add),
+                ReduceOp::Min => zip3(d, a, b, <$t>::min),
+                ReduceOp::Max => zip3(d, a, b, <$t>::max),
+                ReduceOp::Product => zip3(d, a, b, <$t>::wrapping_mul),
+            }
+        }
+    )*};
+}
+combine_int_from!(combine_i8_from: i8, combine_u8_from: u8, combine_i32_from: i32, combine_i64_from: i64);
+
 const BLOCK: usize = 512;
 
 /// f16: widen to f32, combine, narrow back (one rounding per combine). x86 CPUs with F16C
@@ -207,6 +247,60 @@ fn reduce_aligned(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     }
 }
 
+/// `dst = op(a, b)` over raw bytes of `dtype` elements, in one pass: [`reduce_bytes`] with
+/// the accumulator read from `a` instead of `dst` (the same results). All three lengths
+/// must be equal multiples of the element size. f16 and bf16, and unaligned buffers, copy
+/// `a` into `dst` a block at a time (while it is in L1) and combine there.
+pub fn reduce_bytes_from(dtype: DType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
+    debug_assert!(dst.len() == a.len() && a.len() == b.len());
+    let n = dst.len().min(a.len()).min(b.len());
+    let (dst, a, b) = (&mut dst[..n], &a[..n], &b[..n]);
+    let aligned = (dst.as_ptr() as usize | a.as_ptr() as usize | b.as_ptr() as usize) % dtype.size() == 0;
+    if !aligned || matches!(dtype, DType::F16 | DType::BF16) {
+        for ((d, a), b) in dst.chunks_mut(FROM_BLOCK).zip(a.chunks(FROM_BLOCK)).zip(b.chunks(FROM_BLOCK)) {
+            d.copy_from_slice(a);
+            reduce_bytes(dtype, op, d, b);
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked above).
+        return unsafe { reduce_aligned_from_avx2(dtype, op, dst, a, b) };
+    }
+    reduce_aligned_from(dtype, op, dst, a, b)
+}
+
+/// Bytes of `a` copied into `dst` at a time where [`reduce_bytes_from`] cannot combine in
+/// one pass: they are still in L1 when combined.
+const FROM_BLOCK: usize = 16 << 10;
+
+/// [`reduce_aligned_from`] compiled for AVX2 (see [`reduce_aligned_avx2`]).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn reduce_aligned_from_avx2(dtype: DType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
+    reduce_aligned_from(dtype, op, dst, a, b)
+}
+
+/// `dst = op(a, b)` on buffers aligned to the element size; f16 and bf16 never come here.
+#[inline(always)]
+fn reduce_aligned_from(dtype: DType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
+    match dtype {
+        DType::F32 => combine_f32_from(op, cast_mut(dst).unwrap_or_default(), cast(a).unwrap_or_default(), cast(b).unwrap_or_default()),
+        DType::F64 => combine_f64_from(op, cast_mut(dst).unwrap_or_default(), cast(a).unwrap_or_default(), cast(b).unwrap_or_default()),
+        DType::I8 => combine_i8_from(op, cast_mut(dst).unwrap_or_default(), cast(a).unwrap_or_default(), cast(b).unwrap_or_default()),
+        DType::U8 => combine_u8_from(op, dst, a, b),
+        DType::I32 => combine_i32_from(op, cast_mut(dst).unwrap_or_default(), cast(a).unwrap_or_default(), cast(b).unwrap_or_default()),
+        DType::I64 => combine_i64_from(op, cast_mut(dst).unwrap_or_default(), cast(a).unwrap_or_default(), cast(b).unwrap_or_default()),
+        // `bool` as bytes: or for sum and max, and for product and min (see `combine_bool`).
+        DType::Bool => combine_u8_from(if matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max) { ReduceOp::Max } else { ReduceOp::Min }, dst, a, b),
+        DType::F16 | DType::BF16 => unreachable!("half-precision combines go through reduce_bytes"),
+    }
+}
+
 /// The last step of a reduction over `w` ranks: an average divides the finished sum by `w`,
 /// once; every other operation is already final.
 pub fn finish(dtype: DType, op: ReduceOp, buf: &mut [u8], w: usize) {
@@ -223,7 +317,26 @@ pub fn finish(dtype: DType, op: ReduceOp, buf: &mut [u8], w: usize) {
 pub fn reduce_all<'s>(dtype: DType, op: ReduceOp, w: usize, acc: &mut [u8], sources: impl IntoIterator<Item = &'s [u8]>) {
     if matches!(dtype, DType::F16 | DType::BF16) {
         let sources: Vec<&[u8]> = sources.into_iter().collect();
-        return reduce_all_half(dtype, op, w, acc, &sources);
+        return reduce_all_half(dtype, op, w, acc, None, &sources);
+    }
+    for src in sources {
+        reduce_bytes(dtype, op, acc, src);
+    }
+    finish(dtype, op, acc, w);
+}
+
+/// [`reduce_all`] with the accumulator's first operand read from `first` instead of from
+/// `acc` (whose contents are ignored): `acc = first ⊕ sources`, finished, without copying
+/// `first` into `acc` and reading it back.
+pub fn reduce_all_from<'s>(dtype: DType, op: ReduceOp, w: usize, acc: &mut [u8], first: &[u8], sources: impl IntoIterator<Item = &'s [u8]>) {
+    if matches!(dtype, DType::F16 | DType::BF16) {
+        let sources: Vec<&[u8]> = sources.into_iter().collect();
+        return reduce_all_half(dtype, op, w, acc, Some(first), &sources);
+    }
+    let mut sources = sources.into_iter();
+    match sources.next() {
+        Some(src) => reduce_bytes_from(dtype, op, acc, first, src),
+        None => acc.copy_from_slice(first),
     }
     for src in sources {
         reduce_bytes(dtype, op, acc, src);
@@ -236,13 +349,14 @@ const HALF_BLOCK: usize = 1024;
 
 /// [`reduce_all`] for f16 and bf16: per block, the accumulator and every source widened to
 /// f32 and combined there; an average divided in f32; one rounding back. Byte slices of any
-/// alignment (bits are copied out, which costs little beside the conversions).
-fn reduce_all_half(dtype: DType, op: ReduceOp, w: usize, acc: &mut [u8], sources: &[&[u8]]) {
+/// alignment (bits are copied out, which costs little beside the conversions). The first
+/// operand is `first` where given, else `acc`.
+fn reduce_all_half(dtype: DType, op: ReduceOp, w: usize, acc: &mut [u8], first: Option<&[u8]>, sources: &[&[u8]]) {
     let (mut wide, mut other, mut bits) = ([0f32; HALF_BLOCK], [0f32; HALF_BLOCK], [0u16; HALF_BLOCK]);
     for start in (0..acc.len()).step_by(2 * HALF_BLOCK) {
         let end = (start + 2 * HALF_BLOCK).min(acc.len());
         let n = (end - start) / 2;
-        widen_half(dtype, &acc[start..end], &mut bits[..n], &mut wide[..n]);
+        widen_half(dtype, &first.unwrap_or(acc)[start..end], &mut bits[..n], &mut wide[..n]);
         for src in sources {
             widen_half(dtype, &src[start..end], &mut bits[..n], &mut other[..n]);
             combine_f32(op, &mut wide[..n], &other[..n]);
@@ -417,6 +531,56 @@ mod tests {
                 kernel(DType::BF16, op, bytes_mut(&mut d), bytes(&bb));
                 let want: Vec<bf16> = ab.iter().zip(&bb).map(|(x, y)| bf16::from_f32(combine(x.to_f64(), y.to_f64()) as f32)).collect();
                 assert_eq!(d, want, "bf16, {what}");
+            }
+        }
+    }
+
+    /// Equal bit for bit, but any two NaNs of a float type count as equal (which NaN an
+    /// operation returns is the compiler's and CPU's choice).
+    fn same_elements(dtype: DType, x: &[u8], y: &[u8]) -> bool {
+        let nan = |c: &[u8]| match dtype {
+            DType::F32 => f32::from_ne_bytes(c.try_into().unwrap()).is_nan(),
+            DType::F64 => f64::from_ne_bytes(c.try_into().unwrap()).is_nan(),
+            DType::F16 => f16::from_ne_bytes(c.try_into().unwrap()).is_nan(),
+            DType::BF16 => bf16::from_ne_bytes(c.try_into().unwrap()).is_nan(),
+            _ => false,
+        };
+        x.len() == y.len() && x.chunks(dtype.size()).zip(y.chunks(dtype.size())).all(|(a, b)| a == b || (nan(a) && nan(b)))
+    }
+
+    /// The one-pass combines (`dst = op(a, b)`, and a whole reduction from a first operand
+    /// that is not the accumulator) give what copying the first operand into the
+    /// accumulator and combining there gives: every dtype and op, fresh random bytes (NaNs
+    /// and infinities included), aligned and not.
+    #[test]
+    fn one_pass_combines_match_copy_then_combine() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let n = 4099 * 8; // bytes: no vector width divides the element count
+        let mut raw = |len: usize| {
+            let mut v = vec![0u8; len + 8];
+            rng.fill(&mut v[..]);
+            v
+        };
+        let (a, b, c, mut out, mut want) = (raw(n), raw(n), raw(n), raw(n), raw(n));
+        for dtype in DType::ALL {
+            for op in ReduceOp::ALL.into_iter().filter(|&op| op != ReduceOp::Avg || dtype.is_float()) {
+                // Offsets of dst and of the first operand: both aligned, dst off, `a` off.
+                for (od, oa) in [(0, 0), (1, 0), (0, dtype.size().min(3))] {
+                    let what = format!("{dtype:?} {op:?}, dst +{od}, a +{oa}, seed {seed}");
+                    let len = (n - 8) / dtype.size() * dtype.size();
+                    let (d, w) = (&mut out[od..od + len], &mut want[..len]);
+                    let (a, b, c) = (&a[oa..oa + len], &b[..len], &c[..len]);
+                    reduce_bytes_from(dtype, op, d, a, b);
+                    w.copy_from_slice(a);
+                    reduce_bytes(dtype, op, w, b);
+                    assert!(same_elements(dtype, d, w), "reduce_bytes_from, {what}");
+                    reduce_all_from(dtype, op, 3, d, a, [b, c]);
+                    w.copy_from_slice(a);
+                    reduce_all(dtype, op, 3, w, [b, c]);
+                    assert!(same_elements(dtype, d, w), "reduce_all_from, {what}");
+                }
             }
         }
     }

@@ -79,11 +79,15 @@ pub enum Sink<'a> {
     /// are whole elements of `elem` bytes.
     Reduce { dst: Span<'a>, elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
     /// As `Reduce`, with the other operand read from `with` (as long as `dst`) instead of
-    /// from `dst`: `dst = reduce(with, arrived)`. A ring or chain combines its own input
-    /// with what arrives straight into the bytes it passes on (or its output), where it
-    /// would otherwise first copy the whole input there and read it back from memory.
-    ReduceFrom { dst: Span<'a>, with: &'a [u8], elem: usize, reduce: &'a dyn Fn(&mut [u8], &[u8]) },
+    /// from `dst`: `reduce(dst_part, with_part, src_part)` sets `dst_part` to their
+    /// combination, in one pass. A ring or chain combines its own input with what arrives
+    /// straight into the bytes it passes on (or its output), where it would otherwise
+    /// first copy the input there and read it back.
+    ReduceFrom { dst: Span<'a>, with: &'a [u8], elem: usize, reduce: &'a ReduceFromFn },
 }
+
+/// `reduce(dst, with, arrived)`: sets `dst` to `with` combined with `arrived`.
+pub type ReduceFromFn = dyn Fn(&mut [u8], &[u8], &[u8]);
 
 impl Sink<'_> {
     fn len(&self) -> usize {
@@ -94,22 +98,27 @@ impl Sink<'_> {
     }
 }
 
-/// Bytes of `with` copied into `dst` before they are combined with the arrived bytes: small
-/// enough that the copy is still in L1 when it is read back.
-const COMBINE_BLOCK: usize = 16 << 10;
-
 /// Bytes copied beside an exchange each time it finds no link ready
 /// ([`Links::exchange_copying`]).
 const COPY_PIECE: usize = 256 << 10;
 
-/// `dst = reduce(dst, src)`, or with `with`, `dst = reduce(with, src)` (`dst`'s old bytes
-/// unused). Lengths are equal and whole elements; `COMBINE_BLOCK` is a multiple of every
-/// element size, so each block is too.
-fn combine(dst: &mut [u8], with: Option<&[u8]>, src: &[u8], reduce: &dyn Fn(&mut [u8], &[u8])) {
-    let Some(with) = with else { return reduce(dst, src) };
-    for ((d, w), s) in dst.chunks_mut(COMBINE_BLOCK).zip(with.chunks(COMBINE_BLOCK)).zip(src.chunks(COMBINE_BLOCK)) {
-        d.copy_from_slice(w);
-        reduce(d, s);
+/// How a receive combines what arrives with what it holds.
+#[derive(Clone, Copy)]
+enum Combine<'a> {
+    /// `dst = reduce(dst, arrived)` ([`Sink::Reduce`]).
+    Into(&'a dyn Fn(&mut [u8], &[u8])),
+    /// `dst = reduce(with, arrived)`, `dst`'s old bytes unused ([`Sink::ReduceFrom`]).
+    From(&'a [u8], &'a ReduceFromFn),
+}
+
+impl Combine<'_> {
+    /// Combines `arrived` (whole elements) into `dst` from byte `at` of the payload.
+    fn apply(self, dst: &mut [u8], at: usize, arrived: &[u8]) {
+        let dst = &mut dst[at..at + arrived.len()];
+        match self {
+            Combine::Into(reduce) => reduce(dst, arrived),
+            Combine::From(with, reduce) => reduce(dst, &with[at..at + arrived.len()], arrived),
+        }
     }
 }
 
@@ -492,8 +501,8 @@ impl Links {
                     st.payload_done += n;
                     n
                 }
-                Sink::Reduce { dst, elem, reduce } => self.read_reducing(op.peer, call, st, expected, *dst, None, *elem, *reduce)?,
-                Sink::ReduceFrom { dst, with, elem, reduce } => self.read_reducing(op.peer, call, st, expected, *dst, Some(with), *elem, *reduce)?,
+                Sink::Reduce { dst, elem, reduce } => self.read_reducing(op.peer, call, st, expected, *dst, *elem, Combine::Into(*reduce))?,
+                Sink::ReduceFrom { dst, with, elem, reduce } => self.read_reducing(op.peer, call, st, expected, *dst, *elem, Combine::From(with, *reduce))?,
             };
             if n == 0 {
                 break;
@@ -514,9 +523,8 @@ impl Links {
         st: &mut RecvState,
         expected: usize,
         dst: Span<'_>,
-        with: Option<&[u8]>,
         elem: usize,
-        reduce: &dyn Fn(&mut [u8], &[u8]),
+        reduce: Combine<'_>,
     ) -> Result<usize> {
         let rank = self.rank;
         // SAFETY: the exchange is working on this receive (see `Span`).
@@ -528,7 +536,7 @@ impl Links {
             let mut rem = 0;
             let r = self.link(peer)?.try_read_in_place(expected - at, &mut |bytes: &[u8]| {
                 let whole = bytes.len() / elem * elem;
-                combine(&mut dst[at..at + whole], with.map(|w| &w[at..at + whole]), &bytes[..whole], reduce);
+                reduce.apply(dst, at, &bytes[..whole]);
                 rem = bytes.len() - whole;
                 carry[..rem].copy_from_slice(&bytes[whole..]);
             });
@@ -557,7 +565,7 @@ impl Links {
         let whole = have / elem * elem;
         if whole > 0 {
             let at = st.payload_done - st.carry;
-            combine(&mut dst[at..at + whole], with.map(|w| &w[at..at + whole]), &bytes[..whole], reduce);
+            reduce.apply(dst, at, &bytes[..whole]);
             bytes.copy_within(whole..have, 0);
         }
         st.carry = have - whole;

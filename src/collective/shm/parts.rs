@@ -21,7 +21,7 @@
 
 use super::staged::{copy_for_peers, copy_out, streams_out};
 use super::{ShmCtx, BLOCK};
-use crate::collective::reduce::reduce_all;
+use crate::collective::reduce::reduce_all_from;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use std::sync::atomic::Ordering;
@@ -75,13 +75,12 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtyp
         let mine = &mut recv[off..off + len];
         for b in (0..len).step_by(BLOCK) {
             let e = (b + BLOCK).min(len);
-            // Our part's block goes in just before the reduction reads it back, still in
-            // cache (a copy of the whole segment first was a pass more over memory).
-            mine[b..e].copy_from_slice(&send[me * n + off + b..][..e - b]);
             // SAFETY: slot `me` of every peer's staging area holds this segment of part
             // `me` (first barrier) and is not rewritten before the segment's last barrier.
             let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.ctl.stage(p).add(me * slot + b), e - b) });
-            reduce_all(dtype, op, w, &mut mine[b..e], theirs);
+            // Our part is the first operand, read where it lies (copying it into the output
+            // first was a pass more over memory).
+            reduce_all_from(dtype, op, w, &mut mine[b..e], &send[me * n + off + b..][..e - b], theirs);
         }
     };
     by_segments(cx, n, slot, &mut [&mut stage, &mut take])
@@ -119,13 +118,13 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType,
         // that follows (they read slot p of ours, p != me).
         let mine = unsafe { std::slice::from_raw_parts_mut(cx.ctl.stage(me).add(me * slot), r.len()) };
         // SAFETY: our input's part, in `buf`, which nobody writes during this step.
-        mine.copy_from_slice(unsafe { std::slice::from_raw_parts(ptr.add(off + r.start), r.len()) });
+        let input = unsafe { std::slice::from_raw_parts(ptr.add(off + r.start), r.len()) };
         for b in (0..r.len()).step_by(BLOCK) {
             let e = (b + BLOCK).min(r.len());
             // SAFETY: slot `me` of every peer's staging area holds this segment of part `me`
             // (first barrier) and is not rewritten before the segment's last barrier.
             let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.ctl.stage(p).add(me * slot + b), e - b) });
-            reduce_all(dtype, op, w, &mut mine[b..e], theirs);
+            reduce_all_from(dtype, op, w, &mut mine[b..e], &input[b..e], theirs);
         }
     };
     let mut gather = |off: usize, len: usize| {

@@ -23,7 +23,7 @@
 use super::peer_buffers::{attach_error, reduce_staged_ends, PEER_BLOCK};
 use super::staged::{copy_out, streams_out};
 use super::ShmCtx;
-use crate::collective::reduce::reduce_all;
+use crate::collective::reduce::{reduce_all, reduce_all_from};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::mem::page_size;
@@ -263,11 +263,9 @@ pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, src: &mut Sources<'_>, send: &[u8]
         let len = PEER_BLOCK.min(n - b);
         match src.peer_blocks(cx, me * n + b, len, crate::transport::scratch_bytes(&mut scratch, (w - 1) * PEER_BLOCK)) {
             Ok(theirs) => {
-                // Our part's block goes in just before the reduction reads it back, still
-                // in cache: a copy of the whole part first was a pass more over memory.
-                let mine = &mut recv[b..b + len];
-                mine.copy_from_slice(&send[me * n + b..][..len]);
-                reduce_all(dtype, op, w, mine, theirs)
+                // Our part is the first operand, read where it lies: copying it into the
+                // output first was a pass more over memory.
+                reduce_all_from(dtype, op, w, &mut recv[b..b + len], &send[me * n + b..][..len], theirs)
             }
             Err(e) => {
                 *src.scratch = scratch;
@@ -302,8 +300,7 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, src: &mut Sources<'_>, buf: &mut [u8], roo
                 continue;
             }
             let acc = &mut acc[..len];
-            acc.copy_from_slice(&buf[b..b + len]);
-            reduce_all(dtype, op, w, acc, theirs);
+            reduce_all_from(dtype, op, w, acc, &buf[b..b + len], theirs);
             // A root that failed hands its buffer back once we have stopped writing (or a
             // grace has passed): stop writing into it.
             cx.check_peer(root, Duration::ZERO)?;
