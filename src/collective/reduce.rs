@@ -47,12 +47,19 @@ macro_rules! combine_int {
 }
 combine_int!(combine_i8: i8, combine_u8: u8, combine_i32: i32, combine_i64: i64);
 
-/// `bool` as bytes: any nonzero byte is true, so the maximum is the logical or and the
-/// minimum the logical and.
+/// `bool` as bytes: any nonzero byte is true, so the maximum is the logical or (sum, max)
+/// and the minimum the logical and (product, min): the u8 op a bool op combines as.
+fn bool_as_u8(op: ReduceOp) -> ReduceOp {
+    if matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max) {
+        ReduceOp::Max
+    } else {
+        ReduceOp::Min
+    }
+}
+
 #[inline(always)]
 fn combine_bool(op: ReduceOp, d: &mut [u8], s: &[u8]) {
-    let or = matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max);
-    combine_u8(if or { ReduceOp::Max } else { ReduceOp::Min }, d, s)
+    combine_u8(bool_as_u8(op), d, s)
 }
 
 /// `d = f(a, b)` element-wise: a combine whose first operand is not `d` itself, in one
@@ -295,8 +302,7 @@ fn reduce_aligned_from(dtype: DType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: 
         DType::U8 => combine_u8_from(op, dst, a, b),
         DType::I32 => combine_i32_from(op, cast_mut(dst).unwrap_or_default(), cast(a).unwrap_or_default(), cast(b).unwrap_or_default()),
         DType::I64 => combine_i64_from(op, cast_mut(dst).unwrap_or_default(), cast(a).unwrap_or_default(), cast(b).unwrap_or_default()),
-        // `bool` as bytes: or for sum and max, and for product and min (see `combine_bool`).
-        DType::Bool => combine_u8_from(if matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Max) { ReduceOp::Max } else { ReduceOp::Min }, dst, a, b),
+        DType::Bool => combine_u8_from(bool_as_u8(op), dst, a, b),
         DType::F16 | DType::BF16 => unreachable!("half-precision combines go through reduce_bytes"),
     }
 }
