@@ -40,6 +40,25 @@ fn nccl_collectives_on_device_memory() {
     assert!(out.status.success(), "{t}");
 }
 
+/// NCCL runs one rank per GPU: two ranks of one node left with one visible GPU are refused
+/// on both ranks, naming the pair and the way out, instead of failing inside
+/// `ncclCommInitRank` with NCCL's bare "invalid usage".
+#[test]
+fn two_ranks_of_a_node_on_one_gpu_are_refused_with_the_reason() {
+    if let Some(why) = gradwire::gpu::unavailable() {
+        eprintln!("SKIP two_ranks_of_a_node_on_one_gpu_are_refused_with_the_reason: {why}");
+        return;
+    }
+    let out = launch(2, &[], &["gpu-check"], &[("CUDA_VISIBLE_DEVICES", "0")]);
+    let t = text(&out);
+    println!("{t}");
+    assert!(!out.status.success(), "two ranks on one GPU must fail:\n{t}");
+    for rank in 0..2 {
+        let line = t.lines().find(|l| l.contains(&format!("rank {rank}")) && l.contains("ranks 0 and 1 of one node both chose the same GPU"));
+        assert!(line.is_some_and(|l| l.contains("GRADWIRE_HOST_ID")), "rank {rank} must name the pair and the way out:\n{t}");
+    }
+}
+
 #[test]
 fn hierarchical_allreduce_two_processes_sharing_the_gpu() {
     if let Some(why) = gradwire::gpu::unavailable() {

@@ -105,13 +105,17 @@ check("empty(np.int64(5))", e.shape == (5,) and e.dtype == np.float64, f"got {e.
 del e
 
 # The GPU communicator: a bad device is refused in Python; on a machine without a GPU the
-# library's reason (what was searched) comes back as UnsupportedError on every rank.
+# library's reason (what was searched) comes back as UnsupportedError on every rank, and
+# on one GPU the ranks of this one node, all on device 0, are refused by name.
 rejects("gpu(-1)", lambda: comm.gpu(-1), ValueError, "device -1")
 rejects("gpu('0')", lambda: comm.gpu("0"), TypeError, "device", "str")
 try:
     gpu = comm.gpu(0)
 except UnsupportedError as e:
-    check("gpu(0) without a GPU says why", "searched" in str(e) or "no GPU" in str(e) or "NCCL" in str(e), str(e))
+    if "both chose the same GPU" in str(e):
+        check("gpu(0) of every rank on one GPU names the pair", world > 1 and "ranks 0 and 1 of one node" in str(e), str(e))
+    else:
+        check("gpu(0) without a GPU says why", "searched" in str(e) or "no GPU" in str(e) or "NCCL" in str(e), str(e))
 else:
     rejects("gpu allreduce of a NumPy array", lambda: gpu.allreduce(buf), ValueError, "expected a CUDA tensor")
     gpu.free()

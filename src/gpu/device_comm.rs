@@ -80,6 +80,48 @@ const PIPELINE_BYTES: usize = 4 << 20;
 /// this many (16 MiB), whatever the buffer's size.
 const SLOTS: usize = 4;
 
+/// NCCL runs one rank per GPU: two ranks of a node on one device would fail inside
+/// `ncclCommInitRank` with NCCL's bare "invalid usage". So the ranks of a node first show
+/// each other the device they chose (its UUID: device indexes differ under
+/// `CUDA_VISIBLE_DEVICES`), and every rank of the node refuses alike, naming the pair.
+fn refuse_shared_device(comm: &Communicator, node: &Communicator, ctx: &CudaContext, device: usize) -> Result<()> {
+    if node.size() == 1 {
+        return Ok(());
+    }
+    const ENTRY: usize = 16 + 8;
+    let uuid = ctx.uuid().map_err(|e| cuda_err(&format!("cuDeviceGetUuid of CUDA device {device}"), e))?;
+    let mut mine = [0u8; ENTRY];
+    for (b, c) in mine.iter_mut().zip(uuid.bytes) {
+        *b = c as u8;
+    }
+    mine[16..].copy_from_slice(&(device as u64).to_le_bytes());
+    let mut all = vec![0u8; ENTRY * node.size()];
+    node.allgather(&mine, &mut all)?;
+    let entries: Vec<&[u8]> = all.chunks(ENTRY).collect();
+    // The node group's ranks are the node's world ranks in order (split keyed by rank).
+    let world_ranks = comm.topology().local_ranks(comm.rank());
+    for (i, a) in entries.iter().enumerate() {
+        if let Some(j) = (i + 1..entries.len()).find(|&j| entries[j][..16] == a[..16]) {
+            let index = |e: &[u8]| u64::from_le_bytes(e[16..].try_into().expect("8 bytes"));
+            let uuid: String = a[..16].iter().map(|b| format!("{b:02x}")).collect();
+            return Err(Error::Unsupported(format!(
+                "GPU collectives: ranks {} and {} of one node both chose the same GPU ({}, UUID {uuid}); \
+                 NCCL needs a GPU of its own for each rank of a node. Give each rank its own device (the rank's index in \
+                 its node, as `gradwire launch` and torchrun do, with at least {} GPUs visible), or, to test on one GPU, \
+                 run each rank as a node of its own (GRADWIRE_HOST_ID=node$RANK)",
+                world_ranks.get(i).copied().unwrap_or(i),
+                world_ranks.get(j).copied().unwrap_or(j),
+                match (index(a), index(entries[j])) {
+                    (x, y) if x == y => format!("CUDA device {x} in both"),
+                    (x, y) => format!("CUDA devices {x} and {y}"),
+                },
+                node.size()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// One call's hold on the communicator: its state, with the device's context current on
 /// this thread until the call ends.
 struct Call<'a> {
@@ -116,6 +158,7 @@ impl DeviceComm {
         let ctx = CudaContext::new(device).map_err(|e| cuda_err(&format!("CUDA device {device}"), e))?;
         let current = Current::make(&ctx)?;
         let node = comm.split_node_local()?;
+        refuse_shared_device(comm, &node, &ctx, device)?;
         let nccl = NcclGroup::new(&node)?;
         let cross = comm.split_cross_node()?;
         let state = State { nccl, cross, staging: None, staging_free: Event::new()?, reached: Event::new()?, slots: Vec::new(), broken: None };

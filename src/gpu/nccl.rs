@@ -38,8 +38,24 @@ fn nccl_op(op: ReduceOp, dtype: DType) -> Result<O> {
     })
 }
 
+/// An NCCL failure in words: cudarc's error prints only "NcclError", so this adds the
+/// result code, NCCL's text for it and NCCL's last message (what NCCL itself would log).
 fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
-    Error::Unsupported(format!("{what}: {e:?}"))
+    let text = |p: *const std::ffi::c_char| {
+        // SAFETY: NCCL returns null or a NUL-terminated string it owns and keeps (static
+        // text, or its thread's last-error buffer), read here at once.
+        (!p.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().trim().to_string())
+    };
+    // ncclGetLastError came with NCCL 2.13; cudarc's loader panics on a missing symbol.
+    let has_last_error = nccl::get_nccl_version().is_ok_and(|v| v >= 21300);
+    // SAFETY: both calls take a result code or a null communicator (the last error of
+    // this thread) and only return a string; the second exists (checked above).
+    let (meaning, last) = unsafe { (text(sys::ncclGetErrorString(e.0)), has_last_error.then(|| text(sys::ncclGetLastError(std::ptr::null_mut()))).flatten()) };
+    let mut msg = format!("{what}: {:?}", e.0);
+    for part in [meaning, last].into_iter().flatten().filter(|t| !t.is_empty()) {
+        msg += &format!(": {part}");
+    }
+    Error::Unsupported(msg)
 }
 
 /// An NCCL communicator. Its calls only enqueue work on the stream passed; the caller
@@ -167,5 +183,21 @@ impl Drop for NcclGroup {
             // SAFETY: a live communicator, destroyed once.
             let _ = unsafe { nccl::comm_destroy(self.comm) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NCCL's failures reach the caller in words, not as cudarc's bare "NcclError".
+    #[test]
+    fn nccl_errors_say_what_nccl_says() {
+        if let Some(why) = crate::gpu::unavailable() {
+            eprintln!("SKIP nccl_errors_say_what_nccl_says: {why}");
+            return;
+        }
+        let msg = nccl_err("ncclCommInitRank", nccl::NcclError(sys::ncclResult_t::ncclInvalidUsage)).to_string();
+        assert!(msg.contains("ncclCommInitRank: ncclInvalidUsage: invalid usage"), "{msg}");
     }
 }
