@@ -7,8 +7,8 @@ Both groups live in one process (the default group is gradwire's, a second is NC
 run the same call on the same tensors, float32, in alternating rounds; each figure is the
 best round's mean time per call with the stream synchronised once per round. With one
 rank an in-place allreduce moves nothing (its time is the call's cost alone), while
-all_gather_into_tensor and reduce_scatter_tensor copy their input into their output, so
-their time grows with the size. Also the pinned
+all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single copy their input into
+their output, so their time grows with the size. Also the pinned
 copy bandwidth torch gets (device to a pinned host tensor and back), for the staging goal
 beside `gradwire gpu-bench`.
 """
@@ -51,11 +51,12 @@ if rank == 0:
 mib = 1
 while mib <= args.max_mib:
     n = mib * 2**18
-    x, whole = torch.zeros(n, device=device), torch.zeros(n * world, device=device)
+    x, whole, spread = torch.zeros(n, device=device), torch.zeros(n * world, device=device), torch.zeros(n, device=device)
     calls = {
         "all_reduce": lambda g: dist.all_reduce(x, group=g),
         "all_gather_into_tensor": lambda g: dist.all_gather_into_tensor(whole, x, group=g),
         "reduce_scatter_tensor": lambda g: dist.reduce_scatter_tensor(x, whole, group=g),
+        "all_to_all_single": lambda g: dist.all_to_all_single(spread, x, group=g),
     }
     for name, call in calls.items():
         best = {"nccl": float("inf"), "gradwire": float("inf")}

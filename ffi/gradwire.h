@@ -210,7 +210,7 @@ int gradwire_hierarchical_iallreduce(gradwire_hierarchy_t *hier, const void *sen
  * queued later sees the result. Inside one node the calls are NCCL's. Across nodes the
  * allreduce is hierarchical: NCCL reduce-scatter in the node, the 1/G shard copied into a
  * pinned host region, gradwire's allreduce across the nodes, copied back, NCCL allgather;
- * broadcast, reduce-scatter and allgather cross through the pinned region (in 4 MiB
+ * broadcast, reduce-scatter, allgather and all-to-all cross through the pinned region (in 4 MiB
  * pieces: the pinned region stays small whatever the buffer). Such a call returns after
  * its host step, which waits (with GRADWIRE_TIMEOUT_MS) for the stream to reach it. A
  * host pointer here, a device pointer to the host calls above, or a count past the end of
@@ -236,6 +236,12 @@ int gradwire_gpu_reduce_scatter(gradwire_gpu_comm_t *gpu, const void *sendbuf, v
  * = recvbuf + rank x sendcount; no other overlap. */
 int gradwire_gpu_allgather(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *recvbuf, size_t sendcount,
                            gradwire_dtype_t dtype, void *stream);
+/* Block b of sendbuf goes to rank b, rank b's block for this rank lands in block b of
+ * recvbuf: blocks of `count` elements (sendcounts and recvcounts both NULL, the equal-block
+ * call every rank must then make so) or of the counts (one entry per rank, blocks back to
+ * back; every pair agrees), as gradwire_alltoall; no overlap. */
+int gradwire_gpu_alltoall(gradwire_gpu_comm_t *gpu, const void *sendbuf, const size_t *sendcounts, void *recvbuf,
+                          const size_t *recvcounts, size_t count, gradwire_dtype_t dtype, void *stream);
 
 /* Training schemes (ALGORITHMS.md) on a communicator, driven by the framework step by
  * step over a flat float32 parameter vector of n values (every buffer below holds n):

@@ -37,6 +37,7 @@ mod test_support;
 pub mod train;
 pub mod transport;
 
+pub use collective::exchange::Counts;
 pub use collective::hierarchical::{HierarchicalAlgo, Hierarchy};
 pub use collective::{Collective, Pending, Request};
 pub use comm::Communicator;

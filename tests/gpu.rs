@@ -23,6 +23,18 @@ fn missing_gpu_is_explained_not_a_panic() {
             let comm = gradwire::Communicator::init().unwrap();
             let err = gradwire::gpu::DeviceComm::new(&comm, 0).err().expect("no GPU here, so this must fail");
             assert!(matches!(err, gradwire::Error::Unsupported(_)), "{err}");
+            let err = gradwire::gpu::DeviceComm::on_local_device(&comm).err().expect("no GPU here, so this must fail");
+            assert!(matches!(err, gradwire::Error::Unsupported(_)), "{err}");
+            // And from the commands, on every rank (they once counted devices first, which
+            // panics inside cudarc where there is no driver).
+            for cmd in ["gpu-check", "gpu-bench"] {
+                let out = launch(2, &[], &[cmd], &[]);
+                let t = text(&out);
+                assert!(!out.status.success() && !t.contains("panicked"), "{cmd}: {t}");
+                for rank in 0..2 {
+                    assert!(t.contains(&format!("rank {rank}: gradwire {cmd}: unsupported: ")), "{cmd}, rank {rank}: {t}");
+                }
+            }
         }
         None => eprintln!("GPU available: the device tests below run for real"),
     }

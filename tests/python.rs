@@ -180,7 +180,9 @@ fn heat_style_daso_script_runs_with_its_import_changed() {
 /// the fault stops them), with a 3 s deadline; returns each rank's output once it exits.
 /// Survivors are expected to print "caught KIND: ..." and exit 3; `dead` is the rank the
 /// fault kills (its output is not checked). Panics unless every survivor caught an error
-/// of `kind` naming `expect`, all within 30 s.
+/// of `kind` naming `expect`, each within 15 s of the start of its calls (the script prints
+/// "after S s"). Timed from there, not from the spawn: a rank's start may include building
+/// the torch backend's C++ part, which the first torch test of a fresh cache pays for.
 fn faulty_ranks(script: &str, mode: &str, world: usize, dead: Option<usize>, kind: &str, expect: &str) {
     let root = env!("CARGO_MANIFEST_DIR");
     let (port, started) = (free_port(), std::time::Instant::now());
@@ -200,7 +202,7 @@ fn faulty_ranks(script: &str, mode: &str, world: usize, dead: Option<usize>, kin
         })
         .collect();
     for (r, c) in ranks.into_iter().enumerate() {
-        let out = wait_with_limit(c, Duration::from_secs(60));
+        let out = wait_with_limit(c, Duration::from_secs(240));
         let t = text(&out);
         println!("{script} {mode}, rank {r} after {:?}: {t}", started.elapsed());
         if dead == Some(r) {
@@ -208,8 +210,10 @@ fn faulty_ranks(script: &str, mode: &str, world: usize, dead: Option<usize>, kin
         }
         assert_eq!(out.status.code(), Some(3), "{mode}: rank {r} did not catch the fault:\n{t}");
         assert!(t.contains(&format!("caught {kind}")) && t.contains(expect), "{mode}: rank {r}'s error is not a {kind} naming {expect}:\n{t}");
+        let caught = t.lines().find(|l| l.contains("caught ")).unwrap_or_default();
+        let after: Option<f64> = caught.split(" after ").nth(1).and_then(|rest| rest.split(' ').next()).and_then(|s| s.parse().ok());
+        assert!(after.is_some_and(|s| s < 15.0), "{mode}: rank {r} did not catch the fault within 15 s of its calls' start:\n{t}");
     }
-    assert!(started.elapsed() < Duration::from_secs(30), "{mode}: took {:?}", started.elapsed());
 }
 
 /// A rank killed in the middle of a ddcgu epoch (gradwire.torch.ParameterServer) is a

@@ -1,7 +1,8 @@
 /*
  * Collectives on CUDA device memory through the C ABI: a GPU communicator on device
- * LOCAL_RANK (modulo the devices there are), an allreduce, a broadcast, a reduce-scatter
- * and an allgather on a stream of our own, each checked against sums computed here, and
+ * LOCAL_RANK (modulo the devices there are), an allreduce, a broadcast, a reduce-scatter,
+ * an allgather and an all-to-all on a stream of our own, each checked against what is
+ * computed here, and
  * the wrong kind of memory refused at both kinds of entry point. The CUDA driver is
  * opened at run time, so this builds without the CUDA toolkit; on a machine without a GPU
  * it prints gradwire's reason and exits 0 ("SKIP"). Run under the launcher:
@@ -170,6 +171,16 @@ int main(void) {
         wrong += got[i] != want;
     }
 
+    /* All-to-all: block b of `whole` goes to rank b; block b of `spread` comes from rank
+     * b (its block for this rank). */
+    for (size_t i = 0; i < m * size; i++) host[i] = input(rank, i);
+    CU(cu.htod(whole, host, m * size * sizeof(float)));
+    uint64_t spread = device_copy(NULL, m * size);
+    CHECK(gradwire_gpu_alltoall(gpu, (void *)whole, NULL, (void *)spread, NULL, m, GRADWIRE_FLOAT32, stream));
+    CU(cu.stream_sync(stream));
+    CU(cu.dtoh(got, spread, m * size * sizeof(float)));
+    for (size_t i = 0; i < m * size; i++) wrong += got[i] != input((int)(i / m), rank * m + i % m);
+
     /* The wrong kind of memory, both ways: clear errors, nothing touched. */
     int host_to_gpu = gradwire_gpu_allreduce(gpu, host, host, 16, GRADWIRE_FLOAT32, GRADWIRE_SUM, stream);
     int refused = host_to_gpu == GRADWIRE_ERR_INVALID_ARGUMENT && strstr(gradwire_last_error(), "host memory") != NULL;
@@ -184,6 +195,7 @@ int main(void) {
     CU(cu.free(buf));
     CU(cu.free(whole));
     CU(cu.free(part));
+    CU(cu.free(spread));
     free(host);
     free(got);
     CHECK(gradwire_gpu_comm_free(gpu));

@@ -213,6 +213,7 @@ def load_library() -> ctypes.CDLL:
         "gradwire_gpu_broadcast": [p, p, sz, u, i, p],
         "gradwire_gpu_reduce_scatter": [p, p, p, sz, u, u, p],
         "gradwire_gpu_allgather": [p, p, p, sz, u, p],
+        "gradwire_gpu_alltoall": [p, p, p, p, p, sz, u, p],
     }
     if hasattr(lib, "gradwire_gpu_comm_create"):
         sigs.update(gpu_sigs)
@@ -410,6 +411,24 @@ def _current_stream(device):
 _raw_stream = None
 
 
+def _alltoall_counts(size, n, m, send_counts, recv_counts, what):
+    """(sendcounts, recvcounts, count) of an all-to-all of n elements into m: both counts
+    None (equal blocks of count elements) or C arrays of one entry per rank (count 0)."""
+    if (send_counts is None) != (recv_counts is None):
+        raise ValueError(f"{what}: give both send_counts and recv_counts, or neither")
+    if send_counts is None:
+        if n % size or m != n:
+            raise ValueError(f"{what}: x and out must hold the same number of elements, a multiple of {size}")
+        return None, None, n // size
+    counts = []
+    for name, v, have in (("send_counts", send_counts, n), ("recv_counts", recv_counts, m)):
+        v = [_int_arg(c, f"{what}: {name}", 0, _SIZE_MAX) for c in v]
+        if len(v) != size or sum(v) != have:
+            raise ValueError(f"{what}: {name} must have {size} entries summing to {have}")
+        counts.append((ctypes.c_size_t * size)(*v))
+    return counts[0], counts[1], 0
+
+
 class GpuComm(_CommPart):
     """Collectives on CUDA tensors of one device over every rank of a communicator
     (`Comm.gpu(device)`, collective): NCCL inside a node, gradwire's hierarchical path
@@ -464,6 +483,19 @@ class GpuComm(_CommPart):
         if n != m * self._comm.size or dt2 != dt:
             raise ValueError(f"gpu reduce_scatter: x must hold {self._comm.size} x {m} elements of out's dtype")
         _check(load_library().gradwire_gpu_reduce_scatter(self._live(), sp, rp, m, dt, _op(op), stream))
+        return out
+
+    def alltoall(self, x, out, send_counts=None, recv_counts=None):
+        """Block b of `x` goes to rank b; block b of `out` receives rank b's block for this
+        rank (not overlapping `x`); returns `out`. Without counts every block is
+        len(x) / size elements (every rank must then call it without counts); with them
+        (element counts per rank, both given) blocks lie back to back."""
+        sp, n, dt, stream = _device_buffer(x, "gpu alltoall", self.device)
+        rp, m, dt2, _ = _device_buffer(out, "gpu alltoall out", self.device)
+        if dt2 != dt:
+            raise ValueError("gpu alltoall: out must have x's dtype")
+        sc, rc, count = _alltoall_counts(self._comm.size, n, m, send_counts, recv_counts, "gpu alltoall")
+        _check(load_library().gradwire_gpu_alltoall(self._live(), sp, sc, rp, rc, count, dt, stream))
         return out
 
     def free(self) -> None:
@@ -757,22 +789,7 @@ class Comm:
         rp, m, dt2 = _buffer(out, "alltoall out")
         if dt2 != dt:
             raise ValueError("alltoall: out must have x's dtype")
-        if (send_counts is None) != (recv_counts is None):
-            raise ValueError("alltoall: give both send_counts and recv_counts, or neither")
-        if send_counts is None:
-            if n % self.size or m != n:
-                raise ValueError(f"alltoall: x and out must hold the same number of elements, a multiple of {self.size}")
-            sc = rc = None
-            count = n // self.size
-        else:
-            counts = []
-            for name, v, have in (("send_counts", send_counts, n), ("recv_counts", recv_counts, m)):
-                v = [_int_arg(c, f"alltoall: {name}", 0, _SIZE_MAX) for c in v]
-                if len(v) != self.size or sum(v) != have:
-                    raise ValueError(f"alltoall: {name} must have {self.size} entries summing to {have}")
-                counts.append((ctypes.c_size_t * self.size)(*v))
-            sc, rc = counts
-            count = 0
+        sc, rc, count = _alltoall_counts(self.size, n, m, send_counts, recv_counts, "alltoall")
         lib = load_library()
         return self._call(lib.gradwire_alltoall, lib.gradwire_ialltoall, (sp, sc, rp, rc, count, dt), [x, sc, rc, out], async_op)
 

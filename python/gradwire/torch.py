@@ -29,8 +29,9 @@ polled, or before the group's next other call: a ring of sends and receives comp
 on NCCL. A receive from any source (`recv` without `src`) is refused: gradwire matches
 every message to its sender.
 
-CUDA tensors (`devices=["cpu", "cuda"]`): allreduce, broadcast, allgather and
-reduce-scatter (list and tensor forms) and barrier run on the group's GPU communicator
+CUDA tensors (`devices=["cpu", "cuda"]`): allreduce, broadcast, allgather,
+reduce-scatter and all-to-all (list and tensor forms, all-to-all with uneven splits too)
+and barrier run on the group's GPU communicator
 (made at the first CUDA call, on that tensor's device): NCCL inside a node, gradwire's
 hierarchical path through pinned host memory across nodes, enqueued on torch's current
 stream as ProcessGroupNCCL's calls are: later work on that stream sees the result, and an
@@ -96,7 +97,7 @@ def _plain(t):
     return t.is_cpu and t.is_contiguous()
 
 
-_CUDA_CALLS = "allreduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), barrier"
+_CUDA_CALLS = "allreduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), all_to_all(_single), barrier"
 
 
 def _cpu(t, what):
@@ -649,29 +650,35 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         self._start_p2p()
-        src, _ = _contiguous(input, "all_to_all_single")
-        dst, back = _contiguous(output, "all_to_all_single")
-        if not output_split_sizes and not input_split_sizes:
-            pending = self._comm.alltoall(src.reshape(-1), dst.reshape(-1), async_op=not _blocking(opts))
-        else:
-            # Splits count rows of dim 0: elements per row times the split.
-            def counts(t, splits):
-                row = t[0].numel() if t.dim() > 0 and t.shape[0] else 0
-                splits = list(splits) if splits else [t.shape[0] // self.size()] * self.size()
-                return [s * row for s in splits]
+        what = "all_to_all_single"
+        cuda = _on_cuda([output, input], what)
+        dense = _dense if cuda else _contiguous
+        src, _ = dense(input, what)
+        dst, back = dense(output, what)
+        # Splits count rows of dim 0: elements per row times the split.
+        def counts(t, splits):
+            row = t[0].numel() if t.dim() > 0 and t.shape[0] else 0
+            splits = list(splits) if splits else [t.shape[0] // self.size()] * self.size()
+            return [s * row for s in splits]
 
-            pending = self._comm.alltoall(
-                src.reshape(-1), dst.reshape(-1), counts(src, input_split_sizes), counts(dst, output_split_sizes), async_op=not _blocking(opts)
-            )
+        split = bool(output_split_sizes or input_split_sizes)
+        sc, rc = (counts(src, input_split_sizes), counts(dst, output_split_sizes)) if split else (None, None)
+        if cuda:  # any contiguous tensor, as its elements in order: no reshape to pay for
+            self._gpu(dst).alltoall(src, dst, sc, rc)
+            back()
+            return _cuda_work([output], opts, dst.device)
+        pending = self._comm.alltoall(src.reshape(-1), dst.reshape(-1), sc, rc, async_op=not _blocking(opts))
         return _done_or_pending([output], pending, back)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         self._start_p2p()
-        ins = [_cpu(t, "all_to_all") for t in input_tensors]
+        what = "all_to_all"
+        cuda = _on_cuda([*output_tensors, *input_tensors], what)
+        ins = input_tensors if cuda else [_cpu(t, what) for t in input_tensors]
         if len(ins) != self.size() or len(output_tensors) != self.size():
             raise ValueError(f"gradwire: all_to_all needs {self.size()} input and output tensors")
         flat_in = torch.cat([t.reshape(-1) for t in ins])
-        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype, device=flat_in.device)
 
         def scatter_back():
             at = 0
@@ -679,7 +686,12 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 t.copy_(flat_out[at : at + t.numel()].view_as(t))
                 at += t.numel()
 
-        pending = self._comm.alltoall(flat_in, flat_out, [t.numel() for t in ins], [t.numel() for t in output_tensors], async_op=not _blocking(opts))
+        sc, rc = [t.numel() for t in ins], [t.numel() for t in output_tensors]
+        if cuda:
+            self._gpu(flat_in).alltoall(flat_in, flat_out, sc, rc)
+            scatter_back()
+            return _cuda_work(output_tensors, opts, flat_in.device)
+        pending = self._comm.alltoall(flat_in, flat_out, sc, rc, async_op=not _blocking(opts))
         return _done_or_pending(output_tensors, pending, scatter_back)
 
     def recv_anysource(self, tensors, tag):

@@ -3,7 +3,8 @@
 
 torch.distributed on the "gradwire" backend with CUDA tensors: allreduce (sum, avg, max,
 in place, non-contiguous, coalesced), broadcast, all_gather (list and tensor forms, in
-place as FSDP calls it), reduce_scatter (list and tensor forms, in place), each against a
+place as FSDP calls it), reduce_scatter (list and tensor forms, in place), all_to_all
+(single with equal and uneven splits, async, and the list form), each against a
 reference computed here from every rank's regenerated input (small integers: exact sums),
 on a stream of the test's own, so ordering on torch's current stream is what is checked;
 then DDP on a CUDA model against the same model trained on one process with the whole
@@ -103,6 +104,35 @@ with torch.cuda.stream(side):
     check("reduce_scatter_tensor in place", src[rank * k : (rank + 1) * k], sum(b.double() for b in big)[rank * k : (rank + 1) * k])
     dist.reduce_scatter(part, list(big[rank].to(device).chunk(world)))
     check("reduce_scatter list", part, sum(b.double() for b in big)[rank * k : (rank + 1) * k])
+
+    # All-to-all, as mixture-of-experts layers exchange tokens: equal blocks of rows (more
+    # than one piece of the cross-node path), uneven splits with empty ones, the list form.
+    rows, width = (1 << 18) + 3, 4
+    mine = inputs(rank, world * rows * width).view(world * rows, width)
+    out = torch.empty_like(mine, device=device)
+    dist.all_to_all_single(out, mine.to(device))
+    want = torch.cat([inputs(r, world * rows * width).view(world * rows, width)[rank * rows : (rank + 1) * rows] for r in range(world)])
+    check("all_to_all_single", out, want)
+
+    def split(src, dst):  # rows rank src sends to rank dst; some none
+        return 0 if (src + dst) % 3 == 1 else 50 * (src + 1) + 7 * dst
+
+    def sent(r):  # rank r's rows, in blocks for ranks 0..world-1
+        return inputs(r + 1000, sum(split(r, b) for b in range(world)) * width).view(-1, width)
+
+    def block(r, b):  # rows of rank r's block for rank b
+        at = sum(split(r, k) for k in range(b))
+        return sent(r)[at : at + split(r, b)]
+
+    out = torch.empty(sum(split(b, rank) for b in range(world)), width, device=device)
+    splits_in, splits_out = [split(rank, b) for b in range(world)], [split(b, rank) for b in range(world)]
+    work = dist.all_to_all_single(out, sent(rank).to(device), output_split_sizes=splits_out, input_split_sizes=splits_in, async_op=True)
+    work.wait()
+    check("all_to_all_single uneven, async", out, torch.cat([block(b, rank) for b in range(world)]))
+    outs = [torch.empty(split(b, rank), width, device=device) for b in range(world)]
+    dist.all_to_all(outs, list(sent(rank).to(device).split(splits_in)))
+    for b in range(world):
+        check(f"all_to_all list [{b}]", outs[b], block(b, rank))
     dist.barrier()
 side.synchronize()
 

@@ -23,7 +23,9 @@ use std::time::Instant;
 /// peer, in rank order (its buffers hold the blocks back to back).
 #[derive(Clone, Debug)]
 pub struct Counts {
+    /// Elements this rank sends to each rank.
     pub send: Vec<usize>,
+    /// Elements this rank receives from each rank.
     pub recv: Vec<usize>,
 }
 
@@ -34,7 +36,7 @@ impl Counts {
     }
 
     /// (send bytes, receive bytes), checked for overflow.
-    fn bytes(&self, dtype: DType, world: usize) -> Result<(usize, usize)> {
+    pub(crate) fn bytes(&self, dtype: DType, world: usize) -> Result<(usize, usize)> {
         if self.send.len() != world || self.recv.len() != world {
             return Err(invalid(format!("alltoall: {} send and {} receive counts for {world} ranks", self.send.len(), self.recv.len())));
         }

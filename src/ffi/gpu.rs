@@ -2,7 +2,10 @@
 //! communicator and a device (`gradwire_gpu_comm_create`, as `ncclCommInitRank`), then
 //! collectives enqueued on the caller's stream, as NCCL's are.
 
-use super::{comm, dtype, gradwire_comm_t, gradwire_dtype_t, gradwire_op_t, guard, live_handle, out, put, redop, registry, root_of, take_handle, to_handle};
+use super::{
+    alltoall_counts, comm, dtype, gradwire_comm_t, gradwire_dtype_t, gradwire_op_t, guard, live_handle, out, put, redop, registry, root_of, take_handle,
+    to_handle,
+};
 use crate::collective::Collective;
 use crate::error::{invalid, Result};
 use crate::gpu::DeviceComm;
@@ -143,6 +146,36 @@ pub unsafe extern "C" fn gradwire_gpu_allgather(
         check_disjoint(Collective::Allgather, c.rank(), sendbuf, sendcount, recvbuf, sendcount.saturating_mul(c.size()), d.size(), w)?;
         // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
         unsafe { g.allgather(&c, sendbuf as u64, recvbuf as u64, sendcount, d, stream as _) }
+    })
+}
+
+/// All-to-all of device memory: block b of `sendbuf` goes to rank b, and rank b's block
+/// for this rank lands in block b of `recvbuf`; blocks of `count` elements (both count
+/// arrays NULL) or of `sendcounts`/`recvcounts` (one entry per rank, blocks back to back),
+/// as `gradwire_alltoall`.
+///
+/// # Safety
+/// As `gradwire_gpu_allreduce`, for the sizes named; the count arrays NULL or of one entry
+/// per rank; the buffers must not overlap.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gradwire_gpu_alltoall(
+    gpu_p: *mut gradwire_gpu_comm_t,
+    sendbuf: *const c_void,
+    sendcounts: *const usize,
+    recvbuf: *mut c_void,
+    recvcounts: *const usize,
+    count: usize,
+    dt: gradwire_dtype_t,
+    stream: *mut c_void,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_gpu_alltoall";
+        let (g, c) = gpu(gpu_p, w)?;
+        let d = dtype(dt, w)?;
+        let counts = (!sendcounts.is_null() || !recvcounts.is_null()).then(|| alltoall_counts(&c, count, sendcounts, recvcounts, w)).transpose()?;
+        // SAFETY: the caller's contract; the pointers' kind, device and overlap are checked inside.
+        unsafe { g.alltoall(&c, sendbuf as u64, recvbuf as u64, counts.as_ref(), count, d, stream as _) }
     })
 }
 

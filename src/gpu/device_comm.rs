@@ -2,8 +2,9 @@
 //! stream as NCCL's calls are. Inside one node it is NCCL alone. Across nodes the
 //! allreduce is hierarchical: NCCL reduce-scatter inside the node, the 1/G shard
 //! device-to-host into a pinned region, gradwire's allreduce across the nodes,
-//! host-to-device, NCCL allgather; no other copy. Broadcast, reduce-scatter and allgather
-//! across nodes go through the pinned region and gradwire's collective over every rank.
+//! host-to-device, NCCL allgather; no other copy. Broadcast, reduce-scatter, allgather and
+//! all-to-all across nodes go through the pinned region and gradwire's collective over
+//! every rank.
 //! The pinned region is bounded: the cross-node steps go through it in chunks.
 //!
 //! A call returns once its work is enqueued; where a host step is needed it first waits
@@ -15,6 +16,7 @@
 
 use super::memory::{cuda_err, driver_err, expect_device, Current, Event, PinnedStaging};
 use super::nccl::NcclGroup;
+use crate::collective::exchange::Counts;
 use crate::collective::{Collective, Request};
 use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
@@ -179,6 +181,10 @@ impl DeviceComm {
     /// [`DeviceComm::new`] on the device of this rank's index in its node, modulo the
     /// devices this process sees (what `gradwire launch` and torchrun give each rank).
     pub fn on_local_device(comm: &Communicator) -> Result<Self> {
+        // Before counting devices: cudarc panics where it finds no driver to ask.
+        if let Some(why) = super::unavailable() {
+            return Err(Error::Unsupported(why));
+        }
         let index = comm.topology().local_ranks(comm.rank()).iter().position(|&r| r == comm.rank()).unwrap_or(0);
         let devices = CudaContext::device_count().unwrap_or(1).max(1) as usize;
         Self::new(comm, index % devices)
@@ -453,6 +459,98 @@ impl DeviceComm {
             for b in 0..wn {
                 // SAFETY: rank b's piece into piece [lo, lo + len) of block b of `recv`.
                 unsafe { self.copy(Copy::ToDevice, recv + ((b * sendcount + lo) * es) as u64, host.add(b * len * es), len * es, stream) }?;
+            }
+            Ok(())
+        });
+        self.settle(&mut st, r, stream)
+    }
+
+    /// All-to-all: block b of `send` goes to rank b, and rank b's block for this rank lands
+    /// in block b of `recv`: what mixture-of-experts layers exchange tokens with. Blocks of
+    /// `count` elements each (`counts` None: the equal-block collective, which every rank
+    /// must then call so) or of `counts` (blocks back to back; every pair agrees on its
+    /// count). Inside one node NCCL's grouped sends and receives; across nodes, piece by
+    /// piece through the pinned region and gradwire's all-to-all over every rank.
+    ///
+    /// # Safety
+    /// As [`DeviceComm::allreduce`], for the sizes named; the buffers do not overlap.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn alltoall(
+        &self,
+        world: &Communicator,
+        send: u64,
+        recv: u64,
+        counts: Option<&Counts>,
+        count: usize,
+        dtype: DType,
+        stream: CUstream,
+    ) -> Result<()> {
+        let w = "gradwire_gpu_alltoall";
+        let wn = self.world;
+        let uniform;
+        let blocks = match counts {
+            Some(c) => c,
+            None => {
+                byte_len(count, wn, dtype, w)?;
+                uniform = Counts::uniform(count, wn);
+                &uniform
+            }
+        };
+        let (sb, rb) = blocks.bytes(dtype, wn).map_err(|e| prefixed(e, w))?;
+        if blocks.send[self.rank] != blocks.recv[self.rank] {
+            return Err(invalid(format!("{w}: rank {} sends {} elements to itself but expects {}", self.rank, blocks.send[self.rank], blocks.recv[self.rank])));
+        }
+        if sb > 0 && rb > 0 && send < recv + rb as u64 && recv < send + sb as u64 {
+            return Err(invalid(format!("{w}: sendbuf and recvbuf overlap (an all-to-all cannot run in place)")));
+        }
+        let mut st = self.enter(world, &[(send, "sendbuf", sb), (recv, "recvbuf", rb)], w)?;
+        if self.nodes == 1 {
+            // SAFETY: the caller's contract; one node, so NCCL's ranks are the world's.
+            return unsafe { st.nccl.all_to_all(send, recv, blocks, dtype, stream) };
+        }
+        let es = dtype.size();
+        let at = |v: &[usize], b: usize| v[..b].iter().sum::<usize>();
+        // Every rank must cut the same pieces: the equal-block call knows the largest block;
+        // with counts the ranks agree on it (one small allreduce).
+        let largest = match counts {
+            None => count,
+            Some(c) => {
+                let mut m = [c.send.iter().chain(&c.recv).copied().max().unwrap_or(0) as i64];
+                world.allreduce(&mut m, ReduceOp::Max).map_err(|e| prefixed(e, w))?;
+                m[0] as usize
+            }
+        };
+        if largest == 0 {
+            return Ok(());
+        }
+        // Per piece: [every block's piece to send][every block's piece received], each
+        // piece at most `len` elements of its block, packed.
+        let r = self.in_pieces(&mut st, largest, 2 * wn, dtype, stream, w, |st, host, lo, len| {
+            let piece = |v: &[usize]| -> Vec<usize> { v.iter().map(|&n| n.saturating_sub(lo).min(len)).collect() };
+            let (sn, rn) = (piece(&blocks.send), piece(&blocks.recv));
+            // SAFETY: the region holds 2W × len elements from `host`.
+            let got = unsafe { host.add(wn * len * es) };
+            let mut packed = 0;
+            for b in (0..wn).filter(|&b| sn[b] > 0) {
+                let from = send + ((at(&blocks.send, b) + lo) * es) as u64;
+                // SAFETY: this piece of block b of `send`, into the packed pieces to send.
+                unsafe { self.copy(Copy::ToHost, from, host.add(packed * es), sn[b] * es, stream) }?;
+                packed += sn[b];
+            }
+            self.arrived(st, stream, w)?;
+            let result = match counts {
+                // SAFETY: the pieces to send have arrived; the received ones go after them.
+                None => unsafe { world.run(Request::new(Collective::AllToAll, dtype, ReduceOp::Sum, len), host, got) },
+                // SAFETY: as above, with the pieces' counts (each within its half of the room).
+                Some(_) => unsafe { world.run_alltoall(dtype, Counts { send: sn, recv: rn.clone() }, host, got) },
+            };
+            result.map_err(|e| prefixed(e, w))?;
+            let mut packed = 0;
+            for b in (0..wn).filter(|&b| rn[b] > 0) {
+                let to = recv + ((at(&blocks.recv, b) + lo) * es) as u64;
+                // SAFETY: rank b's piece into this piece of block b of `recv`.
+                unsafe { self.copy(Copy::ToDevice, to, got.add(packed * es), rn[b] * es, stream) }?;
+                packed += rn[b];
             }
             Ok(())
         });

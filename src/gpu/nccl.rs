@@ -1,6 +1,7 @@
 //! One NCCL communicator over the ranks of a group (the node-local group), its calls
 //! enqueued on the caller's CUDA stream as NCCL's own API does.
 
+use crate::collective::exchange::Counts;
 use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{invalid, Error, Result};
@@ -64,7 +65,12 @@ pub(super) struct NcclGroup {
     comm: sys::ncclComm_t,
     rank: usize,
     size: usize,
+    /// NCCL has `ncclAlltoAll` (from 2.28.3; cudarc's loader panics on a missing symbol).
+    has_all_to_all: bool,
 }
+
+/// The first NCCL with `ncclAlltoAll`.
+const NCCL_ALL_TO_ALL: i32 = 22803;
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time; the owner
 // (`DeviceComm`) serialises its calls behind a lock.
@@ -93,7 +99,8 @@ impl NcclGroup {
         // SAFETY: writes one communicator handle; the id came from rank 0's ncclGetUniqueId.
         unsafe { nccl::comm_init_rank(&mut comm, group.size() as i32, sys::ncclUniqueId { internal }, group.rank() as i32) }
             .map_err(|e| nccl_err("ncclCommInitRank", e))?;
-        Ok(NcclGroup { comm, rank: group.rank(), size: group.size() })
+        let has_all_to_all = nccl::get_nccl_version().is_ok_and(|v| v >= NCCL_ALL_TO_ALL);
+        Ok(NcclGroup { comm, rank: group.rank(), size: group.size(), has_all_to_all })
     }
 
     /// This rank's index in the communicator.
@@ -155,6 +162,48 @@ impl NcclGroup {
         unsafe { nccl::broadcast(send as *const c_void, recv as *mut c_void, count, nccl_type(dtype), root as i32, self.comm, stream as sys::cudaStream_t) }
             .map(drop)
             .map_err(|e| nccl_err("ncclBroadcast", e))
+    }
+
+    /// Enqueues an all-to-all: block p of `send` (`counts.send[p]` elements, blocks back to
+    /// back) goes to rank p, and rank p's block for this rank lands in block p of `recv`
+    /// (`counts.recv[p]`). Equal blocks are NCCL's `ncclAlltoAll` where NCCL has it (as
+    /// torch calls it); otherwise one group of sends and receives, which is how NCCL's
+    /// all-to-all was written before. Empty blocks are not sent (both ends skip them alike).
+    ///
+    /// # Safety
+    /// As [`NcclGroup::all_reduce`], with the counts' elements in each buffer, which do not
+    /// overlap; the counts have one entry per rank of this group.
+    pub(super) unsafe fn all_to_all(&self, send: u64, recv: u64, counts: &Counts, dtype: DType, stream: CUstream) -> Result<()> {
+        let (t, es) = (nccl_type(dtype), dtype.size() as u64);
+        let s = stream as sys::cudaStream_t;
+        let equal = counts.send.iter().chain(&counts.recv).all(|&n| n == counts.send[0]);
+        if equal && counts.send[0] == 0 {
+            return Ok(());
+        }
+        if equal && self.has_all_to_all {
+            // SAFETY: the caller's contract; the symbol exists (the version was checked).
+            return unsafe { sys::ncclAlltoAll(send as *const c_void, recv as *mut c_void, counts.send[0], t, self.comm, s) }
+                .result()
+                .map(drop)
+                .map_err(|e| nccl_err("ncclAlltoAll", e));
+        }
+        self.grouped(|| {
+            let (mut sat, mut rat) = (send, recv);
+            for p in 0..self.size {
+                let (sn, rn) = (counts.send[p], counts.recv[p]);
+                if sn > 0 {
+                    // SAFETY: block p lies inside `send` (the caller's contract).
+                    unsafe { nccl::send(sat as *const c_void, sn, t, p as i32, self.comm, s) }.map_err(|e| nccl_err("ncclSend", e))?;
+                }
+                if rn > 0 {
+                    // SAFETY: block p lies inside `recv` (the caller's contract).
+                    unsafe { nccl::recv(rat as *mut c_void, rn, t, p as i32, self.comm, s) }.map_err(|e| nccl_err("ncclRecv", e))?;
+                }
+                sat += sn as u64 * es;
+                rat += rn as u64 * es;
+            }
+            Ok(())
+        })
     }
 
     /// Runs `f`'s calls as one NCCL group (fused, so that several broadcasts with

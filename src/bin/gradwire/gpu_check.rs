@@ -6,7 +6,7 @@
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use gradwire::gpu::DeviceComm;
-use gradwire::{Communicator, DType, Error, ReduceOp, Result};
+use gradwire::{Communicator, Counts, DType, Error, ReduceOp, Result};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
@@ -139,6 +139,32 @@ pub fn run(comm: &Communicator, hierarchical: bool) -> Result<bool> {
     unsafe { dc.allgather(comm, own, ptr(&whole, &stream), m, DType::F32, s) }?;
     let got = stream.clone_dtoh(&whole)?;
     t.case("allgather f32 in place", (0..m * w).filter(|&i| got[i] != x[i / m][i % m]).count())?;
+
+    // All-to-all: equal blocks (more than one piece on the cross-node path), then uneven
+    // blocks, some empty and some larger than a piece, as mixture-of-experts layers send.
+    let m = (1 << 20) + 5;
+    let x = all(m * w, 1000);
+    let send = stream.clone_htod(&x[me])?;
+    let recv = stream.alloc_zeros::<f32>(m * w)?;
+    // SAFETY: both hold w × m elements and do not overlap.
+    unsafe { dc.alltoall(comm, ptr(&send, &stream), ptr(&recv, &stream), None, m, DType::F32, s) }?;
+    let got = stream.clone_dtoh(&recv)?;
+    t.case("alltoall f32, equal blocks of 1 Mi + 5", (0..m * w).filter(|&i| got[i] != x[i / m][me * m + i % m]).count())?;
+    let count = |from: usize, to: usize| match (from + 2 * to) % 4 {
+        0 => 0,
+        1 => (1 << 20) + 77,
+        k => 1000 * k + from + to,
+    };
+    let counts = Counts { send: (0..w).map(|b| count(me, b)).collect(), recv: (0..w).map(|b| count(b, me)).collect() };
+    let x: Vec<Vec<f32>> = (0..w).map(|r| inputs(seed ^ 0xA11, r, (0..w).map(|b| count(r, b)).sum(), 1000)).collect();
+    let want: Vec<f32> = (0..w).flat_map(|b| x[b][(0..me).map(|k| count(b, k)).sum::<usize>()..][..count(b, me)].to_vec()).collect();
+    // One element more than the counts read: no allocation is empty.
+    let send = stream.clone_htod(&[&x[me][..], &[0.0]].concat())?;
+    let recv = stream.alloc_zeros::<f32>(want.len() + 1)?;
+    // SAFETY: each holds its counts' elements (or more) and they do not overlap.
+    unsafe { dc.alltoall(comm, ptr(&send, &stream), ptr(&recv, &stream), Some(&counts), 0, DType::F32, s) }?;
+    let got = stream.clone_dtoh(&recv)?;
+    t.case("alltoall f32, uneven blocks", (0..want.len()).filter(|&i| got[i] != want[i]).count())?;
 
     // The wrong kind of memory: a host buffer to a device call, a device buffer to a host
     // one. Each must be a clear error, not a fault.
