@@ -210,7 +210,7 @@ int gradwire_hierarchical_iallreduce(gradwire_hierarchy_t *hier, const void *sen
  * queued later sees the result. Inside one node the calls are NCCL's. Across nodes the
  * allreduce is hierarchical: NCCL reduce-scatter in the node, the 1/G shard copied into a
  * pinned host region, gradwire's allreduce across the nodes, copied back, NCCL allgather;
- * broadcast, reduce-scatter, allgather and all-to-all cross through the pinned region (in 4 MiB
+ * broadcast, reduce, reduce-scatter, allgather and all-to-all cross through the pinned region (in 4 MiB
  * pieces: the pinned region stays small whatever the buffer). Such a call returns after
  * its host step, which waits (with GRADWIRE_TIMEOUT_MS) for the stream to reach it. A
  * host pointer here, a device pointer to the host calls above, or a count past the end of
@@ -228,6 +228,10 @@ int gradwire_gpu_allreduce(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *
                            gradwire_dtype_t dtype, gradwire_op_t op, void *stream);
 int gradwire_gpu_broadcast(gradwire_gpu_comm_t *gpu, void *buf, size_t count, gradwire_dtype_t dtype, int root,
                            void *stream);
+/* The root's recvbuf gets the result (the others' is not written; sendbuf = recvbuf is in
+ * place), as ncclReduce. */
+int gradwire_gpu_reduce(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *recvbuf, size_t count,
+                        gradwire_dtype_t dtype, gradwire_op_t op, int root, void *stream);
 /* sendbuf holds size x recvcount elements; in place as NCCL: recvbuf = sendbuf + rank x
  * recvcount; no other overlap. */
 int gradwire_gpu_reduce_scatter(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *recvbuf, size_t recvcount,

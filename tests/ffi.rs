@@ -280,6 +280,7 @@ unsafe fn bad_inputs() {
     expect(gradwire_gpu_allreduce(gbogus, xp, xp, 8, 0, 0, std::ptr::null_mut()), INVALID, "not a live gpu communicator");
     expect(gradwire_gpu_broadcast(std::ptr::null_mut(), xp, 8, 0, 0, std::ptr::null_mut()), INVALID, "gpu communicator is NULL");
     expect(gradwire_gpu_reduce_scatter(gbogus, xp, xp, 8, 0, 0, std::ptr::null_mut()), INVALID, "not a live gpu communicator");
+    expect(gradwire_gpu_reduce(gbogus, xp, xp, 8, 0, 0, 0, std::ptr::null_mut()), INVALID, "not a live gpu communicator");
     expect(gradwire_gpu_allgather(gbogus, xp, xp, 8, 0, std::ptr::null_mut()), INVALID, "not a live gpu communicator");
     expect(gradwire_gpu_alltoall(gbogus, xp, std::ptr::null(), xp, std::ptr::null(), 8, 0, std::ptr::null_mut()), INVALID, "not a live gpu communicator");
     match gradwire::gpu::unavailable() {

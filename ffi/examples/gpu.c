@@ -1,7 +1,7 @@
 /*
  * Collectives on CUDA device memory through the C ABI: a GPU communicator on device
- * LOCAL_RANK (modulo the devices there are), an allreduce, a broadcast, a reduce-scatter,
- * an allgather and an all-to-all on a stream of our own, each checked against what is
+ * LOCAL_RANK (modulo the devices there are), an allreduce, a broadcast, a reduce, a
+ * reduce-scatter, an allgather and an all-to-all on a stream of our own, each checked against what is
  * computed here, and
  * the wrong kind of memory refused at both kinds of entry point. The CUDA driver is
  * opened at run time, so this builds without the CUDA toolkit; on a machine without a GPU
@@ -157,6 +157,18 @@ int main(void) {
     CU(cu.stream_sync(stream));
     CU(cu.dtoh(got, buf, n * sizeof(float)));
     for (size_t i = 0; i < n; i++) wrong += got[i] != input(size - 1, i);
+
+    /* Reduce to rank 0, in place: its buffer gets the sum, the others' stay as they were. */
+    for (size_t i = 0; i < n; i++) host[i] = input(rank, i);
+    CU(cu.htod(buf, host, n * sizeof(float)));
+    CHECK(gradwire_gpu_reduce(gpu, (void *)buf, (void *)buf, n, GRADWIRE_FLOAT32, GRADWIRE_SUM, 0, stream));
+    CU(cu.stream_sync(stream));
+    CU(cu.dtoh(got, buf, n * sizeof(float)));
+    for (size_t i = 0; i < n; i++) {
+        float want = 0;
+        for (int r = 0; r < size; r++) want += input(r, i);
+        wrong += got[i] != (rank == 0 ? want : input(rank, i));
+    }
 
     /* Reduce-scatter, then allgather of its result: every rank ends with the whole sum. */
     for (size_t i = 0; i < m * size; i++) host[i] = input(rank, i);

@@ -211,6 +211,7 @@ def load_library() -> ctypes.CDLL:
         "gradwire_gpu_comm_free": [p],
         "gradwire_gpu_allreduce": [p, p, p, sz, u, u, p],
         "gradwire_gpu_broadcast": [p, p, sz, u, i, p],
+        "gradwire_gpu_reduce": [p, p, p, sz, u, u, i, p],
         "gradwire_gpu_reduce_scatter": [p, p, p, sz, u, u, p],
         "gradwire_gpu_allgather": [p, p, p, sz, u, p],
         "gradwire_gpu_alltoall": [p, p, p, p, p, sz, u, p],
@@ -466,6 +467,19 @@ class GpuComm(_CommPart):
         root = _int_arg(root, "gpu broadcast: root", 0, self._comm.size - 1, f"not a rank (size {self._comm.size})")
         _check(load_library().gradwire_gpu_broadcast(self._live(), p, n, dt, root, stream))
         return x
+
+    def reduce(self, x, root: int = 0, op: str = "sum", out=None):
+        """Reduces `x` over all ranks into rank `root`'s `out` (default: its `x`, in place);
+        the other ranks' `out` is not written. Returns `out` (or `x`)."""
+        sp, n, dt, stream = _device_buffer(x, "gpu reduce", self.device)
+        root = _int_arg(root, "gpu reduce: root", 0, self._comm.size - 1, f"not a rank (size {self._comm.size})")
+        rp = sp
+        if out is not None:
+            rp, m, dt2, _ = _device_buffer(out, "gpu reduce out", self.device)
+            if (m, dt2) != (n, dt):
+                raise ValueError("gpu reduce: out must match x in size and dtype")
+        _check(load_library().gradwire_gpu_reduce(self._live(), sp, rp, n, dt, _op(op), root, stream))
+        return x if out is None else out
 
     def allgather(self, x, out):
         """Gathers every rank's `x` into `out` (size x len(x), rank order); returns `out`."""

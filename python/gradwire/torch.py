@@ -29,17 +29,17 @@ polled, or before the group's next other call: a ring of sends and receives comp
 on NCCL. A receive from any source (`recv` without `src`) is refused: gradwire matches
 every message to its sender.
 
-CUDA tensors (`devices=["cpu", "cuda"]`): allreduce, broadcast, allgather,
-reduce-scatter and all-to-all (list and tensor forms, all-to-all with uneven splits too)
-and barrier run on the group's GPU communicator
+CUDA tensors (`devices=["cpu", "cuda"]`): allreduce, broadcast, reduce, allgather,
+reduce-scatter and all-to-all (list and tensor forms, all-to-all with uneven splits too),
+scatter (a broadcast of the root's inputs) and barrier run on the group's GPU communicator
 (made at the first CUDA call, on that tensor's device): NCCL inside a node, gradwire's
 hierarchical path through pinned host memory across nodes, enqueued on torch's current
 stream as ProcessGroupNCCL's calls are: later work on that stream sees the result, and an
 async call's work waits as NCCL's does (`wait()` makes the caller's current stream wait
 for the call, `is_completed()` asks the GPU, the future is CUDA-aware). Across nodes a
 call returns only after its host step, so an async call there does not overlap the
-calling thread's work. gather runs through allgather; the other calls refuse CUDA tensors
-with a clear error on every rank.
+calling thread's work. gather runs through allgather. Sends and receives refuse CUDA
+tensors with a clear error.
 
 Checked against torch 2.15, and on a GPU against torch 2.11 (whose older method names are aliases here). One private torch name, in one place: `_get_backend`, the
 per-device backend lookup batch_isend_irecv makes, answered by the group itself.
@@ -97,7 +97,7 @@ def _plain(t):
     return t.is_cpu and t.is_contiguous()
 
 
-_CUDA_CALLS = "allreduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor), all_to_all(_single), barrier"
+_CUDA_CALLS = "allreduce, broadcast, reduce, all_gather(_into_tensor), gather, scatter, reduce_scatter(_tensor), all_to_all(_single), barrier"
 
 
 def _cpu(t, what):
@@ -544,6 +544,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._start_p2p()
         op = _op_of(opts)
         root = opts.rootRank if opts is not None else 0
+        if _on_cuda(tensors, "reduce"):
+            return self._each_on_gpu(tensors, opts, "reduce", lambda gpu, t: gpu.reduce(t, root=root, op=op))
         for t in tensors:
             c, back = _contiguous(t, "reduce")
             self._comm.reduce(c, root=root, op=op)
@@ -638,14 +640,22 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         self._start_p2p()
-        out = _cpu(output_tensors[0], "scatter")  # on every rank: all refuse CUDA alike
+        out = output_tensors[0]
         root = opts.rootRank if opts is not None else 0
+        # The root's inputs broadcast whole, each rank keeping its part (the bytes of a
+        # broadcast, which gradwire runs near the link's rate).
+        cuda = _on_cuda([out, *(input_tensors[0] if self.rank() == root else [])], "scatter")
         if self.rank() == root:
-            flat = torch.cat([_cpu(t, "scatter").reshape(-1) for t in input_tensors[0]])
+            flat = torch.cat([(t if cuda else _cpu(t, "scatter")).reshape(-1) for t in input_tensors[0]])
         else:
-            flat = torch.empty(out.numel() * self.size(), dtype=out.dtype)
-        self._comm.broadcast(flat, root=root)
+            flat = torch.empty(out.numel() * self.size(), dtype=out.dtype, device=out.device)
+        if cuda:
+            self._gpu(flat).broadcast(flat, root=root)
+        else:
+            self._comm.broadcast(flat, root=root)
         out.copy_(flat[self.rank() * out.numel() : (self.rank() + 1) * out.numel()].view_as(out))
+        if cuda:
+            return _cuda_work(output_tensors, opts, out.device)
         return _Work(output_tensors)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -655,6 +665,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         dense = _dense if cuda else _contiguous
         src, _ = dense(input, what)
         dst, back = dense(output, what)
+
         # Splits count rows of dim 0: elements per row times the split.
         def counts(t, splits):
             row = t[0].numel() if t.dim() > 0 and t.shape[0] else 0

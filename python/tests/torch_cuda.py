@@ -4,7 +4,7 @@
 torch.distributed on the "gradwire" backend with CUDA tensors: allreduce (sum, avg, max,
 in place, non-contiguous, coalesced), broadcast, all_gather (list and tensor forms, in
 place as FSDP calls it), reduce_scatter (list and tensor forms, in place), all_to_all
-(single with equal and uneven splits, async, and the list form), each against a
+(single with equal and uneven splits, async, and the list form), reduce and scatter, each against a
 reference computed here from every rank's regenerated input (small integers: exact sums),
 on a stream of the test's own, so ordering on torch's current stream is what is checked;
 then DDP on a CUDA model against the same model trained on one process with the whole
@@ -154,17 +154,26 @@ fut = dist.all_reduce(y, async_op=True).get_future()
 check("async all_reduce future", fut.wait()[0], sum(inputs(r, n).double() for r in range(world)))
 dist.barrier()
 
-# A call the backend does not offer on CUDA is a clear error on every rank, not a crash.
-for name, call in (
-    ("reduce", lambda: dist.reduce(torch.ones(4, device=device), dst=0)),
-    ("scatter", lambda: dist.scatter(torch.empty(4, device=device), [torch.ones(4, device=device)] * world if rank == 0 else None, src=0)),
-):
+# Reduce to the last rank (the others' tensors untouched, as NCCL's) and scatter.
+n = 100_003
+x = inputs(rank, n).to(device)
+dist.reduce(x, dst=world - 1)
+check("reduce to the last rank", x, sum(inputs(r, n).double() for r in range(world)) if rank == world - 1 else inputs(rank, n))
+k = 4099
+part = torch.empty(k, device=device)
+dist.scatter(part, [inputs(1000 + r, k).to(device) for r in range(world)] if rank == 0 else None, src=0)
+check("scatter from rank 0", part, inputs(1000 + rank, k))
+
+# Sends and receives, which the backend does not offer on CUDA, are a clear error on every
+# rank that calls them, not a crash or a hang.
+if world > 1 and (rank % 2 == 1 or rank + 1 < world):
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
     try:
-        call()
-        failures.append(f"{name} on CUDA was not refused")
+        (dist.send if rank % 2 == 0 else dist.recv)(torch.ones(4, device=device), peer)
+        failures.append("send/recv on CUDA was not refused")
     except (ValueError, RuntimeError) as e:
         if "CUDA" not in str(e):
-            failures.append(f"{name} on CUDA: unclear error {e}")
+            failures.append(f"send/recv on CUDA: unclear error {e}")
 
 # DDP on a CUDA model: W ranks with a batch each against one model stepped on the whole
 # batch (the average of the ranks' gradients is the whole batch's gradient).

@@ -102,6 +102,31 @@ pub unsafe extern "C" fn gradwire_gpu_broadcast(
     })
 }
 
+/// Reduce of device memory to rank `root`, whose `recvbuf` gets the result (the others'
+/// is not written; `sendbuf == recvbuf` is in place), as `ncclReduce`.
+///
+/// # Safety
+/// As `gradwire_gpu_allreduce`; `recvbuf` need be valid on the root only.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gradwire_gpu_reduce(
+    gpu_p: *mut gradwire_gpu_comm_t,
+    sendbuf: *const c_void,
+    recvbuf: *mut c_void,
+    count: usize,
+    dt: gradwire_dtype_t,
+    op: gradwire_op_t,
+    root: c_int,
+    stream: *mut c_void,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_gpu_reduce";
+        let (g, c) = gpu(gpu_p, w)?;
+        // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
+        unsafe { g.reduce(&c, sendbuf as u64, recvbuf as u64, count, dtype(dt, w)?, redop(op, w)?, root_of(root, w)?, stream as _) }
+    })
+}
+
 /// Reduce-scatter of device memory: `sendbuf` holds size × `recvcount` elements.
 ///
 /// # Safety

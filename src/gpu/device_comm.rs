@@ -2,9 +2,9 @@
 //! stream as NCCL's calls are. Inside one node it is NCCL alone. Across nodes the
 //! allreduce is hierarchical: NCCL reduce-scatter inside the node, the 1/G shard
 //! device-to-host into a pinned region, gradwire's allreduce across the nodes,
-//! host-to-device, NCCL allgather; no other copy. Broadcast, reduce-scatter, allgather and
-//! all-to-all across nodes go through the pinned region and gradwire's collective over
-//! every rank.
+//! host-to-device, NCCL allgather; no other copy. Broadcast, reduce, reduce-scatter,
+//! allgather and all-to-all across nodes go through the pinned region and gradwire's
+//! collective over every rank.
 //! The pinned region is bounded: the cross-node steps go through it in chunks.
 //!
 //! A call returns once its work is enqueued; where a host step is needed it first waits
@@ -377,6 +377,55 @@ impl DeviceComm {
             if !mine {
                 // SAFETY: as above, back into `buf`.
                 unsafe { self.copy(Copy::ToDevice, at, host, len * dtype.size(), stream) }?;
+            }
+            Ok(())
+        });
+        self.settle(&mut st, r, stream)
+    }
+
+    /// Reduce of `count` elements of `send` over every rank into `recv` of world rank
+    /// `root` (`send == recv`: in place); the other ranks' `recv` is not written, as
+    /// `ncclReduce`'s. Inside one node NCCL's reduce; across nodes, piece by piece through
+    /// the pinned region and gradwire's reduce over every rank.
+    ///
+    /// # Safety
+    /// As [`DeviceComm::allreduce`]; `recv` need be valid on the root only.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce(
+        &self,
+        world: &Communicator,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+        stream: CUstream,
+    ) -> Result<()> {
+        let w = "gradwire_gpu_reduce";
+        if root >= self.world {
+            return Err(invalid(format!("{w}: root {root} is not a rank (the communicator has {} ranks)", self.world)));
+        }
+        op.check(dtype).map_err(|e| prefixed(e, w))?;
+        let bytes = byte_len(count, 1, dtype, w)?;
+        let mine = self.rank == root;
+        let mut st = self.enter(world, &[(send, "sendbuf", bytes), (recv, "recvbuf", if mine { bytes } else { 0 })], w)?;
+        if count == 0 {
+            return Ok(());
+        }
+        if self.nodes == 1 {
+            // SAFETY: the caller's contract; one node, so NCCL's ranks are the world's.
+            return unsafe { st.nccl.reduce(send, recv, count, dtype, op, root, stream) };
+        }
+        let es = dtype.size();
+        let r = self.in_pieces(&mut st, count, 1, dtype, stream, w, |st, host, lo, len| {
+            // SAFETY: chunk [lo, lo + len) of `send` (the caller's contract) into the region.
+            unsafe { self.fetch_now(st, send + (lo * es) as u64, host, len * es, stream, w) }?;
+            // SAFETY: the region holds the chunk; gradwire's reduce runs in place there.
+            unsafe { world.run(Request { root, ..Request::new(Collective::Reduce, dtype, op, len) }, host, host) }.map_err(|e| prefixed(e, w))?;
+            if mine {
+                // SAFETY: the reduced chunk back into `recv` (valid on the root).
+                unsafe { self.copy(Copy::ToDevice, recv + (lo * es) as u64, host, len * es, stream) }?;
             }
             Ok(())
         });

@@ -150,6 +150,23 @@ impl NcclGroup {
             .map_err(|e| nccl_err("ncclAllGather", e))
     }
 
+    /// Enqueues a reduce to `root` (whose `recv` gets the result; the others' `recv` is
+    /// not written).
+    ///
+    /// # Safety
+    /// As [`NcclGroup::all_reduce`]; `recv` need be valid on the root only.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn reduce(&self, send: u64, recv: u64, count: usize, dtype: DType, op: ReduceOp, root: usize, stream: CUstream) -> Result<()> {
+        if root >= self.size {
+            return Err(invalid(format!("root {root} is not a rank of this NCCL group (size {})", self.size)));
+        }
+        let o = nccl_op(op, dtype)?;
+        // SAFETY: the caller's contract.
+        unsafe { nccl::reduce(send as *const c_void, recv as *mut c_void, count, nccl_type(dtype), o, root as i32, self.comm, stream as sys::cudaStream_t) }
+            .map(drop)
+            .map_err(|e| nccl_err("ncclReduce", e))
+    }
+
     /// Enqueues a broadcast from `root` (in place when `send == recv`).
     ///
     /// # Safety

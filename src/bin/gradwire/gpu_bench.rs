@@ -1,8 +1,9 @@
 //! `gradwire gpu-bench`: the GPU path's figures, under `gradwire launch` on a GPU machine.
 //! Per size: the allreduce on device memory (NCCL inside the node; across nodes the
 //! hierarchical path through pinned memory) beside gradwire's host allreduce of the same
-//! bytes in the same run, the same for the all-to-all; then the staging copies (the registered region the hierarchical
-//! path crosses through) against the same copies from `cuMemAllocHost` memory.
+//! bytes in the same run, then the same for the all-to-all; then the staging copies (the
+//! registered region the hierarchical path crosses through) against the same copies from
+//! `cuMemAllocHost` memory.
 
 use gradwire::gpu::{staging_bandwidth, DeviceComm};
 use gradwire::{Communicator, DType, ReduceOp, Result};

@@ -105,6 +105,17 @@ pub fn run(comm: &Communicator, hierarchical: bool) -> Result<bool> {
     let got = stream.clone_dtoh(&buf)?;
     t.case("broadcast f32 from the last rank", (0..n).filter(|&i| got[i] != x[root][i]).count())?;
 
+    // Reduce to rank 1 (mod W), out of place: the others' output is not written.
+    let root = 1 % w;
+    let x = all(n, 1000);
+    let send = stream.clone_htod(&x[me])?;
+    let recv = stream.clone_htod(&vec![7f32; n])?;
+    // SAFETY: both hold n elements on this device.
+    unsafe { dc.reduce(comm, ptr(&send, &stream), ptr(&recv, &stream), n, DType::F32, ReduceOp::Sum, root, s) }?;
+    let got = stream.clone_dtoh(&recv)?;
+    let want = |i: usize| if me == root { x.iter().map(|v| v[i]).sum::<f32>() } else { 7.0 };
+    t.case("reduce f32 sum to rank 1, others untouched", (0..n).filter(|&i| got[i] != want(i)).count())?;
+
     // Reduce-scatter and allgather.
     let m = 1 << 16;
     let x = all(m * w, 1000);
