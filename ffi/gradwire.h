@@ -210,8 +210,9 @@ int gradwire_hierarchical_iallreduce(gradwire_hierarchy_t *hier, const void *sen
  * queued later sees the result. Inside one node the calls are NCCL's. Across nodes the
  * allreduce is hierarchical: NCCL reduce-scatter in the node, the 1/G shard copied into a
  * pinned host region, gradwire's allreduce across the nodes, copied back, NCCL allgather;
- * broadcast, reduce, reduce-scatter, allgather and all-to-all cross through the pinned region (in 4 MiB
- * pieces: the pinned region stays small whatever the buffer). Such a call returns after
+ * broadcast, reduce, reduce-scatter, allgather and all-to-all cross through the pinned region in
+ * pieces (at most 4 MiB of a block, 16 MiB in all: the pinned region stays small whatever the
+ * buffer and the number of ranks). Such a call returns after
  * its host step, which waits (with GRADWIRE_TIMEOUT_MS) for the stream to reach it. A
  * host pointer here, a device pointer to the host calls above, or a count past the end of
  * the buffer's allocation is GRADWIRE_ERR_INVALID_ARGUMENT; no CUDA driver, NCCL or device

@@ -81,6 +81,17 @@ const PIPELINE_BYTES: usize = 4 << 20;
 /// Chunks of the allreduce's cross-node step in flight at once: the pinned region holds
 /// this many (16 MiB), whatever the buffer's size.
 const SLOTS: usize = 4;
+/// Room the other cross-node steps take in the pinned region at most, whatever the buffer's
+/// size and the number of ranks (a piece of every rank's block may share it).
+const STAGING_BYTES: usize = SLOTS * PIPELINE_BYTES;
+
+/// Elements of each block in one piece of a cross-node step whose room holds `per_piece`
+/// blocks' pieces: at most [`PIPELINE_BYTES`] of a block and [`STAGING_BYTES`] in all (so a
+/// job of many ranks cuts smaller pieces instead of pinning more), at least one element,
+/// at most `count`.
+fn piece_len(count: usize, per_piece: usize, elem: usize) -> usize {
+    (PIPELINE_BYTES / elem).min(STAGING_BYTES / (elem * per_piece.max(1))).max(1).min(count)
+}
 
 /// NCCL runs one rank per GPU: two ranks of a node on one device would fail inside
 /// `ncclCommInitRank` with NCCL's bare "invalid usage". So the ranks of a node first show
@@ -90,21 +101,34 @@ fn refuse_shared_device(comm: &Communicator, node: &Communicator, ctx: &CudaCont
     if node.size() == 1 {
         return Ok(());
     }
-    const ENTRY: usize = 16 + 8;
-    let uuid = ctx.uuid().map_err(|e| cuda_err(&format!("cuDeviceGetUuid of CUDA device {device}"), e))?;
+    // [UUID: 16][device index: 8][1 if this rank could read its UUID]
+    const ENTRY: usize = 16 + 8 + 1;
+    let uuid = ctx.uuid().map_err(|e| cuda_err(&format!("cuDeviceGetUuid of CUDA device {device}"), e));
     let mut mine = [0u8; ENTRY];
-    for (b, c) in mine.iter_mut().zip(uuid.bytes) {
-        *b = c as u8;
+    if let Ok(u) = &uuid {
+        for (b, &c) in mine.iter_mut().zip(&u.bytes) {
+            *b = c as u8;
+        }
+        mine[24] = 1;
     }
-    mine[16..].copy_from_slice(&(device as u64).to_le_bytes());
+    mine[16..24].copy_from_slice(&(device as u64).to_le_bytes());
+    // Shown even when this rank failed, so that no rank of the node goes on into
+    // ncclCommInitRank (which would wait for it without a deadline).
     let mut all = vec![0u8; ENTRY * node.size()];
     node.allgather(&mine, &mut all)?;
+    uuid?;
     let entries: Vec<&[u8]> = all.chunks(ENTRY).collect();
     // The node group's ranks are the node's world ranks in order (split keyed by rank).
     let world_ranks = comm.topology().local_ranks(comm.rank());
+    if let Some(i) = entries.iter().position(|e| e[24] == 0) {
+        return Err(Error::Unsupported(format!(
+            "GPU collectives: rank {} of this node could not read its GPU's UUID (it says why)",
+            world_ranks.get(i).copied().unwrap_or(i)
+        )));
+    }
     for (i, a) in entries.iter().enumerate() {
         if let Some(j) = (i + 1..entries.len()).find(|&j| entries[j][..16] == a[..16]) {
-            let index = |e: &[u8]| u64::from_le_bytes(e[16..].try_into().expect("8 bytes"));
+            let index = |e: &[u8]| u64::from_le_bytes(e[16..24].try_into().expect("8 bytes"));
             let uuid: String = a[..16].iter().map(|b| format!("{b:02x}")).collect();
             return Err(Error::Unsupported(format!(
                 "GPU collectives: ranks {} and {} of one node both chose the same GPU ({}, UUID {uuid}); \
@@ -555,10 +579,12 @@ impl DeviceComm {
         let mut st = self.enter(world, &[(send, "sendbuf", sb), (recv, "recvbuf", rb)], w)?;
         if self.nodes == 1 {
             // SAFETY: the caller's contract; one node, so NCCL's ranks are the world's.
-            return unsafe { st.nccl.all_to_all(send, recv, blocks, dtype, stream) };
+            return unsafe { st.nccl.all_to_all(send, recv, blocks, counts.is_none(), dtype, stream) };
         }
         let es = dtype.size();
-        let at = |v: &[usize], b: usize| v[..b].iter().sum::<usize>();
+        // Where each block starts, in elements.
+        let starts = |v: &[usize]| -> Vec<usize> { v.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect() };
+        let (send_at, recv_at) = (starts(&blocks.send), starts(&blocks.recv));
         // Every rank must cut the same pieces: the equal-block call knows the largest block;
         // with counts the ranks agree on it (one small allreduce).
         let largest = match counts {
@@ -581,7 +607,7 @@ impl DeviceComm {
             let got = unsafe { host.add(wn * len * es) };
             let mut packed = 0;
             for b in (0..wn).filter(|&b| sn[b] > 0) {
-                let from = send + ((at(&blocks.send, b) + lo) * es) as u64;
+                let from = send + ((send_at[b] + lo) * es) as u64;
                 // SAFETY: this piece of block b of `send`, into the packed pieces to send.
                 unsafe { self.copy(Copy::ToHost, from, host.add(packed * es), sn[b] * es, stream) }?;
                 packed += sn[b];
@@ -596,7 +622,7 @@ impl DeviceComm {
             result.map_err(|e| prefixed(e, w))?;
             let mut packed = 0;
             for b in (0..wn).filter(|&b| rn[b] > 0) {
-                let to = recv + ((at(&blocks.recv, b) + lo) * es) as u64;
+                let to = recv + ((recv_at[b] + lo) * es) as u64;
                 // SAFETY: rank b's piece into this piece of block b of `recv`.
                 unsafe { self.copy(Copy::ToDevice, to, got.add(packed * es), rn[b] * es, stream) }?;
                 packed += rn[b];
@@ -621,7 +647,7 @@ impl DeviceComm {
         w: &str,
         mut piece: impl FnMut(&mut State, *mut u8, usize, usize) -> Result<()>,
     ) -> Result<()> {
-        let per = (PIPELINE_BYTES / dtype.size()).max(1).min(count);
+        let per = piece_len(count, per_piece, dtype.size());
         let host = self.staging(st, per * per_piece * dtype.size(), w)?;
         for lo in (0..count).step_by(per) {
             if lo > 0 {
@@ -735,5 +761,27 @@ fn prefixed(e: Error, w: &str) -> Error {
     match e {
         Error::InvalidArgument(m) if !m.starts_with(w) => invalid(format!("{w}: {m}")),
         e => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pieces keep the pinned region bounded whatever the world size, and are unchanged
+    /// (a whole 4 MiB of a block) where the room allows it.
+    #[test]
+    fn pieces_bound_the_pinned_region() {
+        for elem in [1, 2, 4, 8] {
+            for per_piece in 1..600 {
+                for count in [1, 3, 4097, 1 << 30] {
+                    let len = piece_len(count, per_piece, elem);
+                    assert!(len >= 1 && len <= count && len * elem <= PIPELINE_BYTES, "{elem} {per_piece} {count}: {len}");
+                    assert!(len * per_piece * elem <= STAGING_BYTES.max(per_piece * elem), "{elem} {per_piece} {count}: {len}");
+                }
+            }
+        }
+        assert_eq!(piece_len(1 << 30, 3, 4), PIPELINE_BYTES / 4, "2 ranks' reduce-scatter: whole 4 MiB pieces");
+        assert_eq!(piece_len(1 << 30, 2 * 256, 4), STAGING_BYTES / (4 * 512), "256 ranks' all-to-all: 32 KiB pieces");
     }
 }

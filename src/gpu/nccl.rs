@@ -183,21 +183,24 @@ impl NcclGroup {
 
     /// Enqueues an all-to-all: block p of `send` (`counts.send[p]` elements, blocks back to
     /// back) goes to rank p, and rank p's block for this rank lands in block p of `recv`
-    /// (`counts.recv[p]`). Equal blocks are NCCL's `ncclAlltoAll` where NCCL has it (as
-    /// torch calls it); otherwise one group of sends and receives, which is how NCCL's
-    /// all-to-all was written before. Empty blocks are not sent (both ends skip them alike).
+    /// (`counts.recv[p]`). The equal-block call (`equal_call`: every rank makes it so) is
+    /// NCCL's `ncclAlltoAll` where NCCL has it, as torch calls it; otherwise one group of
+    /// sends and receives, which is how NCCL's all-to-all was written before. Which one is
+    /// chosen by the call, never by one rank's counts: a rank whose uneven call happens to
+    /// hold equal counts must still meet its peers' sends and receives. Empty blocks are
+    /// not sent (both ends skip them alike).
     ///
     /// # Safety
     /// As [`NcclGroup::all_reduce`], with the counts' elements in each buffer, which do not
-    /// overlap; the counts have one entry per rank of this group.
-    pub(super) unsafe fn all_to_all(&self, send: u64, recv: u64, counts: &Counts, dtype: DType, stream: CUstream) -> Result<()> {
+    /// overlap; the counts have one entry per rank of this group (all equal when
+    /// `equal_call`).
+    pub(super) unsafe fn all_to_all(&self, send: u64, recv: u64, counts: &Counts, equal_call: bool, dtype: DType, stream: CUstream) -> Result<()> {
         let (t, es) = (nccl_type(dtype), dtype.size() as u64);
         let s = stream as sys::cudaStream_t;
-        let equal = counts.send.iter().chain(&counts.recv).all(|&n| n == counts.send[0]);
-        if equal && counts.send[0] == 0 {
+        if equal_call && counts.send[0] == 0 {
             return Ok(());
         }
-        if equal && self.has_all_to_all {
+        if equal_call && self.has_all_to_all {
             // SAFETY: the caller's contract; the symbol exists (the version was checked).
             return unsafe { sys::ncclAlltoAll(send as *const c_void, recv as *mut c_void, counts.send[0], t, self.comm, s) }
                 .result()

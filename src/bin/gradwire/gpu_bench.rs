@@ -38,7 +38,8 @@ pub fn run(comm: &Communicator, sizes: &[usize], iters: usize) -> Result<bool> {
             println!("{:>12} {:>12} {:>12} {:>12} {:>12}", "bytes", "gpu_us", "gpu_algbw", "host_us", "host_algbw");
         }
         for &bytes in sizes {
-            let n = bytes / 4 / w * w;
+            // Whole blocks of at least one element for every rank's all-to-all.
+            let n = (bytes / 4 / w).max(1) * w;
             let dev = stream.alloc_zeros::<f32>(n)?;
             let out = stream.alloc_zeros::<f32>(n)?;
             let (p, _) = cudarc::driver::DevicePtr::device_ptr(&dev, &stream);
@@ -56,7 +57,8 @@ pub fn run(comm: &Communicator, sizes: &[usize], iters: usize) -> Result<bool> {
                 (gpu, per_call(comm, iters, || comm.allreduce(&mut host, ReduceOp::Sum), || Ok(()))?)
             };
             if lead {
-                println!("{bytes:>12} {:>12.1} {:>12.2} {:>12.1} {:>12.2}", gpu_s * 1e6, bytes as f64 / gpu_s / 1e9, host_s * 1e6, bytes as f64 / host_s / 1e9);
+                let b = n * 4;
+                println!("{b:>12} {:>12.1} {:>12.2} {:>12.1} {:>12.2}", gpu_s * 1e6, b as f64 / gpu_s / 1e9, host_s * 1e6, b as f64 / host_s / 1e9);
             }
         }
     }
