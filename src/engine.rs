@@ -35,6 +35,9 @@ pub struct EngineState {
     /// copy of its send buffer): a fresh one per call of 64 MiB faulted in every page
     /// again, which halved that reduce-scatter's rate across namespaces at 10 Gbit/s.
     pub scratch: Vec<u64>,
+    /// The reduced block of an in-place reduce-scatter, kept between operations as
+    /// `scratch` is (see `collective::run_in_place_block`).
+    pub in_place_block: Vec<u64>,
     failed: Option<String>,
     /// Collectives executed so far: the sequence number in every message header.
     seq: u64,
@@ -255,7 +258,21 @@ impl EngineState {
     pub fn new(rank: usize, world: usize, links: Links, shm: Option<Arc<ShmDomain>>, abort: Arc<AtomicBool>, global: Vec<usize>) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        EngineState { rank, world, links, shm, abort, above: None, scratch: Vec::new(), failed: None, seq: 0, global, id, store: None }
+        EngineState {
+            rank,
+            world,
+            links,
+            shm,
+            abort,
+            above: None,
+            scratch: Vec::new(),
+            in_place_block: Vec::new(),
+            failed: None,
+            seq: 0,
+            global,
+            id,
+            store: None,
+        }
     }
 
     /// Hands the engine what the collectives layer keeps between operations (see `above`).

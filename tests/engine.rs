@@ -398,43 +398,55 @@ fn shm_private_buffers_attached_or_staged_all_match() {
 }
 
 /// Allgather and reduce-scatter in place (NCCL's layout: this rank's block of the larger
-/// buffer), over shm and tcp at 3 ranks, against sums computed independently on fresh
-/// random integers; the reduce-scatter leaves the other blocks as they were.
+/// buffer), over shm (staged only, and with cross-memory attach, which rank 0's chooser
+/// tries from a size's third call) and tcp at 3 ranks, 6 calls per size, against sums
+/// computed independently on fresh random integers; the reduce-scatter leaves the other
+/// blocks as they were, and the allgather writes only the peers' blocks.
 #[test]
 fn in_place_allgather_and_reduce_scatter_match() {
     use rand::{Rng, SeedableRng};
     let seed: u64 = rand::random();
-    let world = 3;
+    let (world, calls) = (3, 6);
     let input = |rank: usize, call: usize, n: usize| -> Vec<f32> {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ ((rank as u64) << 32 | call as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         (0..n).map(|_| rng.random_range(-1000..=1000) as f32).collect()
     };
     let blocks = [1usize, 7919, 100_003];
-    for transport in [TransportChoice::Shm, TransportChoice::Tcp] {
+    let forms = [("shm", TransportChoice::Shm, true), ("shm, staged only", TransportChoice::Shm, false), ("tcp", TransportChoice::Tcp, true)];
+    for (form, transport, attach) in forms {
         let results: Vec<Vec<Vec<f32>>> = ranks_as_threads(
             world,
-            |_, c| c.transport = transport,
+            |_, c| {
+                c.transport = transport;
+                c.shm_cma = attach;
+            },
             |r, comm| {
                 let mut outs = Vec::new();
                 for (i, &m) in blocks.iter().enumerate() {
-                    let mut buf = vec![0f32; m * world];
-                    buf[r * m..(r + 1) * m].copy_from_slice(&input(r, 2 * i, m));
-                    comm.allgather_in_place(&mut buf).unwrap();
-                    outs.push(buf);
-                    let mut buf = input(r, 2 * i + 1, m * world);
-                    comm.reduce_scatter_in_place(&mut buf, ReduceOp::Sum).unwrap();
-                    outs.push(buf);
+                    for k in 0..calls {
+                        let call = 2 * (i * calls + k);
+                        let mut buf = vec![f32::NAN; m * world];
+                        buf[r * m..(r + 1) * m].copy_from_slice(&input(r, call, m));
+                        comm.allgather_in_place(&mut buf).unwrap();
+                        outs.push(buf);
+                        let mut buf = input(r, call + 1, m * world);
+                        comm.reduce_scatter_in_place(&mut buf, ReduceOp::Sum).unwrap();
+                        outs.push(buf);
+                    }
                 }
                 outs
             },
         );
         for (i, &m) in blocks.iter().enumerate() {
-            let gathered: Vec<f32> = (0..world).flat_map(|r| input(r, 2 * i, m)).collect();
-            let reduce_in: Vec<Vec<f32>> = (0..world).map(|r| input(r, 2 * i + 1, m * world)).collect();
-            for (r, got) in results.iter().enumerate() {
-                assert_eq!(got[2 * i], gathered, "{transport:?}: rank {r}, allgather in place of {m} (seed {seed})");
-                let want: Vec<f32> = (0..m * world).map(|j| if j / m == r { reduce_in.iter().map(|x| x[j]).sum() } else { reduce_in[r][j] }).collect();
-                assert_eq!(got[2 * i + 1], want, "{transport:?}: rank {r}, reduce-scatter in place of {m} (seed {seed})");
+            for k in 0..calls {
+                let call = 2 * (i * calls + k);
+                let gathered: Vec<f32> = (0..world).flat_map(|r| input(r, call, m)).collect();
+                let reduce_in: Vec<Vec<f32>> = (0..world).map(|r| input(r, call + 1, m * world)).collect();
+                for (r, got) in results.iter().enumerate() {
+                    assert!(got[call] == gathered, "{form}: rank {r}, allgather in place of {m}, call {k} (seed {seed})");
+                    let want: Vec<f32> = (0..m * world).map(|j| if j / m == r { reduce_in.iter().map(|x| x[j]).sum() } else { reduce_in[r][j] }).collect();
+                    assert!(got[call + 1] == want, "{form}: rank {r}, reduce-scatter in place of {m}, call {k} (seed {seed})");
+                }
             }
         }
     }

@@ -145,10 +145,12 @@ pub(crate) fn in_place_block(op: Collective, send: *const u8, recv: *mut u8, sle
         }
 }
 
-/// Runs an in-place allgather or reduce-scatter (NCCL's layouts) through a copy of this
-/// rank's block (1/W of the whole), so that no two views of the same bytes are alive:
-/// the allgather sends from a copy of its block; the reduce-scatter reduces into a
-/// separate block and copies it into place once the call is done.
+/// Runs an in-place allgather or reduce-scatter (NCCL's layouts) so that no two views of
+/// the same bytes are alive. The allgather runs on the whole buffer with no separate
+/// input: every form reads this rank's block where it lies and writes only the others
+/// (FSDP and ZeRO gather parameters this way; through a copy of the block in a fresh
+/// buffer it took 1.3-2.8x the out-of-place time, 2 ranks, 1-64 MiB). The reduce-scatter
+/// reduces into a block kept between calls and copies it into place once the call is done.
 ///
 /// # Safety
 /// As for [`Communicator::start`]: `send` readable for `slen` and `recv` writable for
@@ -167,24 +169,27 @@ unsafe fn run_in_place_block(
     rlen: usize,
 ) -> Result<()> {
     if req.op == Collective::Allgather {
-        // SAFETY: `send` holds this rank's block (the caller's contract); copied before
-        // `recv`, which contains it, is borrowed.
-        let own = unsafe { std::slice::from_raw_parts(send, slen) }.to_vec();
-        // SAFETY: `recv` is writable for `rlen` bytes; the only view of them now.
+        // SAFETY: `recv` is writable for `rlen` bytes and holds `send`, this rank's block
+        // (the caller's contract): the only view of them.
         let whole = unsafe { std::slice::from_raw_parts_mut(recv, rlen) };
-        return run(st, deadline, call, req, algo, tune, Some(&own), whole);
+        return run(st, deadline, call, req, algo, tune, None, whole);
     }
-    let mut block = vec![0u8; rlen];
-    {
+    // Kept between calls: a fresh block per call faulted in every page again.
+    let mut kept = std::mem::take(&mut st.in_place_block);
+    let block = crate::transport::scratch_bytes(&mut kept, rlen);
+    let ran = {
         // SAFETY: `send` is readable for `slen` bytes; no mutable view of them is alive
         // until this borrow ends.
         let whole = unsafe { std::slice::from_raw_parts(send as *const u8, slen) };
-        run(st, deadline, call, req, algo, tune, Some(whole), &mut block)?;
+        run(st, deadline, call, req, algo, tune, Some(whole), block)
+    };
+    if ran.is_ok() {
+        // SAFETY: `recv` is this rank's block of `send`, writable for `rlen` bytes; the
+        // shared view above has ended.
+        unsafe { std::slice::from_raw_parts_mut(recv, rlen) }.copy_from_slice(block);
     }
-    // SAFETY: `recv` is this rank's block of `send`, writable for `rlen` bytes; the shared
-    // view above has ended.
-    unsafe { std::slice::from_raw_parts_mut(recv, rlen) }.copy_from_slice(&block);
-    Ok(())
+    st.in_place_block = kept;
+    ran
 }
 
 impl Communicator {
@@ -529,12 +534,14 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             algos::ring_reduce_scatter(&mut cx, work, send, recv, &bounds, tune.ring_chunk)
         }
         Collective::Allgather => {
-            let send = send.ok_or_else(|| invalid("allgather cannot run in place"))?;
+            // In place (`send` None, see `run_in_place_block`) this rank's block of `recv`
+            // is its input, read where it lies.
             if let Some(one_host) = &mut on_one_host {
                 return one_host.allgather(&host_call, send, recv);
             }
-            let bounds: Vec<usize> = (0..=world).map(|i| i * send.len()).collect();
-            algos::ring_allgather(&mut cx, recv, Some(send), &bounds, 0, tune.ring_chunk)
+            let block = recv.len() / world;
+            let bounds: Vec<usize> = (0..=world).map(|i| i * block).collect();
+            algos::ring_allgather(&mut cx, recv, send, &bounds, 0, tune.ring_chunk)
         }
         Collective::Broadcast => {
             if world == 1 {

@@ -116,15 +116,21 @@ impl OneHost {
         })
     }
 
-    /// Allgather among all ranks (all on this host) (see [`pull`] and [`parts`]).
-    pub(crate) fn allgather(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
+    /// Allgather among all ranks (all on this host) (see [`pull`] and [`parts`]). In place
+    /// (`send` None) this rank's block of `recv` is its input, and peers read it there.
+    pub(crate) fn allgather(&mut self, call: &OneHostCall<'_>, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         let st = &mut self.state;
         // What the call moves per rank is the whole output.
         let moved = recv.len();
+        let (mine, peers) = PeerBlocks::around(recv, call.rank, moved / call.world);
+        let (send, own) = match send {
+            Some(send) => (send, Some(mine)),
+            None => (&*mine, None),
+        };
         pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.allgather, &mut st.part_stores.allgather, send, moved, DType::U8, |how, send| match how {
-            How::Pulled(src) => pull::allgather(&cx, &src, send, recv),
-            How::Staged(streaming) => parts::allgather(&cx, send, recv, streaming),
+            How::Pulled(src) => pull::allgather(&cx, &src, send, own, peers),
+            How::Staged(streaming) => parts::allgather(&cx, send, own, peers, streaming),
         })
     }
 
@@ -277,6 +283,34 @@ pub(crate) struct OneHostCall<'a> {
     pub(crate) deadline: Instant,
     /// The communicator's abort flag.
     pub(crate) abort: &'a AtomicBool,
+}
+
+/// An allgather's output split around this rank's block, which the call does not write:
+/// it holds our part already (in place) or the call copies it there once. The peers'
+/// blocks are what the forms fill.
+struct PeerBlocks<'a> {
+    before: &'a mut [u8],
+    after: &'a mut [u8],
+    me: usize,
+    n: usize,
+}
+
+impl<'a> PeerBlocks<'a> {
+    /// `recv` (W blocks of `n` bytes) as our block and the peers'.
+    fn around(recv: &'a mut [u8], me: usize, n: usize) -> (&'a mut [u8], Self) {
+        let (before, rest) = recv.split_at_mut(me * n);
+        let (mine, after) = rest.split_at_mut(n);
+        (mine, PeerBlocks { before, after, me, n })
+    }
+
+    /// Rank `p`'s block (`p` is not us).
+    fn of(&mut self, p: usize) -> &mut [u8] {
+        debug_assert_ne!(p, self.me);
+        match p < self.me {
+            true => &mut self.before[p * self.n..][..self.n],
+            false => &mut self.after[(p - self.me - 1) * self.n..][..self.n],
+        }
+    }
 }
 
 /// Waits shorter than this do not look for a dead peer in /proc (see `check_peer`).

@@ -20,7 +20,7 @@
 //! plain copies into staging ran at a third of the speed).
 
 use super::staged::{copy_for_peers, copy_out, streams_out};
-use super::{ShmCtx, BLOCK};
+use super::{PeerBlocks, ShmCtx, BLOCK};
 use crate::collective::reduce::reduce_all_from;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
@@ -141,23 +141,24 @@ pub(super) fn reduce(cx: &ShmCtx<'_>, buf: &mut [u8], root: usize, dtype: DType,
     by_segments(cx, buf.len(), seg, &mut [&mut stage, &mut reduce_mine, &mut gather])
 }
 
-/// Allgather: every rank's `send` lands, in rank order, in every rank's `recv`.
-pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming: bool) -> Result<()> {
+/// Allgather: every rank's `send` lands, in rank order, in every rank's output (ours in
+/// `own`, unless in place: `own` None, `send` is our block of the output).
+pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], mut own: Option<&mut [u8]>, mut peers: PeerBlocks<'_>, streaming: bool) -> Result<()> {
     let (w, me, n) = (cx.world, cx.rank, send.len());
-    debug_assert_eq!(recv.len(), n * w);
-    let stream_out = streams_out(send.len() + recv.len());
-    let (before, rest) = recv.split_at_mut(me * n);
-    let (mine, after) = rest.split_at_mut(n);
+    let stream_out = streams_out(n * w + own.as_ref().map_or(0, |_| n));
     let mut stage = |off: usize, len: usize| {
-        // Our part goes into our staging area and into its place in `recv` block by block,
-        // read from `send` once: the second copy finds the block in cache.
+        // Our part goes into our staging area and, unless in place, into its place in the
+        // output block by block, read from `send` once: the second copy finds the block
+        // in cache.
         for b in (off..off + len).step_by(BLOCK) {
             let block = &send[b..(b + BLOCK).min(off + len)];
             // SAFETY: inside our own staging area (`len` <= the staged area); peers read
             // it only after the barrier that follows, and have stopped reading the segment
             // before (they passed the barrier that ended it).
             unsafe { copy_for_peers(cx.ctl.stage(me).add(b - off), block, streaming) };
-            copy_out(&mut mine[b..][..block.len()], block, stream_out);
+            if let Some(own) = own.as_deref_mut() {
+                copy_out(&mut own[b..][..block.len()], block, stream_out);
+            }
         }
     };
     let mut take = |off: usize, len: usize| {
@@ -165,8 +166,7 @@ pub(super) fn allgather(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming
             // SAFETY: p's staging area holds this segment of its part (first barrier) and
             // is not rewritten before the segment's last barrier.
             let theirs = unsafe { std::slice::from_raw_parts(cx.ctl.stage(p), len) };
-            let dst = if p < me { &mut before[p * n..] } else { &mut after[(p - me - 1) * n..] };
-            copy_out(&mut dst[off..][..len], theirs, stream_out);
+            copy_out(&mut peers.of(p)[off..][..len], theirs, stream_out);
         }
     };
     // One part per rank and segment: the whole staged area serves ours.

@@ -22,7 +22,7 @@
 
 use super::peer_buffers::{attach_error, reduce_staged_ends, PEER_BLOCK};
 use super::staged::{copy_out, streams_out};
-use super::ShmCtx;
+use super::{PeerBlocks, ShmCtx};
 use crate::collective::reduce::{reduce_all, reduce_all_from};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -196,12 +196,16 @@ fn abandon(cx: &ShmCtx<'_>, e: Error) -> Error {
     e
 }
 
-/// Allgather: every peer's `send` (n bytes) into its part of `recv`.
-pub(super) fn allgather(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], recv: &mut [u8]) -> Result<()> {
-    let (n, streaming) = (send.len(), streams_out(send.len() + recv.len()));
-    copy_out(&mut recv[cx.rank * n..][..n], send, streaming);
+/// Allgather: every peer's `send` (n bytes) into its block of the output, and ours into
+/// `own` unless in place (`own` None: `send` is our block of the output).
+pub(super) fn allgather(cx: &ShmCtx<'_>, src: &Sources<'_>, send: &[u8], own: Option<&mut [u8]>, mut peers: PeerBlocks<'_>) -> Result<()> {
+    let n = send.len();
+    let streaming = streams_out(n * cx.world + own.as_ref().map_or(0, |_| n));
+    if let Some(own) = own {
+        copy_out(own, send, streaming);
+    }
     for p in peers_from_next(cx) {
-        src.read(cx, p, 0, &mut recv[p * n..][..n], streaming)?;
+        src.read(cx, p, 0, peers.of(p), streaming)?;
     }
     finish(cx)
 }
