@@ -21,13 +21,16 @@ Rank 0 writes a CSV with exactly gradwire's columns:
   reduce          dist.reduce to rank 0, in place;      busbw = algbw
   alltoall        dist.all_to_all_single; size = one rank's whole input,
                   size/4/W elements to each peer;       busbw = algbw * (W-1)/W
+--in-place: allgather and reduce_scatter in NCCL's in-place layout, as FSDP gathers
+parameters and Megatron's distributed optimizer reduce-scatters gradients: the input
+is the output's own block (allgather), the output the input's own block (reduce_scatter).
 
 Method, identical to mpi_collectives.c: WARMUP untimed calls,
 barrier, ITERS timed calls; per-rank mean = elapsed / ITERS; time_us = max over ranks of
 the mean.  Data: integer-valued floats from the hash of (rank, global index mod 1000003)
 shared with mpi_collectives.c, exact in float32 for any summation order.  The
 out-of-place collectives and broadcast are checked on the last timed call's result; the
-in-place reductions (allreduce, reduce) are timed on zeros and checked on one more,
+in-place reductions (allreduce, reduce, reduce_scatter --in-place) are timed on zeros and checked on one more,
 untimed call on fresh data.  Every rank computes its expectation independently; `wrong`
 = differing elements summed over ranks.
 
@@ -98,6 +101,8 @@ def main(backend: str = "gloo", prog: str = "gloo_collectives") -> int:
     ap.add_argument("--csv", default=None, help="CSV output file (rank 0); default stdout")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads per rank (default 1)")
+    ap.add_argument("--in-place", action="store_true",
+                    help="allgather / reduce_scatter in NCCL's in-place layout (see above)")
     ap.add_argument("--selftest-corrupt", action="store_true",
                     help="perturb one element on rank 0 before checking (wrong must be 1)")
     args = ap.parse_args()
@@ -109,10 +114,12 @@ def main(backend: str = "gloo", prog: str = "gloo_collectives") -> int:
     minb, maxb, factor = parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor
     if factor < 2 or minb < 4 or maxb < minb or args.iters < 1 or args.warmup < 0:
         ap.error("bad size range / iteration counts")
+    if args.in_place and args.coll not in ("allgather", "reduce_scatter"):
+        ap.error("--in-place is for allgather and reduce_scatter")
 
     dist.init_process_group(backend, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
-    coll = args.coll
+    coll, in_place = args.coll, args.in_place
     blocked = coll in BLOCKED
     busf = busbw_factor(coll, world)
 
@@ -162,7 +169,7 @@ def main(backend: str = "gloo", prog: str = "gloo_collectives") -> int:
         out = open(args.csv, "w") if args.csv else sys.stdout
         out.write("size_bytes,count,type,redop,time_us,algbw_gbs,busbw_gbs,wrong\n")
         out.flush()
-        print(f"# {prog} {coll}: backend {backend}, W={world} iters={args.iters} "
+        print(f"# {prog} {coll}{' in place' if in_place else ''}: backend {backend}, W={world} iters={args.iters} "
               f"warmup={args.warmup} busbw factor {busf:.3f} torch={torch.__version__}",
               file=sys.stderr)
 
@@ -179,9 +186,11 @@ def main(backend: str = "gloo", prog: str = "gloo_collectives") -> int:
         if coll in ("allreduce", "reduce", "broadcast"):
             s, r = None, recv[:count]
         elif coll == "reduce_scatter":
-            s, r = send[:count * world], recv[:count]
+            s = send[:count * world]
+            r = s[rank * count:(rank + 1) * count] if in_place else recv[:count]
         elif coll == "allgather":
-            s, r = send[:count], recv[:count * world]
+            r = recv[:count * world]
+            s = r[rank * count:(rank + 1) * count] if in_place else send[:count]
         else:
             s, r = send[:count * world], recv[:count * world]
 
@@ -191,8 +200,10 @@ def main(backend: str = "gloo", prog: str = "gloo_collectives") -> int:
         elif coll == "broadcast":
             fill_range(r, mine, 0)  # non-roots start with their own data
         elif coll == "allgather":
-            fill_range(s, mine, rank * count)
             r.zero_()
+            fill_range(s, mine, rank * count)  # after: in place, s is r's own block
+        elif coll == "reduce_scatter" and in_place:
+            s.zero_()  # each call reduces into the input's own block: timed on zeros
         else:
             fill_range(s, mine, 0)
             r.zero_()
@@ -209,6 +220,9 @@ def main(backend: str = "gloo", prog: str = "gloo_collectives") -> int:
 
         if coll in ("allreduce", "reduce"):  # in place: fresh data, one untimed call
             fill_range(r, mine, 0)
+            once(s, r)
+        elif coll == "reduce_scatter" and in_place:
+            fill_range(s, mine, 0)
             once(s, r)
         if coll == "reduce" and rank != 0:
             got = r[:0]
