@@ -401,7 +401,7 @@ fn shm_private_buffers_attached_or_staged_all_match() {
 /// buffer), over shm (staged only, and with cross-memory attach, which rank 0's chooser
 /// tries from a size's third call) and tcp at 3 ranks, 6 calls per size, against sums
 /// computed independently on fresh random integers; the reduce-scatter leaves the other
-/// blocks as they were, and the allgather writes only the peers' blocks.
+/// blocks as they were, and the allgather fills every peer's block (NaN before the call).
 #[test]
 fn in_place_allgather_and_reduce_scatter_match() {
     use rand::{Rng, SeedableRng};

@@ -142,6 +142,10 @@ def main(backend: str = "gloo", prog: str = "gloo_collectives") -> int:
     probe_out = torch.zeros(world if coll in ("allgather", "alltoall") else 1)
     if coll in ("allreduce", "broadcast", "reduce"):
         probe_in = probe_out
+    elif in_place and coll == "allgather":
+        probe_in = probe_out[rank:rank + 1]  # a backend without the in-place layout says so here
+    elif in_place:
+        probe_out = probe_in[rank:rank + 1]
     try:
         once(probe_in, probe_out)
     except (RuntimeError, NotImplementedError, AttributeError, ValueError, TypeError) as e:

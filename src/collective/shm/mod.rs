@@ -298,6 +298,7 @@ struct PeerBlocks<'a> {
 impl<'a> PeerBlocks<'a> {
     /// `recv` (W blocks of `n` bytes) as our block and the peers'.
     fn around(recv: &'a mut [u8], me: usize, n: usize) -> (&'a mut [u8], Self) {
+        debug_assert!(n == 0 || recv.len() % n == 0 && me < recv.len() / n);
         let (before, rest) = recv.split_at_mut(me * n);
         let (mine, after) = rest.split_at_mut(n);
         (mine, PeerBlocks { before, after, me, n })
