@@ -78,6 +78,17 @@ impl CaseBuffer {
     }
 }
 
+/// Where a reduce-scatter's or an allgather's output lies against its input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Separate buffers.
+    Apart,
+    /// NCCL's in-place layout: the allgather's input is this rank's block of its output,
+    /// the reduce-scatter's output this rank's block of its input (how FSDP gathers and
+    /// Megatron's distributed optimizer reduce-scatters). Other collectives ignore it.
+    InPlace,
+}
+
 /// Runs one collective on fresh inputs of `case` and returns how many output elements
 /// differ from the independent reference; describes failures in `failures`.
 #[allow(clippy::too_many_arguments)]
@@ -86,6 +97,7 @@ pub fn run_case(
     seed: u64,
     case: u64,
     req: Request,
+    layout: Layout,
     hier: Option<(&Hierarchy, HierarchicalAlgo)>,
     buffers: Buffers,
     label: &str,
@@ -158,6 +170,40 @@ pub fn run_case(
                 off += m;
             }
             wrong
+        }
+        Collective::ReduceScatter if layout == Layout::InPlace => {
+            let inputs: Vec<Vec<f64>> = (0..w).map(|r| Gen::new(seed, r, case, dtype).take(n * w)).collect();
+            let mut whole = CaseBuffer::new(buffers, me, n * w * es, es)?;
+            encode(dtype, &inputs[me], whole.bytes());
+            whole.register()?;
+            let buf = whole.bytes();
+            // SAFETY: `buf` is borrowed for the whole call; the output is its block `me`.
+            unsafe { comm.run(req, buf.as_ptr(), buf.as_mut_ptr().add(me * n * es)) }?;
+            let got = decode(dtype, buf);
+            // The other blocks stay as they were (compared as decoded: NaN is never equal).
+            let kept = got.iter().zip(&inputs[me]).enumerate().filter(|&(i, (g, v))| i / n.max(1) != me && g.to_bits() != v.to_bits()).count();
+            if kept > 0 {
+                failures.push(format!("rank {me}: {label}: {kept} elements outside this rank's block changed"));
+            }
+            if dtype == DType::I64 {
+                return Ok(kept + int64_wrong(&buf[me * n * es..(me + 1) * n * es], (me * n..(me + 1) * n).map(|i| int64_reference(redop, &inputs, i))));
+            }
+            let want: Vec<(f64, f64)> = (me * n..(me + 1) * n).map(|i| reference(&inputs, i)).collect();
+            kept + count_wrong(&got[me * n..(me + 1) * n], &want)
+        }
+        Collective::Allgather if layout == Layout::InPlace => {
+            let inputs: Vec<Vec<f64>> = (0..w).map(|r| Gen::new(seed, r, case, dtype).take(n)).collect();
+            let mut whole = CaseBuffer::new(buffers, me, n * w * es, es)?;
+            // The peers' blocks start as this rank's input: every one must be overwritten.
+            for block in whole.bytes().chunks_mut((n * es).max(1)) {
+                encode(dtype, &inputs[me], block);
+            }
+            whole.register()?;
+            let buf = whole.bytes();
+            // SAFETY: `buf` is borrowed for the whole call; the input is its block `me`.
+            unsafe { comm.run(req, buf.as_ptr().add(me * n * es), buf.as_mut_ptr()) }?;
+            let want: Vec<(f64, f64)> = inputs.iter().flatten().map(|&v| (v, 0.0)).collect();
+            count_wrong(&decode(dtype, buf), &want)
         }
         Collective::ReduceScatter => {
             let inputs: Vec<Vec<f64>> = (0..w).map(|r| Gen::new(seed, r, case, dtype).take(n * w)).collect();

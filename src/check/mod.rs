@@ -18,7 +18,7 @@ pub use overlap::overlap;
 pub use token_ring::token_ring;
 
 use crate::{Algo, Collective, Communicator, DType, HierarchicalAlgo, Hierarchy, ReduceOp, Request, Result};
-pub use case::run_case;
+pub use case::{run_case, Layout};
 use p2p::p2p_and_onesided;
 
 /// What `gradwire check` checks.
@@ -166,22 +166,34 @@ pub fn run(comm: &Communicator, args: &CheckArgs) -> Result<bool> {
         }
     }
     let plan: Vec<_> = plan.into_iter().flat_map(|p| hier_algos.iter().map(move |h| (p, *h))).collect();
-    for ((op, dtype, redop, n, algo), hier_algo) in plan {
+    // The collectives that split their buffer also in NCCL's in-place layout.
+    let plan: Vec<_> = plan
+        .into_iter()
+        .flat_map(|(p, h)| {
+            [false, true]
+                .into_iter()
+                .filter(move |&in_place| !in_place || matches!(p.0, Collective::ReduceScatter | Collective::Allgather))
+                .map(move |i| (p, h, i))
+        })
+        .collect();
+    for ((op, dtype, redop, n, algo), hier_algo, in_place) in plan {
         cases += 1;
         let case = cases;
         let failures_before = failures.len();
         let root = (case as usize) % w;
         let req = Request { root, algo, ..Request::new(op, dtype, redop, n) };
         let label = format!(
-            "{} {} {} n={n}{}{}",
+            "{} {} {} n={n}{}{}{}",
             op.name(),
             dtype.name(),
             redop.name(),
             algo.map(|a| format!(" algo={a:?}")).unwrap_or_default(),
-            if matches!(op, Collective::Broadcast | Collective::Reduce) { format!(" root={root}") } else { String::new() }
+            if matches!(op, Collective::Broadcast | Collective::Reduce) { format!(" root={root}") } else { String::new() },
+            if in_place { " in place" } else { "" }
         );
         let hier = hierarchy.as_ref().zip(hier_algo);
-        let wrong = run_case(comm, seed, case, req, hier, args.buffers, &label, &mut failures)?;
+        let layout = if in_place { Layout::InPlace } else { Layout::Apart };
+        let wrong = run_case(comm, seed, case, req, layout, hier, args.buffers, &label, &mut failures)?;
         if wrong > 0 {
             failures.push(format!("rank {me}: {label}: {wrong} wrong elements"));
         } else if args.verbose && me == 0 {

@@ -145,12 +145,12 @@ pub(crate) fn in_place_block(op: Collective, send: *const u8, recv: *mut u8, sle
         }
 }
 
-/// Runs an in-place allgather or reduce-scatter (NCCL's layouts) so that no two views of
-/// the same bytes are alive. The allgather runs on the whole buffer with no separate
-/// input: every form reads this rank's block where it lies and writes only the others
-/// (FSDP and ZeRO gather parameters this way; through a copy of the block in a fresh
-/// buffer it took 1.3-2.8x the out-of-place time, 2 ranks, 1-64 MiB). The reduce-scatter
-/// reduces into a block kept between calls and copies it into place once the call is done.
+/// Runs an in-place allgather or reduce-scatter (NCCL's layouts) on the whole buffer with
+/// no separate input, so that no two views of the same bytes are alive. The allgather's
+/// forms read this rank's block where it lies and write only the others (FSDP and ZeRO
+/// gather parameters this way); the reduce-scatter's reduce into it (Megatron's
+/// distributed optimizer reduce-scatters this way). Through a copy of the block in a fresh
+/// buffer they took 1.3-2.8x the out-of-place time (2 ranks, 1-64 MiB).
 ///
 /// # Safety
 /// As for [`Communicator::start`]: `send` readable for `slen` and `recv` writable for
@@ -168,28 +168,15 @@ unsafe fn run_in_place_block(
     recv: *mut u8,
     rlen: usize,
 ) -> Result<()> {
-    if req.op == Collective::Allgather {
+    let whole = match req.op {
         // SAFETY: `recv` is writable for `rlen` bytes and holds `send`, this rank's block
         // (the caller's contract): the only view of them.
-        let whole = unsafe { std::slice::from_raw_parts_mut(recv, rlen) };
-        return run(st, deadline, call, req, algo, tune, None, whole);
-    }
-    // Kept between calls: a fresh block per call faulted in every page again.
-    let mut kept = std::mem::take(&mut st.in_place_block);
-    let block = crate::transport::scratch_bytes(&mut kept, rlen);
-    let ran = {
-        // SAFETY: `send` is readable for `slen` bytes; no mutable view of them is alive
-        // until this borrow ends.
-        let whole = unsafe { std::slice::from_raw_parts(send as *const u8, slen) };
-        run(st, deadline, call, req, algo, tune, Some(whole), block)
+        Collective::Allgather => unsafe { std::slice::from_raw_parts_mut(recv, rlen) },
+        // SAFETY: `send` is readable and, as it holds `recv`, writable for `slen` bytes (the
+        // caller's contract): the only view of them.
+        _ => unsafe { std::slice::from_raw_parts_mut(send, slen) },
     };
-    if ran.is_ok() {
-        // SAFETY: `recv` is this rank's block of `send`, writable for `rlen` bytes; the
-        // shared view above has ended.
-        unsafe { std::slice::from_raw_parts_mut(recv, rlen) }.copy_from_slice(block);
-    }
-    st.in_place_block = kept;
-    ran
+    run(st, deadline, call, req, algo, tune, None, whole)
 }
 
 impl Communicator {
@@ -515,23 +502,28 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             exchange::alltoall_over_links(cx.links, &call, send, recv, &bounds, &bounds, rank, deadline)
         }
         Collective::ReduceScatter => {
-            let send = send.ok_or_else(|| invalid("reduce-scatter cannot run in place"))?;
+            // In place (`send` None, see `run_in_place_block`) `recv` is the whole input and
+            // the result goes into this rank's block of it.
             if let Some(one_host) = &mut on_one_host {
                 return one_host.reduce_scatter(&host_call, send, recv, req.dtype, req.redop);
             }
-            if world == 1 {
-                recv.copy_from_slice(send);
-                return Ok(());
+            match send {
+                Some(send) if world == 1 => {
+                    recv.copy_from_slice(send);
+                    Ok(())
+                }
+                Some(send) => reduce_scatter_over_links(&mut cx, scratch, send, recv, tune),
+                None if world == 1 => Ok(()),
+                None => {
+                    // Over the links, through a block kept between calls (a fresh one per
+                    // call faulted in every page again), copied into place at the end.
+                    let n = recv.len() / world;
+                    let block = crate::transport::scratch_bytes(&mut st.in_place_block, n);
+                    reduce_scatter_over_links(&mut cx, scratch, recv, block, tune)?;
+                    recv[rank * n..][..n].copy_from_slice(block);
+                    Ok(())
+                }
             }
-            let bounds: Vec<usize> = (0..=world).map(|i| i * recv.len()).collect();
-            let work = crate::transport::scratch_bytes(scratch, send.len());
-            if matches!(req.dtype, DType::F16 | DType::BF16) {
-                work.copy_from_slice(send);
-                algos::direct_reduce_scatter(&mut cx, work, &bounds)?;
-                recv.copy_from_slice(&work[bounds[rank]..bounds[rank + 1]]);
-                return Ok(());
-            }
-            algos::ring_reduce_scatter(&mut cx, work, send, recv, &bounds, tune.ring_chunk)
         }
         Collective::Allgather => {
             // In place (`send` None, see `run_in_place_block`) this rank's block of `recv`
@@ -577,6 +569,21 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
             _ => algos::dissemination_barrier(&mut cx),
         },
     }
+}
+
+/// Reduce-scatter over the links: `send` holds W parts of `recv.len()` bytes. A pipelined
+/// ring, reading `send` where it lies; f16 and bf16 straight to each part's owner, which
+/// rounds once (see `algos::direct_reduce_scatter`).
+fn reduce_scatter_over_links(cx: &mut Ctx<'_>, scratch: &mut Vec<u64>, send: &[u8], recv: &mut [u8], tune: Sizes) -> Result<()> {
+    let bounds: Vec<usize> = (0..=cx.world).map(|i| i * recv.len()).collect();
+    let work = crate::transport::scratch_bytes(scratch, send.len());
+    if matches!(cx.dtype, DType::F16 | DType::BF16) {
+        work.copy_from_slice(send);
+        algos::direct_reduce_scatter(cx, work, &bounds)?;
+        recv.copy_from_slice(&work[bounds[cx.rank]..bounds[cx.rank + 1]]);
+        return Ok(());
+    }
+    algos::ring_reduce_scatter(cx, work, send, recv, &bounds, tune.ring_chunk)
 }
 
 /// How a queued collective is named in messages, e.g. `allreduce(count 1024, float32)`.

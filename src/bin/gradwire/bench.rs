@@ -1,7 +1,7 @@
 //! `gradwire bench`: nccl-tests style tables (size, count, type, redop, time, algbw, busbw,
 //! #wrong), run under `gradwire launch`; CSV and JSON output for scripts.
 
-use gradwire::check::{job_seed, run_bytes, run_case, Buffers};
+use gradwire::check::{job_seed, run_bytes, run_case, Buffers, Layout};
 use gradwire::{Algo, Collective, Communicator, DType, ReduceOp, Region, RegionKind, Registration, Request, Result};
 use std::io::Write;
 use std::time::Instant;
@@ -165,7 +165,7 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<Vec<Row>> {
             let mut failures = vec![];
             let label = format!("bench {} size {size}", a.op.name());
             let hier = hierarchy.as_ref().map(|(h, algo)| (h, *algo));
-            let bad = run_case(comm, seed, 1000 + si as u64, req, hier, a.buffers, &label, &mut failures)?;
+            let bad = run_case(comm, seed, 1000 + si as u64, req, Layout::Apart, hier, a.buffers, &label, &mut failures)?;
             for f in &failures {
                 eprintln!("FAIL {f}");
             }

@@ -104,16 +104,27 @@ impl OneHost {
 
     /// Reduce-scatter among all ranks (all on this host): `send` holds one part of
     /// `recv.len()` bytes per rank; each rank reduces its part out of the peers' buffers
-    /// ([`pull`]) or through the staging areas ([`parts`]).
-    pub(crate) fn reduce_scatter(&mut self, call: &OneHostCall<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    /// ([`pull`]) or through the staging areas ([`parts`]). In place (`send` None) `recv`
+    /// is the whole input, and the result goes into this rank's part of it.
+    pub(crate) fn reduce_scatter(&mut self, call: &OneHostCall<'_>, send: Option<&[u8]>, recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let cx = ShmCtx::new(&self.ctl, self.spin, call);
         let st = &mut self.state;
-        pulled_or_staged(&cx, &mut st.attach, &mut st.part_forms.reduce_scatter, &mut st.part_stores.reduce_scatter, send, send.len(), dtype, |how, send| {
-            match how {
-                How::Pulled(mut src) => pull::reduce_scatter(&cx, &mut src, send, recv, dtype, op),
-                How::Staged(streaming) => parts::reduce_scatter(&cx, send, recv, dtype, op, streaming),
+        let (forms, stores) = (&mut st.part_forms.reduce_scatter, &mut st.part_stores.reduce_scatter);
+        let run = |how: How<'_>, parts: ScatterParts<'_>| match how {
+            How::Pulled(mut src) => pull::reduce_scatter(&cx, &mut src, parts, dtype, op),
+            How::Staged(streaming) => parts::reduce_scatter(&cx, parts, dtype, op, streaming),
+        };
+        match send {
+            Some(send) => {
+                pulled_or_staged(&cx, &mut st.attach, forms, stores, send, send.len(), dtype, |how, send| run(how, ScatterParts::apart(send, recv, call.rank)))
             }
-        })
+            None => {
+                let size = recv.len();
+                pulled_or_staged(&cx, &mut st.attach, forms, stores, Whole(recv), size, dtype, |how, Whole(whole)| {
+                    run(how, ScatterParts::in_place(whole, call.rank, call.world))
+                })
+            }
+        }
     }
 
     /// Allgather among all ranks (all on this host) (see [`pull`] and [`parts`]). In place
@@ -311,6 +322,64 @@ impl<'a> PeerBlocks<'a> {
             true => &mut self.before[p * self.n..][..self.n],
             false => &mut self.after[(p - self.me - 1) * self.n..][..self.n],
         }
+    }
+}
+
+/// A reduce-scatter's input (W parts of `out.len()` bytes) as the peers' parts and ours,
+/// and where the result goes: a separate buffer, or our part itself (in place, where
+/// `own` is None). Peers read the other parts (through the staging areas or where they
+/// lie); only this rank reads and writes its own.
+struct ScatterParts<'a> {
+    peers: PeerParts<'a>,
+    own: Option<&'a [u8]>,
+    out: &'a mut [u8],
+}
+
+/// The peers' parts of a reduce-scatter's input: those before ours and those after.
+#[derive(Clone, Copy)]
+struct PeerParts<'a> {
+    before: &'a [u8],
+    after: &'a [u8],
+    me: usize,
+    n: usize,
+}
+
+impl<'a> ScatterParts<'a> {
+    fn apart(send: &'a [u8], recv: &'a mut [u8], me: usize) -> Self {
+        let n = recv.len();
+        let (before, rest) = send.split_at(me * n);
+        let (own, after) = rest.split_at(n);
+        ScatterParts { peers: PeerParts { before, after, me, n }, own: Some(own), out: recv }
+    }
+
+    fn in_place(whole: &'a mut [u8], me: usize, world: usize) -> Self {
+        let n = whole.len() / world;
+        let (before, rest) = whole.split_at_mut(me * n);
+        let (out, after) = rest.split_at_mut(n);
+        ScatterParts { peers: PeerParts { before, after, me, n }, own: None, out }
+    }
+}
+
+impl<'a> PeerParts<'a> {
+    /// Rank `p`'s part (`p` is not us).
+    fn of(&self, p: usize) -> &'a [u8] {
+        debug_assert_ne!(p, self.me);
+        match p < self.me {
+            true => &self.before[p * self.n..][..self.n],
+            false => &self.after[(p - self.me - 1) * self.n..][..self.n],
+        }
+    }
+}
+
+/// A buffer that is a call's input and, in one part, its output (in place): the
+/// agreement on forms reads where it lies, then the form takes it back to write.
+struct Whole<'a>(&'a mut [u8]);
+
+impl Deref for Whole<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.0
     }
 }
 

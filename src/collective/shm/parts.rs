@@ -20,8 +20,8 @@
 //! plain copies into staging ran at a third of the speed).
 
 use super::staged::{copy_for_peers, copy_out, streams_out};
-use super::{PeerBlocks, ShmCtx, BLOCK};
-use crate::collective::reduce::reduce_all_from;
+use super::{PeerBlocks, ScatterParts, ShmCtx, BLOCK};
+use crate::collective::reduce::{reduce_all, reduce_all_from};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 use std::sync::atomic::Ordering;
@@ -51,36 +51,39 @@ fn by_segments(cx: &ShmCtx<'_>, n: usize, seg: usize, steps: &mut [&mut dyn FnMu
     }
 }
 
-/// Stages bytes `off..off + len` of every peer's block of `send` (W blocks of `n` bytes)
-/// in that peer's slot of our staging area (slots of `slot` bytes): the first step of a
+/// Stages bytes `off..off + len` of every peer's block of our input (`block(p)`) in that
+/// peer's slot of our staging area (slots of `slot` bytes): the first step of a
 /// reduce-scatter's or an all-to-all's segment.
-fn stage_blocks(cx: &ShmCtx<'_>, send: &[u8], n: usize, slot: usize, off: usize, len: usize, streaming: bool) {
+fn stage_blocks<'s>(cx: &ShmCtx<'_>, block: impl Fn(usize) -> &'s [u8], slot: usize, off: usize, len: usize, streaming: bool) {
     for p in (0..cx.world).filter(|&p| p != cx.rank) {
         // SAFETY: slot p of our own staging area (`len` <= a slot); peers read it only after
         // the barrier that follows, and have stopped reading what the segment before left
         // there (they passed the barrier that ended it).
-        unsafe { copy_for_peers(cx.ctl.stage(cx.rank).add(p * slot), &send[p * n + off..][..len], streaming) };
+        unsafe { copy_for_peers(cx.ctl.stage(cx.rank).add(p * slot), &block(p)[off..][..len], streaming) };
     }
 }
 
-/// Reduce-scatter: `send` holds W parts of `recv.len()` bytes; rank r gets the reduction of
-/// part r of every rank's `send` in `recv`.
-pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp, streaming: bool) -> Result<()> {
-    let (w, me, n) = (cx.world, cx.rank, recv.len());
-    debug_assert_eq!(send.len(), n * w);
+/// Reduce-scatter: rank r gets the reduction of part r of every rank's input in its
+/// output (in place, its own part).
+pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, parts: ScatterParts<'_>, dtype: DType, op: ReduceOp, streaming: bool) -> Result<()> {
+    let (w, me, n) = (cx.world, cx.rank, parts.out.len());
     let slot = cx.slot_len()?;
     let others = || (0..w).filter(move |&p| p != me);
-    let mut stage = |off: usize, len: usize| stage_blocks(cx, send, n, slot, off, len, streaming);
+    let ScatterParts { peers, own, out } = parts;
+    let mut stage = |off: usize, len: usize| stage_blocks(cx, |p| peers.of(p), slot, off, len, streaming);
     let mut take = |off: usize, len: usize| {
-        let mine = &mut recv[off..off + len];
+        let mine = &mut out[off..off + len];
         for b in (0..len).step_by(BLOCK) {
             let e = (b + BLOCK).min(len);
             // SAFETY: slot `me` of every peer's staging area holds this segment of part
             // `me` (first barrier) and is not rewritten before the segment's last barrier.
             let theirs = others().map(|p| unsafe { std::slice::from_raw_parts(cx.ctl.stage(p).add(me * slot + b), e - b) });
-            // Our part is the first operand, read where it lies (copying it into the output
-            // first was a pass more over memory).
-            reduce_all_from(dtype, op, w, &mut mine[b..e], &send[me * n + off + b..][..e - b], theirs);
+            match own {
+                // Our part is the first operand, read where it lies (copying it into the
+                // output first was a pass more over memory).
+                Some(own) => reduce_all_from(dtype, op, w, &mut mine[b..e], &own[off + b..][..e - b], theirs),
+                None => reduce_all(dtype, op, w, &mut mine[b..e], theirs),
+            }
         }
     };
     by_segments(cx, n, slot, &mut [&mut stage, &mut take])
@@ -182,7 +185,7 @@ pub(super) fn alltoall(cx: &ShmCtx<'_>, send: &[u8], recv: &mut [u8], streaming:
     copy_out(&mut recv[me * n..][..n], &send[me * n..][..n], stream_out);
     let slot = cx.slot_len()?;
     let others = || (0..w).filter(move |&p| p != me);
-    let mut stage = |off: usize, len: usize| stage_blocks(cx, send, n, slot, off, len, streaming);
+    let mut stage = |off: usize, len: usize| stage_blocks(cx, |p| &send[p * n..][..n], slot, off, len, streaming);
     let mut take = |off: usize, len: usize| {
         for p in others() {
             // SAFETY: slot `me` of p's staging area holds this segment of p's block for us

@@ -22,7 +22,7 @@
 
 use super::peer_buffers::{attach_error, reduce_staged_ends, PEER_BLOCK};
 use super::staged::{copy_out, streams_out};
-use super::{PeerBlocks, ShmCtx};
+use super::{PeerBlocks, ScatterParts, ShmCtx};
 use crate::collective::reduce::{reduce_all, reduce_all_from};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -258,19 +258,22 @@ fn root_share(len: usize, w: usize, writable: Range<usize>) -> Range<usize> {
     start.min(end)..end
 }
 
-/// Reduce-scatter: part `me` of every peer's `send` reduced into `recv`, block by block
-/// (each block of every peer read in place where mapped, else fetched into the scratch).
-pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, src: &mut Sources<'_>, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let (w, me, n) = (cx.world, cx.rank, recv.len());
+/// Reduce-scatter: part `me` of every peer's input reduced with ours into the output
+/// (ours, in place), block by block (each block of every peer read in place where
+/// mapped, else fetched into the scratch).
+pub(super) fn reduce_scatter(cx: &ShmCtx<'_>, src: &mut Sources<'_>, parts: ScatterParts<'_>, dtype: DType, op: ReduceOp) -> Result<()> {
+    let (w, me, n) = (cx.world, cx.rank, parts.out.len());
+    let (own, out) = (parts.own, parts.out);
     let mut scratch = std::mem::take(src.scratch);
     for b in (0..n).step_by(PEER_BLOCK) {
         let len = PEER_BLOCK.min(n - b);
         match src.peer_blocks(cx, me * n + b, len, crate::transport::scratch_bytes(&mut scratch, (w - 1) * PEER_BLOCK)) {
-            Ok(theirs) => {
+            Ok(theirs) => match own {
                 // Our part is the first operand, read where it lies: copying it into the
                 // output first was a pass more over memory.
-                reduce_all_from(dtype, op, w, &mut recv[b..b + len], &send[me * n + b..][..len], theirs)
-            }
+                Some(own) => reduce_all_from(dtype, op, w, &mut out[b..b + len], &own[b..b + len], theirs),
+                None => reduce_all(dtype, op, w, &mut out[b..b + len], theirs),
+            },
             Err(e) => {
                 *src.scratch = scratch;
                 return Err(e);
