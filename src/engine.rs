@@ -35,8 +35,8 @@ pub struct EngineState {
     /// copy of its send buffer): a fresh one per call of 64 MiB faulted in every page
     /// again, which halved that reduce-scatter's rate across namespaces at 10 Gbit/s.
     pub scratch: Vec<u64>,
-    /// The reduced block of an in-place reduce-scatter, kept between operations as
-    /// `scratch` is (see `collective::run_in_place_block`).
+    /// The reduced block of an in-place reduce-scatter over the links, kept between
+    /// operations as `scratch` is (copied into place at the end).
     pub in_place_block: Vec<u64>,
     failed: Option<String>,
     /// Collectives executed so far: the sequence number in every message header.

@@ -1,7 +1,7 @@
 //! One case of the check: a collective on fresh random data against the reference.
 
 use super::reference::{count_wrong, decode, encode, fingerprint, int64_reference, int64_wrong, reference, reference_rounded_once, round_to, within};
-use super::{run_bytes, Buffers};
+use super::{run_bytes, Buffers, Layout};
 use crate::{Algo, Collective, Communicator, DType, HierarchicalAlgo, Hierarchy, ReduceOp, Request, Result};
 use rand::{Rng, SeedableRng};
 
@@ -76,17 +76,6 @@ impl CaseBuffer {
         }
         Ok(())
     }
-}
-
-/// Where a reduce-scatter's or an allgather's output lies against its input.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Layout {
-    /// Separate buffers.
-    Apart,
-    /// NCCL's in-place layout: the allgather's input is this rank's block of its output,
-    /// the reduce-scatter's output this rank's block of its input (how FSDP gathers and
-    /// Megatron's distributed optimizer reduce-scatters). Other collectives ignore it.
-    InPlace,
 }
 
 /// Runs one collective on fresh inputs of `case` and returns how many output elements
@@ -177,10 +166,12 @@ pub fn run_case(
             encode(dtype, &inputs[me], whole.bytes());
             whole.register()?;
             let buf = whole.bytes();
-            // SAFETY: `buf` is borrowed for the whole call; the output is its block `me`.
-            unsafe { comm.run(req, buf.as_ptr(), buf.as_mut_ptr().add(me * n * es)) }?;
+            let p = buf.as_mut_ptr();
+            // SAFETY: `buf` is borrowed (mutably: the result is reduced into it) for the whole
+            // call; the output is its block `me`.
+            unsafe { comm.run(req, p, p.add(me * n * es)) }?;
             let got = decode(dtype, buf);
-            // The other blocks stay as they were (compared as decoded: NaN is never equal).
+            // The other blocks stay as they were (compared bit for bit as decoded).
             let kept = got.iter().zip(&inputs[me]).enumerate().filter(|&(i, (g, v))| i / n.max(1) != me && g.to_bits() != v.to_bits()).count();
             if kept > 0 {
                 failures.push(format!("rank {me}: {label}: {kept} elements outside this rank's block changed"));
@@ -200,8 +191,9 @@ pub fn run_case(
             }
             whole.register()?;
             let buf = whole.bytes();
-            // SAFETY: `buf` is borrowed for the whole call; the input is its block `me`.
-            unsafe { comm.run(req, buf.as_ptr().add(me * n * es), buf.as_mut_ptr()) }?;
+            let p = buf.as_mut_ptr();
+            // SAFETY: `buf` is borrowed mutably for the whole call; the input is its block `me`.
+            unsafe { comm.run(req, p.add(me * n * es), p) }?;
             let want: Vec<(f64, f64)> = inputs.iter().flatten().map(|&v| (v, 0.0)).collect();
             count_wrong(&decode(dtype, buf), &want)
         }

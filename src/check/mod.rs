@@ -18,7 +18,7 @@ pub use overlap::overlap;
 pub use token_ring::token_ring;
 
 use crate::{Algo, Collective, Communicator, DType, HierarchicalAlgo, Hierarchy, ReduceOp, Request, Result};
-pub use case::{run_case, Layout};
+pub use case::run_case;
 use p2p::p2p_and_onesided;
 
 /// What `gradwire check` checks.
@@ -55,6 +55,17 @@ pub enum Buffers {
     /// Private memory registered in place (`gradwire_register`), starting inside a page as
     /// `malloc`'s does: 64 bytes in for a bench, a different offset per rank for a check.
     Registered,
+}
+
+/// Where a reduce-scatter's or an allgather's output lies against its input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Separate buffers.
+    Apart,
+    /// NCCL's in-place layout: the allgather's input is this rank's block of its output,
+    /// the reduce-scatter's output this rank's block of its input (how FSDP gathers and
+    /// Megatron's distributed optimizer reduce-scatters). Other collectives ignore it.
+    InPlace,
 }
 
 impl Buffers {

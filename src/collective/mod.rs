@@ -149,8 +149,10 @@ pub(crate) fn in_place_block(op: Collective, send: *const u8, recv: *mut u8, sle
 /// no separate input, so that no two views of the same bytes are alive. The allgather's
 /// forms read this rank's block where it lies and write only the others (FSDP and ZeRO
 /// gather parameters this way); the reduce-scatter's reduce into it (Megatron's
-/// distributed optimizer reduce-scatters this way). Through a copy of the block in a fresh
-/// buffer they took 1.3-2.8x the out-of-place time (2 ranks, 1-64 MiB).
+/// distributed optimizer reduce-scatters this way; on one host in place, over the links
+/// through a block kept between calls). Through a copy of the block in a fresh buffer they
+/// took 1.3-2.8x the out-of-place time (2 ranks, 1-64 MiB). A call that fails may leave
+/// the reduce-scatter's block partly reduced, as an out-of-place one leaves its output.
 ///
 /// # Safety
 /// As for [`Communicator::start`]: `send` readable for `slen` and `recv` writable for
@@ -172,9 +174,10 @@ unsafe fn run_in_place_block(
         // SAFETY: `recv` is writable for `rlen` bytes and holds `send`, this rank's block
         // (the caller's contract): the only view of them.
         Collective::Allgather => unsafe { std::slice::from_raw_parts_mut(recv, rlen) },
-        // SAFETY: `send` is readable and, as it holds `recv`, writable for `slen` bytes (the
-        // caller's contract): the only view of them.
-        _ => unsafe { std::slice::from_raw_parts_mut(send, slen) },
+        // SAFETY: `send` is readable and writable for `slen` bytes (the caller's contract
+        // for an in-place reduce-scatter, see `start`) and holds `recv`: the only view.
+        Collective::ReduceScatter => unsafe { std::slice::from_raw_parts_mut(send, slen) },
+        op => unreachable!("in_place_block admits allgather and reduce-scatter only, not {}", op.name()),
     };
     run(st, deadline, call, req, algo, tune, None, whole)
 }
@@ -189,7 +192,8 @@ impl Communicator {
     /// where it lies, as the call runs), until the returned `Work` has completed. `send`
     /// may equal `recv` (in place) for allreduce, broadcast and reduce; in place as NCCL
     /// defines it, an allgather's `send` may be this rank's block of `recv` and a
-    /// reduce-scatter's `recv` this rank's block of `send`.
+    /// reduce-scatter's `recv` this rank's block of `send` (then `send` must be writable
+    /// too, a pointer that may write the whole buffer: the result is reduced into it).
     pub unsafe fn start(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<Work> {
         let job = self.job(req, send, recv)?;
         Ok(self.submit(describe(&req), job))

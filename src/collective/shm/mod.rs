@@ -120,7 +120,8 @@ impl OneHost {
             }
             None => {
                 let size = recv.len();
-                pulled_or_staged(&cx, &mut st.attach, forms, stores, Whole(recv), size, dtype, |how, Whole(whole)| {
+                // The agreement reads the whole input where it lies; the form then writes our part.
+                pulled_or_staged(&cx, &mut st.attach, forms, stores, recv, size, dtype, |how, whole| {
                     run(how, ScatterParts::in_place(whole, call.rank, call.world))
                 })
             }
@@ -214,8 +215,8 @@ enum How<'s> {
 }
 
 /// Runs a one-host collective other than the allreduce that moves `size` bytes per rank,
-/// `buf` being this rank's send buffer (handed on to `run`: a broadcast or reduce then
-/// writes it).
+/// `buf` being this rank's send buffer (handed on to `run`: a broadcast, a reduce or an
+/// in-place reduce-scatter then writes it).
 /// From [`LARGE_MIN`] bytes the ranks agree on how they reach each other's `buf`
 /// ([`agree_on_form`]): mapped where all come from `gradwire_alloc` or are registered in
 /// place; else, for private buffers, through cross-memory attach where rank 0's `forms`
@@ -347,6 +348,7 @@ struct PeerParts<'a> {
 impl<'a> ScatterParts<'a> {
     fn apart(send: &'a [u8], recv: &'a mut [u8], me: usize) -> Self {
         let n = recv.len();
+        debug_assert!(send.len() % n.max(1) == 0 && me < send.len() / n.max(1));
         let (before, rest) = send.split_at(me * n);
         let (own, after) = rest.split_at(n);
         ScatterParts { peers: PeerParts { before, after, me, n }, own: Some(own), out: recv }
@@ -368,18 +370,6 @@ impl<'a> PeerParts<'a> {
             true => &self.before[p * self.n..][..self.n],
             false => &self.after[(p - self.me - 1) * self.n..][..self.n],
         }
-    }
-}
-
-/// A buffer that is a call's input and, in one part, its output (in place): the
-/// agreement on forms reads where it lies, then the form takes it back to write.
-struct Whole<'a>(&'a mut [u8]);
-
-impl Deref for Whole<'_> {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        self.0
     }
 }
 
