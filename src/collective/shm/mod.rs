@@ -348,7 +348,7 @@ struct PeerParts<'a> {
 impl<'a> ScatterParts<'a> {
     fn apart(send: &'a [u8], recv: &'a mut [u8], me: usize) -> Self {
         let n = recv.len();
-        debug_assert!(send.len() % n.max(1) == 0 && me < send.len() / n.max(1));
+        debug_assert!(n == 0 || send.len() % n == 0 && me < send.len() / n);
         let (before, rest) = send.split_at(me * n);
         let (own, after) = rest.split_at(n);
         ScatterParts { peers: PeerParts { before, after, me, n }, own: Some(own), out: recv }
