@@ -10,32 +10,46 @@
 //! Inside a node the groups use shared memory; between nodes tcp (verbs later). GPU
 //! buffers take the same path with NCCL as the node-local step (see `gpu`).
 
+use super::agree::agree_on;
+use super::algos::Ctx;
 use super::reduce::finish;
 use super::Request;
 use crate::collective::Collective;
 use crate::comm::Communicator;
 use crate::dtype::{DType, Element, ReduceOp};
+use crate::engine::EngineState;
 use crate::error::{config, invalid, Result};
+use crate::transport::frame::{CallHeader, OpKind};
+use std::time::Instant;
 
 /// How the cross-node step is organised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HierarchicalAlgo {
     /// Reduce-scatter in the node, one cross-node allreduce per shard, allgather in the node:
     /// every rank's link carries 1/G of the cross-node traffic (`sharded`, the default).
-    Sharded,
+    Sharded = 0,
     /// Reduce to local rank 0, allreduce among those leaders, broadcast in the node: fewer,
     /// larger cross-node messages (`leader`).
-    Leader,
+    Leader = 1,
+}
+
+impl HierarchicalAlgo {
+    /// Both, in the order of their codes (`as u64`).
+    const ALL: [HierarchicalAlgo; 2] = [HierarchicalAlgo::Sharded, HierarchicalAlgo::Leader];
+
+    /// Its name in messages and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sharded => "sharded",
+            Self::Leader => "leader",
+        }
+    }
 }
 
 impl std::str::FromStr for HierarchicalAlgo {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "sharded" => Ok(Self::Sharded),
-            "leader" => Ok(Self::Leader),
-            _ => Err(format!("unknown hierarchical algorithm {s:?} (sharded or leader)")),
-        }
+        Self::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| format!("unknown hierarchical algorithm {s:?} (sharded or leader)"))
     }
 }
 
@@ -59,6 +73,28 @@ unsafe impl Send for RawAllreduce {}
 impl RawAllreduce {
     fn describe(&self) -> String {
         format!("hierarchical allreduce(count {}, {})", self.count, self.dtype.name())
+    }
+
+    /// Checks, over the links of the communicator the hierarchy was made from (`st`), that
+    /// every rank passed the same count, dtype, reduce op and algorithm; the same mismatch
+    /// error on every rank if not. The steps cannot tell: they carry only the padded shard
+    /// size, so 65536 and 65535 elements on two ranks a node both make shards of 32768,
+    /// and every rank would return success with the last element unreduced on some.
+    fn agree(&self, st: &mut EngineState, deadline: Instant) -> Result<()> {
+        if st.world == 1 {
+            return Ok(());
+        }
+        let call = CallHeader { op: OpKind::Allreduce, dtype: self.dtype, redop: self.op, root: 0, count: self.count as u64, seq: st.next_seq() };
+        let (rank, world) = (st.rank, st.world);
+        let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: self.dtype, op: self.op };
+        let mine = [self.count as u64, self.dtype as u64, self.op as u64, self.algo as u64];
+        let named = |f: &[u64]| {
+            let dtype = DType::from_u8(f[1] as u8).map_or("an unknown dtype", |d| d.name());
+            let op = ReduceOp::from_u8(f[2] as u8).map_or("an unknown op", |o| o.name());
+            let algo = HierarchicalAlgo::ALL.get(f[3] as usize).map_or("an unknown algorithm", |a| a.name());
+            format!("hierarchical allreduce#{}(count {}, {dtype}, {op}, {algo})", call.seq, f[0])
+        };
+        agree_on(&mut cx, &["count", "dtype", "reduce op", "algorithm"], &mine, named)
     }
 }
 
@@ -198,8 +234,9 @@ impl Hierarchy {
         }
         call.op.check(call.dtype)?;
         let me = self.clone();
-        Ok(Box::new(move |_state, _deadline| {
+        Ok(Box::new(move |state, deadline| {
             let call = call;
+            call.agree(state, deadline)?;
             // SAFETY: the contract of `job`, which holds until this job has run.
             unsafe { me.allreduce_raw(call) }
         }))

@@ -1,0 +1,61 @@
+/*
+ * Faults and bad input through the C ABI, for tests/round_three.rs (issue 59):
+ *   round_three hier-mismatch N0 N   under `gradwire launch -n 4`: two "nodes" of two ranks
+ *                                    (GRADWIRE_HOST_ID), rank 0 passes count N0 and the others
+ *                                    N to a sharded hierarchical allreduce; every rank must get
+ *                                    GRADWIRE_ERR_MISMATCH.
+ * Prints "rank R: ok" on success; anything else prints why and exits 1.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "gradwire.h"
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int fail(int rank, const char *what) {
+    fprintf(stderr, "rank %d: %s: %s\n", rank, what, gradwire_last_error());
+    return 1;
+}
+
+static int env_rank(void) {
+    const char *r = getenv("RANK");
+    return r ? atoi(r) : 0;
+}
+
+static int hier_mismatch(size_t n0, size_t n) {
+    int rank = env_rank();
+    /* Two nodes of two ranks: 0, 1 on node0 and 2, 3 on node1. */
+    char host[32];
+    snprintf(host, sizeof host, "node%d", rank / 2);
+    if (setenv("GRADWIRE_HOST_ID", host, 1)) return fail(rank, "setenv");
+    gradwire_comm_t *c = NULL;
+    gradwire_hierarchy_t *h = NULL;
+    if (gradwire_init(&c)) return fail(rank, "gradwire_init");
+    if (gradwire_hierarchy_create(c, &h)) return fail(rank, "gradwire_hierarchy_create");
+    int nodes = 0;
+    if (gradwire_hierarchy_nodes(h, &nodes) || nodes != 2) return fail(rank, "expected 2 nodes");
+    size_t count = rank == 0 ? n0 : n;
+    float *x = malloc(count * sizeof *x);
+    if (!x) return fail(rank, "malloc");
+    for (size_t i = 0; i < count; i++) x[i] = (float)(rank + 1);
+    int rc = gradwire_hierarchical_allreduce(h, x, x, count, GRADWIRE_FLOAT32, GRADWIRE_SUM, GRADWIRE_HIERARCHICAL_SHARDED);
+    if (rc != GRADWIRE_ERR_MISMATCH) {
+        fprintf(stderr, "rank %d: count %zu returned %d, want GRADWIRE_ERR_MISMATCH (%d); last element %g: %s\n", rank, count, rc,
+                GRADWIRE_ERR_MISMATCH, (double)x[count - 1], rc ? gradwire_last_error() : "");
+        return 1;
+    }
+    printf("rank %d: mismatch: %s\n", rank, gradwire_last_error());
+    free(x);
+    gradwire_hierarchy_free(h);
+    gradwire_finalize(c);
+    printf("rank %d: ok\n", rank);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    const char *mode = argc > 1 ? argv[1] : "";
+    if (strcmp(mode, "hier-mismatch") == 0 && argc == 4) return hier_mismatch(strtoull(argv[2], NULL, 10), strtoull(argv[3], NULL, 10));
+    fprintf(stderr, "usage: round_three hier-mismatch N0 N\n");
+    return 2;
+}
