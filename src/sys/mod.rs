@@ -7,3 +7,4 @@ pub(crate) mod cma;
 pub mod cpus;
 pub(crate) mod poll;
 pub(crate) mod proc;
+pub(crate) mod sock;

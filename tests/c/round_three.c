@@ -4,14 +4,21 @@
  *                                    (GRADWIRE_HOST_ID), rank 0 passes count N0 and the others
  *                                    N to a sharded hierarchical allreduce; every rank must get
  *                                    GRADWIRE_ERR_MISMATCH.
+ *   round_three peer-lost            two ranks started directly (RANK etc. set) over tcp, SIGPIPE
+ *                                    at its default disposition: rank 1 SIGKILLs itself in the
+ *                                    middle of a large allreduce; rank 0 must get
+ *                                    GRADWIRE_ERR_PEER_LOST (not die of SIGPIPE).
  * Prints "rank R: ok" on success; anything else prints why and exits 1.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "gradwire.h"
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 static int fail(int rank, const char *what) {
     fprintf(stderr, "rank %d: %s: %s\n", rank, what, gradwire_last_error());
@@ -53,9 +60,45 @@ static int hier_mismatch(size_t n0, size_t n) {
     return 0;
 }
 
+static int peer_lost(void) {
+    int rank = env_rank();
+    /* What a C host gets unless it says otherwise; the test fails if this process dies of it. */
+    signal(SIGPIPE, SIG_DFL);
+    gradwire_comm_t *c = NULL;
+    if (gradwire_init(&c)) return fail(rank, "gradwire_init");
+    size_t count = 4u << 20; /* 16 MiB: many writes in flight when the peer dies */
+    float *x = calloc(count, sizeof *x);
+    if (!x) return fail(rank, "calloc");
+    for (int i = 0;; i++) {
+        if (rank == 1 && i == 3) {
+            /* Die mid-transfer: the survivor is writing when the connection goes. */
+            gradwire_work_t *wk = NULL;
+            if (gradwire_iallreduce(c, x, x, count, GRADWIRE_FLOAT32, GRADWIRE_SUM, &wk)) return fail(rank, "iallreduce");
+            struct timespec ms2 = {0, 2000000};
+            nanosleep(&ms2, NULL);
+            kill(getpid(), SIGKILL);
+        }
+        int rc = gradwire_allreduce(c, x, x, count, GRADWIRE_FLOAT32, GRADWIRE_SUM);
+        if (rc == 0) continue;
+        if (rc != GRADWIRE_ERR_PEER_LOST) {
+            fprintf(stderr, "rank %d: allreduce %d returned %d, want GRADWIRE_ERR_PEER_LOST (%d): %s\n", rank, i, rc, GRADWIRE_ERR_PEER_LOST,
+                    gradwire_last_error());
+            return 1;
+        }
+        printf("rank %d: peer lost: %s\n", rank, gradwire_last_error());
+        break;
+    }
+    /* Whatever gradwire writes to the dead peer while finalizing must not kill us either. */
+    gradwire_finalize(c);
+    free(x);
+    printf("rank %d: ok\n", rank);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "";
     if (strcmp(mode, "hier-mismatch") == 0 && argc == 4) return hier_mismatch(strtoull(argv[2], NULL, 10), strtoull(argv[3], NULL, 10));
-    fprintf(stderr, "usage: round_three hier-mismatch N0 N\n");
+    if (strcmp(mode, "peer-lost") == 0) return peer_lost();
+    fprintf(stderr, "usage: round_three hier-mismatch N0 N | peer-lost\n");
     return 2;
 }

@@ -26,6 +26,7 @@ use verbs::{verbs_setup, NicAtomics};
 use crate::bootstrap::{auth, StoreClient};
 use crate::error::{invalid, Error, Result};
 use crate::mem::Region;
+use crate::sys::sock::NoSigpipe;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -326,9 +327,9 @@ impl Window {
         let sent = if payload.len() <= 4096 {
             let mut msg = req.to_vec();
             msg.extend_from_slice(payload);
-            s.write_all(&msg)
+            NoSigpipe(&*s).write_all(&msg)
         } else {
-            s.write_all(req).and_then(|_| s.write_all(payload))
+            NoSigpipe(&*s).write_all(req).and_then(|_| NoSigpipe(&*s).write_all(payload))
         };
         let r = sent.map_err(Err).and_then(|_| self.reply(&mut s, peer, reply, what));
         if let Err(Err(_)) = &r {
@@ -432,7 +433,7 @@ impl Window {
         let what = "one-sided read";
         let requests: Vec<u8> = reads.iter().flat_map(|(off, buf)| self.with_id(Self::request(OP_READ, *off, buf.len() as u64))).collect();
         let mut s = conn.lock().unwrap_or_else(|p| p.into_inner());
-        s.write_all(&requests).map_err(|e| self.lost(peer, what, e))?;
+        NoSigpipe(&*s).write_all(&requests).map_err(|e| self.lost(peer, what, e))?;
         // Every reply is taken off the connection, even after a refusal, so that it stays
         // in step; the first refusal is the error.
         let mut refused = None;

@@ -6,8 +6,9 @@ use super::{Accumulate, AccumulateError};
 use crate::bootstrap::auth;
 use crate::error::{Error, Result};
 use crate::mem::Region;
+use crate::sys::sock::NoSigpipe;
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -68,11 +69,12 @@ impl RmaService {
 }
 
 /// Writes `head` then `body` with gathered writes: one segment for a small reply, and no
-/// lone one-byte segment in front of a large one.
+/// lone one-byte segment in front of a large one. Never SIGPIPE (a peer that went away is
+/// an error of this connection only).
 fn write_all_vectored(s: &mut TcpStream, mut head: &[u8], mut body: &[u8]) -> std::io::Result<()> {
     use std::io::{IoSlice, Write};
     while !head.is_empty() || !body.is_empty() {
-        let n = s.write_vectored(&[IoSlice::new(head), IoSlice::new(body)])?;
+        let n = NoSigpipe(&*s).write_vectored(&[IoSlice::new(head), IoSlice::new(body)])?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
@@ -119,7 +121,7 @@ fn serve(s: &mut TcpStream, exposed: &Exposed) -> std::io::Result<()> {
                 // here (it exposed the region for exactly this). Straight from the
                 // socket into place: no staging copy, no fresh pages per request.
                 s.read_exact(unsafe { std::slice::from_raw_parts_mut(region.as_ptr().add(off), len) })?;
-                s.write_all(&[1])?;
+                write_all_vectored(s, &[1], &[])?;
             }
             OP_READ => {
                 // SAFETY: bounds checked; reads of exposed memory.
@@ -162,7 +164,7 @@ fn serve(s: &mut TcpStream, exposed: &Exposed) -> std::io::Result<()> {
                 let outcome = acc.accumulate(tag, off, len, &mut recv);
                 s.set_read_timeout(None)?;
                 match outcome {
-                    Ok(()) if received == payload => s.write_all(&[1])?,
+                    Ok(()) if received == payload => write_all_vectored(s, &[1], &[])?,
                     Ok(()) => return Err(bad(format!("accumulate took {received} of its {payload} payload bytes"))),
                     Err(AccumulateError::Refused(why)) => {
                         skip(s, payload - received)?;
@@ -182,6 +184,7 @@ mod tests {
     use super::*;
     use crate::test_support::panics_so_far;
     use proptest::prelude::*;
+    use std::io::Write;
     use std::time::Instant;
 
     /// A request as a peer that proved the job secret might send anything: any op, the

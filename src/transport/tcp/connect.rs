@@ -4,6 +4,7 @@
 use super::link::TcpLink;
 use crate::bootstrap::{auth, StoreClient};
 use crate::error::{Error, Result};
+use crate::sys::sock::NoSigpipe;
 use crate::transport::{Link, LinkTable};
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
@@ -33,8 +34,8 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
             waited_ms: started.elapsed().as_millis() as u64,
         })?;
         let peer_addr = String::from_utf8_lossy(&peer_addr).into_owned();
-        let mut s = auth::dial(&peer_addr, secret, context.as_bytes(), deadline, &format!("rank {p}"))?;
-        s.write_all(&(rank as u32).to_le_bytes()).map_err(|e| Error::io(format!("hello to rank {p}"), e))?;
+        let s = auth::dial(&peer_addr, secret, context.as_bytes(), deadline, &format!("rank {p}"))?;
+        NoSigpipe(&s).write_all(&(rank as u32).to_le_bytes()).map_err(|e| Error::io(format!("hello to rank {p}"), e))?;
         links[p] = Some(finish(s)?);
     }
     let mut expected: Vec<usize> = peers.iter().copied().filter(|&p| p > rank).collect();

@@ -1,5 +1,7 @@
-//! A link to one peer over TCP: a non-blocking stream, vectored writes, Nagle off.
+//! A link to one peer over TCP: a non-blocking stream, vectored writes (never SIGPIPE),
+//! Nagle off.
 
+use crate::sys::sock::NoSigpipe;
 use crate::transport::{Link, Transport};
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -20,7 +22,7 @@ impl Link for TcpLink {
     }
 
     fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
-        match self.stream.write_vectored(bufs) {
+        match NoSigpipe(&self.stream).write_vectored(bufs) {
             Ok(n) => Ok(n),
             Err(e) if would_block(&e) => Ok(0),
             Err(e) => Err(e),
