@@ -61,3 +61,17 @@ fn peer_lost_over_tcp_is_an_error_not_sigpipe() {
         assert!(t.contains("rank 0: peer lost:") && t.contains("rank 1"), "round {round}: {t}");
     }
 }
+
+/// Array counts past PTRDIFF_MAX bytes (wrapping or not) are refused before any slice is
+/// formed, on a communicator of two ranks that keeps working afterwards.
+#[test]
+fn overflowing_array_counts_are_refused() {
+    let exe = program();
+    let mut cmd = Command::new(bin());
+    cmd.args(["launch", "-n", "2", "--"]).arg(&exe).arg("overflow").env("GRADWIRE_TIMEOUT_MS", "30000");
+    let out = run_with_limit(cmd, Duration::from_secs(120));
+    let t = text(&out);
+    println!("{t}");
+    assert!(out.status.success(), "{t}");
+    assert_eq!(t.matches(": ok").count(), 2, "{t}");
+}

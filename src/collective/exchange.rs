@@ -200,6 +200,10 @@ impl Communicator {
             if len > 0 && op.buf.is_null() {
                 return Err(invalid(format!("{what} to/from rank {} in a batch: null buffer", op.peer)));
             }
+            // The overlap check below works on the buffers' ends.
+            if (op.buf as usize).checked_add(len).is_none() {
+                return Err(invalid(format!("{what} to/from rank {} in a batch: {len} bytes at {:p} wrap around the address space", op.peer, op.buf)));
+            }
             lens.push(len);
         }
         // A receive's buffer must overlap no other buffer of the batch (it becomes a `&mut`

@@ -116,11 +116,13 @@ impl Request {
     /// (send bytes, receive bytes) this request reads and writes on a world of `w` ranks.
     pub fn lengths(&self, w: usize) -> Result<(usize, usize)> {
         let b = self.count.checked_mul(self.dtype.size()).ok_or_else(|| invalid(format!("count {} overflows", self.count)))?;
-        let wb = b.checked_mul(w).ok_or_else(|| invalid(format!("count {} x {w} ranks overflows", self.count)))?;
+        // Only the collectives with a block per rank have a buffer of W blocks: an allreduce
+        // of a count whose W-fold overflows is refused for its own size, not for that.
+        let per_rank = matches!(self.op, Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll);
+        let wb = if per_rank { b.checked_mul(w).ok_or_else(|| invalid(format!("count {} x {w} ranks overflows", self.count)))? } else { b };
         // No buffer is larger than isize::MAX bytes: a longer slice is undefined behaviour.
-        let largest = if matches!(self.op, Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll) { wb } else { b };
-        if largest > isize::MAX as usize {
-            return Err(invalid(format!("count {} makes a buffer of {largest} bytes, more than any buffer can hold", self.count)));
+        if wb > isize::MAX as usize {
+            return Err(invalid(format!("count {} makes a buffer of {wb} bytes, more than any buffer can hold", self.count)));
         }
         Ok(match self.op {
             Collective::ReduceScatter => (wb, b),

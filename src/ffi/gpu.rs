@@ -8,7 +8,7 @@ use super::{
 };
 use crate::collective::Collective;
 use crate::error::{invalid, Result};
-use crate::gpu::DeviceComm;
+use crate::gpu::{byte_len, DeviceComm};
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
@@ -145,7 +145,8 @@ pub unsafe extern "C" fn gradwire_gpu_reduce_scatter(
         let w = "gradwire_gpu_reduce_scatter";
         let (g, c) = gpu(gpu_p, w)?;
         let d = dtype(dt, w)?;
-        check_disjoint(Collective::ReduceScatter, c.rank(), sendbuf, recvcount.saturating_mul(c.size()), recvbuf, recvcount, d.size(), w)?;
+        let (part, whole) = (byte_len(recvcount, 1, d, w)?, byte_len(recvcount, c.size(), d, w)?);
+        check_disjoint(Collective::ReduceScatter, c.rank(), sendbuf, whole, recvbuf, part, w)?;
         // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
         unsafe { g.reduce_scatter(&c, sendbuf as u64, recvbuf as u64, recvcount, d, redop(op, w)?, stream as _) }
     })
@@ -168,7 +169,8 @@ pub unsafe extern "C" fn gradwire_gpu_allgather(
         let w = "gradwire_gpu_allgather";
         let (g, c) = gpu(gpu_p, w)?;
         let d = dtype(dt, w)?;
-        check_disjoint(Collective::Allgather, c.rank(), sendbuf, sendcount, recvbuf, sendcount.saturating_mul(c.size()), d.size(), w)?;
+        let (part, whole) = (byte_len(sendcount, 1, d, w)?, byte_len(sendcount, c.size(), d, w)?);
+        check_disjoint(Collective::Allgather, c.rank(), sendbuf, part, recvbuf, whole, w)?;
         // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
         unsafe { g.allgather(&c, sendbuf as u64, recvbuf as u64, sendcount, d, stream as _) }
     })
@@ -204,13 +206,12 @@ pub unsafe extern "C" fn gradwire_gpu_alltoall(
     })
 }
 
-/// An error when the two buffers (in elements of `es` bytes) overlap other than in NCCL's
-/// in-place layout of `op` (which NCCL runs as such, and the cross-node path piece by
-/// piece: each piece is read before it is written).
-#[allow(clippy::too_many_arguments)]
-fn check_disjoint(op: Collective, rank: usize, send: *const c_void, slen: usize, recv: *mut c_void, rlen: usize, es: usize, w: &str) -> Result<()> {
+/// An error when the two buffers (`sb` and `rb` bytes, from [`byte_len`]: a count past
+/// PTRDIFF_MAX bytes is refused as such before it reaches here) overlap other than in
+/// NCCL's in-place layout of `op` (which NCCL runs as such, and the cross-node path piece
+/// by piece: each piece is read before it is written).
+fn check_disjoint(op: Collective, rank: usize, send: *const c_void, sb: usize, recv: *mut c_void, rb: usize, w: &str) -> Result<()> {
     let (s, r) = (send as usize, recv as usize);
-    let (sb, rb) = (slen.saturating_mul(es), rlen.saturating_mul(es));
     let block = crate::collective::in_place_block(op, send as *const u8, recv as *mut u8, sb, rb, rank);
     if sb > 0 && rb > 0 && !block && s < r.saturating_add(rb) && r < s.saturating_add(sb) {
         return Err(invalid(format!("{w}: sendbuf and recvbuf overlap (in place, as NCCL: this rank's block of the larger buffer)")));

@@ -210,6 +210,29 @@ fn put<T>(p: *mut T, value: T, what: &str, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// The C array of `n` entries at `p` (`name` in messages, its length named `len`): NULL
+/// only when empty, and refused when `n` entries would pass PTRDIFF_MAX bytes (a count that wraps
+/// the byte size, say SIZE_MAX or 2^59 of 32-byte entries): no array is that large, and a
+/// slice over one would be undefined behaviour before any entry is read.
+///
+/// # Safety
+/// `p` must be NULL or readable for `n` entries for `'a`.
+unsafe fn c_array<'a, T>(p: *const T, n: usize, w: &str, name: &str, len: &str) -> Result<&'a [T]> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if n.checked_mul(std::mem::size_of::<T>()).is_none_or(|b| b > isize::MAX as usize) {
+        let each = std::mem::size_of::<T>();
+        return Err(invalid(format!("{w}: {len} {n}: that many entries of {name} ({each} bytes each) are more than any array can hold")));
+    }
+    if p.is_null() {
+        return Err(invalid(format!("{w}: {name} is NULL with {len} {n}")));
+    }
+    // SAFETY: non-NULL, no larger than an object can be (checked), and readable for n
+    // entries (the caller's contract).
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
 fn dtype(v: gradwire_dtype_t, what: &str) -> Result<DType> {
     u8::try_from(v)
         .ok()
@@ -226,7 +249,7 @@ fn redop(v: gradwire_op_t, what: &str) -> Result<ReduceOp> {
 
 /// Validates the buffers of `req`: present where needed, identical or disjoint.
 fn check_buffers(c: &Communicator, req: &Request, send: *const c_void, recv: *mut c_void, what: &str) -> Result<()> {
-    let (slen, rlen) = req.lengths(c.size()).map_err(|e| invalid(format!("{what}: {e}")))?;
+    let (slen, rlen) = req.lengths(c.size()).map_err(|e| prefixed(e, what))?;
     if slen > 0 && send.is_null() {
         return Err(invalid(format!("{what}: sendbuf is NULL")));
     }
@@ -524,19 +547,18 @@ fn alltoall_counts(c: &Communicator, count: usize, sendcounts: *const usize, rec
     match (sendcounts.is_null(), recvcounts.is_null()) {
         (true, true) => Ok(Counts::uniform(count, c.size())),
         (false, false) => {
-            // SAFETY: non-NULL, and by contract arrays of one entry per rank.
-            let (s, r) = unsafe { (std::slice::from_raw_parts(sendcounts, c.size()), std::slice::from_raw_parts(recvcounts, c.size())) };
+            // SAFETY: by contract arrays of one entry per rank.
+            let (s, r) = unsafe { (c_array(sendcounts, c.size(), w, "sendcounts", "size")?, c_array(recvcounts, c.size(), w, "recvcounts", "size")?) };
             Ok(Counts { send: s.to_vec(), recv: r.to_vec() })
         }
         _ => Err(invalid(format!("{w}: sendcounts and recvcounts must both be NULL (equal split) or both arrays"))),
     }
 }
 
-/// Checks an all-to-all's buffers: present for their byte counts and disjoint.
-fn alltoall_buffers(counts: &Counts, dt: DType, send: *const c_void, recv: *mut c_void, w: &str) -> Result<()> {
-    let bytes =
-        |v: &[usize]| v.iter().try_fold(0usize, |a, &n| a.checked_add(n.checked_mul(dt.size())?)).ok_or_else(|| invalid(format!("{w}: counts overflow")));
-    let (sl, rl) = (bytes(&counts.send)?, bytes(&counts.recv)?);
+/// Checks an all-to-all's buffers: no larger than any buffer can be (before their sizes
+/// compare them), present for their byte counts and disjoint.
+fn alltoall_buffers(c: &Communicator, counts: &Counts, dt: DType, send: *const c_void, recv: *mut c_void, w: &str) -> Result<()> {
+    let (sl, rl) = counts.bytes(dt, c.size()).map_err(|e| prefixed(e, w))?;
     if sl > 0 && send.is_null() {
         return Err(invalid(format!("{w}: sendbuf is NULL")));
     }
@@ -576,7 +598,7 @@ pub unsafe extern "C" fn gradwire_alltoall(
         let (_, c) = comm(comm_p, w)?;
         let d = dtype(dt, w)?;
         let counts = alltoall_counts(&c, count, sendcounts, recvcounts, w)?;
-        alltoall_buffers(&counts, d, sendbuf, recvbuf, w)?;
+        alltoall_buffers(&c, &counts, d, sendbuf, recvbuf, w)?;
         // SAFETY: checked buffers, valid for the call by contract.
         unsafe { c.run_alltoall(d, counts, sendbuf as *const u8, recvbuf as *mut u8) }
     })
@@ -606,7 +628,7 @@ pub unsafe extern "C" fn gradwire_ialltoall(
         out(work, w, "work")?;
         let d = dtype(dt, w)?;
         let counts = alltoall_counts(&c, count, sendcounts, recvcounts, w)?;
-        alltoall_buffers(&counts, d, sendbuf, recvbuf, w)?;
+        alltoall_buffers(&c, &counts, d, sendbuf, recvbuf, w)?;
         // SAFETY: checked buffers; the caller keeps them valid until the work completes.
         let handle = unsafe { c.start_alltoall(d, counts, sendbuf as *const u8, recvbuf as *mut u8)? };
         put_work(work, handle, w)
@@ -641,14 +663,8 @@ pub struct gradwire_p2p_op_t {
 /// # Safety
 /// `ops` must be NULL (with nops 0) or readable for `nops` entries.
 unsafe fn p2p_ops(ops: *const gradwire_p2p_op_t, nops: usize, w: &str) -> Result<Vec<P2pOp>> {
-    if nops == 0 {
-        return Ok(vec![]);
-    }
-    if ops.is_null() {
-        return Err(invalid(format!("{w}: ops is NULL with nops {nops}")));
-    }
-    // SAFETY: non-NULL and readable for nops entries (the caller's contract).
-    let raw = unsafe { std::slice::from_raw_parts(ops, nops) };
+    // SAFETY: readable for nops entries (the caller's contract).
+    let raw = unsafe { c_array(ops, nops, w, "ops", "nops")? };
     raw.iter()
         .enumerate()
         .map(|(i, o)| {

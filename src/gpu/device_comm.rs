@@ -751,7 +751,7 @@ impl Drop for DeviceComm {
 
 /// The bytes of `count` × `blocks` elements of `dtype`, or an error if they overflow what a
 /// buffer can hold.
-fn byte_len(count: usize, blocks: usize, dtype: DType, w: &str) -> Result<usize> {
+pub(crate) fn byte_len(count: usize, blocks: usize, dtype: DType, w: &str) -> Result<usize> {
     count.checked_mul(blocks).and_then(|n| n.checked_mul(dtype.size())).filter(|&b| b <= isize::MAX as usize).ok_or_else(|| {
         invalid(format!("{w}: {count} elements{} of {} overflow a buffer", if blocks > 1 { format!(" x {blocks} ranks") } else { String::new() }, dtype.name()))
     })

@@ -8,6 +8,11 @@
  *                                    at its default disposition: rank 1 SIGKILLs itself in the
  *                                    middle of a large allreduce; rank 0 must get
  *                                    GRADWIRE_ERR_PEER_LOST (not die of SIGPIPE).
+ *   round_three overflow             under `gradwire launch -n 2`: array counts whose bytes pass
+ *                                    PTRDIFF_MAX (or wrap) must be GRADWIRE_ERR_INVALID_ARGUMENT
+ *                                    with an error text, as must element counts past it and a
+ *                                    batch buffer that wraps around the address space; the
+ *                                    communicator still works afterwards.
  * Prints "rank R: ok" on success; anything else prints why and exits 1.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -95,10 +100,70 @@ static int peer_lost(void) {
     return 0;
 }
 
+/* Expects GRADWIRE_ERR_INVALID_ARGUMENT with an error text naming `needle`. */
+static int refused(int rank, int rc, const char *call, const char *needle) {
+    const char *why = gradwire_last_error();
+    if (rc != GRADWIRE_ERR_INVALID_ARGUMENT || !strstr(why, needle)) {
+        fprintf(stderr, "rank %d: %s returned %d (want GRADWIRE_ERR_INVALID_ARGUMENT, %d, naming %s): %s\n", rank, call, rc,
+                GRADWIRE_ERR_INVALID_ARGUMENT, needle, why);
+        return 1;
+    }
+    printf("rank %d: %s refused: %s\n", rank, call, why);
+    return 0;
+}
+
+static int overflow(void) {
+    gradwire_comm_t *c = NULL;
+    int rank = env_rank();
+    if (gradwire_init(&c)) return fail(rank, "gradwire_init");
+    int peer = 1 - rank;
+    float out[4] = {1, 2, 3, 4}, in[4] = {0};
+    gradwire_p2p_op_t ops[2] = {
+        {GRADWIRE_P2P_SEND, peer, 7, GRADWIRE_FLOAT32, 4, out},
+        {GRADWIRE_P2P_RECV, peer, 7, GRADWIRE_FLOAT32, 4, in},
+    };
+    /* SIZE_MAX entries wrap any byte size; 2^59 x 32-byte entries wrap to 0 bytes; one past
+     * PTRDIFF_MAX / sizeof(op) is the first count whose array no object can be. */
+    const size_t nops[] = {SIZE_MAX, (size_t)1 << 59, PTRDIFF_MAX / sizeof(gradwire_p2p_op_t) + 1};
+    gradwire_work_t *wk = NULL;
+    int bad = 0;
+    for (size_t i = 0; i < sizeof nops / sizeof nops[0]; i++) {
+        bad |= refused(rank, gradwire_p2p_batch(c, ops, nops[i]), "gradwire_p2p_batch", "nops");
+        bad |= refused(rank, gradwire_ip2p_batch(c, ops, nops[i], &wk), "gradwire_ip2p_batch", "nops");
+    }
+    /* Per-rank counts whose sum of bytes passes PTRDIFF_MAX without wrapping a size_t. */
+    size_t huge[2] = {(size_t)1 << 60, (size_t)1 << 60};
+    bad |= refused(rank, gradwire_alltoall(c, out, huge, in, huge, 0, GRADWIRE_FLOAT32), "gradwire_alltoall", "overflow");
+    bad |= refused(rank, gradwire_ialltoall(c, out, huge, in, huge, 0, GRADWIRE_FLOAT32, &wk), "gradwire_ialltoall", "overflow");
+    /* A batch buffer whose end wraps around the address space. */
+    gradwire_p2p_op_t wraps = {GRADWIRE_P2P_SEND, peer, 7, GRADWIRE_FLOAT32, 4, (void *)(UINTPTR_MAX - 7)};
+    bad |= refused(rank, gradwire_p2p_batch(c, &wraps, 1), "gradwire_p2p_batch", "wrap around");
+    /* Element counts past PTRDIFF_MAX bytes, wrapping or not. */
+    const size_t counts[] = {SIZE_MAX, PTRDIFF_MAX / sizeof(float) + 1};
+    gradwire_hierarchy_t *h = NULL;
+    if (gradwire_hierarchy_create(c, &h)) return fail(rank, "gradwire_hierarchy_create");
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++) {
+        bad |= refused(rank, gradwire_send(c, out, counts[i], GRADWIRE_FLOAT32, peer, 7), "gradwire_send", "overflow");
+        bad |= refused(rank, gradwire_hierarchical_allreduce(h, out, out, counts[i], GRADWIRE_FLOAT32, GRADWIRE_SUM, GRADWIRE_HIERARCHICAL_SHARDED),
+                       "gradwire_hierarchical_allreduce", i ? "more than any buffer can hold" : "overflows");
+    }
+    gradwire_hierarchy_free(h);
+    if (bad) return 1;
+    /* Nothing was sent or counted: the communicator still works, batch included. */
+    if (gradwire_p2p_batch(c, ops, 2)) return fail(rank, "gradwire_p2p_batch after the refusals");
+    for (int k = 0; k < 4; k++)
+        if (in[k] != (float)(k + 1)) return fail(rank, "wrong data after the refusals");
+    if (gradwire_barrier(c)) return fail(rank, "barrier");
+    gradwire_finalize(c);
+    printf("rank %d: ok\n", rank);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "";
     if (strcmp(mode, "hier-mismatch") == 0 && argc == 4) return hier_mismatch(strtoull(argv[2], NULL, 10), strtoull(argv[3], NULL, 10));
     if (strcmp(mode, "peer-lost") == 0) return peer_lost();
-    fprintf(stderr, "usage: round_three hier-mismatch N0 N | peer-lost\n");
+    if (strcmp(mode, "overflow") == 0) return overflow();
+    fprintf(stderr, "usage: round_three hier-mismatch N0 N | peer-lost | overflow\n");
     return 2;
 }
