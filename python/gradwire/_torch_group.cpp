@@ -22,6 +22,9 @@
 #include <torch/csrc/distributed/c10d/PyProcessGroup.hpp>
 #endif
 
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
 #include <atomic>
 #include <optional>
 
@@ -230,6 +233,22 @@ class FastGroup : public c10d::PyProcessGroup {
   Calls calls_;
 };
 
+// Fails `future` (a torch.futures.Future) with the Python exception `error`, kept as itself:
+// torch's C++ (DDP's reducer, the autograd engine) rethrows it, and Python sees the same
+// exception (PeerLostError, MismatchError) wherever torch waits. Future.set_exception cannot
+// do this: it completes the future with the exception as its value, which C++ reads as a
+// result. The callbacks run on this thread, without the GIL (they may take it themselves).
+void fail_future(const py::object& future, const py::object& error) {
+  auto wrapper = future.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>();
+  TORCH_CHECK(PyExceptionInstance_Check(error.ptr()), "gradwire: fail_future needs an exception");
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+  python_error kept;
+  kept.persist();  // takes the error just set, leaving none set
+  auto failure = std::make_exception_ptr(std::move(kept));
+  py::gil_scoped_release release;
+  wrapper->fut->setError(failure);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -238,5 +257,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_attach", &FastGroup::attach, py::arg("comm"), py::arg("calls"))
       .def("_detach", &FastGroup::detach)
       .def("_set_p2p_pending", &FastGroup::set_p2p_pending, py::arg("pending"))
-      .def("_fast_calls", &FastGroup::fast_calls);
+      .def("_fast_calls", &FastGroup::fast_calls)
+      .def_static("_fail_future", &fail_future, py::arg("future"), py::arg("error"));
 }

@@ -21,7 +21,8 @@ every other call, and every call where that cannot be built, runs the Python met
 `async_op=True` calls (and DDP's buckets) are gradwire's non-blocking calls. Work that someone waits on is
 completed by that caller; work whose future is asked for (DDP's buckets) is completed by one
 completion thread per process, in order (no thread per operation), so the buckets reduce
-while backward goes on. Broadcast, all_gather_into_tensor, reduce_scatter_tensor (what
+while backward goes on. A failed call fails its future with gradwire's error itself (not
+as a value, which torch's C++ would read as the result): DDP raises it from backward. Broadcast, all_gather_into_tensor, reduce_scatter_tensor (what
 FSDP-style sharding overlaps) and all-to-all are non-blocking too; the list forms, gather,
 scatter and reduce run when called and return completed work. isend, irecv and
 batch_isend_irecv gather into one gradwire batch, started when one of them is waited for or
@@ -181,13 +182,58 @@ def _blocking(opts):
     return opts is not None and not getattr(opts, "asyncOp", True)
 
 
+def _new_future():
+    """(a torch future, the hidden one behind it or None) that `_settle` can fail so that
+    torch's C++ sees the failure.
+
+    torch.futures.Future.set_exception completes a future with the exception as its value:
+    Python's wait() raises it, but torch's C++ (DDP's reducer) reads it as the result, and
+    DDP crashed on it. The C++ part fails the future itself (_torch_group.cpp, fail_future),
+    and torch raises that exception as it is wherever it waits. Without the C++ part, the
+    future handed out is the continuation of a hidden one whose callback raises the
+    exception: a real failure too, which torch raises as a RuntimeError quoting it."""
+    if _fail_future() is not None:
+        return torch.futures.Future(), None
+    hidden = torch.futures.Future()
+    return hidden.then(_raise_failure), hidden
+
+
+def _raise_failure(hidden):
+    outcome = hidden.value()
+    if isinstance(outcome, _Failure):
+        raise outcome.error
+    return outcome
+
+
+class _Failure:
+    """An exception carried as a hidden future's value (see _new_future)."""
+
+    def __init__(self, error):
+        self.error = error
+
+
+def _fail_future():
+    """The C++ part's fail_future, where it is built."""
+    return getattr(_native_group_class, "_fail_future", None)
+
+
+def _settle(future, hidden, result, error):
+    """Completes a future made by _new_future with `result`, or fails it with `error`."""
+    if hidden is not None:
+        hidden.set_result(result if error is None else _Failure(error))
+    elif error is None:
+        future.set_result(result)
+    else:
+        _fail_future()(future, error)
+
+
 class _Work(dist.Work):
     """A collective's work: done at once (`pending` None) or when gradwire's non-blocking
     call finishes. `wait()` raises the failure as RuntimeError (GradwireError is one).
     Completed work costs no future and no lock until someone asks for them."""
 
     # Completed work sets only its result (class defaults for the rest: most calls wait).
-    _pending = _finish = _future = _error = _lock = None
+    _pending = _finish = _future = _hidden = _error = _lock = None
     _done = True
 
     def __init__(self, result, pending=None, finish=None):
@@ -215,10 +261,7 @@ class _Work(dist.Work):
             self._settle()
 
     def _settle(self):
-        if self._error is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(self._error)
+        _settle(self._future, self._hidden, self._result, self._error)
 
     def wait(self, timeout=timedelta(0)):
         if not self._done:
@@ -255,13 +298,13 @@ class _Work(dist.Work):
         # it on its own thread, with no hand-over between threads.
         if self._lock is None:  # completed when made
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._future, self._hidden = _new_future()
                 self._settle()
             return self._future
         with self._lock:
             first = self._future is None
             if first:
-                self._future = torch.futures.Future()
+                self._future, self._hidden = _new_future()
             done = self._done
         if first and done:
             self._settle()
