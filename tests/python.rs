@@ -363,3 +363,31 @@ fn torch_fault_matrix_names_the_lost_rank() {
     println!("{t}");
     assert!(out.status.success(), "the fault matrix failed:\n{t}");
 }
+
+/// torchrun keeps one store across a job's restarts: when a rank dies in the first attempt
+/// while the others are inside init_process_group, the restarted ranks form their group
+/// from their own attempt's keys (they once read the dead attempt's unique id and failed
+/// after 60 s connecting to its store), and allreduce correctly.
+#[test]
+fn torchrun_restart_forms_the_group_from_its_own_attempt() {
+    if !python_has("torch") {
+        eprintln!("SKIP torchrun_restart_forms_the_group_from_its_own_attempt: torch is not importable");
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3", "--master-addr", "127.0.0.1"])
+        .args(["--master-port", &free_port().to_string(), "--max-restarts", "1"])
+        .arg(format!("{root}/python/tests/torchrun_restart.py"))
+        .env("PYTHONPATH", format!("{root}/python"))
+        .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+        .env("GRADWIRE_TIMEOUT_MS", "20000")
+        .env("OMP_NUM_THREADS", "1");
+    let out = run_with_limit(cmd, Duration::from_secs(300));
+    let t = text(&out);
+    println!("{t}");
+    assert!(out.status.success(), "the restarted attempt failed:\n{t}");
+    for r in 0..3 {
+        assert!(t.contains(&format!("restart: ok (rank {r}, attempt 1)")), "rank {r} of the second attempt did not finish:\n{t}");
+    }
+}

@@ -50,6 +50,7 @@ registers.
 
 import ctypes
 import inspect
+import os
 import threading
 from datetime import timedelta
 from typing import Optional
@@ -61,9 +62,22 @@ from . import _OPS, Comm, Work, _background, _tensor, _torch_native, load_librar
 
 __all__ = ["ProcessGroupGradwire", "register", "completed_future_of"]
 
-_ID_KEY = "gradwire/unique_id"
-_ARRIVED_KEY = "gradwire/arrived"
-_ALL_ARRIVED_KEY = "gradwire/all_arrived"
+def _meeting_keys(store, size):
+    """(the key of this meeting's unique id, the key set once every member has arrived).
+
+    The members of a group meet in torch's store, which may outlive them: torchrun's agent
+    keeps one store across a job's restarts, and a store is used again after
+    destroy_process_group. So the keys are per torchrun attempt (TORCHELASTIC_RESTART_COUNT),
+    and within it per meeting, counted by arrivals: a restarted rank never reads an id of
+    an attempt whose store is gone."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    if not attempt.isdigit():
+        raise ValueError(f"TORCHELASTIC_RESTART_COUNT={attempt!r}: expected torchrun's attempt number")
+    arrived = store.add(f"gradwire/{attempt}/arrived", 1)
+    meeting = f"gradwire/{attempt}/{(arrived - 1) // size}"
+    if arrived % size == 0:
+        store.set(f"{meeting}/all_arrived", b"1")
+    return f"{meeting}/unique_id", f"{meeting}/all_arrived"
 
 
 # torch's reduce ops by their hash (their kind; equality then tells a PREMUL_SUM with the
@@ -471,22 +485,17 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: Optional[timedelta] = None) -> None:
         super().__init__(rank, size)
-        if rank == 0:
-            store.set(_ID_KEY, unique_id())
         # Every rank is here (past the C++ part's first build, which may take a minute on
         # one node and none on another) before any joins the communicator, whose connect
         # deadline is gradwire's; this wait is torch's store's, for the group's timeout.
-        # (Counted in generations: a store used again after destroy_process_group holds the
-        # last meeting's keys.)
-        arrived = store.add(_ARRIVED_KEY, 1)
-        everyone = f"{_ALL_ARRIVED_KEY}/{(arrived - 1) // size}"
-        if arrived % size == 0:
-            store.set(everyone, b"1")
+        id_key, everyone = _meeting_keys(store, size)
+        if rank == 0:
+            store.set(id_key, unique_id())
         if timeout is None:
-            store.wait([everyone])
+            store.wait([everyone, id_key])
         else:
-            store.wait([everyone], timeout)
-        uid = store.get(_ID_KEY)
+            store.wait([everyone, id_key], timeout)
+        uid = store.get(id_key)
         self._comm = Comm.from_unique_id(bytes(uid), size, rank)
         if self._native:
             lib = load_library()
