@@ -391,3 +391,15 @@ fn torchrun_restart_forms_the_group_from_its_own_attempt() {
         assert!(t.contains(&format!("restart: ok (rank {r}, attempt 1)")), "rank {r} of the second attempt did not finish:\n{t}");
     }
 }
+
+/// A frozen parameter the local optimizer holds stays bit for bit rank 0's value through
+/// DASO's and BSP's training (DASO's merges moved it by 1e-8), while the others train.
+#[test]
+fn frozen_parameters_stay_exact_under_the_schemes() {
+    if !python_has("torch") {
+        eprintln!("SKIP frozen_parameters_stay_exact_under_the_schemes: torch is not importable");
+        return;
+    }
+    let t = run_py(3, "frozen_parameters.py", &[]);
+    assert_eq!(t.matches("frozen: ok").count(), 3, "{t}");
+}

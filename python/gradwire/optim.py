@@ -20,6 +20,7 @@ host mirrors and back once per step (node-local steps therefore run on gradwire'
 memory, not NCCL).
 """
 
+import contextlib
 import numbers
 import re
 from typing import Any, Iterable, Iterator, List, Optional, Union
@@ -166,6 +167,17 @@ class FlatParameters:
             self.grad.copy_(self._model_grad)
         return self.grad
 
+    @contextlib.contextmanager
+    def frozen_kept(self) -> Iterator[None]:
+        """The frozen parameters (requires_grad False, asked each time: fine-tuning unfreezes
+        layers) leave the body as they entered it. A scheme merges whole vectors, and a
+        merge of equal values can round (DASO's moved a frozen layer by 1e-8)."""
+        kept = [(value, value.clone()) for p, (value, _) in zip(self.params, self._views) if not p.requires_grad]
+        yield
+        with torch.no_grad():
+            for value, before in kept:
+                value.copy_(before)
+
     def zero_grad(self) -> None:
         """Zeroes the gradients in place (they stay views)."""
         self._model_grad.zero_()
@@ -201,8 +213,9 @@ class _Scheme:
     def end_epoch(self, loss: Union[float, torch.Tensor]) -> float:
         """At an epoch's end, with this rank's mean training loss: returns it averaged over
         the ranks. Collective."""
-        mean = self._strategy.end_epoch(self.flat.pull_params(), float(loss))
-        self.flat.push_params()
+        with self.flat.frozen_kept():
+            mean = self._strategy.end_epoch(self.flat.pull_params(), float(loss))
+            self.flat.push_params()
         self.epochs_ended += 1
         return mean
 
@@ -213,8 +226,9 @@ class _Scheme:
 
     def finish(self) -> None:
         """Leaves the final model in the parameters on every rank. Collective."""
-        self._strategy.finish(self.flat.pull_params())
-        self.flat.push_params()
+        with self.flat.frozen_kept():
+            self._strategy.finish(self.flat.pull_params())
+            self.flat.push_params()
 
     @property
     def bytes_sent(self) -> int:
@@ -249,8 +263,9 @@ class _FrameworkStep(_Scheme):
             self.scaler.update()
         else:
             self.local_optimizer.step()
-        self._strategy.after_update(self.flat.pull_params(), last_of_epoch)
-        self.flat.push_params()
+        with self.flat.frozen_kept():
+            self._strategy.after_update(self.flat.pull_params(), last_of_epoch)
+            self.flat.push_params()
 
 
 class DASO(_FrameworkStep):
@@ -438,8 +453,9 @@ class ParameterServer(_Scheme):
     def step(self) -> None:
         """After `loss.backward()`: the scheme's push, pull and update; the parameters are
         then the next minibatch's."""
-        self._strategy.step(self.flat.pull_params(), self.flat.gather_grads())
-        self.flat.push_params()
+        with self.flat.frozen_kept():
+            self._strategy.step(self.flat.pull_params(), self.flat.gather_grads())
+            self.flat.push_params()
 
     @property
     def shared_pool(self) -> bool:
