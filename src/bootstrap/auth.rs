@@ -5,6 +5,7 @@
 //! nonce chosen by the other side, so a recorded handshake is useless to replay.
 
 use crate::error::{Error, Result};
+use crate::sys::sock::NoSigpipe;
 use hmac::{Hmac, Mac};
 use rand::RngCore;
 use sha2::Sha256;
@@ -73,16 +74,16 @@ pub fn accept(s: &mut TcpStream, secret: &str, context: &[u8], until: Instant) -
     let mut hello = MAGIC.to_vec();
     hello.extend_from_slice(&my_nonce);
     s.set_write_timeout(Some(until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).map_err(io("auth hello", &peer))?;
-    s.write_all(&hello).map_err(io("auth hello", &peer))?;
+    NoSigpipe(&*s).write_all(&hello).map_err(io("auth hello", &peer))?;
     let mut reply = [0u8; MAC + NONCE];
     read_exact_by(s, &mut reply, until).map_err(io("auth reply", &peer))?;
     if !verify(secret, b"client", &my_nonce, context, &reply[..MAC]) {
-        let _ = s.write_all(&[0]);
+        let _ = NoSigpipe(&*s).write_all(&[0]);
         return Err(Error::Auth(format!("refused connection from {peer}: it did not prove the job secret (GRADWIRE_JOB_SECRET differs?)")));
     }
     let mut ok = vec![1u8];
     ok.extend_from_slice(&mac(secret, b"server", &reply[MAC..], context));
-    s.write_all(&ok).map_err(io("auth accept", &peer))?;
+    NoSigpipe(&*s).write_all(&ok).map_err(io("auth accept", &peer))?;
     s.set_write_timeout(None).map_err(io("auth accept", &peer))?;
     Ok(())
 }
@@ -98,7 +99,7 @@ pub fn connect(s: &mut TcpStream, secret: &str, context: &[u8]) -> Result<()> {
     let my_nonce = nonce();
     let mut reply = mac(secret, b"client", &hello[8..], context).to_vec();
     reply.extend_from_slice(&my_nonce);
-    s.write_all(&reply).map_err(io("auth reply", &peer))?;
+    NoSigpipe(&*s).write_all(&reply).map_err(io("auth reply", &peer))?;
     let mut status = [0u8; 1];
     s.read_exact(&mut status).map_err(|_| Error::Auth(format!("{peer} refused our job secret (GRADWIRE_JOB_SECRET differs?)")))?;
     if status[0] != 1 {
@@ -112,13 +113,14 @@ pub fn connect(s: &mut TcpStream, secret: &str, context: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Writes one length-prefixed frame.
-pub fn write_frame(s: &mut impl Write, data: &[u8]) -> std::io::Result<()> {
+/// Writes one length-prefixed frame (never raising SIGPIPE: the store's client and server
+/// run inside C and Python hosts too, whose peer may be gone).
+pub fn write_frame(s: &TcpStream, data: &[u8]) -> std::io::Result<()> {
     let len = u32::try_from(data.len()).map_err(|_| std::io::Error::other("frame too large"))?;
     let mut buf = Vec::with_capacity(4 + data.len());
     buf.extend_from_slice(&len.to_le_bytes());
     buf.extend_from_slice(data);
-    s.write_all(&buf)
+    NoSigpipe(s).write_all(&buf)
 }
 
 /// Reads one length-prefixed frame of at most [`MAX_FRAME`] bytes.

@@ -278,7 +278,7 @@ impl StoreClient {
     fn call(&self, req: &[u8], timeout: Duration) -> Result<Vec<u8>> {
         let mut c = self.conn.lock().unwrap_or_else(|p| p.into_inner());
         c.set_read_timeout(Some(timeout + Duration::from_secs(1))).ok();
-        write_frame(&mut *c, req).and_then(|_| read_frame(&mut *c)).map_err(|e| {
+        write_frame(&c, req).and_then(|_| read_frame(&mut *c)).map_err(|e| {
             // Out of step now (a late reply would answer the next request): close it, so
             // that later calls fail too instead of reading someone else's answer.
             let _ = c.shutdown(std::net::Shutdown::Both);
