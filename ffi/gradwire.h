@@ -255,11 +255,13 @@ int gradwire_gpu_alltoall(gradwire_gpu_comm_t *gpu, const void *sendbuf, const s
  * daso: warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level,
  * bf16_wire, sending_chunk_size, skip_reduction_factor, local_skip_factor; ddcgu, cyclic:
  * lr, rule (sum, mean, staleness); downpour: lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none (ssgd, daso and bsp take no lr: the
- * framework's optimizer makes their local step). A key the scheme does not take or a bad
- * value is GRADWIRE_ERR_INVALID_ARGUMENT naming it. init: the initial parameters (the
+ * framework's optimizer makes their local step). A key the scheme does not take, a key
+ * given twice, bsp's topk=0 (leave topk out to send the whole change) or a bad value is
+ * GRADWIRE_ERR_INVALID_ARGUMENT naming it; a value cannot hold ',' or '='. init: the initial parameters (the
  * parameter servers start from them). Collective: every rank of comm creates its scheme,
  * with the same scheme, options and n (checked). Every other call needs
- * gradwire_strategy_start first. gradwire_finalize frees the communicator's strategies.
+ * gradwire_strategy_start first; start runs once, and after gradwire_strategy_finish only
+ * current_model and the queries remain (anything else is GRADWIRE_ERR_INVALID_ARGUMENT). gradwire_finalize frees the communicator's strategies.
  * When gradwire_strategy_framework_update says 1 (ssgd, daso, bsp), each step is
  *   gradwire_strategy_before_update(grads)   (e.g. averages the gradients)
  *   the framework's own optimizer step        (SGD with momentum, Adam, ...)

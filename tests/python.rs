@@ -403,3 +403,17 @@ fn frozen_parameters_stay_exact_under_the_schemes() {
     let t = run_py(3, "frozen_parameters.py", &[]);
     assert_eq!(t.matches("frozen: ok").count(), 3, "{t}");
 }
+
+/// Scheme options and the strategy life cycle at the Python boundary: a value holding ','
+/// or '=' cannot inject options ("sum,lr=5" was two), a key given twice and BSP's topk=0
+/// (silently dense) are refused, and a strategy refuses start twice and any step after
+/// finish (all were accepted and returned 0).
+#[test]
+fn scheme_options_and_life_cycle_are_checked() {
+    if !python_has("torch") {
+        eprintln!("SKIP scheme_options_and_life_cycle_are_checked: torch is not importable");
+        return;
+    }
+    let t = run_py(2, "option_strings.py", &[]);
+    assert_eq!(t.matches("options: ok").count(), 2, "{t}");
+}

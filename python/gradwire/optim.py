@@ -72,6 +72,18 @@ def _fraction(value, name):
     return float(value)
 
 
+def _option_string(options: dict) -> str:
+    """The options as libgradwire takes them ("key=value,..."). A value is one token: one
+    holding a separator would add or replace options ("sum,lr=5" is two), so it is refused."""
+    items = []
+    for key, value in options.items():
+        text = str(value)
+        if not text or any(c in text for c in ",=") or text != text.strip():
+            raise ValueError(f"option {key}={text!r}: a value may not be empty or hold ',', '=' or surrounding spaces")
+        items.append(f"{key}={text}")
+    return ",".join(items)
+
+
 class FlatParameters:
     """`params` (deduplicated, in order) moved into one float32 buffer for the values and
     one for the gradients. On the CPU both come from `comm.empty` (registered memory shared
@@ -327,7 +339,7 @@ class DASO(_FrameworkStep):
             "local_skip_factor": _integer(local_skip_factor, "local_skip_factor", 1),
             "bf16_wire": "true" if downcast_type == torch.bfloat16 else "false",
         }
-        super().__init__(local_optimizer, "daso", ",".join(f"{k}={v}" for k, v in options.items()), comm)
+        super().__init__(local_optimizer, "daso", _option_string(options), comm)
         self.total_epochs = options["epochs"]
         self.verbose = bool(verbose)
         self.module: Optional[torch.nn.Module] = None
@@ -416,10 +428,13 @@ class BSP(_FrameworkStep):
     `node_interval` K1 (dividing K) also averages inside the node every K1 steps."""
 
     def __init__(self, local_optimizer: torch.optim.Optimizer, interval: int = 4, topk: Optional[float] = None, node_interval: int = 0, comm: Any = None) -> None:
-        options = f"interval={_integer(interval, 'interval', 1)},node_interval={_integer(node_interval, 'node_interval', 0)}"
+        options = {"interval": _integer(interval, "interval", 1), "node_interval": _integer(node_interval, "node_interval", 0)}
         if topk is not None:
-            options += f",topk={_fraction(topk, 'topk')!r}"
-        super().__init__(local_optimizer, "bsp", options, comm)
+            # None sends the whole change; a top-0 would send nothing.
+            if _fraction(topk, "topk") == 0:
+                raise ValueError("topk must be in (0, 1], got 0; topk=None sends the whole change")
+            options["topk"] = repr(float(topk))
+        super().__init__(local_optimizer, "bsp", _option_string(options), comm)
         self.interval = interval
 
     def step(self, last_of_epoch: bool = False) -> None:
@@ -447,7 +462,7 @@ class ParameterServer(_Scheme):
             if k not in _PS_OPTIONS[scheme]:
                 raise ValueError(f"ParameterServer: {scheme} takes no option {k!r}; its options: {', '.join(_PS_OPTIONS[scheme])}")
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
-        super().__init__(params, scheme, ",".join(f"{k}={v}" for k, v in options.items()), comm)
+        super().__init__(params, scheme, _option_string(options), comm)
         self.scheme = scheme
 
     def step(self) -> None:

@@ -472,7 +472,7 @@ mod tests {
             while read_frame(&mut s).is_ok() {
                 // Well after the client's 1 s grace, even when its thread runs late.
                 std::thread::sleep(Duration::from_millis(3000));
-                if write_frame(&mut s, b"Vstale").is_err() {
+                if write_frame(&s, b"Vstale").is_err() {
                     break;
                 }
             }

@@ -211,9 +211,16 @@ impl StrategyConfig {
             _ => return Err(invalid(format!("unknown strategy '{scheme}' (known: {})", STRATEGIES.join(", ")))),
         };
         let mut cfg = StrategyConfig { strategy: scheme.into(), ..Default::default() };
+        let mut seen: Vec<&str> = vec![];
         for item in options.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let (key, value) = item.split_once('=').ok_or_else(|| invalid(format!("option '{item}': expected key=value")))?;
             let (key, value) = (key.trim(), value.trim());
+            // A second value for a key is a mistake or an injection ("rule=sum,lr=5" built
+            // from one value): never the last one silently winning.
+            if seen.contains(&key) {
+                return Err(invalid(format!("option '{key}' is given twice in '{options}'")));
+            }
+            seen.push(key);
             let bad = |why: &str| invalid(format!("option {key}={value}: {why}"));
             let real = |lo: f64, hi: f64| -> Result<f64> {
                 value.parse::<f64>().ok().filter(|v| v.is_finite() && (lo..=hi).contains(v)).ok_or_else(|| bad(&format!("expected a number in [{lo}, {hi}]")))
@@ -229,6 +236,8 @@ impl StrategyConfig {
                 "lr" => cfg.lr = real(f32::MIN_POSITIVE as f64, 1e6)? as f32,
                 "interval" => cfg.interval = count(1)?,
                 "node_interval" => cfg.node_interval = count(0)?,
+                // Top-0 would send nothing: the whole change is sent by leaving topk out.
+                "topk" if value.parse::<f64>() == Ok(0.0) => return Err(bad("expected a fraction in (0, 1]; leave topk out to send the whole change")),
                 "topk" => cfg.topk = real(0.0, 1.0)?,
                 "warmup_epochs" => cfg.daso.warmup_epochs = count(0)?,
                 "cooldown_epochs" => cfg.daso.cooldown_epochs = count(0)?,
@@ -317,6 +326,9 @@ mod tests {
             ("ssgd", "lr=0.1", "the framework's optimizer makes its local step"),
             ("bsp", "fetch=2", "bsp takes no option 'fetch'; its options: interval, node_interval, topk"),
             ("ssgd", "lr", "option 'lr': expected key=value"),
+            ("bsp", "interval=2,interval=3", "option 'interval' is given twice"),
+            ("ddcgu", "rule=sum,lr=5,lr=0.01", "option 'lr' is given twice"),
+            ("bsp", "topk=0", "option topk=0: expected a fraction in (0, 1]"),
         ] {
             let e = StrategyConfig::parse(scheme, options).unwrap_err().to_string();
             assert!(e.contains(want), "{scheme} {options}: {e}");
