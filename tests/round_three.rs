@@ -78,3 +78,36 @@ fn overflowing_array_counts_are_refused() {
     assert!(out.status.success(), "{t}");
     assert_eq!(t.matches(": ok").count(), 2, "{t}");
 }
+
+/// Connections that fail the job-secret handshake in a loop are logged at a bounded rate
+/// (one line per attempt came to 11,986 lines in 15 s): 300 strangers make one line.
+#[test]
+fn refused_connections_are_logged_at_a_bounded_rate() {
+    use gradwire::bootstrap::{auth, StoreServer};
+    use std::sync::Mutex;
+    use std::time::Instant;
+    struct Capture(Mutex<Vec<String>>);
+    impl log::Log for Capture {
+        fn enabled(&self, m: &log::Metadata) -> bool {
+            m.level() <= log::Level::Warn
+        }
+        fn log(&self, r: &log::Record) {
+            self.0.lock().unwrap().push(r.args().to_string());
+        }
+        fn flush(&self) {}
+    }
+    static CAPTURE: Capture = Capture(Mutex::new(Vec::new()));
+    // nextest runs each test in a process of its own: this logger is the only one.
+    log::set_logger(&CAPTURE).expect("a logger was already set");
+    log::set_max_level(log::LevelFilter::Warn);
+    let store = StoreServer::start("127.0.0.1:0", "the-right-secret").unwrap();
+    let addr = store.addr.to_string();
+    for _ in 0..300 {
+        let stranger = auth::dial(&addr, "a-wrong-secret", b"store", Instant::now() + Duration::from_secs(5), "store");
+        assert!(stranger.is_err(), "a wrong secret was admitted");
+    }
+    std::thread::sleep(Duration::from_millis(500)); // the server's threads log after the client's refusal
+    let lines: Vec<String> = CAPTURE.0.lock().unwrap().iter().filter(|l| l.contains("did not prove the job secret")).cloned().collect();
+    println!("{} lines: {lines:?}", lines.len());
+    assert!(!lines.is_empty() && lines.len() <= 2, "300 refused connections logged {} lines", lines.len());
+}

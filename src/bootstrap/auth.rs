@@ -295,7 +295,7 @@ where
             };
             s.set_nonblocking(false).ok();
             let Some(id) = handshakes.admit(&s) else {
-                log::warn!("{who}: {MAX_PENDING_HANDSHAKES} connections are proving the job secret at once; closed the one from {peer}");
+                super::refusals::warn(|| format!("{who}: {MAX_PENDING_HANDSHAKES} connections are proving the job secret at once; closed the one from {peer}"));
                 continue;
             };
             let (serve, secret, context, who, in_handshake) = (serve.clone(), secret.clone(), context.clone(), who.clone(), handshakes.clone());
@@ -304,7 +304,7 @@ where
                 let proven = accept(&mut s, &secret, context.as_bytes(), Instant::now() + HANDSHAKE_DEADLINE);
                 in_handshake.done(id);
                 if let Err(e) = proven {
-                    log::warn!("{who}: {e} (from {peer})");
+                    super::refusals::warn(|| format!("{who}: {e} (from {peer})"));
                     return;
                 }
                 s.set_read_timeout(None).ok();

@@ -58,10 +58,12 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
             Ok((mut s, from)) => {
                 busy = true;
                 let Some(id) = handshakes.admit(&s) else {
-                    log::warn!(
-                        "rank {rank}: tcp transport: {} connections are proving the job secret at once; closed the one from {from}",
-                        auth::MAX_PENDING_HANDSHAKES
-                    );
+                    crate::bootstrap::refusals::warn(|| {
+                        format!(
+                            "rank {rank}: tcp transport: {} connections are proving the job secret at once; closed the one from {from}",
+                            auth::MAX_PENDING_HANDSHAKES
+                        )
+                    });
                     continue;
                 };
                 let (secret, context, tx, in_handshake) = (secret.to_string(), context.clone(), proven_tx.clone(), handshakes.clone());
@@ -78,7 +80,7 @@ pub fn connect_all(prefix: &str, rank: usize, world: usize, peers: &[usize], sto
                         Ok(p) => {
                             let _ = tx.send((p, s, from));
                         }
-                        Err(e) => log::warn!("rank {rank}: tcp transport: {e}; connection dropped"),
+                        Err(e) => crate::bootstrap::refusals::warn(|| format!("rank {rank}: tcp transport: {e}; connection dropped")),
                     }
                 });
                 if let Err(e) = spawned {
