@@ -26,6 +26,7 @@ import argparse
 import concurrent.futures
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -183,11 +184,13 @@ def run_case(launcher, scenario, fault, world, backend, deadline_s, margin_s):
             if fault == "stop" and launcher == "torchrun" and len([r for r in survivors if r in by_rank]) < len(survivors):
                 problems.append("a survivor did not report the stopped rank")
     ok = not problems or backend != "gradwire"
+    if ok:
+        shutil.rmtree(where, ignore_errors=True)  # a failed case's files stay, for a look
     line = f"{'ok  ' if ok else 'FAIL'} {name}: ended {took_s} after the fault; {seen or 'no rank reported'}"
     if problems:
         line += "\n       " + ("gloo: " if backend != "gradwire" else "") + "; ".join(problems)
     if not ok:
-        line += "\n" + "\n".join("       | " + t for t in text.splitlines()[-40:])
+        line += f"\n       (its files: {where})\n" + "\n".join("       | " + t for t in text.splitlines()[-40:])
     return ok, line
 
 
