@@ -2,9 +2,16 @@
 
 torch's C++ ABI changes between releases, so no wheel can carry this extension: it is
 compiled at the first gradwire group a process makes (torch.utils.cpp_extension: g++ and
-ninja, about 40 s of one core) and cached under ~/.cache/gradwire (XDG_CACHE_HOME; the
-temporary directory for a user without a home) by torch build, Python, build flags and
-source hash; later processes load it in milliseconds. Ranks
+ninja, about 40 s of one core) and cached under ~/.cache/gradwire ($XDG_CACHE_HOME/gradwire
+where XDG_CACHE_HOME is absolute; $TMPDIR/gradwire-UID for a user without a home) by torch
+build, Python, build flags and source hash; later processes load it in milliseconds.
+
+Loading a cached library runs its code in this process, so the cache is trusted only as far
+as it is the user's own: every folder on its path belongs to the user or root and no one
+else can write it (a sticky one such as /tmp aside), the folders gradwire makes are 0700,
+and a library loads only if the user owns it, no one else can write it and its SHA-256 is
+the one recorded beside it when it was built. Anything else is refused with a warning that
+says why, and the backend runs on its Python methods. Ranks
 starting together build it once: the others wait on a file lock (flock, which the kernel
 releases when its holder dies, so a killed build leaves no stale lock), for at most
 GRADWIRE_TORCH_NATIVE_WAIT_S (default 600) seconds before building on their own, and a
@@ -22,6 +29,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import stat
 import sys
 import tempfile
 import threading
@@ -78,13 +86,89 @@ def _wait_s():
     return seconds
 
 
+class UnsafeCache(Exception):
+    """The build cache is not the user's own: another user could put code in it."""
+
+
 def _cache_dir():
-    """Where builds go: XDG_CACHE_HOME, else ~/.cache, else (no home: a container user without
-    one) the temporary directory; never a relative path."""
-    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    if not os.path.isabs(home):
-        home = tempfile.gettempdir()
-    return os.path.join(home, "gradwire")
+    """(the user's cache folder, gradwire's folder in it): $XDG_CACHE_HOME and gradwire,
+    else ~/.cache and gradwire, else (no home: a container's uid without a passwd entry)
+    $TMPDIR and gradwire-UID. A relative XDG_CACHE_HOME is ignored, as the XDG spec says.
+    Not checked here: _private_dir does."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):
+        return xdg, "gradwire"
+    home = os.path.expanduser("~")
+    if os.path.isabs(home):
+        return os.path.join(home, ".cache"), "gradwire"
+    # Predictable, so another user may have made it first: _private_dir refuses it then.
+    return tempfile.gettempdir(), f"gradwire-{os.geteuid()}"
+
+
+def _private_dir(base, path):
+    """Makes `path` (under the user's folder `base`) a directory only this user can write,
+    or raises UnsafeCache. Every directory from / down to `base` (symlinks resolved) must
+    belong to the user or root and be writable by no one else, or be sticky as /tmp is
+    (others cannot rename or remove what is not theirs there). Below `base` (gradwire's own
+    folders) each must be a real directory of the user's; those it makes are 0700."""
+    uid = os.geteuid()
+
+    def check(here, own):
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            try:
+                os.mkdir(here, 0o700)
+            except FileExistsError:
+                pass  # another rank made it
+            st = os.lstat(here)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeCache(f"{here} is not a directory")
+        if st.st_uid != uid and (own or st.st_uid != 0):
+            raise UnsafeCache(f"{here} is owned by uid {st.st_uid}, not by this user (uid {uid})")
+        if st.st_mode & 0o022 and (own or not st.st_mode & stat.S_ISVTX):
+            raise UnsafeCache(f"{here} is writable by others than its owner (mode {stat.S_IMODE(st.st_mode):04o})")
+
+    real = os.path.realpath(base)
+    parts = real.split(os.sep)
+    for i in range(1, len(parts) + 1):
+        check(os.sep.join(parts[:i]) or os.sep, own=False)
+    for part in os.path.relpath(path, base).split(os.sep):
+        real = os.path.join(real, part)
+        check(real, own=True)
+    return real
+
+
+def _own_file(path):
+    """Raises UnsafeCache unless `path` is a regular file (not a link) of this user's that
+    no one else can write."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeCache(f"{path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise UnsafeCache(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise UnsafeCache(f"{path} is writable by others than its owner (mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _verified(target):
+    """Raises UnsafeCache unless the library `target` is the user's own build: owned by the
+    user, writable by no one else, with the SHA-256 recorded beside it at build time."""
+    record = target + ".sha256"
+    _own_file(record)
+    _own_file(target)
+    with open(record) as f:
+        recorded = f.read().strip()
+    if _sha256(target) != recorded:
+        raise UnsafeCache(f"{target} does not match the SHA-256 recorded when it was built ({record}); it was changed since")
 
 
 def _paths():
@@ -100,7 +184,7 @@ def _paths():
     # ABI); so do the flags this module builds with.
     digest.update(repr((torch.__version__, torch.version.git_version, torch._C._GLIBCXX_USE_CXX11_ABI, sys.version, _FLAGS)).encode())
     name = "gradwire_torch_group"
-    cache = os.path.join(_cache_dir(), f"torch-{digest.hexdigest()[:16]}")
+    cache = os.path.join(*_cache_dir(), f"torch-{digest.hexdigest()[:16]}")
     return name, cache, os.path.join(cache, name + ".so")  # as cpp_extension names it
 
 
@@ -111,11 +195,14 @@ def _load(retry_failed=False):
     wait_s = _wait_s()
     try:
         name, cache, target = _paths()
+        cache = _private_dir(_cache_dir()[0], cache)
+        target = os.path.join(cache, os.path.basename(target))
         failed = os.path.join(cache, "failed")
-        if not os.path.exists(target):
-            os.makedirs(cache, exist_ok=True)
+        # Without its record a library is not known to be this user's build (one from
+        # before the records, or a build cut short): it is built again.
+        if not os.path.exists(target + ".sha256"):
             with _build_lock(os.path.join(cache, "build.lock"), wait_s):
-                if os.path.exists(target):
+                if os.path.exists(target + ".sha256"):
                     pass  # built while this process waited
                 elif not retry_failed and os.path.exists(failed) and time.time() - os.path.getmtime(failed) < _RETRY_S:
                     with open(failed) as f:  # ranks starting together fail once, not in turn
@@ -130,11 +217,14 @@ def _load(retry_failed=False):
                         raise
                     _where = target
                     return fast, None
+        _verified(target)
         spec = importlib.util.spec_from_file_location(name, target)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         _where = target
         return module.FastGroup, None
+    except UnsafeCache as e:
+        return None, f"the build cache is not safe to load from: {e}; nothing is built in or loaded from it (remove it, or set XDG_CACHE_HOME to a folder of your own)"
     except Exception as e:  # noqa: BLE001 (any failure leaves the Python group, said once)
         return None, f"{type(e).__name__}: {_gist(e)}"
 
@@ -183,7 +273,15 @@ def _build(name, cache, target):
     try:
         with tempfile.TemporaryDirectory(dir=cache, prefix="build-") as tmp:
             module = cpp_extension.load(name, [_SOURCE], extra_include_paths=[_HERE], build_directory=tmp, verbose=False, is_python_module=True, **_FLAGS)
-            os.replace(os.path.join(tmp, os.path.basename(target)), target)  # atomic: a process that finds it finds it whole
+            built = os.path.join(tmp, os.path.basename(target))
+            os.chmod(built, 0o700)  # whatever the umask: a library others can write is refused
+            # The record goes first: a process that finds the library finds its record, and
+            # loads the library only if it still hashes to it (_verified).
+            record = os.path.join(tmp, "record")
+            with open(os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(_sha256(built) + "\n")
+            os.replace(record, target + ".sha256")
+            os.replace(built, target)  # atomic: a process that finds it finds it whole
     finally:
         if path is None:
             del os.environ["PATH"]
