@@ -182,7 +182,7 @@ unsafe fn bad_inputs() {
     assert_eq!(gradwire_strategy_create(comm, ssgd.as_ptr(), std::ptr::null(), init.as_ptr(), 8, &mut strat), 0, "{}", last_error());
     let (mut p, mut g) = ([1.0f32; 8], [0.25f32; 8]);
     expect(gradwire_strategy_start(strat, p.as_mut_ptr(), 7), INVALID, "7 values, but the scheme was made for 8 parameters");
-    expect(gradwire_strategy_before_update(strat, g.as_mut_ptr(), 8, 0), INVALID, "call gradwire_strategy_start first");
+    expect(gradwire_strategy_before_update(strat, g.as_mut_ptr(), 8, 0), INVALID, "before_update before start: call start first");
     assert_eq!(gradwire_strategy_start(strat, p.as_mut_ptr(), 8), 0, "{}", last_error());
     expect(gradwire_strategy_before_update(strat, std::ptr::null_mut(), 8, 0), INVALID, "grads is NULL");
     // SAFETY: pointer arithmetic inside `g`, to make a misaligned float pointer (refused

@@ -22,31 +22,9 @@ pub(super) struct Scheme {
     _comm: Arc<Communicator>,
     /// Parameters in the model (every buffer handed in must hold exactly this many).
     len: usize,
-    /// Where the scheme is in its life: made, started (every step needs it), finished.
-    stage: Stage,
-}
-
-/// A scheme's life cycle: `start` once, then its steps, then `finish` once. A call out of
-/// that order is refused: a second start would reset the scheme's state under a running
-/// training, and a step after finish would move parameters every rank took as final.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Stage {
-    Made,
-    Started,
-    Finished,
 }
 
 impl Scheme {
-    /// Refuses `what` unless the scheme is in one of the `allowed` stages.
-    fn in_stage(&self, allowed: &[Stage], what: &str) -> Result<()> {
-        match self.stage {
-            s if allowed.contains(&s) => Ok(()),
-            Stage::Made => Err(invalid(format!("{what}: call gradwire_strategy_start first"))),
-            Stage::Started => Err(invalid(format!("{what}: the strategy has already started (gradwire_strategy_start runs once)"))),
-            Stage::Finished => Err(invalid(format!("{what}: the strategy has finished (gradwire_strategy_finish ended it; make a new one to train again)"))),
-        }
-    }
-
     fn check(&self, n: usize, what: &str) -> Result<()> {
         if n != self.len {
             return Err(invalid(format!("{what}: {n} values, but the scheme was made for {} parameters", self.len)));
@@ -64,14 +42,13 @@ fn lock<'a>(s: &'a Mutex<Scheme>, what: &str) -> Result<std::sync::MutexGuard<'a
     s.lock().map_err(|_| invalid(format!("{what}: an earlier call on this strategy failed inside gradwire; free it")))
 }
 
-/// Runs `f` on the scheme behind `p` if it is in one of the `allowed` stages, with `n`
-/// checked against its parameter count.
-fn with_scheme(p: *const gradwire_strategy_t, n: usize, allowed: &[Stage], what: &str, f: impl FnOnce(&mut Scheme) -> Result<()>) -> c_int {
+/// Runs `f` on the scheme behind `p`, with `n` checked against its parameter count. (The
+/// scheme itself refuses calls out of its life cycle: train::build's.)
+fn with_scheme(p: *const gradwire_strategy_t, n: usize, what: &str, f: impl FnOnce(&mut Scheme) -> Result<()>) -> c_int {
     guard(|| {
         let s = scheme(p, what)?;
         let mut s = lock(&s, what)?;
         s.check(n, what)?;
-        s.in_stage(allowed, what)?;
         f(&mut s).map_err(|e| super::prefixed(e, what))
     })
 }
@@ -168,7 +145,7 @@ pub unsafe extern "C" fn gradwire_strategy_create(
         let built = train::build(c_ref, &cfg, &init).map_err(|e| super::prefixed(e, w))?;
         let mut reg = registry();
         let id = reg.id();
-        reg.strategies.insert(id, (comm_id, Arc::new(Mutex::new(Scheme { strategy: built, _comm: c, len: init.len(), stage: Stage::Made }))));
+        reg.strategies.insert(id, (comm_id, Arc::new(Mutex::new(Scheme { strategy: built, _comm: c, len: init.len() }))));
         drop(reg);
         put(strategy, to_handle(id), w, "strategy")
     })
@@ -211,10 +188,8 @@ pub unsafe extern "C" fn gradwire_strategy_start(strategy: *mut gradwire_strateg
         let s = scheme(strategy, w)?;
         let mut s = lock(&s, w)?;
         s.check(n, w)?;
-        s.in_stage(&[Stage::Made], w)?;
         // SAFETY: the caller's contract.
         s.strategy.start(unsafe { floats(params, n, w, "params")? }).map_err(|e| super::prefixed(e, w))?;
-        s.stage = Stage::Started;
         Ok(())
     })
 }
@@ -225,7 +200,7 @@ pub unsafe extern "C" fn gradwire_strategy_start(strategy: *mut gradwire_strateg
 pub unsafe extern "C" fn gradwire_strategy_before_update(strategy: *mut gradwire_strategy_t, grads: *mut f32, n: usize, last_of_epoch: c_int) -> c_int {
     let w = "gradwire_strategy_before_update";
     // SAFETY: the caller's contract.
-    with_scheme(strategy, n, &[Stage::Started], w, |s| s.strategy.before_update(unsafe { floats(grads, n, w, "grads")? }, last_of_epoch != 0))
+    with_scheme(strategy, n, w, |s| s.strategy.before_update(unsafe { floats(grads, n, w, "grads")? }, last_of_epoch != 0))
 }
 
 /// # Safety
@@ -234,7 +209,7 @@ pub unsafe extern "C" fn gradwire_strategy_before_update(strategy: *mut gradwire
 pub unsafe extern "C" fn gradwire_strategy_after_update(strategy: *mut gradwire_strategy_t, params: *mut f32, n: usize, last_of_epoch: c_int) -> c_int {
     let w = "gradwire_strategy_after_update";
     // SAFETY: the caller's contract.
-    with_scheme(strategy, n, &[Stage::Started], w, |s| s.strategy.after_update(unsafe { floats(params, n, w, "params")? }, last_of_epoch != 0))
+    with_scheme(strategy, n, w, |s| s.strategy.after_update(unsafe { floats(params, n, w, "params")? }, last_of_epoch != 0))
 }
 
 /// # Safety
@@ -249,7 +224,7 @@ pub unsafe extern "C" fn gradwire_strategy_step(
     last_of_epoch: c_int,
 ) -> c_int {
     let w = "gradwire_strategy_step";
-    with_scheme(strategy, n, &[Stage::Started], w, |s| {
+    with_scheme(strategy, n, w, |s| {
         // Checked before any slice exists: a `&mut` overlapping a `&` is undefined behaviour.
         let bytes = n.checked_mul(4).ok_or_else(|| invalid(format!("{w}: {n} floats are more than any buffer holds")))?;
         let (pa, ga) = (params as usize, grads as usize);
@@ -268,7 +243,7 @@ pub unsafe extern "C" fn gradwire_strategy_step(
 #[no_mangle]
 pub unsafe extern "C" fn gradwire_strategy_end_epoch(strategy: *mut gradwire_strategy_t, params: *mut f32, n: usize, loss: f64, mean_loss: *mut f64) -> c_int {
     let w = "gradwire_strategy_end_epoch";
-    with_scheme(strategy, n, &[Stage::Started], w, |s| {
+    with_scheme(strategy, n, w, |s| {
         out(mean_loss, w, "mean_loss")?;
         // A NaN loss is averaged like any other (every rank must make this call): the mean
         // then tells every rank that one diverged.
@@ -283,8 +258,7 @@ pub unsafe extern "C" fn gradwire_strategy_end_epoch(strategy: *mut gradwire_str
 #[no_mangle]
 pub unsafe extern "C" fn gradwire_strategy_current_model(strategy: *mut gradwire_strategy_t, params: *mut f32, n: usize) -> c_int {
     let w = "gradwire_strategy_current_model";
-    // After finish too: the final model is what an evaluation asks for.
-    with_scheme(strategy, n, &[Stage::Started, Stage::Finished], w, |s| {
+    with_scheme(strategy, n, w, |s| {
         // SAFETY: the caller's contract.
         let p = unsafe { floats(params, n, w, "params")? };
         let model = s.strategy.current_model(p)?;
@@ -298,12 +272,8 @@ pub unsafe extern "C" fn gradwire_strategy_current_model(strategy: *mut gradwire
 #[no_mangle]
 pub unsafe extern "C" fn gradwire_strategy_finish(strategy: *mut gradwire_strategy_t, params: *mut f32, n: usize) -> c_int {
     let w = "gradwire_strategy_finish";
-    with_scheme(strategy, n, &[Stage::Started], w, |s| {
-        // SAFETY: the caller's contract.
-        s.strategy.finish(unsafe { floats(params, n, w, "params")? })?;
-        s.stage = Stage::Finished;
-        Ok(())
-    })
+    // SAFETY: the caller's contract.
+    with_scheme(strategy, n, w, |s| s.strategy.finish(unsafe { floats(params, n, w, "params")? }))
 }
 
 /// # Safety
@@ -329,7 +299,6 @@ pub unsafe extern "C" fn gradwire_strategy_claim_batch(strategy: *mut gradwire_s
         out(yes, w, "yes")?;
         let s = scheme(strategy, w)?;
         let mut s = lock(&s, w)?;
-        s.in_stage(&[Stage::Started], w)?;
         if !s.strategy.shared_pool() {
             return Err(invalid(format!("{w}: {} gives each rank its own share of the epoch, not a shared pool", s.strategy.name())));
         }

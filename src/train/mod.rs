@@ -271,9 +271,10 @@ impl StrategyConfig {
 pub const STRATEGIES: [&str; 7] = ["ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour", "eamsgd"];
 
 /// Builds the strategy `cfg.strategy` on `comm`, for a model of `n` parameters with initial
-/// values `init` (the same on every rank: the parameter servers start from them).
+/// values `init` (the same on every rank: the parameter servers start from them). It
+/// refuses calls out of its life cycle (`InOrder`).
 pub fn build<'c>(comm: &'c Communicator, cfg: &StrategyConfig, init: &[f32]) -> Result<Box<dyn Strategy + Send + 'c>> {
-    Ok(match cfg.strategy.as_str() {
+    let scheme: Box<dyn Strategy + Send + 'c> = match cfg.strategy.as_str() {
         "ssgd" => Box::new(ssgd::Ssgd::new(comm)),
         "bsp" => Box::new(bsp::Bsp::new(comm, cfg.interval, cfg.topk, cfg.node_interval)?),
         "daso" => Box::new(daso::Daso::new(comm, cfg.daso.clone())?),
@@ -282,7 +283,91 @@ pub fn build<'c>(comm: &'c Communicator, cfg: &StrategyConfig, init: &[f32]) -> 
         "downpour" => Box::new(ps::Downpour::new(comm, init, cfg.lr, cfg.fetch, cfg.push)?),
         "eamsgd" => Box::new(ps::Eamsgd::new(comm, init, Sgd::new(cfg.lr, 0.99, true), cfg.tau, cfg.beta)?),
         other => return Err(invalid(format!("unknown strategy '{other}' (known: {})", STRATEGIES.join(", ")))),
-    })
+    };
+    Ok(Box::new(InOrder { scheme, stage: Stage::Made }))
+}
+
+/// A strategy that refuses calls out of its life cycle: `start` once, then its steps, then
+/// `finish` once; after that only `current_model` (the final model is what an evaluation
+/// asks for) and the queries. A second start would reset the scheme's state under a running
+/// training, and a step after finish would move parameters every rank took as final.
+struct InOrder<'c> {
+    scheme: Box<dyn Strategy + Send + 'c>,
+    stage: Stage,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Stage {
+    Made,
+    Started,
+    Finished,
+}
+
+impl InOrder<'_> {
+    /// Refuses `call` unless the scheme is in one of the `allowed` stages.
+    fn expect(&self, allowed: &[Stage], call: &str) -> Result<()> {
+        let name = self.scheme.name();
+        match self.stage {
+            s if allowed.contains(&s) => Ok(()),
+            Stage::Made => Err(invalid(format!("{name}: {call} before start: call start first"))),
+            Stage::Started => Err(invalid(format!("{name}: the strategy has already started (start runs once)"))),
+            Stage::Finished => Err(invalid(format!("{name}: {call} after finish: the strategy has finished (make a new one to train again)"))),
+        }
+    }
+}
+
+impl Strategy for InOrder<'_> {
+    fn name(&self) -> &'static str {
+        self.scheme.name()
+    }
+    fn start(&mut self, params: &mut [f32]) -> Result<()> {
+        self.expect(&[Stage::Made], "start")?;
+        self.scheme.start(params)?;
+        self.stage = Stage::Started;
+        Ok(())
+    }
+    fn framework_update(&self) -> bool {
+        self.scheme.framework_update()
+    }
+    fn before_update(&mut self, grads: &mut [f32], last_of_epoch: bool) -> Result<()> {
+        self.expect(&[Stage::Started], "before_update")?;
+        self.scheme.before_update(grads, last_of_epoch)
+    }
+    fn after_update(&mut self, params: &mut [f32], last_of_epoch: bool) -> Result<()> {
+        self.expect(&[Stage::Started], "after_update")?;
+        self.scheme.after_update(params, last_of_epoch)
+    }
+    fn step(&mut self, params: &mut [f32], grads: &[f32], last_of_epoch: bool) -> Result<()> {
+        self.expect(&[Stage::Started], "step")?;
+        self.scheme.step(params, grads, last_of_epoch)
+    }
+    fn shared_pool(&self) -> bool {
+        self.scheme.shared_pool()
+    }
+    fn claim_batch(&mut self, total: usize) -> Result<bool> {
+        self.expect(&[Stage::Started], "claim_batch")?;
+        self.scheme.claim_batch(total)
+    }
+    fn current_model(&mut self, params: &[f32]) -> Result<Vec<f32>> {
+        self.expect(&[Stage::Started, Stage::Finished], "current_model")?;
+        self.scheme.current_model(params)
+    }
+    fn describe(&self) -> String {
+        self.scheme.describe()
+    }
+    fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
+        self.expect(&[Stage::Started], "end_epoch")?;
+        self.scheme.end_epoch(params, loss)
+    }
+    fn finish(&mut self, params: &mut [f32]) -> Result<()> {
+        self.expect(&[Stage::Started], "finish")?;
+        self.scheme.finish(params)?;
+        self.stage = Stage::Finished;
+        Ok(())
+    }
+    fn bytes_sent(&self) -> u64 {
+        self.scheme.bytes_sent()
+    }
 }
 
 /// One training step of any strategy: for the schemes whose local update is the
@@ -305,6 +390,46 @@ pub(crate) fn f32_bytes(n: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A built strategy refuses calls out of its life cycle (start twice, a step before
+    /// start or after finish returned Ok before) and still hands out its final model.
+    #[test]
+    fn a_strategy_refuses_calls_out_of_its_life_cycle() {
+        let env = crate::bootstrap::RankEnv {
+            rank: 0,
+            world: 1,
+            local_rank: None,
+            local_world: None,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            secret: String::new(),
+            store_exists: false,
+        };
+        let comm = Communicator::with_env(env, crate::Config::from_env().unwrap()).unwrap();
+        let mut p = vec![1f32; 8];
+        let mut g = vec![0f32; 8];
+        let mut s = build(&comm, &StrategyConfig::parse("bsp", "interval=2").unwrap(), &p).unwrap();
+        let refused = |r: Result<()>, want: &str| {
+            let e = r.expect_err(want).to_string();
+            assert!(e.contains(want), "{e}");
+        };
+        refused(s.before_update(&mut g, false), "before_update before start: call start first");
+        refused(s.current_model(&p).map(drop), "current_model before start: call start first");
+        s.start(&mut p).unwrap();
+        refused(s.start(&mut p), "bsp: the strategy has already started");
+        s.before_update(&mut g, false).unwrap();
+        s.after_update(&mut p, false).unwrap();
+        s.end_epoch(&mut p, 0.5).unwrap();
+        s.finish(&mut p).unwrap();
+        refused(s.before_update(&mut g, false), "before_update after finish: the strategy has finished");
+        refused(s.after_update(&mut p, false), "after_update after finish: the strategy has finished");
+        refused(s.step(&mut p, &g, false), "step after finish: the strategy has finished");
+        refused(s.end_epoch(&mut p, 0.5).map(drop), "end_epoch after finish: the strategy has finished");
+        refused(s.claim_batch(4).map(drop), "claim_batch after finish: the strategy has finished");
+        refused(s.finish(&mut p), "finish after finish: the strategy has finished");
+        refused(s.start(&mut p), "start after finish: the strategy has finished");
+        assert_eq!(s.current_model(&p).unwrap(), p, "the final model stays readable");
+    }
 
     #[test]
     fn options_parse_and_refuse_clearly() {
