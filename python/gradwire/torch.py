@@ -22,9 +22,10 @@ every other call, and every call where that cannot be built, runs the Python met
 completed by that caller; work whose future is asked for (DDP's buckets) is completed by one
 completion thread per process, in order (no thread per operation), so the buckets reduce
 while backward goes on. A failed call fails its future with gradwire's error itself (not
-as a value, which torch's C++ would read as the result): DDP raises it from backward. Broadcast, all_gather_into_tensor, reduce_scatter_tensor (what
-FSDP-style sharding overlaps) and all-to-all are non-blocking too; the list forms, gather,
-scatter and reduce run when called and return completed work. isend, irecv and
+as a value, which torch's C++ would read as the result): DDP raises it from backward.
+Broadcast, all_gather_into_tensor, reduce_scatter_tensor (what FSDP-style sharding
+overlaps) and all-to-all are non-blocking too; the list forms, gather, scatter and reduce
+run when called and return completed work. isend, irecv and
 batch_isend_irecv gather into one gradwire batch, started when one of them is waited for or
 polled, or before the group's next other call: a ring of sends and receives completes, as
 on NCCL. A receive from any source (`recv` without `src`) is refused: gradwire matches
@@ -213,17 +214,11 @@ def _new_future():
 
 
 def _raise_failure(hidden):
+    # A result is the call's tensors, never an exception: an exception is the failure.
     outcome = hidden.value()
-    if isinstance(outcome, _Failure):
-        raise outcome.error
+    if isinstance(outcome, BaseException):
+        raise outcome
     return outcome
-
-
-class _Failure:
-    """An exception carried as a hidden future's value (see _new_future)."""
-
-    def __init__(self, error):
-        self.error = error
 
 
 def _fail_future():
@@ -234,7 +229,7 @@ def _fail_future():
 def _settle(future, hidden, result, error):
     """Completes a future made by _new_future with `result`, or fails it with `error`."""
     if hidden is not None:
-        hidden.set_result(result if error is None else _Failure(error))
+        hidden.set_result(result if error is None else error)
     elif error is None:
         future.set_result(result)
     else:

@@ -94,9 +94,10 @@ def watch(procs, where, world, fault, limit_s):
     start, faulted_mono, stopped_killed = time.monotonic(), None, False
     while any(p.poll() is None for p in procs):
         now = time.monotonic()
-        if faulted_mono is None and read_fault(where) is not None:
+        fault_at = read_fault(where) if faulted_mono is None else None
+        if fault_at is not None:
             # The wall time rank 1 wrote, on this host's clock.
-            faulted_mono = now - max(0.0, time.time() - read_fault(where)[1])
+            faulted_mono = now - max(0.0, time.time() - fault_at[1])
         if fault == "stop" and faulted_mono is not None and not stopped_killed:
             if caught(where) >= world - 1 or now - faulted_mono > limit_s:
                 try:

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import gradwire
 import gradwire.torch  # noqa: F401  (registers the backend)
 from gradwire.optim import BSP, DASO, ParameterServer
 
