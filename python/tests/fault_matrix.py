@@ -18,8 +18,10 @@ command) in the environment, and the package on PYTHONPATH. What each case must 
 - gradwire launch: it names rank 1 and ends within the same time; no rank crashes.
 
 A stopped rank is killed by this driver once the survivors have reported (an operator
-would; torchrun would wait 30 s for it to take SIGTERM). Prints one line per case and
-exits 1 if any case failed.
+would; torchrun would wait 30 s for it to take SIGTERM). A case in which a rank failed
+before the fault (a deadline passed while a loaded machine held a rank back) did not test
+the fault: it runs once more, and its line says why. Prints one line per case and exits 1
+if any case failed.
 """
 
 import argparse
@@ -119,8 +121,9 @@ def watch(procs, where, world, fault, limit_s):
     return (time.monotonic() - faulted_mono if faulted_mono is not None else None), False
 
 
-def run_case(launcher, scenario, fault, world, backend, deadline_s, margin_s):
-    """Runs one case; returns (ok, a line saying what happened)."""
+def run_case(launcher, scenario, fault, world, backend, deadline_s, margin_s, retried=None):
+    """Runs one case; returns (ok, a line saying what happened). `retried`: why its first
+    run did not count."""
     where = tempfile.mkdtemp(prefix="gw-fault-")
     env = base_env(deadline_s)
     port = free_port()
@@ -145,12 +148,19 @@ def run_case(launcher, scenario, fault, world, backend, deadline_s, margin_s):
         texts.append(log.read())
         log.close()
     text = "\n".join(texts)
+    before = re.findall(r"FAULT-RESULT rank (\d+) failed before the fault: (.*)", text)
+    if before and not retried:
+        shutil.rmtree(where, ignore_errors=True)
+        first = f"rank {before[0][0]} failed before the fault: {before[0][1][:160]}"
+        return run_case(launcher, scenario, fault, world, backend, deadline_s, margin_s, retried=first)
     results = re.findall(r"FAULT-RESULT rank (\d+) (caught (\w+) after ([\d.]+) s: (.*)|no error)", text)
     by_rank = {int(r): (kind, float(after) if after else None, msg, whole) for r, whole, kind, after, msg in results}
     name = f"{launcher:8} {backend:8} {scenario:8} {fault:4} {world} ranks"
     seen = "; ".join(f"rank {r}: " + (f"{k} after {a:.2f} s: {m[:110]}" if k else w) for r, (k, a, m, w) in sorted(by_rank.items()))
     took_s = f"{took:.1f} s" if took is not None else "?"
     problems = []
+    if before:
+        problems.append(f"rank {before[0][0]} failed before the fault: {before[0][1][:200]}")
     if overran:
         problems.append(f"still running {limit_s + 30:.0f} s after the fault (or no fault within {START_LIMIT_S} s): killed")
     if CRASH.search(text):
@@ -188,8 +198,11 @@ def run_case(launcher, scenario, fault, world, backend, deadline_s, margin_s):
     if ok:
         shutil.rmtree(where, ignore_errors=True)  # a failed case's files stay, for a look
     line = f"{'ok  ' if ok else 'FAIL'} {name}: ended {took_s} after the fault; {seen or 'no rank reported'}"
+    if retried:
+        line += f" (second run: in the first, {retried})"
     if problems:
-        line += "\n       " + ("gloo: " if backend != "gradwire" else "") + "; ".join(problems)
+        # On the case's own line: a log excerpt that keeps only the FAIL line still says why.
+        line += " -- " + ("gloo: " if backend != "gradwire" else "") + "; ".join(problems)
     if not ok:
         line += f"\n       (its files: {where})\n" + "\n".join("       | " + t for t in text.splitlines()[-40:])
     return ok, line

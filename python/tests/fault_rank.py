@@ -17,7 +17,9 @@ time to DIR/fault. A survivor that catches an error prints one line
 
 (S: seconds since the fault), waits until every survivor has caught one (at most 10 s: a
 survivor that left at once would be lost in turn to a peer still waiting on it) and exits 3.
-A survivor that trains on to the end prints "FAULT-RESULT rank R no error" and exits 0.
+A survivor that trains on to the end prints "FAULT-RESULT rank R no error" and exits 0; a
+rank that fails before rank 1 faults (a deadline passed on a loaded machine) prints
+"FAULT-RESULT rank R failed before the fault: TYPE: MESSAGE" and exits 4.
 """
 
 import os
@@ -41,8 +43,9 @@ scenario, fault, backend, where = sys.argv[1:5]
 torch.set_num_threads(1)
 # gloo's deadline is torch's timeout; gradwire's is GRADWIRE_TIMEOUT_MS (the driver sets both).
 deadline_s = int(os.environ.get("GRADWIRE_TIMEOUT_MS", "3000")) / 1000
-dist.init_process_group(backend, timeout=timedelta(seconds=deadline_s))
-rank, world = dist.get_rank(), dist.get_world_size()
+# gradwire's group meets in torch's store under the group's timeout, which is not its
+# deadline: a long one lets a rank that starts late on a loaded machine still join.
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.manual_seed(1234)
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
 
@@ -119,11 +122,16 @@ def train():
 
 
 try:
+    dist.init_process_group(backend, timeout=timedelta(seconds=120 if backend == "gradwire" else deadline_s))
     train()
 except Exception as e:  # noqa: BLE001 (what the survivor caught is the result)
-    with open(os.path.join(where, "fault")) as f:
-        faulted = float(f.read().split()[1])
     message = str(e).splitlines()[0] if str(e) else repr(e)
+    try:
+        with open(os.path.join(where, "fault")) as f:
+            faulted = float(f.read().split()[1])
+    except FileNotFoundError:
+        print(f"FAULT-RESULT rank {rank} failed before the fault: {type(e).__name__}: {message}", flush=True)
+        os._exit(4)
     print(f"FAULT-RESULT rank {rank} caught {type(e).__name__} after {time.time() - faulted:.2f} s: {message}", flush=True)
     open(os.path.join(where, f"caught.{rank}"), "w").close()
     until = time.monotonic() + 10
