@@ -149,6 +149,22 @@ fn torch_schemes_match_their_references() {
     }
 }
 
+/// A BatchNorm model's parameters and buffers agree on every rank after `finish()` under
+/// DASO, BSP and each parameter-server scheme (python/tests/batchnorm_buffers.py: the
+/// floating buffers are the ranks' mean, the counts rank 0's; without `model=` they differ),
+/// across 2 namespace nodes of 2 ranks.
+#[test]
+fn batchnorm_buffers_agree_after_finish() {
+    if !python_has("torch") {
+        eprintln!("SKIP batchnorm_buffers_agree_after_finish: torch is not importable");
+        return;
+    }
+    let launch: &[&str] = if can_netns("batchnorm_buffers_agree_after_finish (namespaces)") { &["--netns", "--ranks-per-node", "2"] } else { &[] };
+    let t = launch_py(4, launch, "python/tests/batchnorm_buffers.py", &[], &[]);
+    assert_eq!(t.matches("buffers: ok").count(), 4, "{t}");
+    assert!(!t.contains("FAIL"), "{t}");
+}
+
 /// A script written for Heat's DASO runs with its import changed (python/examples/
 /// heat_daso.py, a convolutional net), across 2 namespace nodes of 2 ranks: it learns, and
 /// every replica ends identical.

@@ -18,6 +18,15 @@ on the CPU or on one CUDA device per rank. The schemes themselves run in libgrad
 (ALGORITHMS.md) on host memory: for a CUDA model the gradients and parameters cross to
 host mirrors and back once per step (node-local steps therefore run on gradwire's shared
 memory, not NCCL).
+
+Buffers (BatchNorm's running statistics) are not parameters: given the model (`model=`,
+DASO's `set_model` or Heat's `DataParallelMultiGPU`, a ParameterServer made from a module),
+a scheme makes them rank 0's at construction, averages the floating ones over the ranks
+where it agrees the parameters globally (DASO: every synchronous batch and each epoch's
+last; BSP: every K-th step; every scheme: `end_epoch` and `finish()`, which also hand on
+rank 0's integer counts), and leaves them identical on every rank after `finish()`.
+Between those points each rank's buffers follow its own data, as its parameters do.
+Without the model a scheme cannot see the buffers: each rank keeps its own.
 """
 
 import contextlib
@@ -28,6 +37,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Union
 import torch
 
 from gradwire import Comm, Strategy
+from gradwire._buffers import ModelBuffers
 
 __all__ = ["DASO", "BSP", "ParameterServer", "PoolSampler", "FlatParameters"]
 
@@ -215,6 +225,13 @@ class _Scheme:
         self._strategy.start(self.flat.data)
         self.flat.push_params()
         self.epochs_ended = 0
+        self.buffers: Optional[ModelBuffers] = None
+
+    def _keep_buffers(self, model: torch.nn.Module) -> None:
+        """`model`'s buffers (BatchNorm's statistics) become rank 0's now and are kept in
+        agreement from here on (see each scheme's text for when). Collective."""
+        self.buffers = ModelBuffers(model, self.comm)
+        self.buffers.broadcast()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zeroes the gradients in place (`set_to_none` is accepted and ignored: the
@@ -228,6 +245,8 @@ class _Scheme:
         with self.flat.frozen_kept():
             mean = self._strategy.end_epoch(self.flat.pull_params(), float(loss))
             self.flat.push_params()
+        if self.buffers is not None:
+            self.buffers.agree()
         self.epochs_ended += 1
         return mean
 
@@ -237,10 +256,13 @@ class _Scheme:
         return self._strategy.current_model(self.flat.pull_params().clone())
 
     def finish(self) -> None:
-        """Leaves the final model in the parameters on every rank. Collective."""
+        """Leaves the final model in the parameters, and the model's buffers, identical on
+        every rank. Collective."""
         with self.flat.frozen_kept():
             self._strategy.finish(self.flat.pull_params())
             self.flat.push_params()
+        if self.buffers is not None:
+            self.buffers.agree()
 
     @property
     def bytes_sent(self) -> int:
@@ -304,7 +326,9 @@ class DASO(_FrameworkStep):
     construction (rank 0's), not re-initialised; the synchronous phases average the change
     since the parameters last agreed (replicas stay identical); bfloat16 sums accumulate in
     float32; warm-up plus cool-down are capped at half the run; `downcast_type=torch.half`
-    and `scheduler` are refused; `use_mpi_groups` has no effect."""
+    and `scheduler` are refused; `use_mpi_groups` has no effect; the model's buffers are
+    averaged over every rank where the parameters are agreed (Heat's DDP broadcasts them
+    inside a node only)."""
 
     def __init__(
         self,
@@ -322,6 +346,7 @@ class DASO(_FrameworkStep):
         skip_reduction_factor: int = 2,
         local_skip_factor: int = 4,
         verbose: bool = False,
+        model: Optional[torch.nn.Module] = None,
     ) -> None:
         if scheduler is not None:
             raise ValueError("DASO: scheduler is not supported; step your learning-rate scheduler on local_optimizer beside DASO")
@@ -347,13 +372,19 @@ class DASO(_FrameworkStep):
         self.last_batch: Optional[int] = None
         self.current_batch = 0
         self.epoch = 0
+        if model is not None:
+            self.set_model(model)
 
     def set_model(self, model: torch.nn.Module) -> None:
-        """The model the local optimizer trains (`DataParallelMultiGPU` calls this)."""
+        """The model the local optimizer trains (`DataParallelMultiGPU` calls this, as does
+        `model=`): its buffers become rank 0's and are kept in agreement. Collective."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"DASO.set_model: model must be a torch.nn.Module, got {type(model).__name__}")
         mine = {id(p) for p in self.flat.params}
         if any(p.requires_grad and id(p) not in mine for p in model.parameters()):
             raise ValueError("DASO.set_model: the model has trainable parameters the local optimizer does not hold")
         self.module = model
+        self._keep_buffers(model)
 
     def add_scaler(self, scaler: Any) -> None:
         """A `torch.amp.GradScaler`: step() then steps through it."""
@@ -367,6 +398,10 @@ class DASO(_FrameworkStep):
             raise ValueError("DASO.step: set last_batch to the index of the epoch's last batch (len(loader) - 1) first, as with Heat")
         last = self.current_batch >= self.last_batch
         self._step(last)
+        if self.buffers is not None and (last or self.global_skip == 0):
+            # Where the parameters were just agreed globally (every synchronous batch, each
+            # epoch's last): the buffers too.
+            self.buffers.average()
         self.current_batch = 0 if last else self.current_batch + 1
         self.epoch += int(last)
 
@@ -415,6 +450,8 @@ class DASO(_FrameworkStep):
         self._strategy = Strategy(self.comm, self._scheme, self.flat.pull_params(), self._options)
         self._strategy.start(self.flat.data)
         self.flat.push_params()
+        if self.buffers is not None:
+            self.buffers.agree()
         self.current_batch, self.epoch = 0, 0
         self.zero_grad()
 
@@ -427,7 +464,15 @@ class BSP(_FrameworkStep):
     largest entries of the change, keeping the rest for the next interval (error feedback);
     `node_interval` K1 (dividing K) also averages inside the node every K1 steps."""
 
-    def __init__(self, local_optimizer: torch.optim.Optimizer, interval: int = 4, topk: Optional[float] = None, node_interval: int = 0, comm: Any = None) -> None:
+    def __init__(
+        self,
+        local_optimizer: torch.optim.Optimizer,
+        interval: int = 4,
+        topk: Optional[float] = None,
+        node_interval: int = 0,
+        comm: Any = None,
+        model: Optional[torch.nn.Module] = None,
+    ) -> None:
         options = {"interval": _integer(interval, "interval", 1), "node_interval": _integer(node_interval, "node_interval", 0)}
         if topk is not None:
             # None sends the whole change; a top-0 would send nothing.
@@ -435,12 +480,18 @@ class BSP(_FrameworkStep):
                 raise ValueError("topk must be in (0, 1], got 0; topk=None sends the whole change")
             options["topk"] = repr(float(topk))
         super().__init__(local_optimizer, "bsp", _option_string(options), comm)
-        self.interval = interval
+        self.interval = options["interval"]
+        self.steps = 0
+        if model is not None:
+            self._keep_buffers(model)
 
     def step(self, last_of_epoch: bool = False) -> None:
         """After `loss.backward()`: the local optimizer's step, and every K-th step the
-        change averaged over the ranks."""
+        change averaged over the ranks (and the model's floating buffers with it)."""
         self._step(bool(last_of_epoch))
+        self.steps += 1
+        if self.buffers is not None and self.steps % self.interval == 0:
+            self.buffers.average()
 
 
 _PS_OPTIONS = {"ddcgu": ("lr", "rule"), "cyclic": ("lr", "rule"), "downpour": ("lr", "fetch", "push"), "eamsgd": ("lr", "tau", "beta")}
@@ -464,6 +515,8 @@ class ParameterServer(_Scheme):
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
         super().__init__(params, scheme, _option_string(options), comm)
         self.scheme = scheme
+        if isinstance(model, torch.nn.Module):
+            self._keep_buffers(model)
 
     def step(self) -> None:
         """After `loss.backward()`: the scheme's push, pull and update; the parameters are
