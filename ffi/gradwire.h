@@ -293,6 +293,9 @@ int gradwire_strategy_bytes_sent(gradwire_strategy_t *strategy, uint64_t *bytes)
  * last gradwire_strategy_end_epoch (*yes = 1) or it is empty (0). */
 int gradwire_strategy_shared_pool(gradwire_strategy_t *strategy, int *yes);
 int gradwire_strategy_claim_batch(gradwire_strategy_t *strategy, size_t total, int *yes);
+/* The index of the epoch's last batch, known before it runs (DASO's schedule looks one batch
+ * ahead, as Heat's last_batch); other schemes ignore it. */
+int gradwire_strategy_set_last_batch(gradwire_strategy_t *strategy, size_t last_batch);
 /* The scheme's name and state (DASO's schedule, BSP's K), NUL-terminated, truncated to len. */
 int gradwire_strategy_describe(gradwire_strategy_t *strategy, char *buf, size_t len);
 

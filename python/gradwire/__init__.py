@@ -190,6 +190,7 @@ def load_library() -> ctypes.CDLL:
         "gradwire_strategy_finish": [p, p, sz],
         "gradwire_strategy_bytes_sent": [p, ctypes.POINTER(ctypes.c_uint64)],
         "gradwire_strategy_describe": [p, ctypes.c_char_p, sz],
+        "gradwire_strategy_set_last_batch": [p, sz],
         "gradwire_strategy_shared_pool": [p, ctypes.POINTER(ctypes.c_int)],
         "gradwire_strategy_claim_batch": [p, sz, ctypes.POINTER(ctypes.c_int)],
         "gradwire_hierarchy_create": [p, pp],
@@ -599,6 +600,11 @@ class Strategy:
         yes = ctypes.c_int(0)
         _check(load_library().gradwire_strategy_claim_batch(self._live(), total, ctypes.byref(yes)))
         return bool(yes.value)
+
+    def set_last_batch(self, last_batch: int) -> None:
+        """The index of the epoch's last batch, before it runs (DASO looks one batch ahead)."""
+        last_batch = _int_arg(last_batch, "set_last_batch: last_batch", 0, 2**63 - 1, "negative")
+        _check(load_library().gradwire_strategy_set_last_batch(self._live(), last_batch))
 
     def describe(self) -> str:
         buf = ctypes.create_string_buffer(256)

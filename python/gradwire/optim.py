@@ -32,6 +32,7 @@ Without the model a scheme cannot see the buffers: each rank keeps its own.
 import contextlib
 import numbers
 import re
+import warnings
 from typing import Any, Iterable, Iterator, List, Optional, Union
 
 import torch
@@ -283,6 +284,7 @@ class _FrameworkStep(_Scheme):
         super().__init__(_optimizer_params(local_optimizer), scheme, options, comm)
         self.local_optimizer = local_optimizer
         self.scaler = None
+        self.scheduler: Any = None
 
     @property
     def param_groups(self):
@@ -297,6 +299,8 @@ class _FrameworkStep(_Scheme):
             self.scaler.update()
         else:
             self.local_optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         with self.flat.frozen_kept():
             self._strategy.after_update(self.flat.pull_params(), last_of_epoch)
             self.flat.push_params()
@@ -322,13 +326,27 @@ class DASO(_FrameworkStep):
                 daso.step()
             daso.epoch_loss_logic(epoch_loss)
 
-    Differences from Heat (see src/train/daso.rs): the parameters are made equal at
-    construction (rank 0's), not re-initialised; the synchronous phases average the change
-    since the parameters last agreed (replicas stay identical); bfloat16 sums accumulate in
-    float32; warm-up plus cool-down are capped at half the run; `downcast_type=torch.half`
-    and `scheduler` are refused; `use_mpi_groups` has no effect; the model's buffers are
-    averaged over every rank where the parameters are agreed (Heat's DDP broadcasts them
-    inside a node only)."""
+    Heat's arguments mean what they mean in Heat, checked as Heat checks them, and the
+    schedule and arithmetic are Heat's batch for batch (src/train/daso.rs): synchronous
+    phases average the sending local index's parameters over the nodes in `downcast_type`
+    (bf16, fp16 or float32) and broadcast them in the node; cycling sends rotate over the
+    local indices (`send_mod`), merge `batches_to_wait` batches later and are broadcast in
+    the node; `warmup_epochs=0` stays synchronous. Where gradwire differs, it says so:
+
+    - the parameters are made equal at construction (rank 0's), not re-initialised from a
+      common seed;
+    - `scheduler` (a torch learning-rate scheduler) steps after the local optimizer on every
+      batch (Heat calls it instead of the optimizer's step, which torch's schedulers do
+      not take); a warning says so;
+    - with more than two nodes a bf16 or fp16 sum accumulates in float32 and rounds once;
+    - `use_mpi_groups` has no effect (the groups are the launcher's nodes either way);
+    - the model's buffers are averaged over every rank where the parameters are agreed
+      (Heat's DDP broadcasts them inside a node only).
+
+    gradwire's own variants, off by default: `sync_average="change"` averages every rank's
+    change since the parameters last agreed, in float32 sums (a bf16 cast of the
+    parameters rounds a small step away), and `cap_phases=True` caps warm-up and cool-down
+    at a quarter of the run each."""
 
     def __init__(
         self,
@@ -347,26 +365,46 @@ class DASO(_FrameworkStep):
         local_skip_factor: int = 4,
         verbose: bool = False,
         model: Optional[torch.nn.Module] = None,
+        sync_average: str = "heat",
+        cap_phases: bool = False,
     ) -> None:
-        if scheduler is not None:
-            raise ValueError("DASO: scheduler is not supported; step your learning-rate scheduler on local_optimizer beside DASO")
-        if downcast_type not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"DASO: downcast_type must be torch.bfloat16 or torch.float (the synchronous phases' wire), got {downcast_type}")
-        del use_mpi_groups  # gradwire's groups come from the launcher's topology
+        if not isinstance(local_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DASO: local_optimizer must be a torch.optim.Optimizer, got {type(local_optimizer).__name__}")
+        if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise TypeError(f"DASO: scheduler must be a torch learning-rate scheduler, got {type(scheduler).__name__}")
+        for name, value in (("verbose", verbose), ("use_mpi_groups", use_mpi_groups), ("cap_phases", cap_phases)):
+            if not isinstance(value, bool):
+                raise TypeError(f"DASO: {name} must be a bool, got {type(value).__name__} {value!r}")
+        if not isinstance(downcast_type, torch.dtype):
+            raise TypeError(f"DASO: downcast_type must be a torch.dtype, got {type(downcast_type).__name__} {downcast_type!r}")
+        wires = {torch.bfloat16: "bf16", torch.half: "f16", torch.float: "f32"}
+        if downcast_type not in wires:
+            raise ValueError(f"DASO: downcast_type must be torch.bfloat16, torch.half or torch.float, got {downcast_type}")
+        if sync_average not in ("heat", "change"):
+            raise ValueError(f"DASO: sync_average must be 'heat' or 'change', got {sync_average!r}")
         options = {
             "epochs": _integer(total_epochs, "total_epochs", 1),
             "warmup_epochs": _integer(warmup_epochs, "warmup_epochs", 0),
             "cooldown_epochs": _integer(cooldown_epochs, "cooldown_epochs", 0),
             "stability_level": _fraction(stability_level, "stability_level"),
-            "max_global_skips": _integer(max_global_skips, "max_global_skips", 1),
+            "max_global_skips": _integer(max_global_skips, "max_global_skips", 0),
             "sending_chunk_size": _integer(sending_chunk_size, "sending_chunk_size", 1),
             "skip_reduction_factor": _integer(skip_reduction_factor, "skip_reduction_factor", 1),
             "local_skip_factor": _integer(local_skip_factor, "local_skip_factor", 1),
-            "bf16_wire": "true" if downcast_type == torch.bfloat16 else "false",
+            "wire": wires[downcast_type],
+            "sync_average": sync_average,
+            "cap_phases": "true" if cap_phases else "false",
         }
+        del use_mpi_groups  # gradwire's groups come from the launcher's topology
         super().__init__(local_optimizer, "daso", _option_string(options), comm)
         self.total_epochs = options["epochs"]
-        self.verbose = bool(verbose)
+        self.verbose = verbose
+        if scheduler is not None:
+            warnings.warn(
+                "DASO: scheduler steps after the local optimizer on every batch (Heat calls scheduler.step() instead of the optimizer's step)",
+                stacklevel=2,
+            )
+            self.scheduler = scheduler
         self.module: Optional[torch.nn.Module] = None
         self.amp = False
         self.last_batch: Optional[int] = None
@@ -397,6 +435,7 @@ class DASO(_FrameworkStep):
         if self.last_batch is None:
             raise ValueError("DASO.step: set last_batch to the index of the epoch's last batch (len(loader) - 1) first, as with Heat")
         last = self.current_batch >= self.last_batch
+        self._strategy.set_last_batch(self.last_batch)
         self._step(last)
         if self.buffers is not None and (last or self.global_skip == 0):
             # Where the parameters were just agreed globally (every synchronous batch, each
@@ -420,7 +459,7 @@ class DASO(_FrameworkStep):
         self.print0(f"DASO: epoch {self.epoch} loss {mean:.6f} {self.describe()}")
 
     def _schedule(self):
-        m = re.search(r"gs=(\d+) ls=(\d+) W=(\d+)", self.describe())
+        m = re.search(r"gs=(\d+) ls=(\d+) W=(-?\d+)", self.describe())
         return tuple(int(v) for v in m.groups()) if m else (0, 0, 0)
 
     @property

@@ -130,10 +130,11 @@ def topk_conserves_mass():
 
 
 def daso_matches_reference():
-    """Warm-up (synchronous): gradients averaged in the node, the local step, then
-    parameters <- anchor + mean over all ranks of (x_r - anchor). The first cycling batch
-    sends (gs = 4, W = 1); the next merges (2S x_local + sum over nodes) / (2S + N) at the
-    sending local index and broadcasts it in the node."""
+    """Heat's arithmetic. Warm-up (synchronous): gradients averaged in the node, the local
+    step, then every rank takes the mean over the nodes of the parameters of the sending
+    local index (batch b: local index b mod G) . The first cycling batch sends (gs = 4,
+    W = 1); the next merges (2S x_local + sum over nodes) / (2S + N) at the sending local
+    index and broadcasts it in the node."""
     s = seed + 3
     model = model_for(s)
     local = Recording(model.parameters(), lr=0.05, momentum=0.9)
@@ -156,7 +157,7 @@ def daso_matches_reference():
             now = flat(model).double().numpy()
             if epoch == 0:
                 check(close(local.seen_grads, raw[node].mean(0), 1e-6), f"daso warm-up batch {b}: the optimizer did not step on the node's average gradient")
-                want = before + (after_local - before).mean(0)
+                want = after_local[[n * g + b % g for n in range(nodes)]].sum(0) / nodes
                 check(close(now, want, 1e-6), f"daso warm-up batch {b}: off the reference by {np.abs(now - want).max():.2e}")
             elif b == 0:
                 sent = after_local[[n * g for n in range(nodes)]].sum(0)  # local index 0 of every node
@@ -192,6 +193,7 @@ def plateau_follows_heat(losses):
     total, warm, cool, max_gs = len(losses), 2, 2, 8
     p = torch.nn.Parameter(torch.zeros(4))
     daso = DASO(torch.optim.SGD([p], lr=0.1), total_epochs=total, warmup_epochs=warm, cooldown_epochs=cool, max_global_skips=max_gs, comm=comm)
+    daso.last_batch = 0  # one batch per epoch: Heat counts an epoch at its last batch
     gs = ls = w = 0
     resets = 0
     best, bad = math.inf, 0
@@ -216,6 +218,9 @@ def plateau_follows_heat(losses):
                 elif stable and gs == 1:
                     gs, ls, w = max_gs, max_gs // 4, max_gs // 4
                     resets += 1
+        daso.zero_grad()
+        p.sum().backward()
+        daso.step()
         daso.epoch_loss_logic(float(loss))
         got = (daso.global_skip, daso.local_skip, daso.batches_to_wait)
         check(got == (gs, ls, w), f"daso controller after epoch {epoch} (loss {loss:.4f}): {got}, Heat's {(gs, ls, w)}")

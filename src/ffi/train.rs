@@ -307,6 +307,19 @@ pub unsafe extern "C" fn gradwire_strategy_claim_batch(strategy: *mut gradwire_s
     })
 }
 
+/// The index of the epoch's last batch, known before it runs (DASO's schedule looks one
+/// batch ahead, as Heat's `last_batch`); other schemes ignore it.
+#[no_mangle]
+pub extern "C" fn gradwire_strategy_set_last_batch(strategy: *mut gradwire_strategy_t, last_batch: usize) -> c_int {
+    guard(|| {
+        let w = "gradwire_strategy_set_last_batch";
+        let s = scheme(strategy, w)?;
+        let mut s = lock(&s, w)?;
+        s.strategy.set_last_batch(last_batch);
+        Ok(())
+    })
+}
+
 /// # Safety
 /// `buf` must be NULL (with len 0) or valid for `len` bytes.
 #[no_mangle]

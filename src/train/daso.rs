@@ -1,40 +1,27 @@
-//! `daso`: Distributed Asynchronous and Selective Optimization (ALGORITHMS.md §1, after
-//! Heat's `DASO`). Gradients are averaged inside a node; parameters are summed across nodes
-//! by a non-blocking allreduce among the ranks of one local index (rotating), every `gs`
-//! batches, and merged `W` batches later with the weighted average
-//! x ← (2S·x_local + Σ_nodes x_sent) / (2S + N); the send is cut into allreduces of at
-//! most `sending_chunk_size` elements (Heat's chunking).
+//! `daso`: Distributed Asynchronous and Selective Optimization (ALGORITHMS.md §1), batch for
+//! batch the schedule and arithmetic of Heat's `heat.optim.DASO` (`dp_optimizer.py`), the
+//! reference its users switch from; `tests/heat_reference.rs` runs Heat's own code beside
+//! this one.
 //!
-//! Phases: warm-up and cool-down epochs are synchronous (Heat's gs = ls = W = 0): every
-//! batch a node-local gradient average, the local step, and a global average of the
-//! parameters, optionally on a bf16 wire; the cycling phase starts at gs = 4, ls = 1,
-//! W = 1 and the plateau controller (Heat's `DetectMetricPlateau`, patience 2, fed the
-//! globally averaged training loss from the last warm-up epoch on) adapts them.
+//! The ranks of one local index across the nodes form a cross-node group; the sending
+//! local index `send_mod` rotates every send and restarts at 0 each epoch. On a global
+//! sync batch (every `gs`-th, and the epoch's last) that group sums its parameters over
+//! the nodes, non-blocking, and `W` batches later merges the sum with the weighted average
+//! x ← x·2S/(2S + N) + Σ/(2S + N) (S: the batches between, N: the nodes), then the sender
+//! broadcasts the result in its node; the epoch's last batch, and every batch of the
+//! synchronous phases (gs = 0), waits at once and sets x ← Σ/N, then broadcasts from the
+//! sender. Synchronous phases send on the `wire` dtype (bf16 by default): the parameters
+//! themselves are cast, summed and divided in it, as Heat's do. Node-local gradient
+//! averages run on the batches Heat's DDP flag marks (set in one step for the next
+//! backward). The plateau controller (`DetectMetricPlateau`, patience 2, relative
+//! threshold) adapts gs, ls and W once per epoch on the globally averaged loss.
 //!
-//! Kept from the reference, or changed, deliberately:
-//! - Synchronous phases average parameters, as Heat does (not gradients: after cycling
-//!   every rank has its own momentum, and an averaged gradient stepped through different
-//!   momenta carried the replicas apart in cool-down). Changed: we average over every rank
-//!   the change since the parameters last agreed, and add it to them; Heat averages one
-//!   local index's parameters across nodes and broadcasts them in the node, with the
-//!   parameters themselves cast to bf16 (at bf16's resolution a small SGD step vanishes).
-//!   Every replica ends each synchronous batch bit-identical.
-//! - bf16 sums: Heat's MPI operator accumulates in bf16; ours widens to f32 and rounds
-//!   once (the collectives layer: the automatic allreduce over links and on one host).
-//! - Local sync: on batch b when b % ls == 0, on the batch before a send and on the last
-//!   batch. Heat sets a DDP flag for the next backward from the next batch's index and
-//!   leaves it on through the wait window; with ls = 1 (the first cycling schedule and
-//!   every one reached by halving from it) the two agree; with ls > 1 (after a reset to
-//!   gs = max) Heat also syncs the batches between a send and its receive.
-//! - A single node: the cross-node "sum" of one rank is its own parameters, and the merge
-//!   weighs it in as Heat's does (x ← (2S·x + x)/(2S + 1) = x).
-//! - With gs = 2 the reference defers the receive to the next send; we receive exactly W
-//!   batches after each send.
-//! - Warm-up plus cool-down are capped at half the run, so short runs still cycle; with
-//!   no warm-up Heat never leaves the synchronous schedule, we start cycling after the
-//!   first epoch.
-//! - BatchNorm buffers do not exist in our models, so Heat's missing global sync of them
-//!   cannot arise.
+//! Where gradwire differs, it is named: `sync_average = change` averages every rank's
+//! change since the parameters last agreed, in f32 on the wire's precision (at bf16's
+//! resolution Heat's cast rounds a small SGD step away); `cap_phases` caps warm-up and
+//! cool-down at a quarter of the run each; with more than two nodes, a bf16 or f16 sum
+//! accumulates in f32 and rounds once (Heat's MPI operator adds in the wire dtype, node by
+//! node). Like Heat, `warmup_epochs = 0` never leaves the synchronous schedule.
 
 use super::ssgd::{allreduce_bytes, from_rank0, mean_loss};
 use super::{f32_bytes, Strategy};
@@ -42,15 +29,39 @@ use crate::collective::hierarchical::Hierarchy;
 use crate::collective::Pending;
 use crate::comm::Communicator;
 use crate::dtype::ReduceOp;
-use crate::error::Result;
+use crate::error::{invalid, Result};
+use half::{bf16, f16};
 use std::collections::VecDeque;
 
-/// DASO's knobs, named as Heat's (ALGORITHMS.md §1).
+/// The dtype the synchronous phases send parameters in (Heat's `downcast_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wire {
+    /// float32.
+    F32,
+    /// bfloat16 (Heat's default).
+    Bf16,
+    /// float16.
+    F16,
+}
+
+impl Wire {
+    /// "f32", "bf16" or "f16".
+    pub fn parse(s: &str) -> Option<Wire> {
+        match s {
+            "f32" | "float32" => Some(Wire::F32),
+            "bf16" | "bfloat16" => Some(Wire::Bf16),
+            "f16" | "float16" | "half" => Some(Wire::F16),
+            _ => None,
+        }
+    }
+}
+
+/// DASO's knobs, named as Heat's (ALGORITHMS.md §1), and gradwire's two named variants.
 #[derive(Clone, Debug)]
 pub struct DasoConfig {
-    /// Synchronous epochs at the start (capped at a quarter of `epochs`).
+    /// Synchronous epochs at the start (0: Heat's, the whole run stays synchronous).
     pub warmup_epochs: usize,
-    /// Synchronous epochs at the end (capped at a quarter of `epochs`).
+    /// Synchronous epochs at the end.
     pub cooldown_epochs: usize,
     /// Total epochs of the run (to know when cool-down starts).
     pub epochs: usize,
@@ -58,15 +69,19 @@ pub struct DasoConfig {
     pub max_global_skips: usize,
     /// Relative loss improvement below which an epoch counts as "not improved".
     pub stability_level: f64,
-    /// Synchronous phases average on a bf16 wire.
-    pub bf16_wire: bool,
-    /// The cycling phase's global send is cut into allreduces of at most this many
-    /// elements (Heat's `sending_chunk_size`).
+    /// The synchronous phases' dtype on the wire.
+    pub wire: Wire,
+    /// A global send is cut into allreduces of at most this many elements (Heat's
+    /// `sending_chunk_size`).
     pub sending_chunk_size: usize,
     /// On a plateau gs and ls are divided by this (Heat's `skip_reduction_factor`).
     pub skip_reduction_factor: usize,
     /// On a reset to gs = max, ls = W = max / this (Heat's `local_skip_factor`).
     pub local_skip_factor: usize,
+    /// gradwire's synchronous average (every rank's change, f32 sums) instead of Heat's.
+    pub average_change: bool,
+    /// gradwire's cap: warm-up and cool-down at most a quarter of the run each.
+    pub cap_phases: bool,
 }
 
 impl Default for DasoConfig {
@@ -77,103 +92,129 @@ impl Default for DasoConfig {
             epochs: 20,
             max_global_skips: 8,
             stability_level: 0.05,
-            bf16_wire: false,
+            wire: Wire::Bf16,
             sending_chunk_size: 10_000_000,
             skip_reduction_factor: 2,
             local_skip_factor: 4,
+            average_change: false,
+            cap_phases: false,
         }
     }
 }
 
-/// The weighted merge of DASO: (2S·x_local + Σ) / (2S + N), S batches after the send, over
-/// N nodes. If every input equals x, the result is x.
+/// Heat's merge of a global sum received `s` batches after its send, over `nodes` nodes:
+/// x ← x·(2S/(2S + N)) + Σ/(2S + N) in float32, rounded as torch rounds it (S = 0 weighs
+/// x as 1). If every input equals x, the result is x up to rounding.
 pub fn merge(local: &mut [f32], sum: &[f32], s: usize, nodes: usize) {
-    let (w, d) = (2.0 * s as f32, 2.0 * s as f32 + nodes as f32);
-    local.iter_mut().zip(sum).for_each(|(x, t)| *x = (w * *x + t) / d);
+    let numer = if s > 0 { 2.0 * s as f64 } else { 1.0 };
+    let denom = nodes as f64 + numer;
+    let (factor, denom) = ((numer / denom) as f32, denom as f32);
+    local.iter_mut().zip(sum).for_each(|(x, t)| *x = *x * factor + t / denom);
 }
 
-/// DASO's schedule knobs: global skip, local skip, batches to wait.
+/// DASO's schedule knobs: global skip, local skip, batches to wait; gs = 0 is synchronous.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Schedule {
-    /// Global skip: batches between cross-node parameter sends.
+    /// Global skip: batches between cross-node parameter sends (0: every batch, blocking).
     pub gs: usize,
     /// Local skip: batches between node-local gradient averages.
     pub ls: usize,
-    /// W: batches between a send and the merge of what it received.
-    pub wait: usize,
+    /// W: batches between a send and the merge of what it received (Heat's arithmetic can
+    /// take it below 0 after a reset with max_global_skips < local_skip_factor).
+    pub wait: i64,
 }
 
-/// The plateau controller: once per epoch, on the globally averaged training loss.
+impl Schedule {
+    /// Heat's synchronous schedule (warm-up, cool-down).
+    pub const SYNC: Schedule = Schedule { gs: 0, ls: 0, wait: 0 };
+}
+
+/// The plateau detector: Heat's `DetectMetricPlateau(patience=2, threshold=stability_level)`
+/// in its "min" mode with a relative threshold and no cool-down.
 #[derive(Clone, Debug)]
 pub struct Plateau {
     best: f64,
-    stale_epochs: usize,
+    bad_epochs: usize,
     stability_level: f64,
-    max_global_skips: usize,
-    skip_reduction_factor: usize,
-    local_skip_factor: usize,
 }
 
 impl Plateau {
-    /// With Heat's default factors (skip reduction 2, local skip 4).
-    pub fn new(stability_level: f64, max_global_skips: usize) -> Self {
-        Self::with_factors(stability_level, max_global_skips, 2, 4)
+    /// A detector that has seen nothing yet.
+    pub fn new(stability_level: f64) -> Self {
+        Plateau { best: f64::INFINITY, bad_epochs: 0, stability_level }
     }
 
-    /// `skip_reduction_factor` divides gs and ls on a plateau; a reset sets ls = W =
-    /// max / `local_skip_factor` (both at least 1).
-    pub fn with_factors(stability_level: f64, max_global_skips: usize, skip_reduction_factor: usize, local_skip_factor: usize) -> Self {
-        let (skip_reduction_factor, local_skip_factor) = (skip_reduction_factor.max(1), local_skip_factor.max(1));
-        Plateau { best: f64::INFINITY, stale_epochs: 0, stability_level, max_global_skips, skip_reduction_factor, local_skip_factor }
-    }
-
-    /// Feeds one epoch's loss; returns the schedule for the next epoch. As Heat's
-    /// `DetectMetricPlateau(patience=2, threshold=stability_level)`: `best` moves only on a
-    /// real improvement (below best·(1 − stability level)), so losses that fall a little
-    /// every epoch still make a plateau. A plateau (a third epoch without one) divides gs
-    /// and ls by the skip reduction factor (2) and decrements W (W ≥ 1 while gs > 0); at
-    /// gs = 1 it resets to gs = max, ls = W = max / local skip factor (4).
-    pub fn next(&mut self, loss: f64, s: Schedule) -> Schedule {
+    /// Feeds one epoch's loss: whether it ends a plateau (a third epoch in a row without a
+    /// loss below best·(1 − stability level); `best` moves only on such an improvement).
+    pub fn test_if_improving(&mut self, loss: f64) -> bool {
         if loss < self.best * (1.0 - self.stability_level) {
             self.best = loss;
-            self.stale_epochs = 0;
-            return s;
-        }
-        self.stale_epochs += 1;
-        if self.stale_epochs <= 2 {
-            return s;
-        }
-        self.stale_epochs = 0;
-        if s.gs <= 1 {
-            let (m, l) = (self.max_global_skips, self.local_skip_factor);
-            Schedule { gs: m, ls: (m / l).max(1), wait: (m / l).max(1) }
+            self.bad_epochs = 0;
         } else {
-            let f = self.skip_reduction_factor;
-            Schedule { gs: s.gs / f, ls: (s.ls / f).max(1), wait: s.wait.saturating_sub(1).max(1) }
+            self.bad_epochs += 1;
         }
+        if self.bad_epochs > 2 {
+            self.bad_epochs = 0;
+            return true;
+        }
+        false
     }
 }
 
-/// The schedule after `epochs_done` epochs, the last with `loss` (globally averaged):
-/// None (synchronous) in warm-up and cool-down; gs = 4, ls = 1, W = 1 on entering the
-/// cycling phase; then the plateau controller's. The controller is fed the last warm-up
-/// epoch's loss too, as Heat's `epoch_loss_logic` does.
-pub fn next_schedule(plateau: &mut Plateau, cfg: &DasoConfig, epochs_done: usize, current: Option<Schedule>, loss: f64) -> Option<Schedule> {
-    let cycling = epochs_done >= cfg.warmup_epochs && epochs_done < cfg.epochs.saturating_sub(cfg.cooldown_epochs);
-    match (cycling, current) {
-        (false, _) => None,
-        (true, None) => Some(plateau.next(loss, Schedule { gs: 4, ls: 1, wait: 1 })),
-        (true, Some(s)) => Some(plateau.next(loss, s)),
+/// The schedule for the next epoch, after `epochs_done` epochs whose last had `loss`
+/// (globally averaged): Heat's `epoch_loss_logic`. Warm-up and cool-down are synchronous;
+/// the epoch that ends warm-up sets gs = 4, ls = 1, W = 1 and, like every cycling epoch,
+/// feeds the plateau detector; a plateau divides gs and ls by the skip reduction factor and
+/// lowers W by one (gs > 0 keeps ls and W at least 1), and at gs = 1 resets to gs = max,
+/// ls = W = max / local skip factor.
+pub fn next_schedule(plateau: &mut Plateau, cfg: &DasoConfig, epochs_done: usize, s: Schedule, loss: f64) -> Schedule {
+    let (warmup, cooldown) = phases(cfg);
+    let mut s = s;
+    if epochs_done < warmup {
+        return Schedule::SYNC;
+    } else if epochs_done == warmup {
+        s = Schedule { gs: 4, ls: 1, wait: 1 };
+    }
+    if epochs_done + cooldown >= cfg.epochs {
+        return Schedule::SYNC;
+    }
+    let stable = plateau.test_if_improving(loss);
+    if stable && s.gs > 1 {
+        let f = cfg.skip_reduction_factor.max(1);
+        s.gs /= f;
+        s.ls /= f;
+        s.wait -= 1;
+        if s.gs > 0 {
+            if s.wait == 0 {
+                s.wait = 1;
+            }
+            if s.ls == 0 {
+                s.ls = 1;
+            }
+        }
+    } else if s.gs == 1 && stable {
+        let (m, l) = (cfg.max_global_skips, cfg.local_skip_factor.max(1));
+        s = Schedule { gs: m, ls: m / l, wait: (m / l) as i64 };
+    }
+    s
+}
+
+/// (warm-up, cool-down) epochs as configured, or capped at a quarter of the run each.
+fn phases(cfg: &DasoConfig) -> (usize, usize) {
+    if cfg.cap_phases {
+        (cfg.warmup_epochs.min(cfg.epochs / 4), cfg.cooldown_epochs.min(cfg.epochs / 4))
+    } else {
+        (cfg.warmup_epochs, cfg.cooldown_epochs)
     }
 }
 
-/// A global parameter sum in flight: started at batch `at` by local index `root`; only the
-/// ranks of that local index hold the request.
+/// A global parameter sum in flight on the ranks of the sending local index: one
+/// allreduce per chunk, in order, and the batches its merge weighs it by.
 struct InFlight {
+    chunks: Vec<Pending<Vec<f32>>>,
+    batches_between: i64,
+    /// The batch of the epoch it was sent on.
     at: usize,
-    root: usize,
-    /// One allreduce per chunk of the parameters, in order.
-    chunks: Option<Vec<Pending<Vec<f32>>>>,
 }
 
 /// The `daso` strategy on one communicator (see the module docs).
@@ -181,33 +222,54 @@ pub struct Daso<'c> {
     comm: &'c Communicator,
     groups: Hierarchy,
     cfg: DasoConfig,
-    /// None in the synchronous phases.
-    schedule: Option<Schedule>,
+    schedule: Schedule,
     plateau: Plateau,
     epoch: usize,
     batch: usize,
+    /// The local index whose ranks send next, and the one that sent last (None: nothing
+    /// to receive or broadcast).
     send_mod: usize,
+    send_mod_m1: Option<usize>,
+    /// This rank's sends not yet merged (Heat's `_prev_params`; at most one at a time).
     in_flight: VecDeque<InFlight>,
-    /// The parameters as last made identical on every rank (synchronous phases average the
-    /// change since then).
+    /// Whether the next backward's gradients are averaged in the node (Heat's DDP flag
+    /// `require_backward_grad_sync`, set in one step for the next).
+    local_sync_next: bool,
+    /// The parameters as last made identical on every rank (`average_change`).
     anchor: Vec<f32>,
+    /// The index of the epoch's last batch, where the framework said it in advance.
+    last_batch: Option<usize>,
     sent: u64,
 }
 
 impl<'c> Daso<'c> {
-    /// Caps warm-up and cool-down at a quarter of the run each and makes the node and
-    /// cross-node groups (every node must hold the same number of ranks).
-    pub fn new(comm: &'c Communicator, mut cfg: DasoConfig) -> Result<Self> {
-        let half = cfg.epochs / 4;
-        cfg.warmup_epochs = cfg.warmup_epochs.min(half);
-        cfg.cooldown_epochs = cfg.cooldown_epochs.min(half);
+    /// Makes the node and cross-node groups (every node must hold the same number of ranks).
+    pub fn new(comm: &'c Communicator, cfg: DasoConfig) -> Result<Self> {
+        if cfg.sending_chunk_size == 0 || cfg.skip_reduction_factor == 0 || cfg.local_skip_factor == 0 || cfg.epochs == 0 {
+            return Err(invalid("daso: epochs, sending_chunk_size, skip_reduction_factor and local_skip_factor must be at least 1"));
+        }
         let groups = Hierarchy::new(comm)?;
-        let plateau = Plateau::with_factors(cfg.stability_level, cfg.max_global_skips, cfg.skip_reduction_factor, cfg.local_skip_factor);
-        Ok(Daso { comm, groups, cfg, schedule: None, plateau, epoch: 0, batch: 0, send_mod: 0, in_flight: VecDeque::new(), anchor: vec![], sent: 0 })
+        let plateau = Plateau::new(cfg.stability_level);
+        Ok(Daso {
+            comm,
+            groups,
+            cfg,
+            schedule: Schedule::SYNC,
+            plateau,
+            epoch: 0,
+            batch: 0,
+            send_mod: 0,
+            send_mod_m1: None,
+            in_flight: VecDeque::new(),
+            local_sync_next: true,
+            anchor: vec![],
+            last_batch: None,
+            sent: 0,
+        })
     }
 
-    /// The current schedule (None while synchronous).
-    pub fn schedule(&self) -> Option<Schedule> {
+    /// The current schedule (gs = 0 while synchronous).
+    pub fn schedule(&self) -> Schedule {
         self.schedule
     }
 
@@ -215,36 +277,14 @@ impl<'c> Daso<'c> {
         self.groups.node.rank()
     }
 
-    /// Synchronous phases: every rank's parameters averaged, as the average of their change
-    /// since the anchor (the parameters every rank last held identically), so that a bf16
-    /// wire carries small changes at bf16's relative precision instead of rounding the
-    /// parameters themselves; every replica ends bit-identical (one allreduce result added
-    /// to one anchor).
-    fn average_parameters(&mut self, params: &mut [f32]) -> Result<()> {
-        let mut change: Vec<f32> = params.iter().zip(&self.anchor).map(|(p, a)| p - a).collect();
-        self.global_average(&mut change)?;
-        for ((p, a), d) in params.iter_mut().zip(self.anchor.iter_mut()).zip(&change) {
-            *p = *a + d;
-            *a = *p;
-        }
-        Ok(())
+    fn next_send_mod(&self) -> usize {
+        (self.send_mod + 1) % self.groups.node.size()
     }
 
-    /// Average over all ranks (synchronous phases).
-    fn global_average(&mut self, buf: &mut [f32]) -> Result<()> {
-        if self.cfg.bf16_wire {
-            let mut wire: Vec<half::bf16> = buf.iter().map(|&v| half::bf16::from_f32(v)).collect();
-            self.comm.allreduce(&mut wire, ReduceOp::Avg)?;
-            buf.iter_mut().zip(&wire).for_each(|(b, w)| *b = w.to_f32());
-            self.sent += allreduce_bytes(buf.len(), self.comm.size()) / 2;
-        } else {
-            self.comm.allreduce(buf, ReduceOp::Avg)?;
-            self.sent += allreduce_bytes(buf.len(), self.comm.size());
-        }
-        Ok(())
-    }
-
-    fn node_broadcast(&mut self, params: &mut [f32], root: usize) -> Result<()> {
+    /// `params` from local index `root`'s rank to the rest of its node (Heat's
+    /// `_local_update`).
+    fn node_broadcast(&mut self, params: &mut [f32], root: Option<usize>) -> Result<()> {
+        let Some(root) = root else { return Ok(()) };
         if self.groups.node.size() > 1 {
             self.groups.node.broadcast(params, root)?;
             if self.local_index() == root {
@@ -254,33 +294,176 @@ impl<'c> Daso<'c> {
         Ok(())
     }
 
-    /// Completes the oldest global sum and merges it; the sending rank then shares the
-    /// result inside its node.
-    fn receive(&mut self, params: &mut [f32]) -> Result<()> {
-        let Some(f) = self.in_flight.pop_front() else { return Ok(()) };
-        if let Some(chunks) = f.chunks {
-            let mut at = 0;
-            for chunk in chunks {
-                let sum = chunk.wait()?;
-                merge(&mut params[at..at + sum.len()], &sum, self.batch - f.at, self.groups.nodes());
-                at += sum.len();
-            }
+    /// On the sending local index: starts the float32 sum of `params` over the nodes, in
+    /// chunks of at most `sending_chunk_size` (Heat's first chunk is the remainder).
+    fn send(&mut self, params: &[f32], batches_between: i64) -> Result<()> {
+        if self.local_index() != self.send_mod {
+            return Ok(());
         }
-        self.node_broadcast(params, f.root)
+        self.sent += allreduce_bytes(params.len(), self.groups.cross.size());
+        let (n, c) = (params.len(), self.cfg.sending_chunk_size);
+        let first = if n <= c { n } else { n - c * (n.div_ceil(c) - 1) };
+        let mut chunks = vec![self.groups.cross.iallreduce(params[..first].to_vec(), ReduceOp::Sum)?];
+        for part in params[first..].chunks(c) {
+            chunks.push(self.groups.cross.iallreduce(part.to_vec(), ReduceOp::Sum)?);
+        }
+        self.in_flight.push_back(InFlight { chunks, batches_between, at: self.batch });
+        Ok(())
     }
 
-    /// Blocking global average of the parameters plus node broadcast (end of an epoch).
-    fn blocking_sync(&mut self, params: &mut [f32]) -> Result<()> {
+    /// Heat's `_gs_rcv_update_params` and the node broadcast after it: the previous
+    /// sender's ranks merge their oldest sum, then share it in the node.
+    fn receive_previous(&mut self, params: &mut [f32]) -> Result<()> {
+        let Some(m1) = self.send_mod_m1 else { return Ok(()) };
+        // Never the send of this very batch: with one rank per node (which Heat does not
+        // run) the previous sender and this one are the same rank.
+        if self.local_index() == m1 && self.in_flight.front().is_some_and(|f| f.at < self.batch) {
+            self.merge_oldest(params)?;
+        }
+        self.node_broadcast(params, Some(m1))
+    }
+
+    /// Merges whatever this rank still has in flight (a run stopped between a send and its
+    /// receive); no node broadcast (the caller makes the ranks agree).
+    fn drain(&mut self, params: &mut [f32]) -> Result<()> {
         while !self.in_flight.is_empty() {
-            self.receive(params)?;
+            self.merge_oldest(params)?;
         }
-        if self.local_index() == 0 && self.groups.cross.size() > 1 {
-            self.groups.cross.allreduce(params, ReduceOp::Avg)?;
-            self.sent += allreduce_bytes(params.len(), self.groups.cross.size());
+        Ok(())
+    }
+
+    /// Waits for the oldest send in flight and merges it (Heat's weights).
+    fn merge_oldest(&mut self, params: &mut [f32]) -> Result<()> {
+        let Some(f) = self.in_flight.pop_front() else { return Ok(()) };
+        let (s, nodes) = (f.batches_between.max(0) as usize, self.groups.nodes());
+        let mut at = 0;
+        for chunk in f.chunks {
+            let sum = chunk.wait()?;
+            merge(&mut params[at..at + sum.len()], &sum, s, nodes);
+            at += sum.len();
         }
-        self.node_broadcast(params, 0)?;
-        self.anchor.clear();
-        self.anchor.extend_from_slice(params);
+        Ok(())
+    }
+
+    /// Heat's `_gs_rcv_update_params_last_batch`: the sender's ranks wait for the sum just
+    /// sent and take the nodes' average.
+    fn receive_now(&mut self, params: &mut [f32]) -> Result<()> {
+        if self.local_index() != self.send_mod {
+            return Ok(());
+        }
+        if self.in_flight.len() != 1 {
+            return Err(invalid(format!("daso: {} global sends in flight at a blocking receive (one expected)", self.in_flight.len())));
+        }
+        let f = self.in_flight.pop_front().expect("one in flight");
+        let nodes = self.groups.nodes() as f32;
+        let mut at = 0;
+        for chunk in f.chunks {
+            let sum = chunk.wait()?;
+            params[at..at + sum.len()].iter_mut().zip(&sum).for_each(|(p, t)| *p = t / nodes);
+            at += sum.len();
+        }
+        Ok(())
+    }
+
+    /// The synchronous phases' global step on the sending local index: its parameters cast
+    /// to the wire dtype, summed over the nodes and divided by their number in that dtype
+    /// (Heat's arithmetic), then broadcast in the node.
+    fn sync_average(&mut self, params: &mut [f32]) -> Result<()> {
+        if self.cfg.average_change {
+            return self.average_change(params);
+        }
+        if self.local_index() == self.send_mod {
+            let nodes = self.groups.nodes() as f32;
+            let n = params.len();
+            match self.cfg.wire {
+                Wire::F32 => {
+                    self.groups.cross.allreduce(params, ReduceOp::Sum)?;
+                    params.iter_mut().for_each(|p| *p /= nodes);
+                    self.sent += allreduce_bytes(n, self.groups.cross.size());
+                }
+                Wire::Bf16 => {
+                    let mut wire: Vec<bf16> = params.iter().map(|&v| bf16::from_f32(v)).collect();
+                    self.groups.cross.allreduce(&mut wire, ReduceOp::Sum)?;
+                    params.iter_mut().zip(&wire).for_each(|(p, w)| *p = bf16::from_f32(w.to_f32() / nodes).to_f32());
+                    self.sent += allreduce_bytes(n, self.groups.cross.size()) / 2;
+                }
+                Wire::F16 => {
+                    let mut wire: Vec<f16> = params.iter().map(|&v| f16::from_f32(v)).collect();
+                    self.groups.cross.allreduce(&mut wire, ReduceOp::Sum)?;
+                    params.iter_mut().zip(&wire).for_each(|(p, w)| *p = f16::from_f32(w.to_f32() / nodes).to_f32());
+                    self.sent += allreduce_bytes(n, self.groups.cross.size()) / 2;
+                }
+            }
+        }
+        self.node_broadcast(params, Some(self.send_mod))
+    }
+
+    /// `average_change`: every rank's parameters averaged as the average of their change
+    /// since the anchor (the parameters every rank last held identically), on the wire
+    /// dtype; every replica ends bit-identical (one allreduce result added to one anchor).
+    fn average_change(&mut self, params: &mut [f32]) -> Result<()> {
+        let mut change: Vec<f32> = params.iter().zip(&self.anchor).map(|(p, a)| p - a).collect();
+        let n = change.len();
+        match self.cfg.wire {
+            Wire::F32 => {
+                self.comm.allreduce(&mut change, ReduceOp::Avg)?;
+                self.sent += allreduce_bytes(n, self.comm.size());
+            }
+            Wire::Bf16 => {
+                let mut wire: Vec<bf16> = change.iter().map(|&v| bf16::from_f32(v)).collect();
+                self.comm.allreduce(&mut wire, ReduceOp::Avg)?;
+                change.iter_mut().zip(&wire).for_each(|(c, w)| *c = w.to_f32());
+                self.sent += allreduce_bytes(n, self.comm.size()) / 2;
+            }
+            Wire::F16 => {
+                let mut wire: Vec<f16> = change.iter().map(|&v| f16::from_f32(v)).collect();
+                self.comm.allreduce(&mut wire, ReduceOp::Avg)?;
+                change.iter_mut().zip(&wire).for_each(|(c, w)| *c = w.to_f32());
+                self.sent += allreduce_bytes(n, self.comm.size()) / 2;
+            }
+        }
+        for ((p, a), d) in params.iter_mut().zip(self.anchor.iter_mut()).zip(&change) {
+            *p = *a + d;
+            *a = *p;
+        }
+        Ok(())
+    }
+
+    /// Heat's `_global_sync`: send; receive the previous send if W > 0; on the epoch's last
+    /// batch or with W = 0, wait for this one and broadcast in the node.
+    fn global_sync(&mut self, params: &mut [f32], btw: i64, last: bool) -> Result<()> {
+        let s = self.schedule;
+        if s.gs == 0 {
+            // Synchronous (gs < 1): the cast send, received at once.
+            self.sync_average(params)?;
+        } else {
+            self.send(params, btw)?;
+            if s.wait != 0 {
+                self.receive_previous(params)?;
+            }
+            if last || s.wait == 0 {
+                self.receive_now(params)?;
+                self.node_broadcast(params, Some(self.send_mod))?;
+            }
+        }
+        if last || s.wait == 0 {
+            self.send_mod_m1 = None;
+            if last {
+                self.send_mod = 0;
+                self.epoch += 1;
+                self.batch = 0;
+                // Every replica now holds the same parameters.
+                self.anchor.clear();
+                self.anchor.extend_from_slice(params);
+            } else {
+                self.batch += 1;
+                self.send_mod = self.next_send_mod();
+            }
+        } else {
+            self.batch += 1;
+            self.send_mod_m1 = Some(self.send_mod);
+            self.send_mod = self.next_send_mod();
+        }
         Ok(())
     }
 }
@@ -300,16 +483,9 @@ impl Strategy for Daso<'_> {
         true
     }
 
-    fn before_update(&mut self, grads: &mut [f32], last_of_epoch: bool) -> Result<()> {
-        // Synchronous phases (Heat's gs = ls = W = 0) average every batch's gradients in
-        // the node; the cycling phase on local-sync batches: every ls-th, the batch before
-        // a send, and the epoch's last.
-        let b = self.batch;
-        let local_sync = match self.schedule {
-            None => true,
-            Some(s) => b % s.ls == 0 || (b + 1) % s.gs == 0 || last_of_epoch,
-        };
-        if local_sync && self.groups.node.size() > 1 {
+    fn before_update(&mut self, grads: &mut [f32], _last_of_epoch: bool) -> Result<()> {
+        // What DDP's backward did under Heat: the node-local average where the flag is on.
+        if self.local_sync_next && self.groups.node.size() > 1 {
             self.groups.node.allreduce(grads, ReduceOp::Avg)?;
             self.sent += allreduce_bytes(grads.len(), self.groups.node.size());
         }
@@ -317,60 +493,80 @@ impl Strategy for Daso<'_> {
     }
 
     fn after_update(&mut self, params: &mut [f32], last_of_epoch: bool) -> Result<()> {
-        let b = self.batch;
-        self.batch += 1;
-        let Some(s) = self.schedule else {
-            // Synchronous: the parameters averaged over every rank. Averaging gradients
-            // instead left each rank's own momentum to carry the replicas apart.
-            return self.average_parameters(params);
+        // Heat's `step()` after the local optimizer's, branch for branch. The epoch's last
+        // batch is `last_of_epoch`; the one before it is known from `set_last_batch` (else
+        // Heat's "the next batch is the last" turns the flag on one batch later, at the
+        // last batch's sync, which does not read it).
+        let s = self.schedule;
+        let batch = self.batch;
+        let next = batch + 1;
+        let next_is_last = self.last_batch == Some(next);
+        let gmod = if s.gs > 0 { batch % s.gs } else { 0 };
+        let lmod = if s.ls > 0 { batch % s.ls } else { 0 };
+        // The batch a send is received on stays inside the epoch.
+        let btw = match self.last_batch {
+            _ if last_of_epoch => 0,
+            Some(last) if s.wait + batch as i64 > last as i64 => last as i64 - batch as i64,
+            _ => s.wait,
         };
-        while self.in_flight.front().is_some_and(|f| self.batch - f.at >= s.wait) {
-            self.receive(params)?;
+        if last_of_epoch || gmod == 0 {
+            return self.global_sync(params, btw, last_of_epoch);
         }
-        if b % s.gs == 0 {
-            let root = self.send_mod;
-            // Only the ranks of local index `root` send; with a single node their "sum over
-            // nodes" is their own parameters.
-            let chunks = if self.local_index() == root {
-                self.sent += allreduce_bytes(params.len(), self.groups.cross.size());
-                let chunk = self.cfg.sending_chunk_size.max(1);
-                Some(params.chunks(chunk).map(|c| self.groups.cross.iallreduce(c.to_vec(), ReduceOp::Sum)).collect::<Result<Vec<_>>>()?)
-            } else {
-                None
-            };
-            self.in_flight.push_back(InFlight { at: self.batch, root, chunks });
-            self.send_mod = (self.send_mod + 1) % self.groups.node.size();
+        if next % s.gs == 0 {
+            self.local_sync_next = true;
+            self.batch += 1;
+            return Ok(());
         }
-        if last_of_epoch {
-            self.blocking_sync(params)?;
+        if (gmod as i64) < btw {
+            self.batch += 1;
+            if next_is_last {
+                self.local_sync_next = true;
+            }
+            return Ok(());
+        } else if gmod as i64 == btw {
+            self.receive_previous(params)?;
+            if s.ls > 1 {
+                self.local_sync_next = false;
+            }
         }
+        if s.ls == 1 && !next_is_last {
+            self.batch += 1;
+            self.local_sync_next = true;
+            return Ok(());
+        }
+        if lmod == 0 {
+            self.local_sync_next = false;
+        } else if next % s.ls == 0 {
+            self.local_sync_next = true;
+        }
+        if next_is_last {
+            self.local_sync_next = true;
+        }
+        self.batch += 1;
         Ok(())
     }
 
     fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
-        // The epoch's last step already synchronised (blocking) in the cycling phase; a
-        // framework that never flagged it (a wrong last batch) still ends the epoch with
-        // nothing in flight, as every rank has the same sends outstanding.
-        if !self.in_flight.is_empty() {
-            self.blocking_sync(params)?;
-        }
+        // A framework that never flagged the epoch's last batch (the Python layer refuses
+        // that) still leaves nothing in flight.
+        self.drain(params)?;
         let loss = mean_loss(self.comm, loss)?;
-        self.epoch += 1;
-        self.batch = 0;
         self.schedule = next_schedule(&mut self.plateau, &self.cfg, self.epoch, self.schedule, loss);
         Ok(loss)
     }
 
+    fn set_last_batch(&mut self, last_batch: usize) {
+        self.last_batch = Some(last_batch);
+    }
+
     fn describe(&self) -> String {
-        match self.schedule {
-            None => "  [synchronous]".into(),
-            Some(s) => format!("  [gs={} ls={} W={}]", s.gs, s.ls, s.wait),
-        }
+        let s = self.schedule;
+        format!("  [gs={} ls={} W={}{}]", s.gs, s.ls, s.wait, if s.gs == 0 { ", synchronous" } else { "" })
     }
 
     fn finish(&mut self, params: &mut [f32]) -> Result<()> {
-        self.blocking_sync(params)?;
-        if self.groups.cross.size() > 1 || self.groups.node.size() > 1 {
+        self.drain(params)?;
+        if self.comm.size() > 1 {
             // Every rank ends with the same model.
             self.comm.broadcast(params, 0)?;
         }
@@ -411,7 +607,7 @@ mod tests {
         threshold: f64,
         gs: usize,
         ls: usize,
-        w: usize,
+        w: i64,
         max_gs: usize,
         epoch: usize,
         warmup: usize,
@@ -450,13 +646,15 @@ mod tests {
             if stable && self.gs > 1 {
                 self.gs /= 2;
                 self.ls /= 2;
-                self.w = self.w.saturating_sub(1);
+                self.w -= 1;
                 if self.gs > 0 {
-                    self.w = self.w.max(1);
+                    if self.w == 0 {
+                        self.w = 1;
+                    }
                     self.ls = self.ls.max(1);
                 }
             } else if self.gs == 1 && stable {
-                (self.gs, self.ls, self.w) = (self.max_gs, self.max_gs / 4, self.max_gs / 4);
+                (self.gs, self.ls, self.w) = (self.max_gs, self.max_gs / 4, (self.max_gs / 4) as i64);
             }
         }
     }
@@ -482,44 +680,54 @@ mod tests {
             let cfg = DasoConfig { warmup_epochs: 3, cooldown_epochs: 4, epochs: total, ..Default::default() };
             let mut heat =
                 HeatController { best: f64::INFINITY, bad: 0, threshold: 0.05, gs: 0, ls: 0, w: 0, max_gs: 8, epoch: 0, warmup: 3, cooldown: 4, total };
-            let (mut plateau, mut ours) = (Plateau::new(0.05, 8), None);
+            let (mut plateau, mut ours) = (Plateau::new(0.05), Schedule::SYNC);
             let mut halved = false;
             for (e, &loss) in losses.iter().enumerate() {
                 heat.epoch = e + 1;
                 heat.epoch_loss_logic(loss);
                 ours = next_schedule(&mut plateau, &cfg, e + 1, ours, loss);
-                let theirs = (heat.gs > 0).then_some(Schedule { gs: heat.gs, ls: heat.ls, wait: heat.w });
+                let theirs = Schedule { gs: heat.gs, ls: heat.ls, wait: heat.w };
                 assert_eq!(ours, theirs, "after epoch {} (loss {loss}) of {losses:?}", e + 1);
-                halved |= ours.is_some_and(|s| s.gs < 4);
+                halved |= ours.gs > 0 && ours.gs < 4;
             }
             // Falling 2 % per epoch is a 5 % gain every third epoch: never a plateau.
             assert_eq!(halved, moves, "the controller {} on {losses:?}", if halved { "moved" } else { "never moved" });
         }
     }
 
+    /// One cycling epoch after another at a constant loss: a plateau every third epoch
+    /// halves gs down to 1, then resets it to max with ls = W = max / 4; with a small max
+    /// (Heat allows any >= 0) the reset gives ls = W = 0, and a later plateau W = -1.
     #[test]
     fn plateau_schedule() {
-        let mut p = Plateau::new(0.05, 8);
-        let s0 = Schedule { gs: 4, ls: 1, wait: 1 };
-        // Improving by more than 5 %: unchanged.
-        assert_eq!(p.next(1.0, s0), s0);
-        assert_eq!(p.next(0.9, s0), s0);
-        // Three epochs without a 5 % improvement: the third is the plateau.
-        assert_eq!(p.next(0.89, s0), s0);
-        assert_eq!(p.next(0.88, s0), s0);
-        let s1 = p.next(0.87, s0);
-        assert_eq!(s1, Schedule { gs: 2, ls: 1, wait: 1 });
-        // Halving goes on down to gs = 1, then resets to gs = 8, ls = W = 2.
-        for _ in 0..2 {
-            p.next(0.87, s1);
+        let cfg = DasoConfig { warmup_epochs: 1, cooldown_epochs: 0, epochs: 100, ..Default::default() };
+        let mut p = Plateau::new(0.05);
+        let mut s = next_schedule(&mut p, &cfg, 1, Schedule::SYNC, 1.0);
+        assert_eq!(s, Schedule { gs: 4, ls: 1, wait: 1 });
+        let mut seen = vec![];
+        for e in 2..14 {
+            s = next_schedule(&mut p, &cfg, e, s, 1.0);
+            seen.push((s.gs, s.ls, s.wait));
         }
-        let s2 = p.next(0.87, s1);
-        assert_eq!(s2, Schedule { gs: 1, ls: 1, wait: 1 });
-        for _ in 0..2 {
-            p.next(0.87, s2);
+        let want = [(4, 1, 1), (4, 1, 1), (2, 1, 1), (2, 1, 1), (2, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1), (8, 2, 2), (8, 2, 2), (8, 2, 2), (4, 1, 1)];
+        assert_eq!(seen, want);
+        // Warm-up 0: never cycles (Heat's epoch counter is past 0 at the first call).
+        let cfg0 = DasoConfig { warmup_epochs: 0, cooldown_epochs: 0, epochs: 10, ..Default::default() };
+        let (mut p0, mut s0) = (Plateau::new(0.05), Schedule::SYNC);
+        for e in 1..10 {
+            s0 = next_schedule(&mut p0, &cfg0, e, s0, 1.0 / e as f64);
+            assert_eq!(s0, Schedule::SYNC);
         }
-        assert_eq!(p.next(0.87, s2), Schedule { gs: 8, ls: 2, wait: 2 });
-        // A real improvement resets the count.
-        assert_eq!(p.next(0.5, s2), s2);
+        // max_global_skips 2: the reset leaves ls = W = 0; the next plateau W = -1.
+        let small = DasoConfig { max_global_skips: 2, warmup_epochs: 1, cooldown_epochs: 0, epochs: 100, ..Default::default() };
+        let (mut ps, mut ss) = (Plateau::new(0.05), Schedule { gs: 1, ls: 1, wait: 1 });
+        for e in 2..6 {
+            ss = next_schedule(&mut ps, &small, e, ss, 1.0);
+        }
+        assert_eq!(ss, Schedule { gs: 2, ls: 0, wait: 0 });
+        for e in 6..9 {
+            ss = next_schedule(&mut ps, &small, e, ss, 1.0);
+        }
+        assert_eq!(ss, Schedule { gs: 1, ls: 1, wait: -1 });
     }
 }

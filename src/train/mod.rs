@@ -88,6 +88,11 @@ pub trait Strategy {
     fn describe(&self) -> String {
         String::new()
     }
+    /// The index of the epoch's last batch, where the framework knows it in advance (Heat's
+    /// `last_batch`): DASO's schedule looks one batch ahead. Others ignore it.
+    fn set_last_batch(&mut self, last_batch: usize) {
+        let _ = last_batch;
+    }
     /// At the end of an epoch, with this rank's mean training loss; returns the loss
     /// averaged over all ranks (DASO's plateau controller runs on it). Collective.
     fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64>;
@@ -186,7 +191,8 @@ impl StrategyConfig {
     /// `scheme` with `options` ("key=value,key=value"; empty: the defaults), as a framework
     /// hands them over the C ABI. Keys, per scheme: bsp: interval, node_interval, topk;
     /// daso: warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level,
-    /// bf16_wire, sending_chunk_size, skip_reduction_factor, local_skip_factor; ddcgu and cyclic: lr, rule (sum, mean or staleness);
+    /// wire (f32, bf16, f16), sending_chunk_size, skip_reduction_factor, local_skip_factor,
+    /// sync_average (heat, change), cap_phases; ddcgu and cyclic: lr, rule (sum, mean or staleness);
     /// downpour: lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none. ssgd, daso and bsp take
     /// no lr: the framework's own optimizer makes their local step. A key the scheme does
     /// not take, or a value out of range, is an error naming it.
@@ -200,10 +206,12 @@ impl StrategyConfig {
                 "epochs",
                 "max_global_skips",
                 "stability_level",
-                "bf16_wire",
+                "wire",
                 "sending_chunk_size",
                 "skip_reduction_factor",
                 "local_skip_factor",
+                "sync_average",
+                "cap_phases",
             ],
             "ddcgu" | "cyclic" => &["lr", "rule"],
             "downpour" => &["lr", "fetch", "push"],
@@ -242,9 +250,17 @@ impl StrategyConfig {
                 "warmup_epochs" => cfg.daso.warmup_epochs = count(0)?,
                 "cooldown_epochs" => cfg.daso.cooldown_epochs = count(0)?,
                 "epochs" => cfg.daso.epochs = count(1)?,
-                "max_global_skips" => cfg.daso.max_global_skips = count(1)?,
+                "max_global_skips" => cfg.daso.max_global_skips = count(0)?,
                 "stability_level" => cfg.daso.stability_level = real(0.0, 1.0)?,
-                "bf16_wire" => cfg.daso.bf16_wire = value.parse().map_err(|_| bad("expected true or false"))?,
+                "wire" => cfg.daso.wire = daso::Wire::parse(value).ok_or_else(|| bad("expected f32, bf16 or f16"))?,
+                "sync_average" => {
+                    cfg.daso.average_change = match value {
+                        "heat" => false,
+                        "change" => true,
+                        _ => return Err(bad("expected heat or change")),
+                    }
+                }
+                "cap_phases" => cfg.daso.cap_phases = value.parse().map_err(|_| bad("expected true or false"))?,
                 "sending_chunk_size" => cfg.daso.sending_chunk_size = count(1)?,
                 "skip_reduction_factor" => cfg.daso.skip_reduction_factor = count(1)?,
                 "local_skip_factor" => cfg.daso.local_skip_factor = count(1)?,
@@ -355,6 +371,9 @@ impl Strategy for InOrder<'_> {
     fn describe(&self) -> String {
         self.scheme.describe()
     }
+    fn set_last_batch(&mut self, last_batch: usize) {
+        self.scheme.set_last_batch(last_batch)
+    }
     fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
         self.expect(&[Stage::Started], "end_epoch")?;
         self.scheme.end_epoch(params, loss)
@@ -437,15 +456,17 @@ mod tests {
         assert_eq!((c.interval, c.topk), (8, 0.01));
         let e = StrategyConfig::parse("eamsgd", "lr=0.1,tau=16").unwrap();
         assert_eq!((e.lr, e.tau), (0.1, 16));
-        let d = StrategyConfig::parse("daso", "epochs=20,warmup_epochs=2,bf16_wire=true,sending_chunk_size=1000").unwrap();
-        assert_eq!((d.daso.epochs, d.daso.warmup_epochs, d.daso.bf16_wire, d.daso.sending_chunk_size), (20, 2, true, 1000));
+        let d = StrategyConfig::parse("daso", "epochs=20,warmup_epochs=2,wire=f16,sending_chunk_size=1000,sync_average=change").unwrap();
+        assert_eq!((d.daso.epochs, d.daso.warmup_epochs, d.daso.wire, d.daso.sending_chunk_size), (20, 2, daso::Wire::F16, 1000));
+        assert!(d.daso.average_change && !d.daso.cap_phases);
         assert_eq!(StrategyConfig::parse("ssgd", "").unwrap().strategy, "ssgd");
         for (scheme, options, want) in [
             ("sgdx", "", "unknown strategy 'sgdx'"),
             ("bsp", "interval=0", "option interval=0: expected an integer >= 1"),
             ("bsp", "topk=2", "option topk=2: expected a number in [0, 1]"),
             ("downpour", "lr=nan", "option lr=nan"),
-            ("daso", "bf16_wire=yes", "expected true or false"),
+            ("daso", "wire=f64", "expected f32, bf16 or f16"),
+            ("daso", "cap_phases=yes", "expected true or false"),
             ("ddcgu", "rule=median", "expected sum, mean or staleness"),
             ("ssgd", "colour=blue", "ssgd takes no option 'colour'"),
             ("ssgd", "lr=0.1", "the framework's optimizer makes its local step"),

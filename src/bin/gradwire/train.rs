@@ -4,7 +4,7 @@
 use gradwire::rma::ApplyRule;
 use gradwire::train::{
     self,
-    daso::DasoConfig,
+    daso::{DasoConfig, Wire},
     data::{epoch_batches, steps_per_epoch},
     Dataset, Mlp, Model, StrategyConfig,
 };
@@ -43,7 +43,8 @@ pub struct TrainArgs {
     /// bsp: send only this fraction of entries (top-k with error feedback); 0 = dense.
     #[arg(long, default_value_t = 0.0)]
     pub topk: f64,
-    /// daso: warm-up and cool-down epochs (each capped at a quarter of the run).
+    /// daso: warm-up and cool-down epochs (each capped at a quarter of the run, gradwire's
+    /// `cap_phases`, so that short runs cycle).
     #[arg(long, default_value_t = 4)]
     pub warmup: usize,
     #[arg(long, default_value_t = 4)]
@@ -130,7 +131,8 @@ fn strategy_config(a: &TrainArgs) -> Result<StrategyConfig> {
         warmup_epochs: a.warmup,
         cooldown_epochs: a.cooldown,
         epochs: a.epochs,
-        bf16_wire: a.bf16_wire,
+        wire: if a.bf16_wire { Wire::Bf16 } else { Wire::F32 },
+        cap_phases: true,
         sending_chunk_size: a.chunk,
         ..Default::default()
     };
