@@ -165,6 +165,36 @@ fn batchnorm_buffers_agree_after_finish() {
     assert!(!t.contains("FAIL"), "{t}");
 }
 
+/// gradwire's DASO against Heat's own DASO code (the PyPI package, run with real MPI by
+/// python/tests/heat_reference.py) on the same model, data, start and arguments, 2 nodes
+/// of 2 ranks: default bf16, fp16, max_global_skips 3, a run that resets to the maximum
+/// skip, and a chunked send. The schedule must match on every batch and the parameters of
+/// every rank after every epoch within 1e-5 (relative); a control (gradwire's
+/// `sync_average="change"`) must not match.
+#[test]
+fn daso_matches_heats_own_code() {
+    if !python_has("torch") || !python_has("mpi4py") {
+        eprintln!("SKIP daso_matches_heats_own_code: torch or mpi4py is not importable (.ci/run installs them)");
+        return;
+    }
+    if !can_netns("daso_matches_heats_own_code") {
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut cmd = Command::new("python3");
+    cmd.args([&format!("{root}/python/tests/heat_compare.py"), "drive"])
+        .env("PYTHONPATH", format!("{root}/python"))
+        .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+        .env("GRADWIRE_BIN", bin())
+        .env("OMP_NUM_THREADS", "1");
+    let out = run_with_limit(cmd, Duration::from_secs(900));
+    let t = text(&out);
+    println!("{t}");
+    assert!(out.status.success(), "{t}");
+    assert_eq!(t.lines().filter(|l| l.starts_with("ok   ")).count(), 6, "{t}");
+    assert!(t.contains("heat compare: ok"), "{t}");
+}
+
 /// A script written for Heat's DASO runs with its import changed (python/examples/
 /// heat_daso.py, a convolutional net), across 2 namespace nodes of 2 ranks: it learns, and
 /// every replica ends identical.
