@@ -102,7 +102,7 @@ class FlatParameters:
     them. For a CUDA model the views go into two flat buffers on its device, and `data` and
     `grad` are host mirrors the scheme works on: `pull_params`/`gather_grads` copy device
     to host, `push_params`/`push_grads` back (each one copy of the whole vector; on the
-    CPU they do nothing)."""
+    CPU they do nothing). `host_bytes_copied` counts the bytes those copies moved."""
 
     def __init__(self, params: Iterable[torch.Tensor], comm: Comm) -> None:
         seen, self.params = set(), []
@@ -124,6 +124,7 @@ class FlatParameters:
         if len(devices) > 1:
             raise ValueError(f"the parameters are on several devices ({', '.join(sorted(map(str, devices)))}); gradwire's schemes take one device per rank")
         self.device = self.params[0].device
+        self.host_bytes_copied = 0
         self.data = torch.from_numpy(comm.empty(n, "float32"))
         self.grad = torch.from_numpy(comm.empty(n, "float32"))
         self.grad.zero_()
@@ -154,17 +155,20 @@ class FlatParameters:
         """The host values, brought up to date with the model's (a CUDA model's)."""
         if self._model_data is not self.data:
             self.data.copy_(self._model_data)
+            self.host_bytes_copied += self.data.nbytes
         return self.data
 
     def push_params(self) -> None:
         """The model's values set to the host ones (a CUDA model's)."""
         if self._model_data is not self.data:
             self._model_data.copy_(self.data)
+            self.host_bytes_copied += self.data.nbytes
 
     def push_grads(self) -> None:
         """The model's gradients set to the host ones (a CUDA model's)."""
         if self._model_grad is not self.grad:
             self._model_grad.copy_(self.grad)
+            self.host_bytes_copied += self.grad.nbytes
 
     def gather_grads(self) -> torch.Tensor:
         """Makes every trainable parameter's `.grad` a view into the flat gradients again
@@ -188,6 +192,7 @@ class FlatParameters:
                 p.grad = grad
         if self._model_grad is not self.grad:
             self.grad.copy_(self._model_grad)
+            self.host_bytes_copied += self.grad.nbytes
         return self.grad
 
     @contextlib.contextmanager
@@ -264,6 +269,11 @@ class _Scheme:
             self.flat.push_params()
         if self.buffers is not None:
             self.buffers.agree()
+
+    @property
+    def host_bytes_copied(self) -> int:
+        """Bytes copied between a CUDA model and its host mirrors so far (0 on the CPU)."""
+        return self.flat.host_bytes_copied
 
     @property
     def bytes_sent(self) -> int:

@@ -203,6 +203,7 @@ def scheme_run(make, dev):
     opt = make(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
     gen = torch.Generator().manual_seed(seed % 2**31 + 2 + rank)
     epochs, batches = 4, 6
+    copied_before = opt.host_bytes_copied
     for epoch in range(epochs):
         if hasattr(opt, "last_batch"):
             opt.last_batch = batches - 1
@@ -216,20 +217,22 @@ def scheme_run(make, dev):
             total += loss.item()
         if hasattr(opt, "epoch_loss_logic"):
             opt.epoch_loss_logic(total / batches)
-    return torch.cat([p.detach().reshape(-1).cpu() for p in net.parameters()]), total / batches
+    model_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    per_step = (opt.host_bytes_copied - copied_before) / (epochs * batches)
+    return torch.cat([p.detach().reshape(-1).cpu() for p in net.parameters()]), total / batches, per_step / model_bytes
 
 
 for name, make in (
     ("DASO", lambda o: gradwire.torch.DASO(o, total_epochs=4, warmup_epochs=1, cooldown_epochs=1, downcast_type=torch.float32)),
     ("BSP", lambda o: gradwire.torch.BSP(o, interval=3)),
 ):
-    on_cpu, _ = scheme_run(make, torch.device("cpu"))
-    on_gpu, last_loss = scheme_run(make, device)
+    on_cpu, _, _ = scheme_run(make, torch.device("cpu"))
+    on_gpu, last_loss, copies = scheme_run(make, device)
     gap = (on_cpu - on_gpu).abs().max().item()
     if gap > 1e-4:
         failures.append(f"{name} on CUDA is off the same run on the CPU by {gap}")
     if rank == 0:
-        print(f"{name} on {device}: final epoch loss {last_loss:.4f}, max gap to the CPU run {gap:.2e}")
+        print(f"{name} on {device}: final epoch loss {last_loss:.4f}, max gap to the CPU run {gap:.2e}, host copies per step {copies:.2f} x the model's bytes")
 
 dist.destroy_process_group()
 print(f"rank {rank}: torch_cuda on {device}, world {world}: {'ok' if not failures else 'FAILED: ' + '; '.join(failures)}")
