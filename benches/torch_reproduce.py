@@ -105,7 +105,7 @@ else:
     net = model
     if a.scheme == "daso":
         # The recorded runs used gradwire's variants (REPRODUCTION.md): phases capped at a
-        # quarter of the run, the synchronous phases averaging the change in float32.
+        # quarter of the run, the synchronous phases averaging every rank's change.
         scheme = DASO(
             torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum),
             total_epochs=a.epochs,
