@@ -53,6 +53,7 @@ import ctypes
 import inspect
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -465,6 +466,9 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     # Asked of a group's backend by batch_isend_irecv: no NCCL-style coalescing manager
     # (the sends and receives gather into a batch here; see _P2PBatch).
     supports_coalescing = False
+    # Asked by split_group and by init_process_group(device_id=...): no NCCL-style split
+    # (subgroups come from new_group); split_group then says it is not supported.
+    supports_splitting = False
 
     # Whether this class runs over the C++ group (_native_class).
     _native = False
@@ -491,6 +495,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         else:
             store.wait([everyone, id_key], timeout)
         uid = store.get(id_key)
+        self._store, self._monitored_calls = store, 0
         self._comm = Comm.from_unique_id(bytes(uid), size, rank)
         if self._native:
             lib = load_library()
@@ -798,6 +803,44 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._comm.barrier()
         return _Work([])
 
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """gloo's monitored barrier, through the group's store (where each rank's arrival
+        is seen on its own, whatever the others do): every rank checks in, rank 0 waits at
+        most `timeout` in all and names the ranks that did not come (the first, or all with
+        `wait_all_ranks`), as gloo words it; then it releases the others, which wait as long
+        for that."""
+        self._start_p2p()
+        limit = timeout if timeout is not None else timedelta(minutes=30)
+        deadline = time.monotonic() + limit.total_seconds()
+        call, me = self._monitored_calls, self.rank()
+        self._monitored_calls += 1
+        key = f"gradwire/monitored_barrier/{call}/"
+        self._store.set(f"{key}{me}", "1")
+        if me != 0:
+            try:
+                self._store.wait([f"{key}release"], limit)
+            except RuntimeError as e:
+                raise RuntimeError(f"[Rank {me}]: timed out after {limit.total_seconds() * 1000:.0f} ms in monitoredBarrier waiting for rank 0 to release it") from e
+            return _Work([])
+        missing = []
+        for r in range(1, self.size()):
+            left = deadline - time.monotonic()
+            if left > 0:
+                try:
+                    self._store.wait([f"{key}{r}"], timedelta(seconds=left))
+                    continue
+                except RuntimeError:
+                    pass
+            if not self._store.check([f"{key}{r}"]):
+                missing.append(r)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            who = f"Rank {missing[0]}" if len(missing) == 1 else "Ranks " + ", ".join(map(str, missing))
+            raise RuntimeError(f"[Rank 0]: {who} failed to pass monitoredBarrier in {limit.total_seconds() * 1000:.0f} ms")
+        self._store.set(f"{key}release", "1")
+        return _Work([])
+
     # The calls the C++ group (_torch_group.cpp) takes on its fast path when there is one
     # (see _native_class), and hands these methods when it does not.
     allreduce = _py_allreduce
@@ -889,8 +932,28 @@ def _native_class():
     return _native_group_class
 
 
+class _RegistryEntry(torch._C._distributed_c10d.Backend):
+    """What torch's group registry holds for a gradwire group on each of its devices. torch
+    names a group through its registered backends and reads its devices from them
+    (`group_name`, `destroy_process_group(group)`, `init_device_mesh`, FSDP2): without one,
+    "ProcessGroup name not set". The group itself overrides every collective it offers, so
+    calls reach it, not this entry; one torch sends to the entry directly (monitored
+    barrier, the coalesced forms) is refused by torch, naming gradwire."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__(group.rank(), group.size())
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "gradwire"
+
+
 def _create(store, rank, size, timeout):
-    return _native_class()(store, rank, size, timeout)
+    group = _native_class()(store, rank, size, timeout)
+    entry = _RegistryEntry(group)
+    group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    for device in ("cpu", "cuda"):
+        group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, entry)
+    return group
 
 
 def register() -> None:
