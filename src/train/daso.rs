@@ -1,7 +1,7 @@
 //! `daso`: Distributed Asynchronous and Selective Optimization (ALGORITHMS.md §1), batch for
 //! batch the schedule and arithmetic of Heat's `heat.optim.DASO` (`dp_optimizer.py`), the
-//! reference its users switch from; `tests/heat_reference.rs` runs Heat's own code beside
-//! this one.
+//! reference its users switch from; `python/tests/heat_compare.py` runs Heat's own code
+//! beside this one and finds the parameters bit-identical.
 //!
 //! The ranks of one local index across the nodes form a cross-node group; the sending
 //! local index `send_mod` rotates every send and restarts at 0 each epoch. On a global
