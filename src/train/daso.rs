@@ -56,6 +56,36 @@ impl Wire {
     }
 }
 
+impl Wire {
+    /// `v` rounded to the wire dtype (and widened back).
+    pub fn round(self, v: f32) -> f32 {
+        match self {
+            Wire::F32 => v,
+            Wire::Bf16 => bf16::from_f32(v).to_f32(),
+            Wire::F16 => f16::from_f32(v).to_f32(),
+        }
+    }
+}
+
+/// `buf` cast to the wire dtype, reduced with `op` over `comm` in that dtype, and widened
+/// back; returns the payload bytes this rank handed to the network.
+fn reduce_on_wire(comm: &Communicator, buf: &mut [f32], wire: Wire, op: ReduceOp) -> Result<u64> {
+    fn cast<T: crate::dtype::Element>(comm: &Communicator, buf: &mut [f32], op: ReduceOp, to: fn(f32) -> T, back: fn(T) -> f32) -> Result<u64> {
+        let mut wire: Vec<T> = buf.iter().map(|&v| to(v)).collect();
+        comm.allreduce(&mut wire, op)?;
+        buf.iter_mut().zip(wire).for_each(|(b, w)| *b = back(w));
+        Ok(allreduce_bytes(buf.len(), comm.size()) / 2)
+    }
+    match wire {
+        Wire::F32 => {
+            comm.allreduce(buf, op)?;
+            Ok(allreduce_bytes(buf.len(), comm.size()))
+        }
+        Wire::Bf16 => cast(comm, buf, op, bf16::from_f32, bf16::to_f32),
+        Wire::F16 => cast(comm, buf, op, f16::from_f32, f16::to_f32),
+    }
+}
+
 /// DASO's knobs, named as Heat's (ALGORITHMS.md §1), and gradwire's two named variants.
 #[derive(Clone, Debug)]
 pub struct DasoConfig {
@@ -373,27 +403,9 @@ impl<'c> Daso<'c> {
             return self.average_change(params);
         }
         if self.local_index() == self.send_mod {
-            let nodes = self.groups.nodes() as f32;
-            let n = params.len();
-            match self.cfg.wire {
-                Wire::F32 => {
-                    self.groups.cross.allreduce(params, ReduceOp::Sum)?;
-                    params.iter_mut().for_each(|p| *p /= nodes);
-                    self.sent += allreduce_bytes(n, self.groups.cross.size());
-                }
-                Wire::Bf16 => {
-                    let mut wire: Vec<bf16> = params.iter().map(|&v| bf16::from_f32(v)).collect();
-                    self.groups.cross.allreduce(&mut wire, ReduceOp::Sum)?;
-                    params.iter_mut().zip(&wire).for_each(|(p, w)| *p = bf16::from_f32(w.to_f32() / nodes).to_f32());
-                    self.sent += allreduce_bytes(n, self.groups.cross.size()) / 2;
-                }
-                Wire::F16 => {
-                    let mut wire: Vec<f16> = params.iter().map(|&v| f16::from_f32(v)).collect();
-                    self.groups.cross.allreduce(&mut wire, ReduceOp::Sum)?;
-                    params.iter_mut().zip(&wire).for_each(|(p, w)| *p = f16::from_f32(w.to_f32() / nodes).to_f32());
-                    self.sent += allreduce_bytes(n, self.groups.cross.size()) / 2;
-                }
-            }
+            let (wire, nodes) = (self.cfg.wire, self.groups.nodes() as f32);
+            self.sent += reduce_on_wire(&self.groups.cross, params, wire, ReduceOp::Sum)?;
+            params.iter_mut().for_each(|p| *p = wire.round(*p / nodes));
         }
         self.node_broadcast(params, Some(self.send_mod))
     }
@@ -403,25 +415,7 @@ impl<'c> Daso<'c> {
     /// dtype; every replica ends bit-identical (one allreduce result added to one anchor).
     fn average_change(&mut self, params: &mut [f32]) -> Result<()> {
         let mut change: Vec<f32> = params.iter().zip(&self.anchor).map(|(p, a)| p - a).collect();
-        let n = change.len();
-        match self.cfg.wire {
-            Wire::F32 => {
-                self.comm.allreduce(&mut change, ReduceOp::Avg)?;
-                self.sent += allreduce_bytes(n, self.comm.size());
-            }
-            Wire::Bf16 => {
-                let mut wire: Vec<bf16> = change.iter().map(|&v| bf16::from_f32(v)).collect();
-                self.comm.allreduce(&mut wire, ReduceOp::Avg)?;
-                change.iter_mut().zip(&wire).for_each(|(c, w)| *c = w.to_f32());
-                self.sent += allreduce_bytes(n, self.comm.size()) / 2;
-            }
-            Wire::F16 => {
-                let mut wire: Vec<f16> = change.iter().map(|&v| f16::from_f32(v)).collect();
-                self.comm.allreduce(&mut wire, ReduceOp::Avg)?;
-                change.iter_mut().zip(&wire).for_each(|(c, w)| *c = w.to_f32());
-                self.sent += allreduce_bytes(n, self.comm.size()) / 2;
-            }
-        }
+        self.sent += reduce_on_wire(self.comm, &mut change, self.cfg.wire, ReduceOp::Avg)?;
         for ((p, a), d) in params.iter_mut().zip(self.anchor.iter_mut()).zip(&change) {
             *p = *a + d;
             *a = *p;
