@@ -99,6 +99,13 @@ int gradwire_comm_size(const gradwire_comm_t *comm, int *size);
 /* Splits by color (ranks with equal color form one communicator, ordered by key then rank).
  * A negative color joins no group: *newcomm is set to NULL. Collective over comm. */
 int gradwire_comm_split(gradwire_comm_t *comm, int color, int key, gradwire_comm_t **newcomm);
+/* The ranks of this rank's node (GRADWIRE_SPLIT_NODE, ordered by rank: the rank in it is
+ * the local index), or the ranks of every node with this rank's local index
+ * (GRADWIRE_SPLIT_CROSS_NODE, one per node, in node order), as MPI_Comm_split_type.
+ * Collective over comm. */
+#define GRADWIRE_SPLIT_NODE 0
+#define GRADWIRE_SPLIT_CROSS_NODE 1
+int gradwire_comm_split_type(gradwire_comm_t *comm, int split_type, gradwire_comm_t **newcomm);
 
 /* In place if sendbuf == recvbuf; otherwise the buffers must not overlap. */
 int gradwire_allreduce(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf,
@@ -253,7 +260,9 @@ int gradwire_gpu_alltoall(gradwire_gpu_comm_t *gpu, const void *sendbuf, const s
  * scheme "ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour" or "eamsgd"; options
  * "key=value,..." (NULL or "": defaults), per scheme: bsp: interval, node_interval, topk;
  * daso: warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level,
- * bf16_wire, sending_chunk_size, skip_reduction_factor, local_skip_factor; ddcgu, cyclic:
+ * wire (f32, bf16, f16), sending_chunk_size, skip_reduction_factor, local_skip_factor,
+ * sync_average (heat, change), cap_phases (true, false), data (gradwire, caller: see
+ * gradwire_strategy_take_actions; bsp takes data too, without topk); ddcgu, cyclic:
  * lr, rule (sum, mean, staleness); downpour: lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none (ssgd, daso and bsp take no lr: the
  * framework's optimizer makes their local step). A key the scheme does not take, a key
  * given twice, bsp's topk=0 (leave topk out to send the whole change) or a bad value is
@@ -298,6 +307,34 @@ int gradwire_strategy_claim_batch(gradwire_strategy_t *strategy, size_t total, i
 int gradwire_strategy_set_last_batch(gradwire_strategy_t *strategy, size_t last_batch);
 /* The scheme's name and state (DASO's schedule, BSP's K), NUL-terminated, truncated to len. */
 int gradwire_strategy_describe(gradwire_strategy_t *strategy, char *buf, size_t len);
+/* A daso or bsp (dense) scheme made with "data=caller" keeps its schedule but moves no
+ * data: the caller
+ * keeps the model (in device memory, say). It is created with init NULL and n the
+ * parameter count; every later call takes no buffer (NULL, 0) and records, in order, the
+ * steps the caller must run on its parameters and gradients before its next call. This
+ * hands over up to `capacity` of them (three int64 each: code, a, b) and sets *count; call
+ * again while *count == capacity. Every rank runs its own actions, in order:
+ *   1 BROADCAST_ALL        parameters of communicator rank a to every rank
+ *   2 AVERAGE_GRADS_NODE   gradients averaged over the node (GRADWIRE_SPLIT_NODE)
+ *   3 BROADCAST_NODE       parameters of local index a to the rest of the node
+ *   4 SEND_SUM             start a float32 sum of a copy of the parameters over the nodes
+ *                          (GRADWIRE_SPLIT_CROSS_NODE), as allreduces of a, then b elements
+ *   5 MERGE_OLDEST         wait for the oldest sum and merge it, S = a, N = b:
+ *                          x = x*f + sum/d, d = N + (S > 0 ? 2S : 1), f = (d - N)/d (float32)
+ *   6 TAKE_AVERAGE         wait for the only sum in flight; x = sum/a
+ *   7 AVERAGE_ON_WIRE      x cast to wire b (0 f32, 1 bf16, 2 f16), summed over the nodes
+ *                          in it, divided by a and rounded to b
+ *   8 AVERAGE_CHANGE       (x - anchor) cast to wire a, averaged over every rank in it,
+ *                          added to the anchor; the anchor becomes x
+ *   9 SET_ANCHOR           the anchor becomes x
+ *  10 AVERAGE_NEXT_GRADS   a = 1: the next backward's gradients are averaged in the node
+ *                          (action 2 follows; the caller may start it during backward)
+ *  11 AVERAGE_GRADS_ALL    gradients averaged over every rank
+ *  12 AVERAGE_CHANGE_NODE  (x - node anchor) averaged over the node (float32), added to the
+ *                          node anchor; the node anchor becomes x
+ *  13 TAKE_ANCHOR          x = anchor
+ *  14 SET_NODE_ANCHOR      the node anchor becomes x */
+int gradwire_strategy_take_actions(gradwire_strategy_t *strategy, int64_t *out, size_t capacity, size_t *count);
 
 /* Page-aligned memory shared with the ranks of this host (registered, zero-copy): an
  * allreduce of at least 256 KiB (4 MiB where the kernel refuses cross-memory attach)

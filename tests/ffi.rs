@@ -206,6 +206,31 @@ unsafe fn bad_inputs() {
     expect(gradwire_strategy_start(strat, p.as_mut_ptr(), 8), INVALID, "not a live strategy handle");
     let mut mean_bad = 0.0;
     expect(gradwire_strategy_end_epoch(strat, p.as_mut_ptr(), 8, 1.0, &mut mean_bad), INVALID, "not a live strategy handle");
+    // A scheme whose caller moves the data: only the size comes in, the calls take no
+    // buffer, and the recorded actions come out in order, in pieces of `capacity`.
+    let daso = c("daso");
+    let caller = c("data=caller,warmup_epochs=1,epochs=4");
+    let mut acts = [0i64; 6];
+    let mut count = 0usize;
+    expect(gradwire_strategy_create(comm, daso.as_ptr(), caller.as_ptr(), init.as_ptr(), 8, &mut strat), INVALID, "init must be NULL");
+    expect(gradwire_strategy_create(comm, daso.as_ptr(), c("data=gpu").as_ptr(), std::ptr::null(), 8, &mut strat), INVALID, "expected gradwire or caller");
+    assert_eq!(gradwire_strategy_create(comm, daso.as_ptr(), caller.as_ptr(), std::ptr::null(), 8, &mut strat), 0, "{}", last_error());
+    expect(gradwire_strategy_start(strat, p.as_mut_ptr(), 8), INVALID, "it takes no buffer");
+    assert_eq!(gradwire_strategy_start(strat, std::ptr::null_mut(), 0), 0, "{}", last_error());
+    expect(gradwire_strategy_take_actions(strat, std::ptr::null_mut(), 2, &mut count), INVALID, "out is NULL");
+    expect(gradwire_strategy_take_actions(strat, acts.as_mut_ptr(), 2, std::ptr::null_mut()), INVALID, "count is NULL");
+    assert_eq!(gradwire_strategy_take_actions(strat, acts.as_mut_ptr(), 1, &mut count), 0, "{}", last_error());
+    assert_eq!((count, &acts[..3]), (1, &[1, 0, 0][..]), "first: rank 0's parameters to every rank");
+    assert_eq!(gradwire_strategy_take_actions(strat, acts.as_mut_ptr(), 2, &mut count), 0, "{}", last_error());
+    assert_eq!((count, &acts[..3]), (1, &[10, 1, 0][..]), "then: the next backward's gradients are averaged in the node");
+    assert_eq!(gradwire_strategy_take_actions(strat, acts.as_mut_ptr(), 2, &mut count), 0, "{}", last_error());
+    assert_eq!(count, 0);
+    assert_eq!(gradwire_strategy_free(strat), 0, "{}", last_error());
+    assert_eq!(gradwire_strategy_create(comm, ssgd.as_ptr(), std::ptr::null(), init.as_ptr(), 8, &mut strat), 0, "{}", last_error());
+    expect(gradwire_strategy_take_actions(strat, acts.as_mut_ptr(), 2, &mut count), INVALID, "was not made with data=caller");
+    assert_eq!(gradwire_strategy_free(strat), 0, "{}", last_error());
+    let mut sub: *mut gradwire_comm_t = std::ptr::null_mut();
+    expect(gradwire_comm_split_type(comm, 2, &mut sub), INVALID, "split_type 2");
     // An empty batch is a no-op.
     assert_eq!(gradwire_p2p_batch(comm, std::ptr::null(), 0), 0, "{}", last_error());
     expect(gradwire_allgather(comm, xp, shifted, 4, 0), INVALID, "overlap");

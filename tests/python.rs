@@ -208,12 +208,32 @@ fn batchnorm_buffers_agree_after_finish() {
     assert!(!t.contains("FAIL"), "{t}");
 }
 
+/// DASO and BSP with the data where the model lives (`device_resident=True`: the Python
+/// caller runs the scheme's recorded actions, the path of a CUDA model, here on CPU tensors)
+/// against the same schemes on gradwire's host buffers: a BatchNorm model with a frozen
+/// layer unfrozen mid-run, an unused parameter, momentum, several gradient buckets and
+/// DASO's node-local skips; BSP flat, hierarchical and in its gradient form; on 2 namespace
+/// nodes of 2 ranks, bit-identical after every epoch. The buckets start during backward; a
+/// second backward before step() is refused (python/tests/device_resident.py).
+#[test]
+fn device_resident_schemes_match_the_host_path() {
+    if !python_has("torch") {
+        eprintln!("SKIP device_resident_schemes_match_the_host_path: torch is not importable");
+        return;
+    }
+    let launch: &[&str] = if can_netns("device_resident_schemes_match_the_host_path (namespaces)") { &["--netns", "--ranks-per-node", "2"] } else { &[] };
+    let t = launch_py(4, launch, "python/tests/device_resident.py", &[], &[]);
+    assert_eq!(t.matches("device resident: ok").count(), 4, "{t}");
+    assert!(!t.contains("FAIL"), "{t}");
+}
+
 /// gradwire's DASO against Heat's own DASO code (the PyPI package, run with real MPI by
 /// python/tests/heat_reference.py) on the same model, data, start and arguments, 2 nodes
 /// of 2 ranks: default bf16, fp16, max_global_skips 3, a run that resets to the maximum
 /// skip, and a chunked send. The schedule must match on every batch and the parameters of
-/// every rank after every epoch within 1e-5 (relative); a control (gradwire's
-/// `sync_average="change"`) must not match.
+/// every rank after every epoch within 1e-5 (relative), both with the data on gradwire's
+/// host buffers and moved by the Python caller (`device_resident=True`); a control
+/// (gradwire's `sync_average="change"`) must not match.
 #[test]
 fn daso_matches_heats_own_code() {
     if !python_has("torch") || !python_has("mpi4py") {
@@ -234,7 +254,7 @@ fn daso_matches_heats_own_code() {
     let t = text(&out);
     println!("{t}");
     assert!(out.status.success(), "{t}");
-    assert_eq!(t.lines().filter(|l| l.starts_with("ok   ")).count(), 6, "{t}");
+    assert_eq!(t.lines().filter(|l| l.starts_with("ok   ")).count(), 11, "{t}");
     assert!(t.contains("heat compare: ok"), "{t}");
 }
 

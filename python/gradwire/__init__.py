@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "Comm",
@@ -162,6 +162,7 @@ def load_library() -> ctypes.CDLL:
         "gradwire_comm_rank": [p, ctypes.POINTER(i)],
         "gradwire_comm_size": [p, ctypes.POINTER(i)],
         "gradwire_comm_split": [p, i, i, pp],
+        "gradwire_comm_split_type": [p, i, pp],
         "gradwire_allreduce": [p, p, p, sz, u, u],
         "gradwire_iallreduce": [p, p, p, sz, u, u, pp],
         "gradwire_wait": [p, ctypes.c_int64],
@@ -193,6 +194,7 @@ def load_library() -> ctypes.CDLL:
         "gradwire_strategy_set_last_batch": [p, sz],
         "gradwire_strategy_shared_pool": [p, ctypes.POINTER(ctypes.c_int)],
         "gradwire_strategy_claim_batch": [p, sz, ctypes.POINTER(ctypes.c_int)],
+        "gradwire_strategy_take_actions": [p, ctypes.POINTER(ctypes.c_int64), sz, ctypes.POINTER(sz)],
         "gradwire_hierarchy_create": [p, pp],
         "gradwire_hierarchy_free": [p],
         "gradwire_hierarchy_nodes": [p, ctypes.POINTER(i)],
@@ -525,12 +527,17 @@ class Strategy:
     step, after_update(params); for the parameter-server schemes it is step(params, grads).
     `options`: "key=value,..." (see ffi/gradwire.h). Collective: every rank makes one."""
 
-    def __init__(self, comm: "Comm", scheme: str, init: Buffer, options: str = "") -> None:
+    def __init__(self, comm: "Comm", scheme: str, init: Optional[Buffer], options: str = "", count: Optional[int] = None) -> None:
         if "\0" in scheme or "\0" in options:
             raise ValueError("Strategy: scheme and options must not contain NUL characters")
-        p, n, dt = _buffer(init, "Strategy init")
-        if dt != _dtype("float32", "Strategy init"):
-            raise TypeError("Strategy: parameters must be float32")
+        if init is None:
+            # data=caller: the caller keeps the model; only its size comes here.
+            p, n = None, _int_arg(count, "Strategy count", 1, _SIZE_MAX)
+        else:
+            p, n, dt = _buffer(init, "Strategy init")
+            if dt != _dtype("float32", "Strategy init"):
+                raise TypeError("Strategy: parameters must be float32")
+        self.caller_moves_data = init is None
         h = ctypes.c_void_p()
         _check(load_library().gradwire_strategy_create(comm._live(), scheme.encode(), options.encode(), p, n, ctypes.byref(h)))
         self._h, self._n, self._comm = h, n, comm
@@ -538,9 +545,13 @@ class Strategy:
         _check(load_library().gradwire_strategy_framework_update(h, ctypes.byref(yes)))
         self.framework_update = bool(yes.value)
 
-    def _args(self, x: Buffer, what: str):
+    def _args(self, x: Optional[Buffer], what: str):
         if self._h is None:
             raise RuntimeError("strategy is freed")
+        if self.caller_moves_data:
+            if x is not None:
+                raise ValueError(f"{what}: the scheme was made with data=caller: pass None and run take_actions()")
+            return None, 0
         p, n, dt = _buffer(x, what)
         if dt != _dtype("float32", what) or n != self._n:
             raise ValueError(f"{what}: expected {self._n} float32 values")
@@ -605,6 +616,17 @@ class Strategy:
         """The index of the epoch's last batch, before it runs (DASO looks one batch ahead)."""
         last_batch = _int_arg(last_batch, "set_last_batch: last_batch", 0, 2**63 - 1, "negative")
         _check(load_library().gradwire_strategy_set_last_batch(self._live(), last_batch))
+
+    def take_actions(self) -> List[Tuple[int, int, int]]:
+        """With data=caller: the steps recorded since the last take, in order, as (code, a,
+        b) (ffi/gradwire.h lists the codes)."""
+        out = (ctypes.c_int64 * (3 * 64))()
+        count, actions = ctypes.c_size_t(), []
+        while True:
+            _check(load_library().gradwire_strategy_take_actions(self._live(), out, 64, ctypes.byref(count)))
+            actions += [(out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i in range(count.value)]
+            if count.value < 64:
+                return actions
 
     def describe(self) -> str:
         buf = ctypes.create_string_buffer(256)
@@ -918,6 +940,20 @@ class Comm:
         h = ctypes.c_void_p()
         _check(load_library().gradwire_comm_split(self._live(), color, key, ctypes.byref(h)))
         return Comm(h) if h.value else None
+
+    def node_local(self) -> "Comm":
+        """The ranks of this rank's node, ordered by rank (the rank in it is the local
+        index). Collective."""
+        return self._split_type(0)
+
+    def cross_node(self) -> "Comm":
+        """The ranks of every node with this rank's local index, one per node. Collective."""
+        return self._split_type(1)
+
+    def _split_type(self, kind):
+        h = ctypes.c_void_p()
+        _check(load_library().gradwire_comm_split_type(self._live(), kind, ctypes.byref(h)))
+        return Comm(h)
 
     def finalize(self) -> None:
         if self._h is not None:

@@ -33,12 +33,13 @@ import contextlib
 import numbers
 import re
 import warnings
-from typing import Any, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Union
 
 import torch
 
 from gradwire import Comm, Strategy
 from gradwire._buffers import ModelBuffers
+from gradwire._caller_plane import CallerPlane
 
 __all__ = ["DASO", "BSP", "ParameterServer", "PoolSampler", "FlatParameters"]
 
@@ -102,9 +103,11 @@ class FlatParameters:
     them. For a CUDA model the views go into two flat buffers on its device, and `data` and
     `grad` are host mirrors the scheme works on: `pull_params`/`gather_grads` copy device
     to host, `push_params`/`push_grads` back (each one copy of the whole vector; on the
-    CPU they do nothing). `host_bytes_copied` counts the bytes those copies moved."""
+    CPU they do nothing). With `host_mirror=False` (a scheme whose caller moves the data)
+    `data` and `grad` are the model's own flat buffers on its device, and nothing is
+    copied. `host_bytes_copied` counts the bytes copies between host and device moved."""
 
-    def __init__(self, params: Iterable[torch.Tensor], comm: Comm) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], comm: Comm, host_mirror: bool = True) -> None:
         seen, self.params = set(), []
         for p in params:
             if not isinstance(p, torch.Tensor):
@@ -125,14 +128,17 @@ class FlatParameters:
             raise ValueError(f"the parameters are on several devices ({', '.join(sorted(map(str, devices)))}); gradwire's schemes take one device per rank")
         self.device = self.params[0].device
         self.host_bytes_copied = 0
-        self.data = torch.from_numpy(comm.empty(n, "float32"))
-        self.grad = torch.from_numpy(comm.empty(n, "float32"))
-        self.grad.zero_()
         if self.device.type == "cuda":
             self._model_data, self._model_grad = torch.empty(n, device=self.device), torch.zeros(n, device=self.device)
+        if self.device.type == "cuda" and not host_mirror:
+            self.data, self.grad = self._model_data, self._model_grad
         else:
+            self.data = torch.from_numpy(comm.empty(n, "float32"))
+            self.grad = torch.from_numpy(comm.empty(n, "float32"))
+            self.grad.zero_()
+        if self.device.type != "cuda":
             self._model_data, self._model_grad = self.data, self.grad
-        self._views = []
+        self._views, self._index = [], {}
         at = 0
         for p in self.params:
             k = p.numel()
@@ -144,6 +150,7 @@ class FlatParameters:
             p.data = value
             if p.requires_grad:
                 p.grad = grad
+            self._index[id(p)] = len(self._views)
             self._views.append((value, grad))
             at += k
         self.pull_params()
@@ -195,6 +202,14 @@ class FlatParameters:
             self.host_bytes_copied += self.grad.nbytes
         return self.grad
 
+    def own_grad(self, p: torch.Tensor) -> None:
+        """`p.grad` is a view into the flat gradients again (a replaced one copied in)."""
+        grad = self._views[self._index[id(p)]][1]
+        if p.grad is not None and p.grad.data_ptr() != grad.data_ptr():
+            with torch.no_grad():
+                grad.copy_(p.grad)
+            p.grad = grad
+
     @contextlib.contextmanager
     def frozen_kept(self) -> Iterator[None]:
         """The frozen parameters (requires_grad False, asked each time: fine-tuning unfreezes
@@ -223,15 +238,40 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
 class _Scheme:
     """A scheme of libgradwire over a model's flat parameters; the wrappers' common part."""
 
-    def __init__(self, params: Iterable[torch.Tensor], scheme: str, options: str, comm: Any) -> None:
+    # Whether the model to evaluate is the scheme's agreed anchor (BSP) or this rank's
+    # parameters (DASO), where the caller moves the data.
+    _model_is_anchor = False
+
+    def __init__(self, params: Iterable[torch.Tensor], scheme: str, options: str, comm: Any, caller_moves: bool = False) -> None:
         self.comm = resolve_comm(comm)
-        self.flat = FlatParameters(params, self.comm)
-        self._scheme, self._options = scheme, options
-        self._strategy = Strategy(self.comm, scheme, self.flat.data, options)
-        self._strategy.start(self.flat.data)
-        self.flat.push_params()
+        self.flat = FlatParameters(params, self.comm, host_mirror=not caller_moves)
+        self._scheme, self._options, self._caller_moves = scheme, options, caller_moves
+        self.plane: Optional[CallerPlane] = None
+        self._strategy = self._new_strategy()
+        if caller_moves:
+            self.plane = CallerPlane(self.flat, self.comm, self._strategy)
+        self._on_params(self._strategy.start)
         self.epochs_ended = 0
         self.buffers: Optional[ModelBuffers] = None
+
+    def _new_strategy(self) -> Strategy:
+        """The scheme (collective); where the caller moves the data, it gets only the size."""
+        if self._caller_moves:
+            options = ",".join(o for o in (self._options, "data=caller") if o)
+            return Strategy(self.comm, self._scheme, None, options, count=len(self.flat))
+        return Strategy(self.comm, self._scheme, self.flat.pull_params(), self._options)
+
+    def _on_params(self, call: Callable[[Optional[torch.Tensor]], Any]) -> Any:
+        """`call` on the parameters: the host ones (pulled from a CUDA model, pushed back
+        after), or, where the caller moves the data, no buffer and then the recorded
+        actions run where the model lives."""
+        if self.plane is not None:
+            result = call(None)
+            self.plane.run()
+            return result
+        result = call(self.flat.pull_params())
+        self.flat.push_params()
+        return result
 
     def _keep_buffers(self, model: torch.nn.Module) -> None:
         """`model`'s buffers (BatchNorm's statistics) become rank 0's now and are kept in
@@ -249,8 +289,7 @@ class _Scheme:
         """At an epoch's end, with this rank's mean training loss: returns it averaged over
         the ranks. Collective."""
         with self.flat.frozen_kept():
-            mean = self._strategy.end_epoch(self.flat.pull_params(), float(loss))
-            self.flat.push_params()
+            mean = self._on_params(lambda x: self._strategy.end_epoch(x, float(loss)))
         if self.buffers is not None:
             self.buffers.agree()
         self.epochs_ended += 1
@@ -258,21 +297,26 @@ class _Scheme:
 
     def current_model(self) -> torch.Tensor:
         """The model to evaluate, flat (the agreed anchor, the servers' parameters, the
-        centre variable), as a new tensor; the model's own parameters are left as they are."""
+        centre variable), as a new tensor; the model's own parameters are left as they are.
+        (Where the caller moves the data, on the model's device.)"""
+        if self.plane is not None:
+            return (self.plane.anchor if self._model_is_anchor else self.flat.data).clone()
         return self._strategy.current_model(self.flat.pull_params().clone())
 
     def finish(self) -> None:
         """Leaves the final model in the parameters, and the model's buffers, identical on
         every rank. Collective."""
         with self.flat.frozen_kept():
-            self._strategy.finish(self.flat.pull_params())
-            self.flat.push_params()
+            self._on_params(self._strategy.finish)
         if self.buffers is not None:
             self.buffers.agree()
 
     @property
     def host_bytes_copied(self) -> int:
-        """Bytes copied between a CUDA model and its host mirrors so far (0 on the CPU)."""
+        """Bytes this layer copied between a CUDA model and host memory for the parameters
+        and gradients so far (0 on the CPU): the host mirrors' copies, or a device-resident
+        DASO's global sends and sums. The GPU communicator's own staging of a cross-node
+        shard (BSP's averages) is not counted here."""
         return self.flat.host_bytes_copied
 
     @property
@@ -290,8 +334,8 @@ class _FrameworkStep(_Scheme):
     averaged inside `step()`, just before the optimizer's step: gradient clipping between
     backward and step sees this rank's own gradients, not the average (DDP's)."""
 
-    def __init__(self, local_optimizer: torch.optim.Optimizer, scheme: str, options: str, comm: Any) -> None:
-        super().__init__(_optimizer_params(local_optimizer), scheme, options, comm)
+    def __init__(self, local_optimizer: torch.optim.Optimizer, scheme: str, options: str, comm: Any, caller_moves: bool = False) -> None:
+        super().__init__(_optimizer_params(local_optimizer), scheme, options, comm, caller_moves)
         self.local_optimizer = local_optimizer
         self.scaler = None
         self.scheduler: Any = None
@@ -302,8 +346,13 @@ class _FrameworkStep(_Scheme):
         return self.local_optimizer.param_groups
 
     def _step(self, last_of_epoch: bool) -> None:
-        self._strategy.before_update(self.flat.gather_grads(), last_of_epoch)
-        self.flat.push_grads()
+        grads = self.flat.gather_grads()
+        if self.plane is not None:
+            self._strategy.before_update(None, last_of_epoch)
+            self.plane.run()
+        else:
+            self._strategy.before_update(grads, last_of_epoch)
+            self.flat.push_grads()
         if self.scaler is not None:
             self.scaler.step(self.local_optimizer)
             self.scaler.update()
@@ -312,8 +361,7 @@ class _FrameworkStep(_Scheme):
         if self.scheduler is not None:
             self.scheduler.step()
         with self.flat.frozen_kept():
-            self._strategy.after_update(self.flat.pull_params(), last_of_epoch)
-            self.flat.push_params()
+            self._on_params(lambda x: self._strategy.after_update(x, last_of_epoch))
 
 
 class DASO(_FrameworkStep):
@@ -356,7 +404,14 @@ class DASO(_FrameworkStep):
     gradwire's own variants, off by default: `sync_average="change"` averages every rank's
     change since the parameters last agreed, in float32 sums (a bf16 cast of the
     parameters rounds a small step away), and `cap_phases=True` caps warm-up and cool-down
-    at a quarter of the run each."""
+    at a quarter of the run each.
+
+    `device_resident` (default: True for a CUDA model) keeps the flat parameters and
+    gradients where the model is: the node-local gradient average runs on NCCL, started
+    during backward bucket by bucket (as DDP's), the node broadcasts on NCCL, and only the
+    parameters a global send carries, and the sum it brings back, pass through pinned host
+    memory; `host_bytes_copied` counts them. False runs every step on host copies of the
+    model (each step copies it to the host and back). On the CPU both give the same bits."""
 
     def __init__(
         self,
@@ -377,12 +432,16 @@ class DASO(_FrameworkStep):
         model: Optional[torch.nn.Module] = None,
         sync_average: str = "heat",
         cap_phases: bool = False,
+        device_resident: Optional[bool] = None,
     ) -> None:
         if not isinstance(local_optimizer, torch.optim.Optimizer):
             raise TypeError(f"DASO: local_optimizer must be a torch.optim.Optimizer, got {type(local_optimizer).__name__}")
         if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise TypeError(f"DASO: scheduler must be a torch learning-rate scheduler, got {type(scheduler).__name__}")
-        for name, value in (("verbose", verbose), ("use_mpi_groups", use_mpi_groups), ("cap_phases", cap_phases)):
+        if device_resident is None:
+            params = _optimizer_params(local_optimizer)
+            device_resident = bool(params) and params[0].device.type == "cuda"
+        for name, value in (("verbose", verbose), ("use_mpi_groups", use_mpi_groups), ("cap_phases", cap_phases), ("device_resident", device_resident)):
             if not isinstance(value, bool):
                 raise TypeError(f"DASO: {name} must be a bool, got {type(value).__name__} {value!r}")
         if not isinstance(downcast_type, torch.dtype):
@@ -406,7 +465,7 @@ class DASO(_FrameworkStep):
             "cap_phases": "true" if cap_phases else "false",
         }
         del use_mpi_groups  # gradwire's groups come from the launcher's topology
-        super().__init__(local_optimizer, "daso", _option_string(options), comm)
+        super().__init__(local_optimizer, "daso", _option_string(options), comm, caller_moves=device_resident)
         self.total_epochs = options["epochs"]
         self.verbose = verbose
         if scheduler is not None:
@@ -496,9 +555,10 @@ class DASO(_FrameworkStep):
         """Back to the start of training (warm-up, a fresh controller), keeping the current
         parameters (made equal again). Collective."""
         self._strategy.free()
-        self._strategy = Strategy(self.comm, self._scheme, self.flat.pull_params(), self._options)
-        self._strategy.start(self.flat.data)
-        self.flat.push_params()
+        self._strategy = self._new_strategy()
+        if self.plane is not None:
+            self.plane.reset(self._strategy)
+        self._on_params(self._strategy.start)
         if self.buffers is not None:
             self.buffers.agree()
         self.current_batch, self.epoch = 0, 0
@@ -511,7 +571,13 @@ class BSP(_FrameworkStep):
     change and every rank moves to the anchor minus that average (the optimizer's state,
     momentum included, stays local). `topk` (a fraction of the entries) sends only the
     largest entries of the change, keeping the rest for the next interval (error feedback);
-    `node_interval` K1 (dividing K) also averages inside the node every K1 steps."""
+    `node_interval` K1 (dividing K) also averages inside the node every K1 steps.
+
+    `device_resident` (default: True for a CUDA model without `topk`) keeps the anchors and
+    the change on the model's device: the averages run on the GPU communicator (NCCL inside
+    the node, a 1/G shard per rank through pinned memory across nodes). False works on host
+    copies of the model (each step copies it to the host and back); top-k selection needs
+    them. On the CPU both give the same bits."""
 
     def __init__(
         self,
@@ -521,6 +587,7 @@ class BSP(_FrameworkStep):
         node_interval: int = 0,
         comm: Any = None,
         model: Optional[torch.nn.Module] = None,
+        device_resident: Optional[bool] = None,
     ) -> None:
         options = {"interval": _integer(interval, "interval", 1), "node_interval": _integer(node_interval, "node_interval", 0)}
         if topk is not None:
@@ -528,7 +595,15 @@ class BSP(_FrameworkStep):
             if _fraction(topk, "topk") == 0:
                 raise ValueError("topk must be in (0, 1], got 0; topk=None sends the whole change")
             options["topk"] = repr(float(topk))
-        super().__init__(local_optimizer, "bsp", _option_string(options), comm)
+        if device_resident is None:
+            params = _optimizer_params(local_optimizer)
+            device_resident = topk is None and bool(params) and params[0].device.type == "cuda"
+        if not isinstance(device_resident, bool):
+            raise TypeError(f"BSP: device_resident must be a bool, got {type(device_resident).__name__} {device_resident!r}")
+        if device_resident and topk is not None:
+            raise ValueError("BSP: topk needs device_resident=False (the top-k selection runs on host copies)")
+        super().__init__(local_optimizer, "bsp", _option_string(options), comm, caller_moves=device_resident)
+        self._model_is_anchor = True
         self.interval = options["interval"]
         self.steps = 0
         if model is not None:

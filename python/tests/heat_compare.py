@@ -4,14 +4,17 @@ batch by batch (global skip, local skip, batches to wait) and epoch by epoch (ev
 parameters, within a relative 1e-5).
 
     heat_compare.py drive CONFIG [CONFIG ...]    # both runs and the comparison
-    heat_compare.py gradwire HEAT_JSON OUT_JSON [change]  # one rank of gradwire's run (under gradwire launch)
+    heat_compare.py gradwire HEAT_JSON OUT_JSON [VARIANT]  # one rank of gradwire's run (under gradwire launch)
 
 CONFIG is one of CONFIGS. `drive` needs Heat, mpi4py and an MPI next to the Python that
 runs it (`.ci/run` installs them: heat without its dependencies, mpi4py, the PyPI mpich
 wheel, scipy), GRADWIRE_BIN (the gradwire command), and root for the namespace nodes.
-Prints one line per configuration and "heat compare: ok" when every one matches. A control
-runs the first configuration once more with gradwire's `sync_average="change"`, which must
-not match: the comparison can fail.
+Every configuration runs twice on gradwire: with the data on gradwire's host buffers
+(VARIANT "heat") and with the data moved by the Python caller (`device_resident=True`,
+VARIANT "device", the path a CUDA model takes, here on CPU tensors). Prints one line per
+run and "heat compare: ok" when every one matches. A control runs the first configuration
+once more with gradwire's `sync_average="change"`, which must not match: the comparison can
+fail.
 """
 
 import json
@@ -34,7 +37,7 @@ CONFIGS = {
 RTOL = 1e-5
 
 
-def gradwire_rank(heat_json, out_json, sync_average="heat"):
+def gradwire_rank(heat_json, out_json, variant="heat"):
     """One rank of gradwire's run of Heat's configuration (heat_reference.py's model and
     data; Heat's starting parameters)."""
     import torch
@@ -76,8 +79,11 @@ def gradwire_rank(heat_json, out_json, sync_average="heat"):
         downcast_type=dtype,
         skip_reduction_factor=args["skip_reduction_factor"],
         local_skip_factor=args["local_skip_factor"],
-        sync_average=sync_average,
+        sync_average="change" if variant == "change" else "heat",
+        device_resident=variant == "device",
     )
+    if (daso.plane is not None) != (variant == "device"):
+        raise SystemExit(f"variant {variant}: the caller plane is {'on' if daso.plane else 'off'}")
     dp_model = ht.nn.DataParallelMultiGPU(model, daso)
     g = torch.Generator().manual_seed(args["seed"] * 1000 + 7)
     w_true = torch.randn(8, 4, generator=g)
@@ -149,7 +155,7 @@ def drive(names):
             subprocess.run([mpiexec, "-n", "4", py, os.path.join(HERE, "heat_reference.py"), "--out", ref_path, *CONFIGS[name]], env=env, check=True, timeout=600)
             with open(ref_path) as f:
                 ref = json.load(f)
-            for variant in ("heat", "change") if i == 0 else ("heat",):
+            for variant in ("heat", "device", "change") if i == 0 else ("heat", "device"):
                 ours_path = os.path.join(d, f"gradwire-{variant}.json")
                 subprocess.run(
                     [os.environ["GRADWIRE_BIN"], "launch", "-n", "4", "--netns", "--ranks-per-node", "2", "--"]
@@ -160,7 +166,7 @@ def drive(names):
                 )
                 with open(ours_path) as f:
                     ours = json.load(f)
-                ok, line = compare(name, ref, ours)
+                ok, line = compare(name if variant == "heat" else f"{name} ({variant})", ref, ours)
                 if variant == "change":
                     # The control: gradwire's own synchronous average is not Heat's.
                     ok, line = not ok, f"control (sync_average='change' must differ): {line}"

@@ -8,9 +8,11 @@ place as FSDP calls it), reduce_scatter (list and tensor forms, in place), all_t
 reference computed here from every rank's regenerated input (small integers: exact sums),
 on a stream of the test's own, so ordering on torch's current stream is what is checked;
 then DDP on a CUDA model against the same model trained on one process with the whole
-batch; then DASO and BSP (gradwire.torch's optimizers) on a CUDA model against the same
-scheme on the same model on the CPU, same data: the same parameters within float
-rounding of the GPU's kernels. Without CUDA it prints SKIP with the reason and exits 0.
+batch; then DASO and BSP (gradwire.torch's optimizers; device-resident, and through host
+copies) on a CUDA model against the same scheme on the same model on the CPU, same data:
+the same parameters within float rounding of the GPU's kernels; device-resident DASO
+copies at most what crosses nodes per step between host and device (nothing on one node),
+and BSP nothing. Without CUDA it prints SKIP with the reason and exits 0.
 """
 
 import os
@@ -222,17 +224,32 @@ def scheme_run(make, dev):
     return torch.cat([p.detach().reshape(-1).cpu() for p in net.parameters()]), total / batches, per_step / model_bytes
 
 
+copied = {}
 for name, make in (
     ("DASO", lambda o: gradwire.torch.DASO(o, total_epochs=4, warmup_epochs=1, cooldown_epochs=1, downcast_type=torch.float32)),
+    ("DASO through host copies", lambda o: gradwire.torch.DASO(o, total_epochs=4, warmup_epochs=1, cooldown_epochs=1, downcast_type=torch.float32, device_resident=False)),
     ("BSP", lambda o: gradwire.torch.BSP(o, interval=3)),
+    ("BSP through host copies", lambda o: gradwire.torch.BSP(o, interval=3, device_resident=False)),
 ):
     on_cpu, _, _ = scheme_run(make, torch.device("cpu"))
     on_gpu, last_loss, copies = scheme_run(make, device)
+    copied[name] = copies
     gap = (on_cpu - on_gpu).abs().max().item()
     if gap > 1e-4:
         failures.append(f"{name} on CUDA is off the same run on the CPU by {gap}")
     if rank == 0:
         print(f"{name} on {device}: final epoch loss {last_loss:.4f}, max gap to the CPU run {gap:.2e}, host copies per step {copies:.2f} x the model's bytes")
+
+# Device-resident DASO stages only what crosses nodes: nothing on one node; with every rank
+# its own node, at most the sender's parameters out and the sum back (2x the model) a step.
+crossing = 0.0 if world == 1 else 2.0
+if copied["DASO"] > crossing:
+    failures.append(f"DASO copied {copied['DASO']:.2f} x the model's bytes per step between host and device (at most {crossing} cross nodes)")
+if copied["DASO"] >= copied["DASO through host copies"]:
+    failures.append(f"device-resident DASO copied as much as the host path ({copied['DASO']:.2f} x the model per step)")
+# BSP's averages run on the GPU communicator (its own 1/G staging): no model copies here.
+if copied["BSP"] != 0:
+    failures.append(f"device-resident BSP copied {copied['BSP']:.2f} x the model's bytes per step between host and device")
 
 dist.destroy_process_group()
 print(f"rank {rank}: torch_cuda on {device}, world {world}: {'ok' if not failures else 'FAILED: ' + '; '.join(failures)}")

@@ -407,6 +407,23 @@ pub unsafe extern "C" fn gradwire_comm_split(comm_p: *mut gradwire_comm_t, color
 }
 
 /// # Safety
+/// `newcomm` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_comm_split_type(comm_p: *mut gradwire_comm_t, split_type: c_int, newcomm: *mut *mut gradwire_comm_t) -> c_int {
+    guard(|| {
+        let w = "gradwire_comm_split_type";
+        let (_, c) = comm(comm_p, w)?;
+        out(newcomm, w, "newcomm")?;
+        let split = match split_type {
+            0 => c.split_node_local()?,
+            1 => c.split_cross_node()?,
+            other => return Err(invalid(format!("{w}: split_type {other} is neither GRADWIRE_SPLIT_NODE (0) nor GRADWIRE_SPLIT_CROSS_NODE (1)"))),
+        };
+        put(newcomm, register(split), w, "newcomm")
+    })
+}
+
+/// # Safety
 /// Pointer arguments must be NULL or valid for the reads and writes `ffi/gradwire.h`
 /// documents for this function; buffers stay valid until the call (or its work) completes.
 #[no_mangle]

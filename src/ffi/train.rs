@@ -6,6 +6,7 @@
 use super::{comm, gradwire_comm_t, guard, live_handle, out, put, registry, take_handle, to_handle};
 use crate::comm::Communicator;
 use crate::error::{invalid, Result};
+use crate::train::plan::Action;
 use crate::train::{self, Strategy, StrategyConfig};
 use std::ffi::{c_char, c_int, CStr};
 use std::sync::{Arc, Mutex};
@@ -22,10 +23,18 @@ pub(super) struct Scheme {
     _comm: Arc<Communicator>,
     /// Parameters in the model (every buffer handed in must hold exactly this many).
     len: usize,
+    /// Recorded actions not yet handed to the caller (`data=caller`).
+    pending: std::collections::VecDeque<Action>,
 }
 
 impl Scheme {
     fn check(&self, n: usize, what: &str) -> Result<()> {
+        if self.strategy.caller_moves_data() {
+            if n != 0 {
+                return Err(invalid(format!("{what}: the scheme was made with data=caller: it takes no buffer (NULL, 0) and records the steps to take")));
+            }
+            return Ok(());
+        }
         if n != self.len {
             return Err(invalid(format!("{what}: {n} values, but the scheme was made for {} parameters", self.len)));
         }
@@ -125,8 +134,16 @@ pub unsafe extern "C" fn gradwire_strategy_create(
         let scheme = text(scheme, "scheme")?;
         let options = if options.is_null() { String::new() } else { text(options, "options")? };
         let cfg = StrategyConfig::parse(&scheme, &options).map_err(|e| super::prefixed(e, w))?;
-        // SAFETY: readable for n floats by contract.
-        let init = unsafe { floats_in(init, n, w, "init")? }.to_vec();
+        let init = if cfg.caller_moves_data {
+            // The caller keeps the model (in device memory, say): only its size comes here.
+            if !init.is_null() {
+                return Err(invalid(format!("{w}: with data=caller, init must be NULL (n is the parameter count)")));
+            }
+            vec![]
+        } else {
+            // SAFETY: readable for n floats by contract.
+            unsafe { floats_in(init, n, w, "init")? }.to_vec()
+        };
         // SAFETY: the reference lives in `Scheme` beside the Arc that keeps the communicator
         // alive, and the strategy that holds it is dropped first (field order).
         let c_ref: &'static Communicator = unsafe { &*Arc::as_ptr(&c) };
@@ -142,10 +159,10 @@ pub unsafe extern "C" fn gradwire_strategy_create(
                 lo[0], hi[0]
             )));
         }
-        let built = train::build(c_ref, &cfg, &init).map_err(|e| super::prefixed(e, w))?;
+        let built = train::build(c_ref, &cfg, &init, n).map_err(|e| super::prefixed(e, w))?;
         let mut reg = registry();
         let id = reg.id();
-        reg.strategies.insert(id, (comm_id, Arc::new(Mutex::new(Scheme { strategy: built, _comm: c, len: init.len() }))));
+        reg.strategies.insert(id, (comm_id, Arc::new(Mutex::new(Scheme { strategy: built, _comm: c, len: n, pending: Default::default() }))));
         drop(reg);
         put(strategy, to_handle(id), w, "strategy")
     })
@@ -317,6 +334,40 @@ pub extern "C" fn gradwire_strategy_set_last_batch(strategy: *mut gradwire_strat
         let mut s = lock(&s, w)?;
         s.strategy.set_last_batch(last_batch);
         Ok(())
+    })
+}
+
+/// Hands the caller of a `data=caller` scheme the steps recorded so far, in order: up to
+/// `capacity` actions, three int64 each (code, two arguments; ffi/gradwire.h), into `out`;
+/// `count` receives how many. The caller calls again while `count` equals `capacity`.
+///
+/// # Safety
+/// `out` must be NULL (with capacity 0) or valid for `3 * capacity` int64 writes; `count`
+/// NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_take_actions(strategy: *mut gradwire_strategy_t, out_p: *mut i64, capacity: usize, count: *mut usize) -> c_int {
+    guard(|| {
+        let w = "gradwire_strategy_take_actions";
+        out(count, w, "count")?;
+        if capacity > 0 && (out_p.is_null() || (out_p as usize) % std::mem::align_of::<i64>() != 0) {
+            return Err(invalid(format!("{w}: out is NULL or not aligned for int64")));
+        }
+        if capacity > isize::MAX as usize / 24 {
+            return Err(invalid(format!("{w}: capacity {capacity} is more than any buffer holds")));
+        }
+        let s = scheme(strategy, w)?;
+        let mut s = lock(&s, w)?;
+        if !s.strategy.caller_moves_data() {
+            return Err(invalid(format!("{w}: {} was not made with data=caller: it moves the data itself", s.strategy.name())));
+        }
+        let taken = s.strategy.take_actions();
+        s.pending.extend(taken);
+        let k = s.pending.len().min(capacity);
+        for (i, a) in s.pending.drain(..k).enumerate() {
+            // SAFETY: i < capacity, and out is valid for 3 * capacity int64 (the contract).
+            unsafe { std::ptr::copy_nonoverlapping(a.encode().as_ptr(), out_p.add(3 * i), 3) };
+        }
+        put(count, k, w, "count")
     })
 }
 

@@ -14,13 +14,18 @@
 //! The hierarchical variant (`node_interval` K1 > 0, K a multiple of K1): every K1 steps
 //! the change is averaged inside the node only (from the node's anchor), every K steps over
 //! all ranks.
+//!
+//! With `data=caller` (dense only) the steps are recorded as [`Action`]s for a caller that
+//! keeps the model in device memory (`plan`).
 
+use super::plan::Action;
 use super::ssgd::{allgather_bytes, allreduce_bytes, average, from_rank0, mean_loss};
-use super::Strategy;
+use super::{f32_bytes, Strategy};
 use crate::collective::hierarchical::Hierarchy;
 use crate::comm::Communicator;
 use crate::dtype::ReduceOp;
 use crate::error::{invalid, Result};
+use crate::train::daso::Wire;
 
 /// The `bsp` strategy on one communicator (see the module docs).
 pub struct Bsp<'c> {
@@ -37,12 +42,17 @@ pub struct Bsp<'c> {
     steps: usize,
     topk: Option<TopK>,
     sent: u64,
+    /// Parameters in the model.
+    len: usize,
+    /// With `data=caller`: the steps recorded for the caller, not yet taken.
+    asked: Option<Vec<Action>>,
 }
 
 impl<'c> Bsp<'c> {
     /// `interval` is K (at least 1); `topk` the fraction of Δ's entries sent, in [0, 1] (0: dense);
-    /// `node_interval` K1 (0: flat; else it must divide K and be smaller, and the node groups are made now).
-    pub fn new(comm: &'c Communicator, interval: usize, topk: f64, node_interval: usize) -> Result<Self> {
+    /// `node_interval` K1 (0: flat; else it must divide K and be smaller, and the node groups are made now);
+    /// `len` parameters; `caller_moves_data`: record the steps instead of running them (dense only).
+    pub fn new(comm: &'c Communicator, interval: usize, topk: f64, node_interval: usize, len: usize, caller_moves_data: bool) -> Result<Self> {
         if interval == 0 {
             return Err(invalid("bsp: the aggregation interval K must be at least 1"));
         }
@@ -53,8 +63,35 @@ impl<'c> Bsp<'c> {
             return Err(invalid(format!("bsp: the node interval K1 = {node_interval} must divide K = {interval} and be smaller")));
         }
         let node = if node_interval > 0 { Some((node_interval, Hierarchy::new(comm)?)) } else { None };
+        if caller_moves_data && topk > 0.0 {
+            return Err(invalid("bsp: topk with data=caller: the top-k selection runs on gradwire's host buffers (leave data=caller out)"));
+        }
         let topk = (topk > 0.0).then(|| TopK::new(topk));
-        Ok(Bsp { comm, interval, node, anchor: vec![], node_anchor: vec![], change: vec![], steps: 0, topk, sent: 0 })
+        let asked = caller_moves_data.then(Vec::new);
+        Ok(Bsp { comm, interval, node, anchor: vec![], node_anchor: vec![], change: vec![], steps: 0, topk, sent: 0, len, asked })
+    }
+
+    /// Records `a` for the caller when the caller moves the data (true).
+    fn ask(&mut self, a: Action) -> bool {
+        match &mut self.asked {
+            Some(asked) => {
+                asked.push(a);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The anchors become `params` (the node's too, in the hierarchical variant).
+    fn set_anchors(&mut self, params: &[f32], global: bool) {
+        if global && !self.ask(Action::SetAnchor) {
+            self.anchor.clear();
+            self.anchor.extend_from_slice(params);
+        }
+        if self.node.is_some() && !self.ask(Action::SetNodeAnchor) {
+            self.node_anchor.clear();
+            self.node_anchor.extend_from_slice(params);
+        }
     }
 
     /// K = 1, dense, flat: the gradient-average form (see the module docs).
@@ -64,6 +101,15 @@ impl<'c> Bsp<'c> {
 
     /// Every rank moves to x̃ − avg(Δ) over `group` (all ranks or the node), from `anchor`.
     fn reduce_change(&mut self, params: &mut [f32], global: bool) -> Result<()> {
+        if self.asked.is_some() {
+            let size = if global { self.comm.size() } else { self.node.as_ref().map_or(1, |(_, h)| h.node.size()) };
+            self.sent += allreduce_bytes(self.len, size);
+            self.ask(if global { Action::AverageChange { wire: Wire::F32 } } else { Action::AverageChangeInNode });
+            if global {
+                self.set_anchors(params, false);
+            }
+            return Ok(());
+        }
         let anchor = if global { &self.anchor } else { &self.node_anchor };
         self.change.clear();
         self.change.extend(anchor.iter().zip(params.iter()).map(|(a, p)| a - p));
@@ -93,10 +139,7 @@ impl<'c> Bsp<'c> {
         }
         let anchor = if global { &self.anchor } else { &self.node_anchor };
         params.iter_mut().zip(anchor).zip(&self.change).for_each(|((p, a), d)| *p = a - d);
-        if global {
-            self.anchor.copy_from_slice(params);
-        }
-        self.node_anchor.copy_from_slice(params);
+        self.set_anchors(params, global);
         Ok(())
     }
 }
@@ -144,9 +187,14 @@ impl Strategy for Bsp<'_> {
     }
 
     fn start(&mut self, params: &mut [f32]) -> Result<()> {
-        from_rank0(self.comm, params, &mut self.sent)?;
-        self.anchor = params.to_vec();
-        self.node_anchor = params.to_vec();
+        if self.ask(Action::BroadcastAll { root: 0 }) {
+            if self.comm.rank() == 0 {
+                self.sent += f32_bytes(self.len);
+            }
+        } else {
+            from_rank0(self.comm, params, &mut self.sent)?;
+        }
+        self.set_anchors(params, true);
         Ok(())
     }
 
@@ -156,7 +204,11 @@ impl Strategy for Bsp<'_> {
 
     fn before_update(&mut self, grads: &mut [f32], _last_of_epoch: bool) -> Result<()> {
         if self.gradient_form() {
-            average(self.comm, grads, &mut self.sent)?;
+            if self.ask(Action::AverageGradsAll) {
+                self.sent += allreduce_bytes(self.len, self.comm.size());
+            } else {
+                average(self.comm, grads, &mut self.sent)?;
+            }
         }
         Ok(())
     }
@@ -164,7 +216,7 @@ impl Strategy for Bsp<'_> {
     fn after_update(&mut self, params: &mut [f32], _last_of_epoch: bool) -> Result<()> {
         self.steps += 1;
         if self.gradient_form() {
-            self.anchor.copy_from_slice(params);
+            self.set_anchors(params, true);
             return Ok(());
         }
         if self.steps % self.interval == 0 {
@@ -195,12 +247,22 @@ impl Strategy for Bsp<'_> {
 
     fn finish(&mut self, params: &mut [f32]) -> Result<()> {
         // Local steps since the last reduction are dropped: the model is the agreed anchor.
-        params.copy_from_slice(&self.anchor);
+        if !self.ask(Action::TakeAnchor) {
+            params.copy_from_slice(&self.anchor);
+        }
         Ok(())
     }
 
     fn bytes_sent(&self) -> u64 {
         self.sent
+    }
+
+    fn caller_moves_data(&self) -> bool {
+        self.asked.is_some()
+    }
+
+    fn take_actions(&mut self) -> Vec<Action> {
+        self.asked.as_mut().map(std::mem::take).unwrap_or_default()
     }
 }
 

@@ -23,6 +23,7 @@
 //! accumulates in f32 and rounds once (Heat's MPI operator adds in the wire dtype, node by
 //! node). Like Heat, `warmup_epochs = 0` never leaves the synchronous schedule.
 
+use super::plan::Action;
 use super::ssgd::{allreduce_bytes, from_rank0, mean_loss};
 use super::{f32_bytes, Strategy};
 use crate::collective::hierarchical::Hierarchy;
@@ -69,6 +70,14 @@ impl Wire {
 
 /// `buf` cast to the wire dtype, reduced with `op` over `comm` in that dtype, and widened
 /// back; returns the payload bytes this rank handed to the network.
+/// The bytes of a float32 allreduce's `f32_bytes` sent on `wire` instead.
+fn wire_bytes(f32_bytes: u64, wire: Wire) -> u64 {
+    match wire {
+        Wire::F32 => f32_bytes,
+        Wire::Bf16 | Wire::F16 => f32_bytes / 2,
+    }
+}
+
 fn reduce_on_wire(comm: &Communicator, buf: &mut [f32], wire: Wire, op: ReduceOp) -> Result<u64> {
     fn cast<T: crate::dtype::Element>(comm: &Communicator, buf: &mut [f32], op: ReduceOp, to: fn(f32) -> T, back: fn(T) -> f32) -> Result<u64> {
         let mut wire: Vec<T> = buf.iter().map(|&v| to(v)).collect();
@@ -270,16 +279,23 @@ pub struct Daso<'c> {
     /// The index of the epoch's last batch, where the framework said it in advance.
     last_batch: Option<usize>,
     sent: u64,
+    /// Parameters in the model.
+    len: usize,
+    /// With `caller_moves_data`: the steps recorded for the caller, not yet taken.
+    asked: Option<Vec<Action>>,
 }
 
 impl<'c> Daso<'c> {
-    /// Makes the node and cross-node groups (every node must hold the same number of ranks).
-    pub fn new(comm: &'c Communicator, cfg: DasoConfig) -> Result<Self> {
+    /// Makes the node and cross-node groups (every node must hold the same number of ranks),
+    /// for a model of `len` parameters; `caller_moves_data`: the steps are recorded as
+    /// [`Action`]s for the caller instead of run on host buffers.
+    pub fn new(comm: &'c Communicator, cfg: DasoConfig, len: usize, caller_moves_data: bool) -> Result<Self> {
         if cfg.sending_chunk_size == 0 || cfg.skip_reduction_factor == 0 || cfg.local_skip_factor == 0 || cfg.epochs == 0 {
             return Err(invalid("daso: epochs, sending_chunk_size, skip_reduction_factor and local_skip_factor must be at least 1"));
         }
         let groups = Hierarchy::new(comm)?;
         let plateau = Plateau::new(cfg.stability_level);
+        let asked = caller_moves_data.then(Vec::new);
         Ok(Daso {
             comm,
             groups,
@@ -295,12 +311,26 @@ impl<'c> Daso<'c> {
             anchor: vec![],
             last_batch: None,
             sent: 0,
+            len,
+            asked,
         })
     }
 
     /// The current schedule (gs = 0 while synchronous).
     pub fn schedule(&self) -> Schedule {
         self.schedule
+    }
+
+    /// Records `a` for the caller when the caller moves the data (true), else leaves the
+    /// step to the host code that follows (false).
+    fn ask(&mut self, a: Action) -> bool {
+        match &mut self.asked {
+            Some(asked) => {
+                asked.push(a);
+                true
+            }
+            None => false,
+        }
     }
 
     fn local_index(&self) -> usize {
@@ -316,9 +346,11 @@ impl<'c> Daso<'c> {
     fn node_broadcast(&mut self, params: &mut [f32], root: Option<usize>) -> Result<()> {
         let Some(root) = root else { return Ok(()) };
         if self.groups.node.size() > 1 {
-            self.groups.node.broadcast(params, root)?;
+            if !self.ask(Action::BroadcastInNode { root }) {
+                self.groups.node.broadcast(params, root)?;
+            }
             if self.local_index() == root {
-                self.sent += f32_bytes(params.len());
+                self.sent += f32_bytes(self.len);
             }
         }
         Ok(())
@@ -330,9 +362,13 @@ impl<'c> Daso<'c> {
         if self.local_index() != self.send_mod {
             return Ok(());
         }
-        self.sent += allreduce_bytes(params.len(), self.groups.cross.size());
-        let (n, c) = (params.len(), self.cfg.sending_chunk_size);
+        self.sent += allreduce_bytes(self.len, self.groups.cross.size());
+        let (n, c) = (self.len, self.cfg.sending_chunk_size);
         let first = if n <= c { n } else { n - c * (n.div_ceil(c) - 1) };
+        if self.ask(Action::SendSum { first, chunk: c }) {
+            self.in_flight.push_back(InFlight { chunks: vec![], batches_between, at: self.batch });
+            return Ok(());
+        }
         let mut chunks = vec![self.groups.cross.iallreduce(params[..first].to_vec(), ReduceOp::Sum)?];
         for part in params[first..].chunks(c) {
             chunks.push(self.groups.cross.iallreduce(part.to_vec(), ReduceOp::Sum)?);
@@ -366,6 +402,9 @@ impl<'c> Daso<'c> {
     fn merge_oldest(&mut self, params: &mut [f32]) -> Result<()> {
         let Some(f) = self.in_flight.pop_front() else { return Ok(()) };
         let (s, nodes) = (f.batches_between.max(0) as usize, self.groups.nodes());
+        if self.ask(Action::MergeOldest { batches_between: s, nodes }) {
+            return Ok(());
+        }
         let mut at = 0;
         for chunk in f.chunks {
             let sum = chunk.wait()?;
@@ -385,6 +424,9 @@ impl<'c> Daso<'c> {
             return Err(invalid(format!("daso: {} global sends in flight at a blocking receive (one expected)", self.in_flight.len())));
         }
         let f = self.in_flight.pop_front().expect("one in flight");
+        if self.ask(Action::TakeAverage { nodes: self.groups.nodes() }) {
+            return Ok(());
+        }
         let nodes = self.groups.nodes() as f32;
         let mut at = 0;
         for chunk in f.chunks {
@@ -403,9 +445,13 @@ impl<'c> Daso<'c> {
             return self.average_change(params);
         }
         if self.local_index() == self.send_mod {
-            let (wire, nodes) = (self.cfg.wire, self.groups.nodes() as f32);
-            self.sent += reduce_on_wire(&self.groups.cross, params, wire, ReduceOp::Sum)?;
-            params.iter_mut().for_each(|p| *p = wire.round(*p / nodes));
+            let (wire, nodes) = (self.cfg.wire, self.groups.nodes());
+            if self.ask(Action::AverageOnWire { nodes, wire }) {
+                self.sent += wire_bytes(allreduce_bytes(self.len, nodes), wire);
+            } else {
+                self.sent += reduce_on_wire(&self.groups.cross, params, wire, ReduceOp::Sum)?;
+                params.iter_mut().for_each(|p| *p = wire.round(*p / nodes as f32));
+            }
         }
         self.node_broadcast(params, Some(self.send_mod))
     }
@@ -414,6 +460,10 @@ impl<'c> Daso<'c> {
     /// since the anchor (the parameters every rank last held identically), on the wire
     /// dtype; every replica ends bit-identical (one allreduce result added to one anchor).
     fn average_change(&mut self, params: &mut [f32]) -> Result<()> {
+        if self.ask(Action::AverageChange { wire: self.cfg.wire }) {
+            self.sent += wire_bytes(allreduce_bytes(self.len, self.comm.size()), self.cfg.wire);
+            return Ok(());
+        }
         let mut change: Vec<f32> = params.iter().zip(&self.anchor).map(|(p, a)| p - a).collect();
         self.sent += reduce_on_wire(self.comm, &mut change, self.cfg.wire, ReduceOp::Avg)?;
         for ((p, a), d) in params.iter_mut().zip(self.anchor.iter_mut()).zip(&change) {
@@ -447,8 +497,7 @@ impl<'c> Daso<'c> {
                 self.epoch += 1;
                 self.batch = 0;
                 // Every replica now holds the same parameters.
-                self.anchor.clear();
-                self.anchor.extend_from_slice(params);
+                self.set_anchor(params);
             } else {
                 self.batch += 1;
                 self.send_mod = self.next_send_mod();
@@ -468,8 +517,9 @@ impl Strategy for Daso<'_> {
     }
 
     fn start(&mut self, params: &mut [f32]) -> Result<()> {
-        from_rank0(self.comm, params, &mut self.sent)?;
-        self.anchor = params.to_vec();
+        self.broadcast_all(params)?;
+        self.set_anchor(params);
+        self.ask(Action::AverageNextGrads(self.local_sync_next));
         Ok(())
     }
 
@@ -480,14 +530,64 @@ impl Strategy for Daso<'_> {
     fn before_update(&mut self, grads: &mut [f32], _last_of_epoch: bool) -> Result<()> {
         // What DDP's backward did under Heat: the node-local average where the flag is on.
         if self.local_sync_next && self.groups.node.size() > 1 {
-            self.groups.node.allreduce(grads, ReduceOp::Avg)?;
-            self.sent += allreduce_bytes(grads.len(), self.groups.node.size());
+            if !self.ask(Action::AverageGradsInNode) {
+                self.groups.node.allreduce(grads, ReduceOp::Avg)?;
+            }
+            self.sent += allreduce_bytes(self.len, self.groups.node.size());
         }
         Ok(())
     }
 
     fn after_update(&mut self, params: &mut [f32], last_of_epoch: bool) -> Result<()> {
-        // Heat's `step()` after the local optimizer's, branch for branch. The epoch's last
+        self.advance(params, last_of_epoch)?;
+        self.ask(Action::AverageNextGrads(self.local_sync_next));
+        Ok(())
+    }
+
+    fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
+        // A framework that never flagged the epoch's last batch (the Python layer refuses
+        // that) still leaves nothing in flight.
+        self.drain(params)?;
+        let loss = mean_loss(self.comm, loss)?;
+        self.schedule = next_schedule(&mut self.plateau, &self.cfg, self.epoch, self.schedule, loss);
+        Ok(loss)
+    }
+
+    fn set_last_batch(&mut self, last_batch: usize) {
+        self.last_batch = Some(last_batch);
+    }
+
+    fn describe(&self) -> String {
+        let s = self.schedule;
+        format!("  [gs={} ls={} W={}{}]", s.gs, s.ls, s.wait, if s.gs == 0 { ", synchronous" } else { "" })
+    }
+
+    fn finish(&mut self, params: &mut [f32]) -> Result<()> {
+        self.drain(params)?;
+        if self.comm.size() > 1 {
+            // Every rank ends with the same model.
+            self.broadcast_all(params)?;
+        }
+        Ok(())
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+
+    fn caller_moves_data(&self) -> bool {
+        self.asked.is_some()
+    }
+
+    fn take_actions(&mut self) -> Vec<Action> {
+        self.asked.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+}
+
+impl Daso<'_> {
+    /// Heat's `step()` after the local optimizer's, branch for branch.
+    fn advance(&mut self, params: &mut [f32], last_of_epoch: bool) -> Result<()> {
+        // The epoch's last
         // batch is `last_of_epoch`; the one before it is known from `set_last_batch` (else
         // Heat's "the next batch is the last" turns the flag on one batch later, at the
         // last batch's sync, which does not read it).
@@ -540,35 +640,26 @@ impl Strategy for Daso<'_> {
         Ok(())
     }
 
-    fn end_epoch(&mut self, params: &mut [f32], loss: f64) -> Result<f64> {
-        // A framework that never flagged the epoch's last batch (the Python layer refuses
-        // that) still leaves nothing in flight.
-        self.drain(params)?;
-        let loss = mean_loss(self.comm, loss)?;
-        self.schedule = next_schedule(&mut self.plateau, &self.cfg, self.epoch, self.schedule, loss);
-        Ok(loss)
-    }
-
-    fn set_last_batch(&mut self, last_batch: usize) {
-        self.last_batch = Some(last_batch);
-    }
-
-    fn describe(&self) -> String {
-        let s = self.schedule;
-        format!("  [gs={} ls={} W={}{}]", s.gs, s.ls, s.wait, if s.gs == 0 { ", synchronous" } else { "" })
-    }
-
-    fn finish(&mut self, params: &mut [f32]) -> Result<()> {
-        self.drain(params)?;
-        if self.comm.size() > 1 {
-            // Every rank ends with the same model.
-            self.comm.broadcast(params, 0)?;
+    /// Rank 0's parameters to every rank.
+    fn broadcast_all(&mut self, params: &mut [f32]) -> Result<()> {
+        if self.ask(Action::BroadcastAll { root: 0 }) {
+            if self.comm.rank() == 0 {
+                self.sent += f32_bytes(self.len);
+            }
+            return Ok(());
         }
-        Ok(())
+        from_rank0(self.comm, params, &mut self.sent)
     }
 
-    fn bytes_sent(&self) -> u64 {
-        self.sent
+    /// The anchor of `average_change` becomes `params` (they agree on every rank).
+    fn set_anchor(&mut self, params: &[f32]) {
+        if !self.cfg.average_change {
+            return;
+        }
+        if !self.ask(Action::SetAnchor) {
+            self.anchor.clear();
+            self.anchor.extend_from_slice(params);
+        }
     }
 }
 

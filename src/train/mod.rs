@@ -26,6 +26,7 @@ pub mod bsp;
 pub mod daso;
 pub mod data;
 pub mod model;
+pub mod plan;
 pub mod ps;
 pub mod ssgd;
 
@@ -100,6 +101,16 @@ pub trait Strategy {
     fn finish(&mut self, params: &mut [f32]) -> Result<()>;
     /// Bytes this rank has handed to the network for the scheme so far (payloads only).
     fn bytes_sent(&self) -> u64;
+    /// Whether the caller moves the data (`data=caller`, [`plan`]): the calls then take no
+    /// buffers and record [`plan::Action`]s for the caller to run.
+    fn caller_moves_data(&self) -> bool {
+        false
+    }
+    /// The actions recorded since the last take, in order (none unless the caller moves
+    /// the data).
+    fn take_actions(&mut self) -> Vec<plan::Action> {
+        Vec::new()
+    }
 }
 
 /// Stochastic gradient descent with optional (Nesterov) momentum, PyTorch's formulation:
@@ -166,6 +177,8 @@ pub struct StrategyConfig {
     pub beta: f32,
     /// Parameter-server apply rule for ddcgu and cyclic.
     pub rule: crate::rma::ApplyRule,
+    /// DASO and dense BSP: the caller moves the model's data (`data=caller`, [`plan`]).
+    pub caller_moves_data: bool,
 }
 
 impl Default for StrategyConfig {
@@ -183,23 +196,25 @@ impl Default for StrategyConfig {
             tau: 4,
             beta: 0.9,
             rule: crate::rma::ApplyRule::Mean,
+            caller_moves_data: false,
         }
     }
 }
 
 impl StrategyConfig {
     /// `scheme` with `options` ("key=value,key=value"; empty: the defaults), as a framework
-    /// hands them over the C ABI. Keys, per scheme: bsp: interval, node_interval, topk;
+    /// hands them over the C ABI. Keys, per scheme: bsp: interval, node_interval, topk, data
+    /// (gradwire, caller: [`plan`]; dense only);
     /// daso: warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level,
     /// wire (f32, bf16, f16), sending_chunk_size, skip_reduction_factor, local_skip_factor,
-    /// sync_average (heat, change), cap_phases; ddcgu and cyclic: lr, rule (sum, mean or staleness);
+    /// sync_average (heat, change), cap_phases, data (gradwire, caller: [`plan`]); ddcgu and cyclic: lr, rule (sum, mean or staleness);
     /// downpour: lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none. ssgd, daso and bsp take
     /// no lr: the framework's own optimizer makes their local step. A key the scheme does
     /// not take, or a value out of range, is an error naming it.
     pub fn parse(scheme: &str, options: &str) -> Result<StrategyConfig> {
         let keys: &[&str] = match scheme {
             "ssgd" => &[],
-            "bsp" => &["interval", "node_interval", "topk"],
+            "bsp" => &["interval", "node_interval", "topk", "data"],
             "daso" => &[
                 "warmup_epochs",
                 "cooldown_epochs",
@@ -212,6 +227,7 @@ impl StrategyConfig {
                 "local_skip_factor",
                 "sync_average",
                 "cap_phases",
+                "data",
             ],
             "ddcgu" | "cyclic" => &["lr", "rule"],
             "downpour" => &["lr", "fetch", "push"],
@@ -260,6 +276,13 @@ impl StrategyConfig {
                         _ => return Err(bad("expected heat or change")),
                     }
                 }
+                "data" => {
+                    cfg.caller_moves_data = match value {
+                        "gradwire" => false,
+                        "caller" => true,
+                        _ => return Err(bad("expected gradwire or caller")),
+                    }
+                }
                 "cap_phases" => cfg.daso.cap_phases = value.parse().map_err(|_| bad("expected true or false"))?,
                 "sending_chunk_size" => cfg.daso.sending_chunk_size = count(1)?,
                 "skip_reduction_factor" => cfg.daso.skip_reduction_factor = count(1)?,
@@ -286,14 +309,18 @@ impl StrategyConfig {
 /// The strategies by name, in the order of the papers' claims.
 pub const STRATEGIES: [&str; 7] = ["ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour", "eamsgd"];
 
-/// Builds the strategy `cfg.strategy` on `comm`, for a model of `n` parameters with initial
-/// values `init` (the same on every rank: the parameter servers start from them). It
-/// refuses calls out of its life cycle (`InOrder`).
-pub fn build<'c>(comm: &'c Communicator, cfg: &StrategyConfig, init: &[f32]) -> Result<Box<dyn Strategy + Send + 'c>> {
+/// Builds the strategy `cfg.strategy` on `comm`, for a model of `len` parameters with
+/// initial values `init` (the same on every rank: the parameter servers start from them;
+/// empty where the caller moves the data). It refuses calls out of its life cycle
+/// (`InOrder`).
+pub fn build<'c>(comm: &'c Communicator, cfg: &StrategyConfig, init: &[f32], len: usize) -> Result<Box<dyn Strategy + Send + 'c>> {
+    if !init.is_empty() && init.len() != len {
+        return Err(invalid(format!("{}: {} initial values for a model of {len} parameters", cfg.strategy, init.len())));
+    }
     let scheme: Box<dyn Strategy + Send + 'c> = match cfg.strategy.as_str() {
         "ssgd" => Box::new(ssgd::Ssgd::new(comm)),
-        "bsp" => Box::new(bsp::Bsp::new(comm, cfg.interval, cfg.topk, cfg.node_interval)?),
-        "daso" => Box::new(daso::Daso::new(comm, cfg.daso.clone())?),
+        "bsp" => Box::new(bsp::Bsp::new(comm, cfg.interval, cfg.topk, cfg.node_interval, len, cfg.caller_moves_data)?),
+        "daso" => Box::new(daso::Daso::new(comm, cfg.daso.clone(), len, cfg.caller_moves_data)?),
         "ddcgu" => Box::new(ps::TokenRing::new(comm, init, cfg.lr, cfg.rule, ps::Turn::DynamicDelay)?),
         "cyclic" => Box::new(ps::TokenRing::new(comm, init, cfg.lr, cfg.rule, ps::Turn::FixedCyclic)?),
         "downpour" => Box::new(ps::Downpour::new(comm, init, cfg.lr, cfg.fetch, cfg.push)?),
@@ -387,6 +414,12 @@ impl Strategy for InOrder<'_> {
     fn bytes_sent(&self) -> u64 {
         self.scheme.bytes_sent()
     }
+    fn caller_moves_data(&self) -> bool {
+        self.scheme.caller_moves_data()
+    }
+    fn take_actions(&mut self) -> Vec<plan::Action> {
+        self.scheme.take_actions()
+    }
 }
 
 /// One training step of any strategy: for the schemes whose local update is the
@@ -427,7 +460,7 @@ mod tests {
         let comm = Communicator::with_env(env, crate::Config::from_env().unwrap()).unwrap();
         let mut p = vec![1f32; 8];
         let mut g = vec![0f32; 8];
-        let mut s = build(&comm, &StrategyConfig::parse("bsp", "interval=2").unwrap(), &p).unwrap();
+        let mut s = build(&comm, &StrategyConfig::parse("bsp", "interval=2").unwrap(), &p, p.len()).unwrap();
         let refused = |r: Result<()>, want: &str| {
             let e = r.expect_err(want).to_string();
             assert!(e.contains(want), "{e}");

@@ -149,6 +149,7 @@ fn strategy_config(a: &TrainArgs) -> Result<StrategyConfig> {
         tau: a.tau,
         beta: a.beta,
         rule,
+        caller_moves_data: false,
     })
 }
 
@@ -183,7 +184,7 @@ pub fn run(comm: &Communicator, a: &TrainArgs) -> Result<bool> {
     let mut params = model.init(a.seed);
     let mut grads = vec![0f32; params.len()];
     let cfg = strategy_config(a)?;
-    let mut strategy = train::build(comm, &cfg, &params)?;
+    let mut strategy = train::build(comm, &cfg, &params, params.len())?;
     // The local optimizer of the schemes that leave the local update to the framework.
     let mut local = train::Sgd::new(a.lr, a.momentum, false);
     strategy.start(&mut params)?;
