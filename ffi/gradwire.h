@@ -94,6 +94,11 @@ typedef struct {
 } gradwire_unique_id_t;
 int gradwire_get_unique_id(gradwire_unique_id_t *id);
 int gradwire_comm_init_rank(gradwire_comm_t **comm, const gradwire_unique_id_t *id, int nranks, int rank);
+/* As gradwire_comm_init_rank, with timeout_ms (1 ms to 7 days) as the deadline of every
+ * wait on the communicator and its splits instead of GRADWIRE_TIMEOUT_MS (a framework's
+ * group timeout). */
+int gradwire_comm_init_rank_timeout(gradwire_comm_t **comm, const gradwire_unique_id_t *id, int nranks, int rank,
+                                    int64_t timeout_ms);
 int gradwire_comm_rank(const gradwire_comm_t *comm, int *rank);
 int gradwire_comm_size(const gradwire_comm_t *comm, int *size);
 /* Splits by color (ranks with equal color form one communicator, ordered by key then rank).

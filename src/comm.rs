@@ -16,7 +16,7 @@ use crate::transport::onesided::{RmaService, Window, WindowSetup, Windows};
 use crate::transport::{Links, Transport};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The sequence number of the closing agreement's messages: never a collective's.
 const SETUP_SEQ: u64 = u64::MAX - 1;
@@ -82,6 +82,12 @@ impl Communicator {
     /// from the process that made it, as with `ncclCommInitRank`), settings from the
     /// environment. Neither MASTER_ADDR/MASTER_PORT nor GRADWIRE_JOB_SECRET is read.
     pub fn from_unique_id(id: &crate::bootstrap::unique_id::UniqueId, world: usize, rank: usize) -> Result<Self> {
+        Self::from_unique_id_with_timeout(id, world, rank, None)
+    }
+
+    /// [`Communicator::from_unique_id`] with `timeout` (where given) as the deadline of
+    /// every wait instead of `GRADWIRE_TIMEOUT_MS` (a framework's group timeout).
+    pub fn from_unique_id_with_timeout(id: &crate::bootstrap::unique_id::UniqueId, world: usize, rank: usize, timeout: Option<Duration>) -> Result<Self> {
         crate::config::init_logging();
         if world == 0 || rank >= world {
             return Err(config(format!("rank {rank} of a group of {world}: the rank must be in 0..{world}")));
@@ -96,7 +102,11 @@ impl Communicator {
             secret: id.secret.clone(),
             store_exists: true,
         };
-        Self::with_env(env, Config::from_env()?)
+        let mut cfg = Config::from_env()?;
+        if let Some(t) = timeout {
+            cfg.timeout = t;
+        }
+        Self::with_env(env, cfg)
     }
 
     /// Joins a job described by `env` with settings `cfg` (for embedding and tests; `init`
@@ -138,7 +148,7 @@ impl Communicator {
         // Spinning only pays when every rank on this machine has a core of its own (ranks
         // in other network namespaces of this machine count: `launch --netns`).
         let (here, cpus) = (topology.ranks_on_machine(rank), crate::sys::cpus::host_cpus());
-        let spin = if here > cpus { std::time::Duration::ZERO } else { cfg.spin };
+        let spin = if here > cpus { Duration::ZERO } else { cfg.spin };
         log::debug!("rank {rank}: {here} ranks on this host, {cpus} CPUs for them: spin {} us before yielding", spin.as_micros());
         let links = Links::new(rank, links, abort.clone(), spin);
         let one_host = shm.clone().map(|dom| Box::new(OneHost::new(dom, shm_reaches_all, spin, cfg.shm_stores, cfg.shm_cma)) as Box<dyn std::any::Any + Send>);

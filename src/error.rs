@@ -19,7 +19,7 @@ pub enum Error {
     InvalidArgument(String),
 
     /// A deadline passed while waiting for a peer.
-    #[error("rank {rank}: timed out after {waited_ms} ms in {op} waiting for rank {peer}")]
+    #[error("rank {rank}: Timed out after {waited_ms} ms in {op} waiting for rank {peer}")]
     Timeout {
         /// The rank that waited.
         rank: usize,

@@ -83,7 +83,7 @@ fn deadline_names_the_silent_rank() {
     let (c0, _c1) = pair(2000);
     let start = Instant::now();
     let e = c0.allreduce(&mut [1f64; 4], ReduceOp::Max).unwrap_err().to_string();
-    assert!(e.contains("timed out") && e.contains("rank 1") && e.contains("allreduce#0"), "{e}");
+    assert!(e.contains("Timed out") && e.contains("rank 1") && e.contains("allreduce#0"), "{e}");
     assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
 }
 

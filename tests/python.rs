@@ -149,6 +149,42 @@ fn torch_schemes_match_their_references() {
     }
 }
 
+/// PyTorch's own distributed tests (`_DistTestBase` in torch/testing/_internal/distributed,
+/// shipped in the wheel; python/tests/torch_dist_suite.py selects the CPU tests of the calls
+/// gradwire offers, about 90) against the backend at 2 and 3 ranks, and against gloo at 2
+/// ranks (the reference: the selection passes there). Every test passes on gradwire but
+/// those python/tests/torch_dist_expected_failures.txt lists with the reason (receive from
+/// any source); one of those passing is reported too.
+#[test]
+fn pytorch_distributed_tests_pass_on_gradwire() {
+    if !python_has("torch") || !python_has("expecttest") {
+        eprintln!("SKIP pytorch_distributed_tests_pass_on_gradwire: torch or expecttest is not importable (.ci/run installs them)");
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    for (backend, world) in [("gloo", 2), ("gradwire", 2), ("gradwire", 3)] {
+        let mut cmd = Command::new("python3");
+        cmd.arg(format!("{root}/python/tests/torch_dist_suite.py"))
+            .args(["--backend", backend, "--world-size", &world.to_string(), "--start-method", "fork"])
+            .env("PYTHONPATH", format!("{root}/python"))
+            .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+            .env("GLOO_SOCKET_IFNAME", "lo")
+            .env("OMP_NUM_THREADS", "1");
+        if backend == "gradwire" {
+            cmd.args(["--expect-fail", &format!("{root}/python/tests/torch_dist_expected_failures.txt")]);
+        }
+        let out = run_with_limit(cmd, Duration::from_secs(900));
+        let t = text(&out);
+        println!("{backend}, {world} ranks:\n{t}");
+        assert!(out.status.success(), "{backend}, {world} ranks: {t}");
+        assert!(!t.contains("XPASS"), "a listed failure passes now: take it off the list\n{t}");
+        let summary = format!("torch dist suite {backend} ws{world}: ");
+        let counts = t.lines().find_map(|l| l.strip_prefix(summary.as_str())).unwrap_or_else(|| panic!("no summary line\n{t}"));
+        let passed: usize = counts.split(" passed").next().and_then(|n| n.parse().ok()).unwrap_or(0);
+        assert!(counts.contains(" 0 failed") && passed >= 80, "{backend}, {world} ranks: {counts} (at least 80 of PyTorch's tests must run and pass)\n{t}");
+    }
+}
+
 /// What DeviceMesh-based training needs of the backend (python/tests/fsdp2_vs_gloo.py under
 /// torchrun, 2 and 3 ranks): the group has a name and devices, a subgroup is destroyed,
 /// 1-D and 2-D meshes are made, `monitored_barrier` passes and names a late rank, and FSDP2
@@ -178,9 +214,15 @@ fn fsdp2_fully_shard_trains_as_on_gloo() {
         assert_eq!(t.matches("monitored barrier passed").count(), world, "{t}");
         if backend == "gradwire" {
             assert!(t.contains("rank 0: late: [Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms"), "{t}");
-            assert_eq!(t.matches("in monitoredBarrier waiting for rank 0 to release it").count(), world - 1, "{t}");
+            assert_eq!(
+                t.matches("successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0").count(),
+                world - 1,
+                "{t}"
+            );
         }
-        t.lines().filter_map(|l| l.strip_prefix("loss ")).map(|l| l.split_whitespace().nth(1).unwrap().parse().unwrap()).collect()
+        // The number's own characters: another rank's line may follow it without a newline.
+        let number = |w: &str| w.chars().take_while(|c| c.is_ascii_digit() || ".-e".contains(*c)).collect::<String>();
+        t.lines().filter_map(|l| l.find("loss ").map(|at| &l[at + 5..])).map(|l| number(l.split_whitespace().nth(1).unwrap()).parse().unwrap()).collect()
     };
     for world in [2, 3] {
         let (ours, gloo) = (run("gradwire", world), run("gloo", world));

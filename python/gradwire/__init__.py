@@ -159,6 +159,7 @@ def load_library() -> ctypes.CDLL:
         "gradwire_init": [pp],
         "gradwire_get_unique_id": [ctypes.POINTER(_UniqueId)],
         "gradwire_comm_init_rank": [pp, ctypes.POINTER(_UniqueId), i, i],
+        "gradwire_comm_init_rank_timeout": [pp, ctypes.POINTER(_UniqueId), i, i, ctypes.c_int64],
         "gradwire_comm_rank": [p, ctypes.POINTER(i)],
         "gradwire_comm_size": [p, ctypes.POINTER(i)],
         "gradwire_comm_split": [p, i, i, pp],
@@ -695,9 +696,10 @@ class Comm:
     """A gradwire communicator (see the README for the environment it reads)."""
 
     @classmethod
-    def from_unique_id(cls, uid: bytes, size: int, rank: int) -> "Comm":
+    def from_unique_id(cls, uid: bytes, size: int, rank: int, timeout_ms: Optional[int] = None) -> "Comm":
         """Joins the group `uid` (from unique_id(), carried by the framework) leads to, as
-        `rank` of `size`; no MASTER_PORT or job secret is read."""
+        `rank` of `size`; no MASTER_PORT or job secret is read. `timeout_ms`: the deadline
+        of every wait on it (default GRADWIRE_TIMEOUT_MS)."""
         if not isinstance(uid, (bytes, bytearray)) or len(uid) != UNIQUE_ID_BYTES:
             raise ValueError(f"from_unique_id: uid must be the {UNIQUE_ID_BYTES} bytes unique_id() returned")
         size = _int_arg(size, "from_unique_id: size", 1, _INT[1])
@@ -705,7 +707,11 @@ class Comm:
         raw = _UniqueId()
         ctypes.memmove(ctypes.addressof(raw), bytes(uid), UNIQUE_ID_BYTES)
         h = ctypes.c_void_p()
-        _check(load_library().gradwire_comm_init_rank(ctypes.byref(h), ctypes.byref(raw), size, rank))
+        if timeout_ms is None:
+            _check(load_library().gradwire_comm_init_rank(ctypes.byref(h), ctypes.byref(raw), size, rank))
+        else:
+            timeout_ms = _int_arg(timeout_ms, "from_unique_id: timeout_ms", 1, 7 * 24 * 3600 * 1000, "out of range 1 ms .. 7 days")
+            _check(load_library().gradwire_comm_init_rank_timeout(ctypes.byref(h), ctypes.byref(raw), size, rank, timeout_ms))
         return cls(h)
 
     def __init__(self, _handle=None):

@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _OPS, Comm, Work, _background, _tensor, _torch_native, load_library, unique_id
+from . import _OPS, Comm, DeadlineError, Work, _background, _tensor, _torch_native, load_library, unique_id
 
 __all__ = ["ProcessGroupGradwire", "register", "completed_future_of"]
 
@@ -92,14 +92,37 @@ _REDUCE_OPS = {
         (dist.ReduceOp.MIN, "min"),
         (dist.ReduceOp.MAX, "max"),
         (dist.ReduceOp.PRODUCT, "product"),
+        (dist.ReduceOp.BAND, "band"),
+        (dist.ReduceOp.BOR, "bor"),
+        (dist.ReduceOp.BXOR, "bxor"),
     )
 }
+
+# The bitwise ops, on integer and bool tensors: gathered from every rank and combined here
+# (gradwire's kernels and NCCL have no bitwise reduction; these ops carry flags and masks,
+# small tensors, where the W-fold traffic of a gather costs nothing that matters).
+_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+
+
+def _deadline_ms(timeout):
+    """A group's timeout as gradwire's deadline (ms), or None for GRADWIRE_TIMEOUT_MS
+    (default 60 s): where the group was given none, or torch's default (30 minutes, which
+    would leave a stalled peer unreported for half an hour)."""
+    if timeout is None or timeout == _TORCH_DEFAULT_TIMEOUT:
+        return None
+    return max(1, int(timeout.total_seconds() * 1000))
+
+
+try:
+    from torch.distributed.constants import default_pg_timeout as _TORCH_DEFAULT_TIMEOUT
+except ImportError:  # older torch
+    _TORCH_DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
 def _op_name(op):
     hit = _REDUCE_OPS.get(hash(op))
     if hit is None or not op == hit[0]:
-        raise ValueError(f"gradwire: reduce op {getattr(op, 'op', op)} is not supported (SUM, AVG, MIN, MAX, PRODUCT)")
+        raise ValueError(f"gradwire: reduce op {getattr(op, 'op', op)} is not supported (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR)")
     return hit[1]
 
 
@@ -254,14 +277,21 @@ class _Work(dist.Work):
             self._done = False
             self._lock = threading.Lock()
 
-    def _complete(self):
+    def _complete(self, timeout_ms=-1):
+        """Waits (up to `timeout_ms`, if not negative: past it the work stays pending and a
+        RuntimeError says it timed out) and settles the work."""
         with self._lock:
             if self._done:
                 return
             try:
-                self._pending.wait()
+                self._pending.wait(timeout_ms)
                 if self._finish is not None:
                     self._finish()
+            except DeadlineError as e:
+                if timeout_ms < 0:
+                    self._error = e
+                else:
+                    raise RuntimeError(f"gradwire: Timed out after {timeout_ms} ms in Work.wait (the operation is still pending): {e}") from None
             except BaseException as e:  # noqa: BLE001 (handed to whoever waits)
                 self._error = e if isinstance(e, Exception) else RuntimeError(f"gradwire: interrupted: {e!r}")
             self._done = True
@@ -274,8 +304,10 @@ class _Work(dist.Work):
         _settle(self._future, self._hidden, self._result, self._error)
 
     def wait(self, timeout=timedelta(0)):
+        # timedelta(0), torch's default, waits until done (within the group's deadline).
         if not self._done:
-            self._complete()
+            ms = int(timeout.total_seconds() * 1000) if timeout else 0
+            self._complete(max(ms, 1) if timeout and timeout.total_seconds() > 0 else -1)
         if self._error is not None:
             raise self._error
         return True
@@ -413,21 +445,26 @@ class _P2PBatch:
         if self._on_start is not None:
             self._on_start(self)
 
-    def _finish(self):
-        # Under the lock, once the gradwire work has finished.
+    def _finish(self, timeout_ms=-1):
+        # Under the lock. Past `timeout_ms` (if not negative) the batch stays pending and
+        # the DeadlineError goes to the caller.
         try:
-            self._work.wait()
+            self._work.wait(timeout_ms)
             for back in self._backs:
                 back()
+        except DeadlineError as e:
+            if timeout_ms >= 0:
+                raise
+            self._error = e
         except Exception as e:  # noqa: BLE001 (raised to whoever waits)
             self._error = e
         self._done, self._work = True, None
 
-    def wait(self):
+    def wait(self, timeout_ms=-1):
         self.start()
         with self._lock:
             if not self._done:
-                self._finish()
+                self._finish(timeout_ms)
         if self._error is not None:
             raise self._error
 
@@ -493,10 +530,12 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         if timeout is None:
             store.wait([everyone, id_key])
         else:
-            store.wait([everyone, id_key], timeout)
+            # At least a minute: on a loaded machine ranks start seconds apart, and a short
+            # group timeout is meant for the operations (gradwire's deadline below).
+            store.wait([everyone, id_key], max(timeout, timedelta(minutes=1)))
         uid = store.get(id_key)
         self._store, self._monitored_calls = store, 0
-        self._comm = Comm.from_unique_id(bytes(uid), size, rank)
+        self._comm = Comm.from_unique_id(bytes(uid), size, rank, timeout_ms=_deadline_ms(timeout))
         if self._native:
             lib = load_library()
             calls = {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _NATIVE_CALLS}
@@ -536,9 +575,33 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     # --- collectives -------------------------------------------------------------------
 
+    def _bitwise(self, tensors, op, what, root=None):
+        """A bitwise reduction of each tensor over the ranks (into every rank's, or only
+        `root`'s): every rank's tensor gathered, then combined in rank order."""
+        for t in tensors:
+            if t.is_floating_point() or t.is_complex():
+                raise ValueError(f"gradwire: {what}: bitwise {op.upper()} needs integer or bool tensors, got {t.dtype}")
+        cuda = _on_cuda(tensors, what)
+        for t in tensors:
+            c, back = _dense(t, what)
+            every = torch.empty((self.size(), *c.shape), dtype=c.dtype, device=c.device)
+            if cuda:
+                self._gpu(c).allgather(c, every)
+            else:
+                self._comm.allgather(c, every)
+            if root is None or root == self.rank():
+                acc = every[0].clone()
+                for other in every[1:]:
+                    _BITWISE[op](acc, other, out=acc)
+                c.copy_(acc)
+                back()
+        return _cuda_work(tensors, None, tensors[0].device) if cuda else _Work(tensors)
+
     def _py_allreduce(self, tensors, opts=None):
         self._start_p2p()
         op = _op_of(opts)
+        if op in _BITWISE:
+            return self._bitwise(tensors, op, "allreduce")
         if len(tensors) == 1 and _plain(tensors[0]):
             t = tensors[0]
             p, n, dt = _tensor(t, "allreduce")
@@ -550,6 +613,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         self._start_p2p()
         op = _op_of(opts)
+        if op in _BITWISE:
+            return self._bitwise(tensors, op, "allreduce_coalesced")
         cuda = _on_cuda(tensors, "allreduce_coalesced")
         for t in tensors:
             if not cuda:
@@ -596,6 +661,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._start_p2p()
         op = _op_of(opts)
         root = opts.rootRank if opts is not None else 0
+        if op in _BITWISE:
+            return self._bitwise(tensors, op, "reduce", root)
         if _on_cuda(tensors, "reduce"):
             return self._each_on_gpu(tensors, opts, "reduce", lambda gpu, t: gpu.reduce(t, root=root, op=op))
         for t in tensors:
@@ -625,6 +692,22 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             return _cuda_work(output_tensors, opts, input_tensors[0].device)
         return _Work(output_tensors)
 
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """all_gather_coalesced: output_lists[r][i] receives rank r's input i."""
+        if len(output_lists) != self.size() or any(len(outs) != len(input_tensors) for outs in output_lists):
+            raise ValueError(f"gradwire: allgather_coalesced needs {self.size()} output lists of {len(input_tensors)} tensors")
+        per_input = [[output_lists[r][i] for r in range(self.size())] for i in range(len(input_tensors))]
+        self.allgather(per_input, input_tensors, opts).wait()
+        return _Work(output_lists)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """One all_gather_into_tensor per pair, in order (DTensor and FSDP call this form)."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"gradwire: allgather_into_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
+        for out, inp in zip(outputs, inputs):
+            self._py_all_gather_single(out, inp, opts).wait()
+        return _Work(outputs)
+
     def _py_all_gather_single(self, output_tensor, input_tensor, opts=None):
         # Every microsecond here counts against a 1 MiB call's 30 (no reshape: gradwire
         # takes any contiguous tensor as its elements in order).
@@ -650,6 +733,12 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         for out, ins in zip(output_tensors, input_tensors):
             if len(ins) != self.size():
                 raise ValueError(f"gradwire: reduce_scatter needs {self.size()} input tensors, got {len(ins)}")
+            if op in _BITWISE:
+                parts = [i.clone() for i in ins]
+                self._bitwise(parts, op, "reduce_scatter")
+                mine = parts[self.rank()]
+                out.copy_(mine.view_as(out))
+                continue
             if _on_cuda([out, *ins], "reduce_scatter"):
                 flat = torch.cat([i.reshape(-1) for i in ins])
                 dst, back = _dense(out, "reduce_scatter")
@@ -663,12 +752,29 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             return _cuda_work(output_tensors, opts, output_tensors[0].device)
         return _Work(output_tensors)
 
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """One reduce_scatter_tensor per pair, in order (DTensor and FSDP call this form)."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"gradwire: reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
+        for out, inp in zip(outputs, inputs):
+            self._py_reduce_scatter_single(out, inp, opts).wait()
+        return _Work(outputs)
+
     def _py_reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         self._start_p2p()
         op = _op_of(opts)
         what = "reduce_scatter_tensor"
         src, out, back, cuda = _pair(output_tensor, input_tensor, what)
         _blocks_of(src, out, self._comm.size, what, "input")
+        if op in _BITWISE:
+            # The whole input reduced (a copy), then this rank's block of it.
+            whole = src.clone()
+            self._bitwise([whole], op, what)
+            n = out.numel()
+            out.copy_(whole.reshape(-1)[self.rank() * n : (self.rank() + 1) * n].view_as(out))
+            if back is not None:
+                back()
+            return _cuda_work(output_tensor, opts, output_tensor.device) if cuda else _Work(output_tensor)
         # In place: the output is the input's own part. Any other overlap lands in a
         # separate tensor, copied back at the end.
         if _stray_overlap(src, out, self._comm.rank):
@@ -817,14 +923,23 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         key = f"gradwire/monitored_barrier/{call}/"
         self._store.set(f"{key}{me}", "1")
         if me != 0:
+            # gloo's words where rank 0 failed or never answered.
+            failed = f"Rank {me} successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0"
             try:
                 self._store.wait([f"{key}release"], limit)
             except RuntimeError as e:
-                raise RuntimeError(f"[Rank {me}]: timed out after {limit.total_seconds() * 1000:.0f} ms in monitoredBarrier waiting for rank 0 to release it") from e
+                raise RuntimeError(f"[Rank {me}]: {failed} (no answer within {limit.total_seconds() * 1000:.0f} ms)") from e
+            if self._store.get(f"{key}release") != b"1":
+                raise RuntimeError(f"[Rank {me}]: {failed} (rank 0 found ranks missing)")
             return _Work([])
         missing = []
         for r in range(1, self.size()):
             left = deadline - time.monotonic()
+            if left <= 0 and not wait_all_ranks:
+                # As gloo: rank 0's own time ran out before it could wait for rank r (with
+                # wait_all_ranks it goes on to name every rank that did not come).
+                self._store.set(f"{key}release", "failed")
+                raise RuntimeError(f"[Rank 0]: Rank 0 timed out in monitoredBarrier after {limit.total_seconds() * 1000:.0f} ms")
             if left > 0:
                 try:
                     self._store.wait([f"{key}{r}"], timedelta(seconds=left))
@@ -837,6 +952,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                     break
         if missing:
             who = f"Rank {missing[0]}" if len(missing) == 1 else "Ranks " + ", ".join(map(str, missing))
+            self._store.set(f"{key}release", "failed")
             raise RuntimeError(f"[Rank 0]: {who} failed to pass monitoredBarrier in {limit.total_seconds() * 1000:.0f} ms")
         self._store.set(f"{key}release", "1")
         return _Work([])
@@ -887,14 +1003,16 @@ def _gate(name, entry, python_name):
     if name in ("allreduce", "broadcast"):
 
         def call(self, tensors, opts=None):
-            if opts is not None and not opts.asyncOp and type(tensors) is list and len(tensors) == 1 and tensors[0].is_cpu:
+            # Integer and bool tensors take the Python method (bitwise ops live there).
+            if opts is not None and not opts.asyncOp and type(tensors) is list and len(tensors) == 1 and tensors[0].is_cpu and tensors[0].is_floating_point():
                 return entry(self, tensors, opts)
             return getattr(self, python_name)(tensors, opts)
 
     else:
 
         def call(self, output, input, opts=None):
-            if opts is not None and not opts.asyncOp and output.is_cpu and input.is_cpu:
+            # Integer and bool tensors take the Python method (bitwise ops live there).
+            if opts is not None and not opts.asyncOp and output.is_cpu and input.is_cpu and input.is_floating_point():
                 return entry(self, output, input, opts)
             return getattr(self, python_name)(output, input, opts)
 

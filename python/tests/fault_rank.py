@@ -122,7 +122,7 @@ def train():
 
 
 try:
-    dist.init_process_group(backend, timeout=timedelta(seconds=120 if backend == "gradwire" else deadline_s))
+    dist.init_process_group(backend, timeout=timedelta(seconds=deadline_s))
     train()
 except Exception as e:  # noqa: BLE001 (what the survivor caught is the result)
     message = str(e).splitlines()[0] if str(e) else repr(e)

@@ -379,13 +379,42 @@ if rank == 0:
     expect("reduce, through a completed work's future", x, reference(rows, "sum", torch.float64))
 dist.barrier()
 
+# Bitwise ops on integer and bool tensors (gathered and combined in Python), against every
+# rank's regenerated input combined here.
+def bits(seed, dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randint(0, 2**31 - 1, (6,), generator=g, dtype=torch.int64)
+    return (v % 2 == 0) if dtype == torch.bool else v.to(dtype)
+
+
+for name, op, fn in (("BAND", dist.ReduceOp.BAND, torch.bitwise_and), ("BOR", dist.ReduceOp.BOR, torch.bitwise_or), ("BXOR", dist.ReduceOp.BXOR, torch.bitwise_xor)):
+    for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        cases += 1
+        want = bits(600, dtype)
+        for r in range(1, world):
+            want = fn(want, bits(600 + r, dtype))
+        t = bits(600 + rank, dtype)
+        dist.all_reduce(t, op=op)
+        if not torch.equal(t, want):
+            failures.append(f"rank {rank}: all_reduce {name} on {dtype}: {t.tolist()}, want {want.tolist()}")
+    cases += 1
+    inp = torch.cat([bits(700 + 10 * rank + j) for j in range(world)])
+    want = bits(700 + rank)
+    for r in range(1, world):
+        want = fn(want, bits(700 + 10 * r + rank))
+    out = torch.empty(6, dtype=torch.int64)
+    dist.reduce_scatter_tensor(out, inp, op=op)
+    if not torch.equal(out, want):
+        failures.append(f"rank {rank}: reduce_scatter_tensor {name}: {out.tolist()}, want {want.tolist()}")
+dist.barrier()
+
 # Errors a torch user can catch: wrong device, unsupported dtype, avg of an integer, a
-# reduce op gradwire lacks (refused on each rank before anything is sent).
+# bitwise op on floats (refused on each rank before anything is sent).
 for what, call in [
     ("avg of int32", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG)),
     ("uint16", lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint16))),
-    ("BAND", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND)),
-    ("BXOR reduce_scatter", lambda: dist.reduce_scatter_tensor(torch.ones(4, dtype=torch.int32), torch.ones(4 * world, dtype=torch.int32), op=dist.ReduceOp.BXOR)),
+    ("BAND of float32", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND)),
+    ("BXOR reduce_scatter of float32", lambda: dist.reduce_scatter_tensor(torch.ones(4), torch.ones(4 * world), op=dist.ReduceOp.BXOR)),
 ]:
     cases += 1
     try:

@@ -354,8 +354,39 @@ pub unsafe extern "C" fn gradwire_get_unique_id(id: *mut gradwire_unique_id_t) -
 /// documents for this function.
 #[no_mangle]
 pub unsafe extern "C" fn gradwire_comm_init_rank(comm_out: *mut *mut gradwire_comm_t, id: *const gradwire_unique_id_t, nranks: c_int, rank: c_int) -> c_int {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { init_rank(comm_out, id, nranks, rank, None, "gradwire_comm_init_rank") }
+}
+
+/// # Safety
+/// As [`gradwire_comm_init_rank`].
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_comm_init_rank_timeout(
+    comm_out: *mut *mut gradwire_comm_t,
+    id: *const gradwire_unique_id_t,
+    nranks: c_int,
+    rank: c_int,
+    timeout_ms: i64,
+) -> c_int {
+    let w = "gradwire_comm_init_rank_timeout";
+    if !(1..=crate::config::MAX_TIMEOUT_MS as i64).contains(&timeout_ms) {
+        return guard(|| Err(invalid(format!("{w}: timeout_ms {timeout_ms} must be between 1 and {} (7 days)", crate::config::MAX_TIMEOUT_MS))));
+    }
+    // SAFETY: the caller's contract, passed on.
+    unsafe { init_rank(comm_out, id, nranks, rank, Some(std::time::Duration::from_millis(timeout_ms as u64)), w) }
+}
+
+/// # Safety
+/// As [`gradwire_comm_init_rank`].
+unsafe fn init_rank(
+    comm_out: *mut *mut gradwire_comm_t,
+    id: *const gradwire_unique_id_t,
+    nranks: c_int,
+    rank: c_int,
+    timeout: Option<std::time::Duration>,
+    w: &str,
+) -> c_int {
     guard(|| {
-        let w = "gradwire_comm_init_rank";
         out(comm_out, w, "comm")?;
         if id.is_null() {
             return Err(invalid(format!("{w}: id is NULL")));
@@ -366,7 +397,7 @@ pub unsafe extern "C" fn gradwire_comm_init_rank(comm_out: *mut *mut gradwire_co
         // SAFETY: id is non-NULL (checked) and points to a gradwire_unique_id_t by contract.
         let bytes = unsafe { std::slice::from_raw_parts((*id).internal.as_ptr() as *const u8, UNIQUE_ID_BYTES) };
         let id = UniqueId::from_bytes(bytes).map_err(|e| invalid(format!("{w}: {e}")))?;
-        let c = Communicator::from_unique_id(&id, nranks as usize, rank as usize)?;
+        let c = Communicator::from_unique_id_with_timeout(&id, nranks as usize, rank as usize, timeout)?;
         put(comm_out, register(c), w, "comm")
     })
 }
