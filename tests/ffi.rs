@@ -231,6 +231,9 @@ unsafe fn bad_inputs() {
     assert_eq!(gradwire_strategy_free(strat), 0, "{}", last_error());
     let mut sub: *mut gradwire_comm_t = std::ptr::null_mut();
     expect(gradwire_comm_split_type(comm, 2, &mut sub), INVALID, "split_type 2");
+    expect(gradwire_comm_init_rank_timeout(&mut sub, std::ptr::null(), 1, 0, 0), INVALID, "timeout_ms 0 must be between 1 and");
+    expect(gradwire_comm_init_rank_timeout(&mut sub, std::ptr::null(), 1, 0, -5), INVALID, "timeout_ms -5");
+    expect(gradwire_comm_init_rank_timeout(&mut sub, std::ptr::null(), 1, 0, 1000), INVALID, "id is NULL");
     // An empty batch is a no-op.
     assert_eq!(gradwire_p2p_batch(comm, std::ptr::null(), 0), 0, "{}", last_error());
     expect(gradwire_allgather(comm, xp, shifted, 4, 0), INVALID, "overlap");
