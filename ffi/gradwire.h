@@ -310,6 +310,9 @@ int gradwire_strategy_claim_batch(gradwire_strategy_t *strategy, size_t total, i
 /* The index of the epoch's last batch, known before it runs (DASO's schedule looks one batch
  * ahead, as Heat's last_batch); other schemes ignore it. */
 int gradwire_strategy_set_last_batch(gradwire_strategy_t *strategy, size_t last_batch);
+/* Whether the next backward's gradients are averaged in the node (DASO's node-local sync:
+ * where Heat's DDP also broadcasts the model's buffers in the node); 0 for other schemes. */
+int gradwire_strategy_node_average_next(gradwire_strategy_t *strategy, int *yes);
 /* The scheme's name and state (DASO's schedule, BSP's K), NUL-terminated, truncated to len. */
 int gradwire_strategy_describe(gradwire_strategy_t *strategy, char *buf, size_t len);
 /* A daso or bsp (dense) scheme made with "data=caller" keeps its schedule but moves no

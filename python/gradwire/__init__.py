@@ -196,6 +196,7 @@ def load_library() -> ctypes.CDLL:
         "gradwire_strategy_shared_pool": [p, ctypes.POINTER(ctypes.c_int)],
         "gradwire_strategy_claim_batch": [p, sz, ctypes.POINTER(ctypes.c_int)],
         "gradwire_strategy_take_actions": [p, ctypes.POINTER(ctypes.c_int64), sz, ctypes.POINTER(sz)],
+        "gradwire_strategy_node_average_next": [p, ctypes.POINTER(ctypes.c_int)],
         "gradwire_hierarchy_create": [p, pp],
         "gradwire_hierarchy_free": [p],
         "gradwire_hierarchy_nodes": [p, ctypes.POINTER(i)],
@@ -603,6 +604,13 @@ class Strategy:
         """Whether the ranks draw minibatches from one pool per epoch (claim_batch)."""
         yes = ctypes.c_int(0)
         _check(load_library().gradwire_strategy_shared_pool(self._live(), ctypes.byref(yes)))
+        return bool(yes.value)
+
+    @property
+    def node_average_next(self) -> bool:
+        """Whether the next backward's gradients are averaged in the node (DASO)."""
+        yes = ctypes.c_int(0)
+        _check(load_library().gradwire_strategy_node_average_next(self._live(), ctypes.byref(yes)))
         return bool(yes.value)
 
     def claim_batch(self, total: int) -> bool:

@@ -9,7 +9,7 @@ estimate already blurs). Other buffers (integer counts) are rank 0's. Every rank
 the same sum and the same division, so the result is bit-identical everywhere.
 """
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -49,12 +49,14 @@ class ModelBuffers:
                 b.copy_(flat[at : at + k].view_as(b))
                 at += k
 
-    def broadcast(self) -> None:
-        """Every buffer becomes rank 0's. Collective."""
+    def broadcast(self, comm: Optional[Comm] = None) -> None:
+        """Every buffer becomes rank 0's of `comm` (default: the scheme's; DASO hands its
+        node's, as Heat's DDP broadcasts them in the node). Collective over it."""
+        comm = comm if comm is not None else self.comm
         for buffers, dtype in ((self.floating, torch.float64), (self.other, torch.int64)):
-            if buffers and self.comm.size > 1:
+            if buffers and comm.size > 1:
                 flat = self._flat(buffers, dtype)
-                self.comm.broadcast(flat, 0)
+                comm.broadcast(flat, 0)
                 self._unflatten(flat, buffers)
 
     def average(self) -> None:

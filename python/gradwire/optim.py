@@ -398,8 +398,10 @@ class DASO(_FrameworkStep):
       not take); a warning says so;
     - with more than two nodes a bf16 or fp16 sum accumulates in float32 and rounds once;
     - `use_mpi_groups` has no effect (the groups are the launcher's nodes either way);
-    - the model's buffers are averaged over every rank where the parameters are agreed
-      (Heat's DDP broadcasts them inside a node only).
+    - the model's buffers (`model=` or `set_model`) are, as under Heat's DDP, local index
+      0's in the node before every batch whose gradients the node averages, and besides
+      averaged over every rank where the parameters are agreed (Heat leaves each node its
+      own).
 
     gradwire's own variants, off by default: `sync_average="change"` averages every rank's
     change since the parameters last agreed, in float32 sums (a bf16 cast of the
@@ -475,6 +477,7 @@ class DASO(_FrameworkStep):
             )
             self.scheduler = scheduler
         self.module: Optional[torch.nn.Module] = None
+        self._node: Optional[Comm] = None  # the node's ranks, for the buffers (set_model)
         self.amp = False
         self.last_batch: Optional[int] = None
         self.current_batch = 0
@@ -492,6 +495,8 @@ class DASO(_FrameworkStep):
             raise ValueError("DASO.set_model: the model has trainable parameters the local optimizer does not hold")
         self.module = model
         self._keep_buffers(model)
+        if self.buffers and self._node is None:
+            self._node = self.plane.node if self.plane is not None else self.comm.node_local()
 
     def add_scaler(self, scaler: Any) -> None:
         """A `torch.amp.GradScaler`: step() then steps through it."""
@@ -510,6 +515,10 @@ class DASO(_FrameworkStep):
             # Where the parameters were just agreed globally (every synchronous batch, each
             # epoch's last): the buffers too.
             self.buffers.average()
+        if self._node is not None and self._node.size > 1 and self._strategy.node_average_next:
+            # Heat's DDP broadcasts the buffers in the node at the start of each forward
+            # whose gradients it averages: local index 0's, for the next batch.
+            self.buffers.broadcast(self._node)
         self.current_batch = 0 if last else self.current_batch + 1
         self.epoch += int(last)
 

@@ -1,7 +1,8 @@
 """Under `gradwire launch -n N` (CI: 2 namespace nodes of 2 ranks): a model with BatchNorm
 trained under DASO, BSP and each parameter-server scheme, every rank on its own data (so
 its running statistics drift apart), ends with parameters and buffers bit-identical on
-every rank after `finish()`; the floating buffers are the ranks' mean (checked against
+every rank after `finish()` (and under DASO, as under Heat's DDP, every batch whose
+gradients the node averages starts from buffers identical inside the node); the floating buffers are the ranks' mean (checked against
 the mean of every rank's buffers gathered just before, computed here in NumPy), the
 batch counts rank 0's. A control run without `model=` shows the check can fail: there
 the statistics differ. Prints "buffers: ok" per rank.
@@ -19,6 +20,8 @@ from gradwire.optim import BSP, DASO, ParameterServer, resolve_comm
 torch.set_num_threads(1)
 comm = resolve_comm()
 rank, world = comm.rank, comm.size
+node = comm.node_local()
+node_checks = [0]
 failures = []
 EPOCHS, BATCHES = 6, 6
 
@@ -94,6 +97,15 @@ def train(scheme, with_model=True):
             loss.backward()
             if scheme == "daso":
                 opt.step()
+                if with_model and opt._strategy.node_average_next:
+                    # As Heat's DDP: the next batch starts from local index 0's buffers.
+                    _, fl, ot = state(model)
+                    mine = np.concatenate([fl, ot])
+                    every = np.empty(node.size * mine.size)
+                    node.allgather(mine, every)
+                    if not (every.reshape(node.size, -1) == mine).all():
+                        failures.append(f"daso: epoch {epoch} batch {steps}: the buffers differ inside the node before a node-averaged batch")
+                    node_checks[0] += 1
             elif scheme == "bsp":
                 opt.step(last_of_epoch=steps == BATCHES - 1)
             else:
@@ -137,6 +149,9 @@ _, fl, _ = state(model)
 every = gathered(fl)
 if (every == every[0]).all():
     failures.append("control: without model= the buffers agree anyway: the check above proves nothing")
+
+if node.size > 1 and node_checks[0] == 0:
+    failures.append("daso: no batch was node-averaged: the in-node buffer check never ran")
 
 for f in failures:
     print(f"rank {rank}: FAIL {f}", flush=True)

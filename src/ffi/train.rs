@@ -324,6 +324,13 @@ pub unsafe extern "C" fn gradwire_strategy_claim_batch(strategy: *mut gradwire_s
     })
 }
 
+/// # Safety
+/// `yes` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_strategy_node_average_next(strategy: *mut gradwire_strategy_t, yes: *mut c_int) -> c_int {
+    query(strategy, yes, "gradwire_strategy_node_average_next", "yes", |s| c_int::from(s.strategy.node_average_next()))
+}
+
 /// The index of the epoch's last batch, known before it runs (DASO's schedule looks one
 /// batch ahead, as Heat's `last_batch`); other schemes ignore it.
 #[no_mangle]

@@ -582,6 +582,10 @@ impl Strategy for Daso<'_> {
     fn take_actions(&mut self) -> Vec<Action> {
         self.asked.as_mut().map(std::mem::take).unwrap_or_default()
     }
+
+    fn node_average_next(&self) -> bool {
+        self.local_sync_next && self.groups.node.size() > 1
+    }
 }
 
 impl Daso<'_> {

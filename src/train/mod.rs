@@ -111,6 +111,11 @@ pub trait Strategy {
     fn take_actions(&mut self) -> Vec<plan::Action> {
         Vec::new()
     }
+    /// Whether the next backward's gradients are averaged in the node (DASO's local sync,
+    /// where DDP would also broadcast the model's buffers in the node).
+    fn node_average_next(&self) -> bool {
+        false
+    }
 }
 
 /// Stochastic gradient descent with optional (Nesterov) momentum, PyTorch's formulation:
@@ -419,6 +424,9 @@ impl Strategy for InOrder<'_> {
     }
     fn take_actions(&mut self) -> Vec<plan::Action> {
         self.scheme.take_actions()
+    }
+    fn node_average_next(&self) -> bool {
+        self.scheme.node_average_next()
     }
 }
 
