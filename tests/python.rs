@@ -234,6 +234,42 @@ fn fsdp2_fully_shard_trains_as_on_gloo() {
     }
 }
 
+/// 2-D parallel training on gradwire as on gloo (python/tests/fsdp_tp_vs_gloo.py under
+/// torchrun, 4 ranks): a (dp=2, tp=2) DeviceMesh, tensor parallelism (DTensor's collectives
+/// in each tp pair) under FSDP2 over dp, and a DTensor redistributed between shardings;
+/// every step's loss within 1e-5 (relative) of gloo's.
+#[test]
+fn fsdp_with_tensor_parallel_trains_as_on_gloo() {
+    if !python_has("torch") {
+        eprintln!("SKIP fsdp_with_tensor_parallel_trains_as_on_gloo: torch is not importable");
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let run = |backend: &str| -> Vec<f64> {
+        let mut cmd = Command::new("python3");
+        cmd.args(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4", "--master-addr", "127.0.0.1"])
+            .args(["--master-port", &free_port().to_string(), &format!("{root}/python/tests/fsdp_tp_vs_gloo.py"), backend])
+            .env("PYTHONPATH", format!("{root}/python"))
+            .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+            .env("GLOO_SOCKET_IFNAME", "lo")
+            .env("OMP_NUM_THREADS", "1");
+        let out = run_with_limit(cmd, Duration::from_secs(300));
+        let t = text(&out);
+        println!("{backend}:\n{t}");
+        assert!(out.status.success(), "{backend}: {t}");
+        assert_eq!(t.matches("fsdp tp: ok").count(), 4, "{t}");
+        assert_eq!(t.matches("redistribute ok").count(), 4, "{t}");
+        let number = |w: &str| w.chars().take_while(|c| c.is_ascii_digit() || ".-e".contains(*c)).collect::<String>();
+        t.lines().filter_map(|l| l.find("loss ").map(|at| &l[at + 5..])).map(|l| number(l.split_whitespace().nth(1).unwrap()).parse().unwrap()).collect()
+    };
+    let (ours, gloo) = (run("gradwire"), run("gloo"));
+    assert_eq!(ours.len(), 6);
+    assert_eq!(ours.len(), gloo.len());
+    for (step, (a, b)) in ours.iter().zip(&gloo).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "step {step}: loss {a} on gradwire, {b} on gloo");
+    }
+}
+
 /// A BatchNorm model's parameters and buffers agree on every rank after `finish()` under
 /// DASO, BSP and each parameter-server scheme (python/tests/batchnorm_buffers.py: the
 /// floating buffers are the ranks' mean, the counts rank 0's; without `model=` they differ),
