@@ -65,14 +65,15 @@ typedef enum {
     GRADWIRE_ERR_INTERNAL = -1,         /* a bug in gradwire: please report the error text */
     GRADWIRE_ERR_CONFIG = -2,           /* environment / settings missing or malformed */
     GRADWIRE_ERR_INVALID_ARGUMENT = -3, /* NULL, dead handle, unknown enum, overflow, bad rank */
-    GRADWIRE_ERR_TIMEOUT = -4,          /* a deadline passed (for gradwire_wait: work still running) */
+    GRADWIRE_ERR_TIMEOUT = -4,          /* a deadline passed: the operation failed */
     GRADWIRE_ERR_PEER_LOST = -5,        /* a peer process died or its connection closed */
     GRADWIRE_ERR_MISMATCH = -6,         /* ranks issued different collective calls */
     GRADWIRE_ERR_ABORTED = -7,          /* the communicator was aborted (here or by a peer) */
     GRADWIRE_ERR_AUTH = -8,             /* a peer failed the job-secret check */
     GRADWIRE_ERR_PROTOCOL = -9,         /* malformed message from a peer */
     GRADWIRE_ERR_SYSTEM = -10,          /* an operating-system call failed */
-    GRADWIRE_ERR_UNSUPPORTED = -11      /* not available in this build or on this host */
+    GRADWIRE_ERR_UNSUPPORTED = -11,     /* not available in this build or on this host */
+    GRADWIRE_ERR_IN_PROGRESS = -12      /* gradwire_wait with a timeout: still running, the work stays valid */
 } gradwire_result_t;
 
 /* Joins the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
@@ -121,8 +122,9 @@ int gradwire_iallreduce(gradwire_comm_t *comm, const void *sendbuf, void *recvbu
                         size_t count, gradwire_dtype_t dtype, gradwire_op_t op,
                         gradwire_work_t **work);
 /* Waits for work. timeout_ms < 0 waits for completion (bounded by the operation's own
- * deadline). Frees work when it has completed (successfully or not); returns
- * GRADWIRE_ERR_TIMEOUT and keeps work valid when it is still running after timeout_ms. */
+ * deadline). Frees work when it has completed (successfully or not: an operation that
+ * failed at its deadline is GRADWIRE_ERR_TIMEOUT); returns GRADWIRE_ERR_IN_PROGRESS and
+ * keeps work valid when it is still running after timeout_ms. */
 int gradwire_wait(gradwire_work_t *work, int64_t timeout_ms);
 /* Whether work has finished, without waiting or freeing it: *done = 1 (gradwire_wait then
  * returns its outcome at once) or 0. Unlike gradwire_wait with a timeout, a finished work
@@ -320,8 +322,8 @@ int gradwire_strategy_describe(gradwire_strategy_t *strategy, char *buf, size_t 
  * keeps the model (in device memory, say). It is created with init NULL and n the
  * parameter count; every later call takes no buffer (NULL, 0) and records, in order, the
  * steps the caller must run on its parameters and gradients before its next call. This
- * hands over up to `capacity` of them (three int64 each: code, a, b) and sets *count; call
- * again while *count == capacity. Every rank runs its own actions, in order:
+ * hands over up to `capacity` (at least 1) of them (three int64 each: code, a, b) and sets
+ * *count; call again while *count == capacity. Every rank runs its own actions, in order:
  *   1 BROADCAST_ALL        parameters of communicator rank a to every rank
  *   2 AVERAGE_GRADS_NODE   gradients averaged over the node (GRADWIRE_SPLIT_NODE)
  *   3 BROADCAST_NODE       parameters of local index a to the rest of the node

@@ -127,7 +127,7 @@ impl Error {
         match self {
             Error::Config(_) => -2,
             Error::InvalidArgument(_) => -3,
-            Error::Timeout { .. } | Error::StillRunning { .. } => -4,
+            Error::Timeout { .. } => -4,
             Error::PeerLost { .. } => -5,
             Error::Mismatch { .. } => -6,
             Error::Aborted { .. } => -7,
@@ -135,6 +135,8 @@ impl Error {
             Error::Protocol(_) => -9,
             Error::Io { .. } => -10,
             Error::Unsupported(_) => -11,
+            // Not a failure: a bounded wait ended first (NCCL's ncclInProgress).
+            Error::StillRunning { .. } => -12,
             Error::Internal(_) => -1,
         }
     }

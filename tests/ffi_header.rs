@@ -130,7 +130,7 @@ fn header_matches_rust_exports() {
         ("GRADWIRE_ERR_CONFIG", Error::Config(String::new())),
         ("GRADWIRE_ERR_INVALID_ARGUMENT", Error::InvalidArgument(String::new())),
         ("GRADWIRE_ERR_TIMEOUT", Error::Timeout { rank: 0, peer: 0, op: String::new(), waited_ms: 0 }),
-        ("GRADWIRE_ERR_TIMEOUT", Error::StillRunning { waited_ms: 0 }),
+        ("GRADWIRE_ERR_IN_PROGRESS", Error::StillRunning { waited_ms: 0 }),
         ("GRADWIRE_ERR_PEER_LOST", Error::PeerLost { rank: 0, peer: 0, op: String::new(), cause: String::new() }),
         ("GRADWIRE_ERR_MISMATCH", Error::Mismatch { rank: 0, mine: String::new(), peer: 0, theirs: String::new() }),
         ("GRADWIRE_ERR_ABORTED", Error::Aborted { rank: 0, peer: 0, reason: String::new() }),

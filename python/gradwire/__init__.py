@@ -34,6 +34,7 @@ __all__ = [
     "ConfigError",
     "InvalidArgumentError",
     "DeadlineError",
+    "InProgressError",
     "PeerLostError",
     "MismatchError",
     "AbortedError",
@@ -115,7 +116,22 @@ class UnsupportedError(GradwireError):
     """Not available in this build or on this host."""
 
 
-_ERRORS = {-2: ConfigError, -3: InvalidArgumentError, -4: DeadlineError, -5: PeerLostError, -6: MismatchError, -7: AbortedError, -8: AuthError, -11: UnsupportedError}
+class InProgressError(GradwireError, TimeoutError):
+    """A bounded `Work.wait(timeout_ms)` ended before the operation did; the work stays
+    valid and can be waited for again."""
+
+
+_ERRORS = {
+    -2: ConfigError,
+    -3: InvalidArgumentError,
+    -4: DeadlineError,
+    -5: PeerLostError,
+    -6: MismatchError,
+    -7: AbortedError,
+    -8: AuthError,
+    -11: UnsupportedError,
+    -12: InProgressError,
+}
 
 
 def _candidates():
@@ -314,13 +330,15 @@ class Work:
         return bool(done.value)
 
     def wait(self, timeout_ms: int = -1) -> Any:
-        """Waits (timeout_ms < 0: until done). Raises GradwireError on failure or timeout."""
+        """Waits (timeout_ms < 0: until done). Raises GradwireError on failure
+        (DeadlineError: the operation failed at its deadline), InProgressError when it is
+        still running after timeout_ms (wait again)."""
         if self._h is None:
             raise RuntimeError("work already waited for")
         # Any negative int64 means "until done" in C; a bad value leaves the work valid.
         timeout_ms = _int_arg(timeout_ms, "wait: timeout_ms", *_INT64, f"out of range for an int64 ({_INT64[0]}..{_INT64[1]}; < 0 waits until done)")
         code = load_library().gradwire_wait(self._h, timeout_ms)
-        if code != -4 or timeout_ms < 0:
+        if code != -12:  # else still running: the work stays valid
             self._h = None
         _check(code)
         return self._keep[-1] if self._keep else None

@@ -11,6 +11,7 @@ against the host schemes bit for bit.
 """
 
 import collections
+import weakref
 from typing import Callable, Deque, List, Optional, Tuple
 
 import torch
@@ -28,24 +29,26 @@ BUCKET_BYTES = 25 << 20
 
 
 class _NodeGradAverage:
-    """The node-local gradient average, started during backward: the trainable parameters,
-    in reverse order (roughly the order backward finishes them), form buckets of about
-    `bucket_bytes`; when every parameter of a bucket has its gradient, the bucket's runs of
-    the flat gradient are averaged over the node (NCCL on the CUDA stream, or a
-    non-blocking host allreduce). `finish()` starts what backward did not reach (unused
-    parameters) and waits. Parameters made trainable after construction are averaged in
-    `finish()` and get hooks for the next backward."""
+    """The node-local gradient average, started during backward as DDP's is: the trainable
+    parameters, in reverse order (roughly the order backward finishes them), form buckets
+    of about `BUCKET_BYTES`; the buckets' runs of the flat gradient are averaged over the
+    node (NCCL on the CUDA stream, or a non-blocking host allreduce) strictly in bucket
+    order, each as soon as it and every bucket before it have their gradients, so every
+    rank issues them in the same order whichever parameters it used. At the end of
+    backward the rest start (an unused parameter's gradient is zero), and on the CPU they
+    are waited for: after `backward()` the gradients are the node's average, as under DDP.
+    Parameters made trainable after construction are averaged in `finish()` and get hooks
+    for the next backward."""
 
-    def __init__(self, flat, average: Callable[[torch.Tensor], Optional[Work]]) -> None:
-        self.flat, self.average, self.bucket_bytes = flat, average, BUCKET_BYTES
+    def __init__(self, flat, average: Callable[[torch.Tensor], Optional[Work]], wait_at_end: bool) -> None:
+        self.flat, self.average, self.bucket_bytes, self.wait_at_end = flat, average, BUCKET_BYTES, wait_at_end
         self.armed = False
         self.handles: List = []
         self._build()
 
     def _build(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles, self.buckets, self.bucket_of = [], [], {}
+        self.close()
+        self.buckets, self.bucket_of = [], {}
         offsets, at = {}, 0
         for p in self.flat.params:
             offsets[id(p)] = (at, at + p.numel())
@@ -61,8 +64,14 @@ class _NodeGradAverage:
                 bucket, size = [], 0
         if bucket:
             self._add_bucket(bucket, offsets)
+        me = weakref.ref(self)
         for p in self.hooked:
-            self.handles.append(p.register_post_accumulate_grad_hook(self._ready))
+            # A parameter serves one scheme at a time: an earlier scheme's hooks go.
+            earlier = getattr(p, "_gradwire_node_average", None)
+            if earlier is not None and earlier() is not None and earlier() is not self:
+                earlier().close()
+            p._gradwire_node_average = me
+            self.handles.append(p.register_post_accumulate_grad_hook(_hook(me)))
         self._reset()
 
     def _add_bucket(self, params: List[torch.Tensor], offsets) -> None:
@@ -76,20 +85,24 @@ class _NodeGradAverage:
             else:
                 runs.append((lo, hi))
         index = len(self.buckets)
-        self.buckets.append((runs, len(params)))
+        self.buckets.append((runs, list(params)))
         for p in params:
             self.bucket_of[id(p)] = index
 
     def _reset(self) -> None:
-        self.waiting = [n for _, n in self.buckets]
+        self.waiting = [len(ps) for _, ps in self.buckets]
         self.started: List[bool] = [False] * len(self.buckets)
+        self.next = 0  # the first bucket not started
+        self.fired = set()  # the parameters whose gradient this backward produced
         self.works: List[Work] = []
+        self.end_queued = False
 
-    def _ready(self, p: torch.Tensor) -> None:
+    def ready(self, p: torch.Tensor) -> None:
+        """A parameter's gradient is accumulated (its hook)."""
         if not self.armed:
             return
         index = self.bucket_of[id(p)]
-        if self.started[index]:
+        if self.started[index] or id(p) in self.fired:
             # The averages under way finish first (the node's other ranks run them too), so
             # nothing is left writing into the gradients after the error.
             for work in self.works:
@@ -100,23 +113,44 @@ class _NodeGradAverage:
                 "DASO: a second backward before step() while the node averages this step's gradients; "
                 "accumulate over several backwards only on batches that skip the node-local average, or call step() after each"
             )
+        if not self.end_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.end_queued = True
         self.flat.own_grad(p)
+        self.fired.add(id(p))
         self.waiting[index] -= 1
-        if self.waiting[index] == 0:
-            self._start(index)
+        while self.next < len(self.buckets) and self.waiting[self.next] == 0:
+            self._start(self.next)
 
     def _start(self, index: int) -> None:
         self.started[index] = True
+        self.next = index + 1
         for lo, hi in self.buckets[index][0]:
             work = self.average(self.flat.grad[lo:hi])
             if work is not None:
                 self.works.append(work)
 
+    def _start_rest(self) -> None:
+        """Starts, in order, the buckets backward did not complete; a parameter it did not
+        reach has a zero gradient (as `gather_grads` would make it)."""
+        while self.next < len(self.buckets):
+            for p in self.buckets[self.next][1]:
+                if id(p) not in self.fired:
+                    self.flat.zero_unused_grad(p)
+            self._start(self.next)
+
+    def _end_of_backward(self) -> None:
+        if not self.armed:
+            return
+        self._start_rest()
+        if self.wait_at_end:
+            for work in self.works:
+                work.wait()
+            self.works = []
+
     def finish(self) -> None:
         """Every bucket started and done; the gradients are the node's average."""
-        for index, started in enumerate(self.started):
-            if not started:
-                self._start(index)
+        self._start_rest()
         for work in self.works:
             work.wait()
         unfrozen = [p for p in self.flat.params if p.requires_grad and not any(p is q for q in self.hooked)]
@@ -135,16 +169,29 @@ class _NodeGradAverage:
             at += p.numel()
 
     def close(self) -> None:
+        """The hooks go (after `finish()`, or when another scheme takes the parameters)."""
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.armed = False
+
+
+def _hook(grads_ref):
+    """A post-accumulate-grad hook that does not keep the scheme alive."""
+
+    def hook(p: torch.Tensor) -> None:
+        grads = grads_ref()
+        if grads is not None:
+            grads.ready(p)
+
+    return hook
 
 
 class CallerPlane:
     """Runs a `data=caller` scheme's actions on `flat` (parameters and gradients where the
     model lives) over `comm`'s node-local and cross-node groups. Collective to make."""
 
-    def __init__(self, flat, comm: Comm, strategy: Strategy) -> None:
+    def __init__(self, flat, comm: Comm, strategy: Strategy, node_grads: bool) -> None:
         self.flat, self.world, self.strategy = flat, comm, strategy
         self.node, self.cross = comm.node_local(), comm.cross_node()
         self.cuda = flat.device.type == "cuda"
@@ -153,7 +200,8 @@ class CallerPlane:
         self.in_flight: Deque[Tuple[List[Work], torch.Tensor]] = collections.deque()
         self.anchor: Optional[torch.Tensor] = None
         self.node_anchor: Optional[torch.Tensor] = None
-        self.grads = _NodeGradAverage(flat, self._node_average) if self.node.size > 1 else None
+        # DASO's node-local gradient average (BSP's averages are whole-vector actions).
+        self.grads = _NodeGradAverage(flat, self._node_average, wait_at_end=not self.cuda) if node_grads and self.node.size > 1 else None
 
     def reset(self, strategy: Strategy) -> None:
         """A new strategy (DASO.reset): nothing of the old one stays in flight."""
@@ -162,6 +210,8 @@ class CallerPlane:
                 w.wait()
         self.in_flight.clear()
         self.strategy = strategy
+        if self.grads is not None:
+            self.grads._build()  # the hooks again (finish() took them)
 
     def close(self) -> None:
         if self.grads is not None:

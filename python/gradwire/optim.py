@@ -202,6 +202,16 @@ class FlatParameters:
             self.host_bytes_copied += self.grad.nbytes
         return self.grad
 
+    def zero_unused_grad(self, p: torch.Tensor) -> None:
+        """A trainable parameter that took no part in backward: a zero gradient (None
+        becomes the view), a replaced one copied in."""
+        grad = self._views[self._index[id(p)]][1]
+        if p.grad is None:
+            grad.zero_()
+            p.grad = grad
+        else:
+            self.own_grad(p)
+
     def own_grad(self, p: torch.Tensor) -> None:
         """`p.grad` is a view into the flat gradients again (a replaced one copied in)."""
         grad = self._views[self._index[id(p)]][1]
@@ -249,7 +259,7 @@ class _Scheme:
         self.plane: Optional[CallerPlane] = None
         self._strategy = self._new_strategy()
         if caller_moves:
-            self.plane = CallerPlane(self.flat, self.comm, self._strategy)
+            self.plane = CallerPlane(self.flat, self.comm, self._strategy, node_grads=scheme == "daso")
         self._on_params(self._strategy.start)
         self.epochs_ended = 0
         self.buffers: Optional[ModelBuffers] = None
@@ -308,6 +318,8 @@ class _Scheme:
         every rank. Collective."""
         with self.flat.frozen_kept():
             self._on_params(self._strategy.finish)
+        if self.plane is not None:
+            self.plane.close()  # no more node averages from this model's backwards
         if self.buffers is not None:
             self.buffers.agree()
 
@@ -330,9 +342,11 @@ class _Scheme:
 
 
 class _FrameworkStep(_Scheme):
-    """Schemes whose local step is the framework's optimizer (DASO, BSP). The gradients are
-    averaged inside `step()`, just before the optimizer's step: gradient clipping between
-    backward and step sees this rank's own gradients, not the average (DDP's)."""
+    """Schemes whose local step is the framework's optimizer (DASO, BSP). On host copies
+    the gradients are averaged inside `step()`, just before the optimizer's step: gradient
+    clipping between backward and step sees this rank's own gradients, not the average
+    (DDP's). A device-resident DASO averages them in the node during backward, as DDP does:
+    there clipping sees the node's average on the batches the node averages."""
 
     def __init__(self, local_optimizer: torch.optim.Optimizer, scheme: str, options: str, comm: Any, caller_moves: bool = False) -> None:
         super().__init__(_optimizer_params(local_optimizer), scheme, options, comm, caller_moves)

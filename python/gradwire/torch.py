@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _OPS, Comm, DeadlineError, Work, _background, _tensor, _torch_native, load_library, unique_id
+from . import _OPS, Comm, InProgressError, Work, _background, _tensor, _torch_native, load_library, unique_id
 
 __all__ = ["ProcessGroupGradwire", "register", "completed_future_of"]
 
@@ -110,7 +110,8 @@ def _deadline_ms(timeout):
     would leave a stalled peer unreported for half an hour)."""
     if timeout is None or timeout == _TORCH_DEFAULT_TIMEOUT:
         return None
-    return max(1, int(timeout.total_seconds() * 1000))
+    # At most gradwire's longest deadline (a year's timeout means "never", 7 days is close).
+    return min(max(1, int(timeout.total_seconds() * 1000)), 7 * 24 * 3600 * 1000)
 
 
 try:
@@ -280,23 +281,25 @@ class _Work(dist.Work):
     def _complete(self, timeout_ms=-1):
         """Waits (up to `timeout_ms`, if not negative: past it the work stays pending and a
         RuntimeError says it timed out) and settles the work."""
-        with self._lock:
+        still = f"gradwire: Timed out after {timeout_ms} ms in Work.wait (the operation is still pending)"
+        if not self._lock.acquire(timeout=timeout_ms / 1000 if timeout_ms >= 0 else -1):
+            raise RuntimeError(still)  # another thread is waiting for it right now
+        try:
             if self._done:
                 return
             try:
                 self._pending.wait(timeout_ms)
                 if self._finish is not None:
                     self._finish()
-            except DeadlineError as e:
-                if timeout_ms < 0:
-                    self._error = e
-                else:
-                    raise RuntimeError(f"gradwire: Timed out after {timeout_ms} ms in Work.wait (the operation is still pending): {e}") from None
+            except InProgressError:
+                raise RuntimeError(still) from None
             except BaseException as e:  # noqa: BLE001 (handed to whoever waits)
                 self._error = e if isinstance(e, Exception) else RuntimeError(f"gradwire: interrupted: {e!r}")
             self._done = True
             self._pending = None
             future = self._future
+        finally:
+            self._lock.release()
         if future is not None:  # else get_future settles it, seeing _done under the lock
             self._settle()
 
@@ -447,15 +450,13 @@ class _P2PBatch:
 
     def _finish(self, timeout_ms=-1):
         # Under the lock. Past `timeout_ms` (if not negative) the batch stays pending and
-        # the DeadlineError goes to the caller.
+        # the InProgressError goes to the caller.
         try:
             self._work.wait(timeout_ms)
             for back in self._backs:
                 back()
-        except DeadlineError as e:
-            if timeout_ms >= 0:
-                raise
-            self._error = e
+        except InProgressError:
+            raise
         except Exception as e:  # noqa: BLE001 (raised to whoever waits)
             self._error = e
         self._done, self._work = True, None
@@ -575,7 +576,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     # --- collectives -------------------------------------------------------------------
 
-    def _bitwise(self, tensors, op, what, root=None):
+    def _bitwise(self, tensors, op, what, root=None, opts=None):
         """A bitwise reduction of each tensor over the ranks (into every rank's, or only
         `root`'s): every rank's tensor gathered, then combined in rank order."""
         for t in tensors:
@@ -595,13 +596,13 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                     _BITWISE[op](acc, other, out=acc)
                 c.copy_(acc)
                 back()
-        return _cuda_work(tensors, None, tensors[0].device) if cuda else _Work(tensors)
+        return _cuda_work(tensors, opts, tensors[0].device) if cuda else _Work(tensors)
 
     def _py_allreduce(self, tensors, opts=None):
         self._start_p2p()
         op = _op_of(opts)
         if op in _BITWISE:
-            return self._bitwise(tensors, op, "allreduce")
+            return self._bitwise(tensors, op, "allreduce", opts=opts)
         if len(tensors) == 1 and _plain(tensors[0]):
             t = tensors[0]
             p, n, dt = _tensor(t, "allreduce")
@@ -614,7 +615,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._start_p2p()
         op = _op_of(opts)
         if op in _BITWISE:
-            return self._bitwise(tensors, op, "allreduce_coalesced")
+            return self._bitwise(tensors, op, "allreduce_coalesced", opts=opts)
         cuda = _on_cuda(tensors, "allreduce_coalesced")
         for t in tensors:
             if not cuda:
@@ -662,7 +663,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         op = _op_of(opts)
         root = opts.rootRank if opts is not None else 0
         if op in _BITWISE:
-            return self._bitwise(tensors, op, "reduce", root)
+            return self._bitwise(tensors, op, "reduce", root, opts)
         if _on_cuda(tensors, "reduce"):
             return self._each_on_gpu(tensors, opts, "reduce", lambda gpu, t: gpu.reduce(t, root=root, op=op))
         for t in tensors:
@@ -698,7 +699,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             raise ValueError(f"gradwire: allgather_coalesced needs {self.size()} output lists of {len(input_tensors)} tensors")
         per_input = [[output_lists[r][i] for r in range(self.size())] for i in range(len(input_tensors))]
         self.allgather(per_input, input_tensors, opts).wait()
-        return _Work(output_lists)
+        return _cuda_work(output_lists, opts, input_tensors[0].device) if input_tensors and input_tensors[0].is_cuda else _Work(output_lists)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """One all_gather_into_tensor per pair, in order (DTensor and FSDP call this form)."""
@@ -706,7 +707,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             raise ValueError(f"gradwire: allgather_into_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
         for out, inp in zip(outputs, inputs):
             self._py_all_gather_single(out, inp, opts).wait()
-        return _Work(outputs)
+        return _cuda_work(outputs, opts, outputs[0].device) if outputs and outputs[0].is_cuda else _Work(outputs)
 
     def _py_all_gather_single(self, output_tensor, input_tensor, opts=None):
         # Every microsecond here counts against a 1 MiB call's 30 (no reshape: gradwire
@@ -758,7 +759,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             raise ValueError(f"gradwire: reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
         for out, inp in zip(outputs, inputs):
             self._py_reduce_scatter_single(out, inp, opts).wait()
-        return _Work(outputs)
+        return _cuda_work(outputs, opts, outputs[0].device) if outputs and outputs[0].is_cuda else _Work(outputs)
 
     def _py_reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         self._start_p2p()
@@ -774,7 +775,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             out.copy_(whole.reshape(-1)[self.rank() * n : (self.rank() + 1) * n].view_as(out))
             if back is not None:
                 back()
-            return _cuda_work(output_tensor, opts, output_tensor.device) if cuda else _Work(output_tensor)
+            return _cuda_work([output_tensor], opts, output_tensor.device) if cuda else _Work([output_tensor])
         # In place: the output is the input's own part. Any other overlap lands in a
         # separate tensor, copied back at the end.
         if _stray_overlap(src, out, self._comm.rank):

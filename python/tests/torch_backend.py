@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -378,6 +379,26 @@ if not (isinstance(held, list) and len(held) == 1 and held[0].data_ptr() == x.da
 if rank == 0:
     expect("reduce, through a completed work's future", x, reference(rows, "sum", torch.float64))
 dist.barrier()
+
+# work.wait(timeout): past it a "Timed out" RuntimeError and the work stays pending; a later
+# wait completes it (the last rank joins the allreduce a second late).
+if world > 1:
+    cases += 1
+    if rank == world - 1:
+        time.sleep(1.0)
+    t = torch.ones(8)
+    w = dist.all_reduce(t, async_op=True)
+    if rank == 0:
+        try:
+            w.wait(timeout=timedelta(milliseconds=200))
+            failures.append(f"rank {rank}: wait(200 ms) returned before the last rank joined")
+        except RuntimeError as e:
+            if "Timed out" not in str(e) or "still pending" not in str(e):
+                failures.append(f"rank {rank}: wait(200 ms): unclear error {e}")
+    w.wait()
+    if not torch.equal(t, torch.full((8,), float(world))):
+        failures.append(f"rank {rank}: the allreduce waited for after a timed-out wait gave {t.tolist()}")
+    dist.barrier()
 
 # Bitwise ops on integer and bool tensors (gathered and combined in Python), against every
 # rank's regenerated input combined here.

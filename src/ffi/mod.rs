@@ -808,7 +808,7 @@ fn prefixed(e: Error, what: &str) -> Error {
 
 /// Waits up to `timeout_ms` for a non-blocking call (negative: until it completes, within
 /// its own deadline); frees the handle once it has completed and returns its result
-/// (`GRADWIRE_ERR_TIMEOUT`, the handle still valid, when it is still running).
+/// (`GRADWIRE_ERR_IN_PROGRESS`, the handle still valid, when it is still running).
 #[no_mangle]
 pub extern "C" fn gradwire_wait(work: *mut gradwire_work_t, timeout_ms: i64) -> c_int {
     guard(|| {

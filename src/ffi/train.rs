@@ -349,14 +349,17 @@ pub extern "C" fn gradwire_strategy_set_last_batch(strategy: *mut gradwire_strat
 /// `count` receives how many. The caller calls again while `count` equals `capacity`.
 ///
 /// # Safety
-/// `out` must be NULL (with capacity 0) or valid for `3 * capacity` int64 writes; `count`
-/// NULL or valid for a write.
+/// `out` must be NULL or valid for `3 * capacity` int64 writes; `count` NULL or valid for a
+/// write.
 #[no_mangle]
 pub unsafe extern "C" fn gradwire_strategy_take_actions(strategy: *mut gradwire_strategy_t, out_p: *mut i64, capacity: usize, count: *mut usize) -> c_int {
     guard(|| {
         let w = "gradwire_strategy_take_actions";
         out(count, w, "count")?;
-        if capacity > 0 && (out_p.is_null() || (out_p as usize) % std::mem::align_of::<i64>() != 0) {
+        if capacity == 0 {
+            return Err(invalid(format!("{w}: capacity is 0 (room for at least one action is needed)")));
+        }
+        if out_p.is_null() || (out_p as usize) % std::mem::align_of::<i64>() != 0 {
             return Err(invalid(format!("{w}: out is NULL or not aligned for int64")));
         }
         if capacity > isize::MAX as usize / 24 {
