@@ -34,11 +34,13 @@ plane.BUCKET_BYTES = 256  # several buckets in a small model
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
+        # In no forward: its gradient stays zero. Registered first, so its bucket is the last
+        # (buckets go in reverse order) and the even ranks' parameter's bucket is the first.
+        self.unused = nn.Linear(3, 3)
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
         self.bn = nn.BatchNorm2d(4)
         self.fc1 = nn.Linear(4 * 4 * 4, 24)
         self.fc2 = nn.Linear(24, 3)
-        self.unused = nn.Linear(3, 3)  # in no forward: its gradient stays zero
         self.even = nn.Linear(3, 3)  # used on even ranks only: buckets complete in another order
 
     def forward(self, x):
