@@ -234,6 +234,38 @@ fn fsdp2_fully_shard_trains_as_on_gloo() {
     }
 }
 
+/// `dist.split_group` on gradwire as on gloo (python/tests/split_group.py under torchrun, 4
+/// ranks): the same new ranks, sizes, group names and results, members in a new order and
+/// ranks in no group included (before: refused, "does not support splitting").
+#[test]
+fn split_group_forms_the_groups_gloo_forms() {
+    if !python_has("torch") {
+        eprintln!("SKIP split_group_forms_the_groups_gloo_forms: torch is not importable");
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let run = |backend: &str| -> Vec<String> {
+        let mut cmd = Command::new("python3");
+        cmd.args(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4", "--master-addr", "127.0.0.1"])
+            .args(["--master-port", &free_port().to_string(), &format!("{root}/python/tests/split_group.py"), backend])
+            .env("PYTHONPATH", format!("{root}/python"))
+            .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+            .env("GLOO_SOCKET_IFNAME", "lo")
+            .env("OMP_NUM_THREADS", "1");
+        let out = run_with_limit(cmd, Duration::from_secs(300));
+        let t = text(&out);
+        println!("{backend}:\n{t}");
+        assert!(out.status.success(), "{backend}: {t}");
+        assert_eq!(t.matches("split group: ok").count(), 4, "{t}");
+        let mut lines: Vec<String> = t.split("split: ").skip(1).map(|l| l.lines().next().unwrap_or_default().to_string()).collect();
+        lines.sort();
+        lines
+    };
+    let (ours, gloo) = (run("gradwire"), run("gloo"));
+    assert_eq!(ours.len(), 8, "{ours:?}");
+    assert_eq!(ours, gloo);
+}
+
 /// 2-D parallel training on gradwire as on gloo (python/tests/fsdp_tp_vs_gloo.py under
 /// torchrun, 4 ranks): a (dp=2, tp=2) DeviceMesh, tensor parallelism (DTensor's collectives
 /// in each tp pair) under FSDP2 over dp, and a DTensor redistributed between shardings;

@@ -504,12 +504,31 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     # Asked of a group's backend by batch_isend_irecv: no NCCL-style coalescing manager
     # (the sends and receives gather into a batch here; see _P2PBatch).
     supports_coalescing = False
-    # Asked by split_group and by init_process_group(device_id=...): no NCCL-style split
-    # (subgroups come from new_group); split_group then says it is not supported.
-    supports_splitting = False
+    # Asked by split_group (which then calls splitGroup below) and by
+    # init_process_group(device_id=...).
+    supports_splitting = True
 
     # Whether this class runs over the C++ group (_native_class).
     _native = False
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+        """What torch's `dist.split_group` asks of the parent group (its Python binding's
+        name, found here before torch's C++ one, whose call back into Python cannot pass the
+        timeout): every rank of this group calls it, each with the parent ranks of its own
+        new group in their new order (a rank in none passes another's). The members meet in
+        this group's store under the new group's name and form a new gradwire group; others
+        get None."""
+        del opts, device_types  # gradwire's groups take no options and serve CPU and CUDA
+        ranks = [int(r) for r in ranks]
+        if self.rank() not in ranks:
+            return None
+        store = dist.PrefixStore(f"gradwire/split/{group_name}/", self._store)
+        group = _create(store, ranks.index(self.rank()), len(ranks), timeout)
+        if group_name is not None:
+            group._set_group_name(group_name)
+        if group_desc is not None:
+            group._set_group_desc(group_desc)
+        return group
 
     def _get_backend(self, device):
         # torch's private per-device backend lookup (batch_isend_irecv asks it; checked on

@@ -1,0 +1,35 @@
+"""Under torchrun with 4 ranks (BACKEND is "gradwire" or "gloo"): `dist.split_group`, as the
+caller compares with gloo's run of the same script. Two splits of the world, [[0, 2], [1, 3]]
+(every rank in a group) and [[3, 0]] (ranks 1 and 2 in none, and an order other than the
+parent's: rank 3 is the new group's rank 0); each rank prints its new rank, size, group name
+and an allreduce over the new group, as "split: ..." lines, then "split group: ok".
+
+    split_group.py BACKEND
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+import gradwire.torch  # noqa: F401  (registers the backend)
+
+backend = sys.argv[1]
+torch.set_num_threads(1)
+dist.init_process_group(backend)
+rank, world = dist.get_rank(), dist.get_world_size()
+assert world == 4, "run with 4 ranks"
+pairs = dist.split_group(split_ranks=[[0, 2], [1, 3]])
+t = torch.full((3,), float(rank + 1))
+dist.all_reduce(t, group=pairs)
+print(f"split: rank {rank} pairs: rank {dist.get_rank(pairs)} of {dist.get_world_size(pairs)}, name {pairs.group_name}, sum {t.tolist()}", flush=True)
+ends = dist.split_group(split_ranks=[[3, 0]])
+if rank in (0, 3):
+    t = torch.arange(4, dtype=torch.float32) * (rank + 1)
+    dist.broadcast(t, group=ends, group_src=0)
+    print(f"split: rank {rank} ends: rank {dist.get_rank(ends)} of {dist.get_world_size(ends)}, broadcast from group rank 0 {t.tolist()}", flush=True)
+else:
+    print(f"split: rank {rank} ends: not a member ({ends == dist.GroupMember.NON_GROUP_MEMBER})", flush=True)
+dist.destroy_process_group(pairs)
+dist.destroy_process_group()
+print(f"rank {rank}: split group: ok", flush=True)
