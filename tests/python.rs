@@ -236,7 +236,8 @@ fn fsdp2_fully_shard_trains_as_on_gloo() {
 
 /// `dist.split_group` on gradwire as on gloo (python/tests/split_group.py under torchrun, 4
 /// ranks): the same new ranks, sizes, group names and results, members in a new order and
-/// ranks in no group included (before: refused, "does not support splitting").
+/// ranks in no group included (before: refused, "does not support splitting"); and a group
+/// made with `init_process_group(device_id=...)`, which torch then treats as splitting.
 #[test]
 fn split_group_forms_the_groups_gloo_forms() {
     if !python_has("torch") {
@@ -264,6 +265,16 @@ fn split_group_forms_the_groups_gloo_forms() {
     let (ours, gloo) = (run("gradwire"), run("gloo"));
     assert_eq!(ours.len(), 8, "{ours:?}");
     assert_eq!(ours, gloo);
+    // init_process_group(device_id=...): torch then treats the group as a splitting one.
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4", "--master-addr", "127.0.0.1"])
+        .args(["--master-port", &free_port().to_string(), &format!("{root}/python/tests/split_group.py"), "gradwire", "device_id"])
+        .env("PYTHONPATH", format!("{root}/python"))
+        .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+        .env("OMP_NUM_THREADS", "1");
+    let out = run_with_limit(cmd, Duration::from_secs(300));
+    let t = text(&out);
+    assert!(out.status.success() && t.matches("device_id new_group: ok").count() == 4, "{t}");
 }
 
 /// 2-D parallel training on gradwire as on gloo (python/tests/fsdp_tp_vs_gloo.py under

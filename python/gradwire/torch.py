@@ -530,6 +530,16 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             group._set_group_desc(group_desc)
         return group
 
+    def eager_connect_single_device(self, device):
+        """init_process_group(device_id=...) asks a splitting group to connect now: a
+        gradwire group is connected when made."""
+        del device
+
+    def perform_nocolor_split(self, device):
+        """torch's new_group asks this of a splitting parent on ranks outside the new group
+        (NCCL's split needs them); gradwire's new groups meet among their members alone."""
+        del device
+
     def _get_backend(self, device):
         # torch's private per-device backend lookup (batch_isend_irecv asks it; checked on
         # torch 2.15). This group is its own CPU backend: its methods have the backend
