@@ -185,6 +185,28 @@ fn pytorch_distributed_tests_pass_on_gradwire() {
     }
 }
 
+/// `python/tests/SCRIPT ARGS` under torchrun on this host with `world` ranks (5 minutes at
+/// most): its output, the text printed, and the exit checked by the caller.
+fn torchrun(script: &str, world: usize, args: &[&str]) -> std::process::Output {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", &world.to_string(), "--master-addr", "127.0.0.1"])
+        .args(["--master-port", &free_port().to_string(), &format!("{root}/python/tests/{script}")])
+        .args(args)
+        .env("PYTHONPATH", format!("{root}/python"))
+        .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+        .env("GLOO_SOCKET_IFNAME", "lo")
+        .env("OMP_NUM_THREADS", "1");
+    run_with_limit(cmd, Duration::from_secs(300))
+}
+
+/// The values of the "loss STEP VALUE" lines rank 0 prints.
+fn losses(t: &str) -> Vec<f64> {
+    // The number's own characters: another rank's line may follow it without a newline.
+    let number = |w: &str| w.chars().take_while(|c| c.is_ascii_digit() || ".-e".contains(*c)).collect::<String>();
+    t.lines().filter_map(|l| l.find("loss ").map(|at| &l[at + 5..])).map(|l| number(l.split_whitespace().nth(1).unwrap()).parse().unwrap()).collect()
+}
+
 /// What DeviceMesh-based training needs of the backend (python/tests/fsdp2_vs_gloo.py under
 /// torchrun, 2 and 3 ranks): the group has a name and devices, a subgroup is destroyed,
 /// 1-D and 2-D meshes are made, `monitored_barrier` passes and names a late rank, and FSDP2
@@ -197,16 +219,8 @@ fn fsdp2_fully_shard_trains_as_on_gloo() {
         eprintln!("SKIP fsdp2_fully_shard_trains_as_on_gloo: torch is not importable");
         return;
     }
-    let root = env!("CARGO_MANIFEST_DIR");
     let run = |backend: &str, world: usize| -> Vec<f64> {
-        let mut cmd = Command::new("python3");
-        cmd.args(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", &world.to_string(), "--master-addr", "127.0.0.1"])
-            .args(["--master-port", &free_port().to_string(), &format!("{root}/python/tests/fsdp2_vs_gloo.py"), backend])
-            .env("PYTHONPATH", format!("{root}/python"))
-            .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
-            .env("GLOO_SOCKET_IFNAME", "lo")
-            .env("OMP_NUM_THREADS", "1");
-        let out = run_with_limit(cmd, Duration::from_secs(300));
+        let out = torchrun("fsdp2_vs_gloo.py", world, &[backend]);
         let t = text(&out);
         println!("{backend}, {world} ranks:\n{t}");
         assert!(out.status.success(), "{backend}, {world} ranks: {t}");
@@ -220,9 +234,7 @@ fn fsdp2_fully_shard_trains_as_on_gloo() {
                 "{t}"
             );
         }
-        // The number's own characters: another rank's line may follow it without a newline.
-        let number = |w: &str| w.chars().take_while(|c| c.is_ascii_digit() || ".-e".contains(*c)).collect::<String>();
-        t.lines().filter_map(|l| l.find("loss ").map(|at| &l[at + 5..])).map(|l| number(l.split_whitespace().nth(1).unwrap()).parse().unwrap()).collect()
+        losses(&t)
     };
     for world in [2, 3] {
         let (ours, gloo) = (run("gradwire", world), run("gloo", world));
@@ -244,16 +256,8 @@ fn split_group_forms_the_groups_gloo_forms() {
         eprintln!("SKIP split_group_forms_the_groups_gloo_forms: torch is not importable");
         return;
     }
-    let root = env!("CARGO_MANIFEST_DIR");
     let run = |backend: &str| -> Vec<String> {
-        let mut cmd = Command::new("python3");
-        cmd.args(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4", "--master-addr", "127.0.0.1"])
-            .args(["--master-port", &free_port().to_string(), &format!("{root}/python/tests/split_group.py"), backend])
-            .env("PYTHONPATH", format!("{root}/python"))
-            .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
-            .env("GLOO_SOCKET_IFNAME", "lo")
-            .env("OMP_NUM_THREADS", "1");
-        let out = run_with_limit(cmd, Duration::from_secs(300));
+        let out = torchrun("split_group.py", 4, &[backend]);
         let t = text(&out);
         println!("{backend}:\n{t}");
         assert!(out.status.success(), "{backend}: {t}");
@@ -266,13 +270,7 @@ fn split_group_forms_the_groups_gloo_forms() {
     assert_eq!(ours.len(), 8, "{ours:?}");
     assert_eq!(ours, gloo);
     // init_process_group(device_id=...): torch then treats the group as a splitting one.
-    let mut cmd = Command::new("python3");
-    cmd.args(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4", "--master-addr", "127.0.0.1"])
-        .args(["--master-port", &free_port().to_string(), &format!("{root}/python/tests/split_group.py"), "gradwire", "device_id"])
-        .env("PYTHONPATH", format!("{root}/python"))
-        .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
-        .env("OMP_NUM_THREADS", "1");
-    let out = run_with_limit(cmd, Duration::from_secs(300));
+    let out = torchrun("split_group.py", 4, &["gradwire", "device_id"]);
     let t = text(&out);
     assert!(out.status.success() && t.matches("device_id new_group: ok").count() == 4, "{t}");
 }
@@ -287,23 +285,14 @@ fn fsdp_with_tensor_parallel_trains_as_on_gloo() {
         eprintln!("SKIP fsdp_with_tensor_parallel_trains_as_on_gloo: torch is not importable");
         return;
     }
-    let root = env!("CARGO_MANIFEST_DIR");
     let run = |backend: &str| -> Vec<f64> {
-        let mut cmd = Command::new("python3");
-        cmd.args(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4", "--master-addr", "127.0.0.1"])
-            .args(["--master-port", &free_port().to_string(), &format!("{root}/python/tests/fsdp_tp_vs_gloo.py"), backend])
-            .env("PYTHONPATH", format!("{root}/python"))
-            .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
-            .env("GLOO_SOCKET_IFNAME", "lo")
-            .env("OMP_NUM_THREADS", "1");
-        let out = run_with_limit(cmd, Duration::from_secs(300));
+        let out = torchrun("fsdp_tp_vs_gloo.py", 4, &[backend]);
         let t = text(&out);
         println!("{backend}:\n{t}");
         assert!(out.status.success(), "{backend}: {t}");
         assert_eq!(t.matches("fsdp tp: ok").count(), 4, "{t}");
         assert_eq!(t.matches("redistribute ok").count(), 4, "{t}");
-        let number = |w: &str| w.chars().take_while(|c| c.is_ascii_digit() || ".-e".contains(*c)).collect::<String>();
-        t.lines().filter_map(|l| l.find("loss ").map(|at| &l[at + 5..])).map(|l| number(l.split_whitespace().nth(1).unwrap()).parse().unwrap()).collect()
+        losses(&t)
     };
     let (ours, gloo) = (run("gradwire"), run("gloo"));
     assert_eq!(ours.len(), 6);

@@ -730,13 +730,17 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self.allgather(per_input, input_tensors, opts).wait()
         return _cuda_work(output_lists, opts, input_tensors[0].device) if input_tensors and input_tensors[0].is_cuda else _Work(output_lists)
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        """One all_gather_into_tensor per pair, in order (DTensor and FSDP call this form)."""
+    def _each_pair(self, single, outputs, inputs, opts, what):
+        """`single(out, inp, opts)` per pair, in order: the tensor-coalesced forms (DTensor
+        and FSDP call them) as one call per tensor."""
         if len(outputs) != len(inputs):
-            raise ValueError(f"gradwire: allgather_into_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
+            raise ValueError(f"gradwire: {what}: {len(outputs)} outputs for {len(inputs)} inputs")
         for out, inp in zip(outputs, inputs):
-            self._py_all_gather_single(out, inp, opts).wait()
+            single(out, inp, opts).wait()
         return _cuda_work(outputs, opts, outputs[0].device) if outputs and outputs[0].is_cuda else _Work(outputs)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._each_pair(self._py_all_gather_single, outputs, inputs, opts, "allgather_into_tensor_coalesced")
 
     def _py_all_gather_single(self, output_tensor, input_tensor, opts=None):
         # Every microsecond here counts against a 1 MiB call's 30 (no reshape: gradwire
@@ -783,12 +787,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         return _Work(output_tensors)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        """One reduce_scatter_tensor per pair, in order (DTensor and FSDP call this form)."""
-        if len(outputs) != len(inputs):
-            raise ValueError(f"gradwire: reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
-        for out, inp in zip(outputs, inputs):
-            self._py_reduce_scatter_single(out, inp, opts).wait()
-        return _cuda_work(outputs, opts, outputs[0].device) if outputs and outputs[0].is_cuda else _Work(outputs)
+        return self._each_pair(self._py_reduce_scatter_single, outputs, inputs, opts, "reduce_scatter_tensor_coalesced")
 
     def _py_reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         self._start_p2p()

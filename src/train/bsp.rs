@@ -18,7 +18,7 @@
 //! With `data=caller` (dense only) the steps are recorded as [`Action`]s for a caller that
 //! keeps the model in device memory (`plan`).
 
-use super::plan::Action;
+use super::plan::{Action, Asked};
 use super::ssgd::{allgather_bytes, allreduce_bytes, average, from_rank0, mean_loss};
 use super::{f32_bytes, Strategy};
 use crate::collective::hierarchical::Hierarchy;
@@ -45,7 +45,7 @@ pub struct Bsp<'c> {
     /// Parameters in the model.
     len: usize,
     /// With `data=caller`: the steps recorded for the caller, not yet taken.
-    asked: Option<Vec<Action>>,
+    asked: Asked,
 }
 
 impl<'c> Bsp<'c> {
@@ -67,28 +67,17 @@ impl<'c> Bsp<'c> {
             return Err(invalid("bsp: topk with data=caller: the top-k selection runs on gradwire's host buffers (leave data=caller out)"));
         }
         let topk = (topk > 0.0).then(|| TopK::new(topk));
-        let asked = caller_moves_data.then(Vec::new);
+        let asked = Asked::new(caller_moves_data);
         Ok(Bsp { comm, interval, node, anchor: vec![], node_anchor: vec![], change: vec![], steps: 0, topk, sent: 0, len, asked })
-    }
-
-    /// Records `a` for the caller when the caller moves the data (true).
-    fn ask(&mut self, a: Action) -> bool {
-        match &mut self.asked {
-            Some(asked) => {
-                asked.push(a);
-                true
-            }
-            None => false,
-        }
     }
 
     /// The anchors become `params` (the node's too, in the hierarchical variant).
     fn set_anchors(&mut self, params: &[f32], global: bool) {
-        if global && !self.ask(Action::SetAnchor) {
+        if global && !self.asked.ask(Action::SetAnchor) {
             self.anchor.clear();
             self.anchor.extend_from_slice(params);
         }
-        if self.node.is_some() && !self.ask(Action::SetNodeAnchor) {
+        if self.node.is_some() && !self.asked.ask(Action::SetNodeAnchor) {
             self.node_anchor.clear();
             self.node_anchor.extend_from_slice(params);
         }
@@ -101,10 +90,10 @@ impl<'c> Bsp<'c> {
 
     /// Every rank moves to x̃ − avg(Δ) over `group` (all ranks or the node), from `anchor`.
     fn reduce_change(&mut self, params: &mut [f32], global: bool) -> Result<()> {
-        if self.asked.is_some() {
+        if self.asked.caller_moves_data() {
             let size = if global { self.comm.size() } else { self.node.as_ref().map_or(1, |(_, h)| h.node.size()) };
             self.sent += allreduce_bytes(self.len, size);
-            self.ask(if global { Action::AverageChange { wire: Wire::F32 } } else { Action::AverageChangeInNode });
+            self.asked.ask(if global { Action::AverageChange { wire: Wire::F32 } } else { Action::AverageChangeInNode });
             if global {
                 self.set_anchors(params, false);
             }
@@ -187,7 +176,7 @@ impl Strategy for Bsp<'_> {
     }
 
     fn start(&mut self, params: &mut [f32]) -> Result<()> {
-        if self.ask(Action::BroadcastAll { root: 0 }) {
+        if self.asked.ask(Action::BroadcastAll { root: 0 }) {
             if self.comm.rank() == 0 {
                 self.sent += f32_bytes(self.len);
             }
@@ -204,7 +193,7 @@ impl Strategy for Bsp<'_> {
 
     fn before_update(&mut self, grads: &mut [f32], _last_of_epoch: bool) -> Result<()> {
         if self.gradient_form() {
-            if self.ask(Action::AverageGradsAll) {
+            if self.asked.ask(Action::AverageGradsAll) {
                 self.sent += allreduce_bytes(self.len, self.comm.size());
             } else {
                 average(self.comm, grads, &mut self.sent)?;
@@ -247,7 +236,7 @@ impl Strategy for Bsp<'_> {
 
     fn finish(&mut self, params: &mut [f32]) -> Result<()> {
         // Local steps since the last reduction are dropped: the model is the agreed anchor.
-        if !self.ask(Action::TakeAnchor) {
+        if !self.asked.ask(Action::TakeAnchor) {
             params.copy_from_slice(&self.anchor);
         }
         Ok(())
@@ -258,11 +247,11 @@ impl Strategy for Bsp<'_> {
     }
 
     fn caller_moves_data(&self) -> bool {
-        self.asked.is_some()
+        self.asked.caller_moves_data()
     }
 
     fn take_actions(&mut self) -> Vec<Action> {
-        self.asked.as_mut().map(std::mem::take).unwrap_or_default()
+        self.asked.take()
     }
 }
 

@@ -23,7 +23,7 @@
 //! accumulates in f32 and rounds once (Heat's MPI operator adds in the wire dtype, node by
 //! node). Like Heat, `warmup_epochs = 0` never leaves the synchronous schedule.
 
-use super::plan::Action;
+use super::plan::{Action, Asked};
 use super::ssgd::{allreduce_bytes, from_rank0, mean_loss};
 use super::{f32_bytes, Strategy};
 use crate::collective::hierarchical::Hierarchy;
@@ -282,7 +282,7 @@ pub struct Daso<'c> {
     /// Parameters in the model.
     len: usize,
     /// With `caller_moves_data`: the steps recorded for the caller, not yet taken.
-    asked: Option<Vec<Action>>,
+    asked: Asked,
 }
 
 impl<'c> Daso<'c> {
@@ -295,7 +295,7 @@ impl<'c> Daso<'c> {
         }
         let groups = Hierarchy::new(comm)?;
         let plateau = Plateau::new(cfg.stability_level);
-        let asked = caller_moves_data.then(Vec::new);
+        let asked = Asked::new(caller_moves_data);
         Ok(Daso {
             comm,
             groups,
@@ -321,18 +321,6 @@ impl<'c> Daso<'c> {
         self.schedule
     }
 
-    /// Records `a` for the caller when the caller moves the data (true), else leaves the
-    /// step to the host code that follows (false).
-    fn ask(&mut self, a: Action) -> bool {
-        match &mut self.asked {
-            Some(asked) => {
-                asked.push(a);
-                true
-            }
-            None => false,
-        }
-    }
-
     fn local_index(&self) -> usize {
         self.groups.node.rank()
     }
@@ -346,7 +334,7 @@ impl<'c> Daso<'c> {
     fn node_broadcast(&mut self, params: &mut [f32], root: Option<usize>) -> Result<()> {
         let Some(root) = root else { return Ok(()) };
         if self.groups.node.size() > 1 {
-            if !self.ask(Action::BroadcastInNode { root }) {
+            if !self.asked.ask(Action::BroadcastInNode { root }) {
                 self.groups.node.broadcast(params, root)?;
             }
             if self.local_index() == root {
@@ -365,7 +353,7 @@ impl<'c> Daso<'c> {
         self.sent += allreduce_bytes(self.len, self.groups.cross.size());
         let (n, c) = (self.len, self.cfg.sending_chunk_size);
         let first = if n <= c { n } else { n - c * (n.div_ceil(c) - 1) };
-        if self.ask(Action::SendSum { first, chunk: c }) {
+        if self.asked.ask(Action::SendSum { first, chunk: c }) {
             self.in_flight.push_back(InFlight { chunks: vec![], batches_between, at: self.batch });
             return Ok(());
         }
@@ -402,7 +390,7 @@ impl<'c> Daso<'c> {
     fn merge_oldest(&mut self, params: &mut [f32]) -> Result<()> {
         let Some(f) = self.in_flight.pop_front() else { return Ok(()) };
         let (s, nodes) = (f.batches_between.max(0) as usize, self.groups.nodes());
-        if self.ask(Action::MergeOldest { batches_between: s, nodes }) {
+        if self.asked.ask(Action::MergeOldest { batches_between: s, nodes }) {
             return Ok(());
         }
         let mut at = 0;
@@ -424,7 +412,7 @@ impl<'c> Daso<'c> {
             return Err(invalid(format!("daso: {} global sends in flight at a blocking receive (one expected)", self.in_flight.len())));
         }
         let f = self.in_flight.pop_front().expect("one in flight");
-        if self.ask(Action::TakeAverage { nodes: self.groups.nodes() }) {
+        if self.asked.ask(Action::TakeAverage { nodes: self.groups.nodes() }) {
             return Ok(());
         }
         let nodes = self.groups.nodes() as f32;
@@ -446,7 +434,7 @@ impl<'c> Daso<'c> {
         }
         if self.local_index() == self.send_mod {
             let (wire, nodes) = (self.cfg.wire, self.groups.nodes());
-            if self.ask(Action::AverageOnWire { nodes, wire }) {
+            if self.asked.ask(Action::AverageOnWire { nodes, wire }) {
                 self.sent += wire_bytes(allreduce_bytes(self.len, nodes), wire);
             } else {
                 self.sent += reduce_on_wire(&self.groups.cross, params, wire, ReduceOp::Sum)?;
@@ -460,7 +448,7 @@ impl<'c> Daso<'c> {
     /// since the anchor (the parameters every rank last held identically), on the wire
     /// dtype; every replica ends bit-identical (one allreduce result added to one anchor).
     fn average_change(&mut self, params: &mut [f32]) -> Result<()> {
-        if self.ask(Action::AverageChange { wire: self.cfg.wire }) {
+        if self.asked.ask(Action::AverageChange { wire: self.cfg.wire }) {
             self.sent += wire_bytes(allreduce_bytes(self.len, self.comm.size()), self.cfg.wire);
             return Ok(());
         }
@@ -519,7 +507,7 @@ impl Strategy for Daso<'_> {
     fn start(&mut self, params: &mut [f32]) -> Result<()> {
         self.broadcast_all(params)?;
         self.set_anchor(params);
-        self.ask(Action::AverageNextGrads(self.local_sync_next));
+        self.asked.ask(Action::AverageNextGrads(self.local_sync_next));
         Ok(())
     }
 
@@ -530,7 +518,7 @@ impl Strategy for Daso<'_> {
     fn before_update(&mut self, grads: &mut [f32], _last_of_epoch: bool) -> Result<()> {
         // What DDP's backward did under Heat: the node-local average where the flag is on.
         if self.local_sync_next && self.groups.node.size() > 1 {
-            if !self.ask(Action::AverageGradsInNode) {
+            if !self.asked.ask(Action::AverageGradsInNode) {
                 self.groups.node.allreduce(grads, ReduceOp::Avg)?;
             }
             self.sent += allreduce_bytes(self.len, self.groups.node.size());
@@ -540,7 +528,7 @@ impl Strategy for Daso<'_> {
 
     fn after_update(&mut self, params: &mut [f32], last_of_epoch: bool) -> Result<()> {
         self.advance(params, last_of_epoch)?;
-        self.ask(Action::AverageNextGrads(self.local_sync_next));
+        self.asked.ask(Action::AverageNextGrads(self.local_sync_next));
         Ok(())
     }
 
@@ -576,11 +564,11 @@ impl Strategy for Daso<'_> {
     }
 
     fn caller_moves_data(&self) -> bool {
-        self.asked.is_some()
+        self.asked.caller_moves_data()
     }
 
     fn take_actions(&mut self) -> Vec<Action> {
-        self.asked.as_mut().map(std::mem::take).unwrap_or_default()
+        self.asked.take()
     }
 
     fn node_average_next(&self) -> bool {
@@ -646,7 +634,7 @@ impl Daso<'_> {
 
     /// Rank 0's parameters to every rank.
     fn broadcast_all(&mut self, params: &mut [f32]) -> Result<()> {
-        if self.ask(Action::BroadcastAll { root: 0 }) {
+        if self.asked.ask(Action::BroadcastAll { root: 0 }) {
             if self.comm.rank() == 0 {
                 self.sent += f32_bytes(self.len);
             }
@@ -660,7 +648,7 @@ impl Daso<'_> {
         if !self.cfg.average_change {
             return;
         }
-        if !self.ask(Action::SetAnchor) {
+        if !self.asked.ask(Action::SetAnchor) {
             self.anchor.clear();
             self.anchor.extend_from_slice(params);
         }

@@ -75,6 +75,40 @@ pub enum Action {
     SetNodeAnchor,
 }
 
+/// A scheme's recorder: `Some` where the caller moves the data (the actions not yet
+/// taken), `None` where the scheme moves it on host buffers itself.
+#[derive(Debug, Default)]
+pub struct Asked(Option<Vec<Action>>);
+
+impl Asked {
+    /// Recording when `caller_moves_data`.
+    pub fn new(caller_moves_data: bool) -> Self {
+        Asked(caller_moves_data.then(Vec::new))
+    }
+
+    /// Records `a` for the caller (true), or leaves the step to the host code that
+    /// follows (false).
+    pub fn ask(&mut self, a: Action) -> bool {
+        match &mut self.0 {
+            Some(asked) => {
+                asked.push(a);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether the caller moves the data.
+    pub fn caller_moves_data(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// The actions recorded since the last take, in order.
+    pub fn take(&mut self) -> Vec<Action> {
+        self.0.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+}
+
 fn wire_code(w: Wire) -> i64 {
     match w {
         Wire::F32 => 0,
