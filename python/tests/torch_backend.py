@@ -381,11 +381,13 @@ if rank == 0:
 dist.barrier()
 
 # work.wait(timeout): past it a "Timed out" RuntimeError and the work stays pending; a later
-# wait completes it (the last rank joins the allreduce a second late).
+# wait completes it. The last rank joins the allreduce only once rank 0's bounded wait has
+# ended (told through torch's store), so the order does not depend on timing.
 if world > 1:
     cases += 1
+    store = dist.distributed_c10d._get_default_store()
     if rank == world - 1:
-        time.sleep(1.0)
+        store.wait(["gradwire-test/bounded-wait-done"], timedelta(seconds=60))
     t = torch.ones(8)
     w = dist.all_reduce(t, async_op=True)
     if rank == 0:
@@ -395,6 +397,7 @@ if world > 1:
         except RuntimeError as e:
             if "Timed out" not in str(e) or "still pending" not in str(e):
                 failures.append(f"rank {rank}: wait(200 ms): unclear error {e}")
+        store.set("gradwire-test/bounded-wait-done", "1")
     w.wait()
     if not torch.equal(t, torch.full((8,), float(world))):
         failures.append(f"rank {rank}: the allreduce waited for after a timed-out wait gave {t.tolist()}")
