@@ -3,16 +3,21 @@
 // A call torch waits for at once (async_op=False) on contiguous CPU tensors goes from
 // torch's C++ ProcessGroup entry point straight to gradwire's blocking C call, without the
 // GIL: no trip through Python, ctypes or a Python work object (3.7-5.3 us per call, measured
-// in one process on a 1-rank group). Every other call (async, CUDA, lists, non-contiguous
+// in one process on a 1-rank group). An async call that torch's C++ makes itself (DDP's
+// reducer: its buckets' allreduce, its broadcasts) on such tensors starts gradwire's
+// non-blocking call here and returns an AsyncWork, which the group's completion thread
+// completes without the GIL (it takes the GIL only to build the Python exception of a
+// failed call). Every other call (async calls from Python, CUDA, lists, non-contiguous
 // tensors, an input overlapping the output other than in place, ops or dtypes gradwire
 // lacks, sends and receives not yet started) goes to the Python group's method of the same
 // name with a `_py_` prefix, exactly as before; so do its errors.
 //
 // FastGroup is torch's own trampoline (PyProcessGroup) with the hot calls overridden: the
 // Python class ProcessGroupGradwire derives from it and keeps every other method. Its entry
-// points (gradwire/torch.py, _gate) send async and CUDA calls to the Python methods before
-// they reach C++, so those return the group's own work; what comes here otherwise is a
-// blocking CPU call from Python, or any call torch's C++ makes itself (DDP's reducer).
+// points (gradwire/torch.py, _gate) send async and CUDA calls from Python to the Python
+// methods before they reach C++, so those return the group's own work, with every Python
+// method; what comes here otherwise is a blocking CPU call from Python, or any call
+// torch's C++ makes itself.
 
 #include <torch/extension.h>
 // torch 2.12 moved the trampoline's header into py/.
@@ -26,7 +31,12 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <thread>
 
 #include "gradwire.h"
 
@@ -54,6 +64,173 @@ struct Calls {
   decltype(&gradwire_broadcast) broadcast = nullptr;
   decltype(&gradwire_allgather) allgather = nullptr;
   decltype(&gradwire_reduce_scatter) reduce_scatter = nullptr;
+  decltype(&gradwire_iallreduce) iallreduce = nullptr;
+  decltype(&gradwire_ibroadcast) ibroadcast = nullptr;
+  decltype(&gradwire_iallgather) iallgather = nullptr;
+  decltype(&gradwire_ireduce_scatter) ireduce_scatter = nullptr;
+  decltype(&gradwire_wait) wait = nullptr;
+};
+
+// The exception of a call that failed with `code`, as the Python binding raises it
+// (gradwire._check: GradwireError of the code's kind with the calling thread's error text,
+// so on the thread that made the failed call), kept so that torch rethrows it as itself
+// wherever it waits (DDP's reducer: PeerLostError from backward).
+std::exception_ptr failure_of(int code) {
+  auto plain = [code] { return std::make_exception_ptr(std::runtime_error("gradwire: call failed with code " + std::to_string(code))); };
+  if (!Py_IsInitialized()) {
+    return plain();  // the interpreter is gone (process exit): no Python exception to build
+  }
+  py::gil_scoped_acquire gil;
+  try {
+    py::module_::import("gradwire").attr("_check")(code);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    python_error kept;
+    kept.persist();  // takes the error just restored, leaving none set
+    return std::make_exception_ptr(std::move(kept));
+  }
+  return plain();
+}
+
+// An async call's work, completed by the group's Completer. Its future is made with it
+// (DDP's reducer asks for it at once and chains on it); wait() blocks on a condition, not
+// on gradwire, so any number of threads may wait.
+class AsyncWork : public Work {
+ public:
+  // `result` is what the call hands back; `keep` every other buffer it reads or writes.
+  AsyncWork(std::vector<at::Tensor> result, std::vector<at::Tensor> keep)
+      : result_(std::move(result)),
+        keep_(std::move(keep)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+  bool isSuccess() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_ && !error_;
+  }
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+  std::vector<at::Tensor> result() override { return result_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  // kNoTimeout (0) waits until done (gradwire's own deadline bounds that); a timeout that
+  // passes first raises and leaves the work pending, as the Python group's work does.
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto finished = [this] { return done_; };
+    if (timeout.count() <= 0) {
+      cv_.wait(lock, finished);
+    } else if (!cv_.wait_for(lock, timeout, finished)) {
+      TORCH_CHECK(false, "gradwire: Timed out after ", timeout.count(), " ms in Work.wait (the operation is still pending)");
+    }
+    if (error_) {
+      std::rethrow_exception(error_);
+    }
+    return true;
+  }
+
+  // Called once, by the completion thread.
+  void finish(std::exception_ptr error) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+      error_ = error;
+    }
+    cv_.notify_all();
+    keep_.clear();
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(result_));
+    }
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+  std::vector<at::Tensor> result_;
+  std::vector<at::Tensor> keep_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// One thread per group that waits for the group's async calls in the order they started
+// (gradwire runs them in that order) and completes their work. Its state is shared with the
+// thread, so a group dropped without shutdown (process exit) leaves the thread nothing freed.
+class Completer {
+ public:
+  explicit Completer(decltype(&gradwire_wait) wait) : state_(std::make_shared<State>()) {
+    state_->wait = wait;
+    thread_ = std::thread(run, state_);
+  }
+
+  ~Completer() {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->stop = true;
+    }
+    state_->cv.notify_all();
+    if (thread_.joinable()) {
+      thread_.detach();  // stop() joined it already unless the group is dropped at exit
+    }
+  }
+
+  void push(gradwire_work_t* handle, c10::intrusive_ptr<AsyncWork> work) {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->queue.emplace_back(handle, std::move(work));
+    }
+    state_->cv.notify_all();
+  }
+
+  // Waits for every started call to complete, then ends the thread (before the
+  // communicator is finalized). The caller must not hold the GIL: a failure takes it.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->stop = true;
+    }
+    state_->cv.notify_all();
+    if (thread_.joinable()) {
+      thread_.join();
+    }
+  }
+
+ private:
+  struct State {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<std::pair<gradwire_work_t*, c10::intrusive_ptr<AsyncWork>>> queue;
+    bool stop = false;
+    decltype(&gradwire_wait) wait = nullptr;
+  };
+
+  static void run(std::shared_ptr<State> state) {
+    for (;;) {
+      std::pair<gradwire_work_t*, c10::intrusive_ptr<AsyncWork>> next;
+      {
+        std::unique_lock<std::mutex> lock(state->mutex);
+        state->cv.wait(lock, [&] { return state->stop || !state->queue.empty(); });
+        if (state->queue.empty()) {
+          return;  // stopped, nothing left
+        }
+        next = std::move(state->queue.front());
+        state->queue.pop_front();
+      }
+      // Bounded by the operation's own deadline; frees the handle.
+      int code = state->wait(next.first, -1);
+      next.second->finish(code == 0 ? nullptr : failure_of(code));
+    }
+  }
+
+  std::shared_ptr<State> state_;
+  std::thread thread_;
 };
 
 // A blocking call's work: finished when made (torch waits on it at once).
@@ -131,11 +308,24 @@ class FastGroup : public c10d::PyProcessGroup {
     calls_.broadcast = reinterpret_cast<decltype(calls_.broadcast)>(at("gradwire_broadcast"));
     calls_.allgather = reinterpret_cast<decltype(calls_.allgather)>(at("gradwire_allgather"));
     calls_.reduce_scatter = reinterpret_cast<decltype(calls_.reduce_scatter)>(at("gradwire_reduce_scatter"));
+    calls_.iallreduce = reinterpret_cast<decltype(calls_.iallreduce)>(at("gradwire_iallreduce"));
+    calls_.ibroadcast = reinterpret_cast<decltype(calls_.ibroadcast)>(at("gradwire_ibroadcast"));
+    calls_.iallgather = reinterpret_cast<decltype(calls_.iallgather)>(at("gradwire_iallgather"));
+    calls_.ireduce_scatter = reinterpret_cast<decltype(calls_.ireduce_scatter)>(at("gradwire_ireduce_scatter"));
+    calls_.wait = reinterpret_cast<decltype(calls_.wait)>(at("gradwire_wait"));
+    completer_ = std::make_unique<Completer>(calls_.wait);
     comm_.store(reinterpret_cast<gradwire_comm_t*>(comm));
   }
 
-  // Before the communicator is finalized: every later call takes the Python path.
-  void detach() { comm_.store(nullptr); }
+  // Before the communicator is finalized: every later call takes the Python path, and the
+  // async calls started here complete first. Called without the GIL.
+  void detach() {
+    std::lock_guard<std::mutex> lock(start_mutex_);
+    comm_.store(nullptr);
+    if (completer_) {
+      completer_->stop();
+    }
+  }
 
   // Sends or receives are queued and not started: collectives take the Python path, which
   // starts them first (the engine runs them in program order).
@@ -150,6 +340,9 @@ class FastGroup : public c10d::PyProcessGroup {
     auto op = op_of(opts.reduceOp);
     if (comm != nullptr && op && tensors.size() == 1 && plain(tensors[0]) && !opts.sparseIndices) {
       auto& t = tensors[0];
+      if (opts.asyncOp) {
+        return start([&](gradwire_work_t** w) { return calls_.iallreduce(comm, t.data_ptr(), t.data_ptr(), t.numel(), *dtype_of(t), *op, w); }, tensors, {});
+      }
       return done(calls_.allreduce(comm, t.data_ptr(), t.data_ptr(), t.numel(), *dtype_of(t), *op), tensors);
     }
     return python("_py_allreduce", tensors, opts);
@@ -161,7 +354,11 @@ class FastGroup : public c10d::PyProcessGroup {
     if (comm != nullptr && tensors.size() == 1 && plain(tensors[0]) && opts.rootTensor == 0 && opts.rootRank >= 0 &&
         opts.rootRank < getSize()) {
       auto& t = tensors[0];
-      return done(calls_.broadcast(comm, t.data_ptr(), t.numel(), *dtype_of(t), static_cast<int>(opts.rootRank)), tensors);
+      auto root = static_cast<int>(opts.rootRank);
+      if (opts.asyncOp) {
+        return start([&](gradwire_work_t** w) { return calls_.ibroadcast(comm, t.data_ptr(), t.numel(), *dtype_of(t), root, w); }, tensors, {});
+      }
+      return done(calls_.broadcast(comm, t.data_ptr(), t.numel(), *dtype_of(t), root), tensors);
     }
     return python("_py_broadcast", tensors, opts);
   }
@@ -171,6 +368,9 @@ class FastGroup : public c10d::PyProcessGroup {
     auto comm = fast(opts.asyncOp);
     if (comm != nullptr && plain(output) && plain(input) && output.scalar_type() == input.scalar_type() &&
         output.numel() == input.numel() * getSize() && !stray_overlap(output, input, getRank())) {
+      if (opts.asyncOp) {
+        return start([&](gradwire_work_t** w) { return calls_.iallgather(comm, input.data_ptr(), output.data_ptr(), input.numel(), *dtype_of(input), w); }, {output}, {input});
+      }
       return done(calls_.allgather(comm, input.data_ptr(), output.data_ptr(), input.numel(), *dtype_of(input)), {output});
     }
     return python("_py_all_gather_single", output, input, opts);
@@ -183,6 +383,9 @@ class FastGroup : public c10d::PyProcessGroup {
     auto op = op_of(opts.reduceOp);
     if (comm != nullptr && op && plain(output) && plain(input) && output.scalar_type() == input.scalar_type() &&
         input.numel() == output.numel() * getSize() && !stray_overlap(input, output, getRank())) {
+      if (opts.asyncOp) {
+        return start([&](gradwire_work_t** w) { return calls_.ireduce_scatter(comm, input.data_ptr(), output.data_ptr(), output.numel(), *dtype_of(output), *op, w); }, {output}, {input});
+      }
       return done(calls_.reduce_scatter(comm, input.data_ptr(), output.data_ptr(), output.numel(), *dtype_of(output), *op), {output});
     }
     return python("_py_reduce_scatter_single", output, input, opts);
@@ -193,12 +396,38 @@ class FastGroup : public c10d::PyProcessGroup {
   int getSize() const override { return ProcessGroup::getSize(); }
 
  private:
-  // The communicator, if this call may take the fast path (blocking, nothing queued).
-  gradwire_comm_t* fast(bool async_op) const {
-    if (async_op || p2p_pending_.load(std::memory_order_relaxed)) {
+  // The communicator, if this call may take the fast path (no send or receive queued
+  // before it). Async calls from Python never come here (the entry points send them to the
+  // Python methods), so an async one is torch's C++ calling.
+  gradwire_comm_t* fast(bool /*async_op*/) const {
+    if (p2p_pending_.load(std::memory_order_relaxed)) {
       return nullptr;
     }
     return comm_.load(std::memory_order_acquire);
+  }
+
+  // Starts a non-blocking call (`call` fills in its handle) whose work holds `result` and
+  // `keep` (every buffer of the call) until the completion thread completes it. The start
+  // is serialized with detach(), so no call starts on a finalized communicator.
+  template <typename Call>
+  c10::intrusive_ptr<Work> start(Call call, std::vector<at::Tensor> result, std::vector<at::Tensor> keep) {
+    gradwire_work_t* handle = nullptr;
+    c10::intrusive_ptr<AsyncWork> work;
+    int code = 0;
+    {
+      std::lock_guard<std::mutex> lock(start_mutex_);
+      TORCH_CHECK(comm_.load(std::memory_order_acquire) != nullptr, "gradwire: the group is shut down");
+      code = call(&handle);
+      if (code == 0) {
+        work = c10::make_intrusive<AsyncWork>(std::move(result), std::move(keep));
+        completer_->push(handle, work);
+      }
+    }
+    if (code != 0) {
+      done(code, {});  // raises
+    }
+    fast_calls_.fetch_add(1, std::memory_order_relaxed);
+    return work;
   }
 
   // The finished work of a fast call that returned `code`; a failure is raised as the Python
@@ -231,6 +460,8 @@ class FastGroup : public c10d::PyProcessGroup {
   std::atomic<bool> p2p_pending_{false};
   std::atomic<uint64_t> fast_calls_{0};
   Calls calls_;
+  std::mutex start_mutex_;
+  std::unique_ptr<Completer> completer_;
 };
 
 // Fails `future` (a torch.futures.Future) with the Python exception `error`, kept as itself:
@@ -255,7 +486,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FastGroup, c10d::ProcessGroup, c10::intrusive_ptr<FastGroup>>(m, "FastGroup")
       .def(py::init<int, int>(), py::arg("rank"), py::arg("size"))
       .def("_attach", &FastGroup::attach, py::arg("comm"), py::arg("calls"))
-      .def("_detach", &FastGroup::detach)
+      .def("_detach", &FastGroup::detach, py::call_guard<py::gil_scoped_release>())
       .def("_set_p2p_pending", &FastGroup::set_p2p_pending, py::arg("pending"))
       .def("_fast_calls", &FastGroup::fast_calls)
       .def_static("_fail_future", &fail_future, py::arg("future"), py::arg("error"));

@@ -18,10 +18,12 @@ broadcast, all_gather_into_tensor and reduce_scatter_tensor made so on contiguou
 tensors go from torch's C++ entry point straight to gradwire's C call, without the GIL
 (_torch_group.cpp, built against the torch in use at the first group: see _torch_native);
 every other call, and every call where that cannot be built, runs the Python methods here.
-`async_op=True` calls (and DDP's buckets) are gradwire's non-blocking calls. Work that someone waits on is
-completed by that caller; work whose future is asked for (DDP's buckets) is completed by one
-completion thread per process, in order (no thread per operation), so the buckets reduce
-while backward goes on. A failed call fails its future with gradwire's error itself (not
+`async_op=True` calls are gradwire's non-blocking calls. The ones torch's C++ makes itself
+on such tensors (DDP's buckets and broadcasts) start in C++ too, and a C++ thread per group
+completes them in order, without the GIL, so the buckets reduce while backward goes on.
+Of the async calls made from Python, work that someone waits on is completed by that
+caller, and work whose future is asked for by one completion thread per process, in order
+(no thread per operation). A failed call fails its future with gradwire's error itself (not
 as a value, which torch's C++ would read as the result): DDP raises it from backward.
 Broadcast, all_gather_into_tensor, reduce_scatter_tensor (what FSDP-style sharding
 overlaps) and all-to-all are non-blocking too; the list forms, gather, scatter and reduce
@@ -1007,7 +1009,17 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
 
 # The C calls the C++ group makes itself (it has the addresses of the library loaded here).
-_NATIVE_CALLS = ("gradwire_allreduce", "gradwire_broadcast", "gradwire_allgather", "gradwire_reduce_scatter")
+_NATIVE_CALLS = (
+    "gradwire_allreduce",
+    "gradwire_broadcast",
+    "gradwire_allgather",
+    "gradwire_reduce_scatter",
+    "gradwire_iallreduce",
+    "gradwire_ibroadcast",
+    "gradwire_iallgather",
+    "gradwire_ireduce_scatter",
+    "gradwire_wait",
+)
 
 # The calls the C++ group overrides, by torch's name for them, and the Python method that
 # makes each otherwise (torch before 2.12 names the tensor forms _allgather_base and

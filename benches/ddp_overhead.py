@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""ddp_overhead.py -- what DDP on the gradwire backend adds to a training step, against gloo
+and against the bare allreduce of the same bytes, in one run (one process per rank).
+
+Each round runs, one after another on the same machine and in the same processes:
+
+    local       the model's step with no communication (forward, backward, SGD step)
+    ddp_nocomm  the same step under DDP whose communication hook does nothing: DDP's own
+                cost (bucket copies, hooks), the same on every backend
+    ddp_gloo    the same step under DDP on a gloo group
+    ddp_gradwire the same step under DDP on the gradwire default group
+    ar_gradwire one allreduce of all gradient bytes through gradwire's C call (Comm, no torch)
+    ar_gloo     the same allreduce on the gloo group
+
+Every figure is the slowest rank's mean over --steps steps; rounds alternate the variants,
+so the machine's drift hits all alike. DDP's overhead is ddp - local; the goal (issue 53)
+compares it with ar_gradwire. Before the figures count, the DDP replicas on gloo and on
+gradwire must hold identical parameters. Writes one CSV line per round and variant
+(benches/ddp_overhead_report.py makes the report from it):
+
+    GRADWIRE_LIB=target/release/libgradwire.so PYTHONPATH=python OMP_NUM_THREADS=1 \\
+    target/release/gradwire launch -n 2 -- python3 benches/ddp_overhead.py --csv ddp.csv
+"""
+import argparse
+import copy
+import csv
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradwire.torch  # noqa: F401 (registers the backend)
+
+VARIANTS = ("local", "ddp_nocomm", "ddp_gloo", "ddp_gradwire", "ar_gradwire", "ar_gloo")
+
+
+def mlp(width, depth):
+    """An MLP of `depth` hidden layers `width` wide on 1024 inputs and outputs."""
+    layers, inputs = [], 1024
+    for _ in range(depth):
+        layers += [torch.nn.Linear(inputs, width), torch.nn.ReLU()]
+        inputs = width
+    layers.append(torch.nn.Linear(inputs, 1024))
+    return torch.nn.Sequential(*layers)
+
+
+def no_communication(state, bucket):
+    """A DDP communication hook that leaves each bucket as it is."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--depth", type=int, default=3, help="hidden layers (3 x 2048: 12.6 M parameters)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10, help="steps per variant and round")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--csv", help="write the figures here (rank 0)")
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gradwire")
+    gloo = dist.new_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    model = mlp(args.width, args.depth)
+    params = sum(p.numel() for p in model.parameters())
+    on = {
+        "local": model,
+        "ddp_nocomm": DDP(copy.deepcopy(model), process_group=dist.group.WORLD),
+        "ddp_gloo": DDP(copy.deepcopy(model), process_group=gloo),
+        "ddp_gradwire": DDP(copy.deepcopy(model), process_group=dist.group.WORLD),
+    }
+    on["ddp_nocomm"].register_comm_hook(None, no_communication)
+    optimizers = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in on.items()}
+    data = torch.randn(args.batch, 1024, generator=torch.Generator().manual_seed(args.seed + rank))
+    target = torch.randn(args.batch, 1024, generator=torch.Generator().manual_seed(args.seed + 1000 + rank))
+    grads = torch.randn(params)
+    comm = dist.group.WORLD.comm
+
+    def step(kind):
+        if kind == "ar_gradwire":
+            comm.allreduce(grads)
+        elif kind == "ar_gloo":
+            dist.all_reduce(grads, group=gloo)
+        else:
+            optimizers[kind].zero_grad()
+            torch.nn.functional.mse_loss(on[kind](data), target).backward()
+            optimizers[kind].step()
+
+    rows = []
+    for r in range(args.rounds):
+        for kind in VARIANTS:
+            step(kind)  # warm: DDP's first step builds its buckets
+            dist.barrier(group=gloo)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(kind)
+            mean = torch.tensor([(time.perf_counter() - t0) / args.steps * 1e3], dtype=torch.float64)
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=gloo)
+            rows.append((r, kind, mean.item()))
+    # The DDP replicas must agree with each other: a fast wrong step is no result.
+    a, b = (torch.cat([p.detach().reshape(-1) for p in on[k].parameters()]) for k in ("ddp_gloo", "ddp_gradwire"))
+    if not torch.equal(a, b):
+        raise SystemExit(f"rank {rank}: DDP on gradwire and on gloo left different parameters (max diff {(a - b).abs().max().item():.3g})")
+    if rank == 0:
+        native = getattr(type(dist.group.WORLD), "_native", False)
+        meta = dict(world=world, params=params, batch=args.batch, steps=args.steps, torch=torch.__version__, native=int(native), cores=os.cpu_count())
+        if args.csv:
+            with open(args.csv, "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["round", "variant", "ms", *meta])
+                for row in rows:
+                    w.writerow([*row, *meta.values()])
+        med = {k: sorted(ms for _, v, ms in rows if v == k)[len(rows) // len(VARIANTS) // 2] for k in VARIANTS}
+        print(f"# ddp_overhead: W={world}, {params / 1e6:.1f} M parameters, batch {args.batch}, {args.rounds} rounds x {args.steps} steps, C++ path {bool(native)}, torch {torch.__version__}")
+        for k in VARIANTS:
+            print(f"{k:>14} {med[k]:8.2f} ms")
+        for k in ("ddp_gradwire", "ddp_gloo", "ddp_nocomm"):
+            over = med[k] - med["local"]
+            print(f"{k} overhead {over:.2f} ms = {over / med['ar_gradwire']:.2f}x ar_gradwire ({med[k] / med['local']:.2f}x local)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
