@@ -628,6 +628,54 @@ fn torchrun_restart_forms_the_group_from_its_own_attempt() {
     }
 }
 
+/// torchrun across 2 nodes (network namespaces, each its own torchrun with a c10d
+/// rendezvous on node 0), with no gradwire variable in the job's environment: the group
+/// forms, gradwire sees torchrun's nodes, DDP matches DDP on gloo, DASO's replicas agree and
+/// a second init_process_group works (python/tests/launcher_job.py). Then the same job with
+/// `--max-restarts 1` and a rank SIGKILLed mid-training: the survivors name a lost rank,
+/// torchrun starts a new attempt (one agent counts it a restart, the other a membership
+/// change) whose groups form from the store torchrun kept and train to the end, and the
+/// job leaves nothing in /dev/shm (it runs with a /dev/shm of its own: a private mount
+/// namespace).
+#[test]
+fn torchrun_across_nodes_trains_and_restarts_after_a_killed_rank() {
+    if !python_has("torch") || !can_netns("torchrun_across_nodes_trains_and_restarts_after_a_killed_rank") {
+        eprintln!("SKIP torchrun_across_nodes_trains_and_restarts_after_a_killed_rank: needs torch and namespaces");
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let node = format!("{root}/python/tests/torchrun_node.sh");
+    let job = format!("{root}/python/tests/launcher_job.py");
+    // torch 2.15's gloo cannot form a group in a restarted attempt across nodes (its ranks
+    // read the dead attempt's addresses from the store torchrun keeps): the restarted job
+    // runs on gradwire alone.
+    for (restarts, extra) in [("0", ""), ("1", " --die-at 10 --no-gloo")] {
+        // A private mount namespace with its own /dev/shm, listed after the job.
+        let script = format!(
+            "mount -t tmpfs gradwire-test /dev/shm && {} launch -n 2 --netns --bind none --timeout 600 -- sh {node} {job}{extra}; rc=$?; echo \"left in /dev/shm: [$(ls -A /dev/shm)]\"; exit $rc",
+            bin()
+        );
+        let mut cmd = Command::new("unshare");
+        cmd.args(["--mount", "--propagation", "private", "sh", "-c", &script])
+            .env("PYTHONPATH", format!("{root}/python"))
+            .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+            .env("MAX_RESTARTS", restarts);
+        let out = run_with_limit(cmd, Duration::from_secs(700));
+        let t = text(&out);
+        println!("{t}");
+        assert!(out.status.success(), "the torchrun job (max restarts {restarts}) failed:\n{t}");
+        // In the restarted job no rank can finish the first attempt (rank 1 dies in it).
+        for r in 0..4 {
+            assert!(t.contains(&format!("launcher job: ok (rank {r}, 4 ranks, 2 per node")), "rank {r} did not finish:\n{t}");
+        }
+        if !extra.is_empty() {
+            assert!(t.contains("exitcode: -9"), "torchrun did not see the SIGKILLed rank:\n{t}");
+            assert!(t.contains("PeerLostError: rank") && t.contains(": lost rank "), "no survivor named a lost rank:\n{t}");
+        }
+        assert!(t.contains("left in /dev/shm: []"), "the job left files in /dev/shm:\n{t}");
+    }
+}
+
 /// A frozen parameter the local optimizer holds stays bit for bit rank 0's value through
 /// DASO's and BSP's training (DASO's merges moved it by 1e-8), while the others train.
 #[test]

@@ -66,22 +66,57 @@ from . import _OPS, Comm, InProgressError, Work, _background, _tensor, _torch_na
 
 __all__ = ["ProcessGroupGradwire", "register", "completed_future_of"]
 
-def _meeting_keys(store, size):
-    """(the key of this meeting's unique id, the key set once every member has arrived).
+def _meet(store, rank, size, timeout):
+    """The unique id of the gradwire communicator this group's members form, handed from
+    its rank 0 to the others through torch's store, for at most `timeout`.
 
-    The members of a group meet in torch's store, which may outlive them: torchrun's agent
-    keeps one store across a job's restarts, and a store is used again after
-    destroy_process_group. So the keys are per torchrun attempt (TORCHELASTIC_RESTART_COUNT),
-    and within it per meeting, counted by arrivals: a restarted rank never reads an id of
-    an attempt whose store is gone."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
-    if not attempt.isdigit():
-        raise ValueError(f"TORCHELASTIC_RESTART_COUNT={attempt!r}: expected torchrun's attempt number")
-    arrived = store.add(f"gradwire/{attempt}/arrived", 1)
-    meeting = f"gradwire/{attempt}/{(arrived - 1) // size}"
-    if arrived % size == 0:
-        store.set(f"{meeting}/all_arrived", b"1")
-    return f"{meeting}/unique_id", f"{meeting}/all_arrived"
+    The store may hold keys of an earlier meeting whose ranks are gone: torchrun's agents
+    keep one store across a job's restarts (with a c10d rendezvous, one per job), and a
+    store is used again after destroy_process_group. Nothing in the environment tells
+    attempts apart across nodes (an agent that restarts because another node failed keeps
+    its TORCHELASTIC_RESTART_COUNT), so each meeting proves itself fresh: rank 0 posts a
+    new nonce, every member answers with that nonce and one of its own, and rank 0 posts the
+    id beside every answer it took; a member takes the id only beside its own fresh nonce,
+    and answers again whenever rank 0's nonce changes. A key left by a dead rank is never
+    read as this meeting's."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    mine = os.urandom(16).hex()
+    if rank == 0:
+        store.set("gradwire/meet/leader", mine)
+        want = {r: None for r in range(1, size)}
+        while any(v is None for v in want.values()):
+            for r in [r for r, v in want.items() if v is None]:
+                answer = _store_get(store, f"gradwire/meet/answer/{r}")
+                if answer is not None and answer.startswith(mine + ":"):
+                    want[r] = answer.split(":", 1)[1]
+            if any(v is None for v in want.values()):
+                _pause_until(deadline, lambda: f"rank(s) {[r for r, v in want.items() if v is None]} of {size} did not join the group")
+        uid = unique_id()
+        store.set("gradwire/meet/id", (mine + ":" + ",".join(want[r] for r in range(1, size)) + ":").encode() + uid)
+        return uid
+    answered = None
+    while True:
+        leader = _store_get(store, "gradwire/meet/leader")
+        if leader is not None and leader != answered:
+            store.set(f"gradwire/meet/answer/{rank}", f"{leader}:{mine}")
+            answered = leader
+        posted = store.get("gradwire/meet/id") if store.check(["gradwire/meet/id"]) else None
+        if posted is not None and answered is not None:
+            leader_nonce, nonces, uid = posted.split(b":", 2)
+            if leader_nonce.decode() == answered and nonces.decode().split(",")[rank - 1] == mine:
+                return uid
+        _pause_until(deadline, lambda: "rank 0 of the group did not hand out its id")
+
+
+def _store_get(store, key):
+    """The value of `key` as text, or None where it is not set (without waiting)."""
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def _pause_until(deadline, why):
+    if time.monotonic() > deadline:
+        raise RuntimeError(f"gradwire: forming a group timed out: {why()}")
+    time.sleep(0.01)
 
 
 # torch's reduce ops by their hash (their kind; equality then tells a PREMUL_SUM with the
@@ -555,17 +590,10 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         super().__init__(rank, size)
         # Every rank is here (past the C++ part's first build, which may take a minute on
         # one node and none on another) before any joins the communicator, whose connect
-        # deadline is gradwire's; this wait is torch's store's, for the group's timeout.
-        id_key, everyone = _meeting_keys(store, size)
-        if rank == 0:
-            store.set(id_key, unique_id())
-        if timeout is None:
-            store.wait([everyone, id_key])
-        else:
-            # At least a minute: on a loaded machine ranks start seconds apart, and a short
-            # group timeout is meant for the operations (gradwire's deadline below).
-            store.wait([everyone, id_key], max(timeout, timedelta(minutes=1)))
-        uid = store.get(id_key)
+        # deadline is gradwire's; this wait is the group's timeout, at least a minute: on a
+        # loaded machine ranks start seconds apart, and a short group timeout is meant for
+        # the operations (gradwire's deadline below).
+        uid = _meet(store, rank, size, max(timeout or timedelta(minutes=30), timedelta(minutes=1)))
         self._store, self._monitored_calls = store, 0
         self._comm = Comm.from_unique_id(bytes(uid), size, rank, timeout_ms=_deadline_ms(timeout))
         if self._native:
