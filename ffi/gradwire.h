@@ -262,7 +262,7 @@ int gradwire_gpu_allgather(gradwire_gpu_comm_t *gpu, const void *sendbuf, void *
 int gradwire_gpu_alltoall(gradwire_gpu_comm_t *gpu, const void *sendbuf, const size_t *sendcounts, void *recvbuf,
                           const size_t *recvcounts, size_t count, gradwire_dtype_t dtype, void *stream);
 
-/* Training schemes (ALGORITHMS.md) on a communicator, driven by the framework step by
+/* Training schemes (docs/algorithms.md) on a communicator, driven by the framework step by
  * step over a flat float32 parameter vector of n values (every buffer below holds n):
  * scheme "ssgd", "daso", "bsp", "ddcgu", "cyclic", "downpour" or "eamsgd"; options
  * "key=value,..." (NULL or "": defaults), per scheme: bsp: interval, node_interval, topk;

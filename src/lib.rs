@@ -13,7 +13,7 @@
 //! | collectives | [`collective`], [`comm`] | the algorithms (every one-host collective in `collective/shm/`, rings, the hierarchical allreduce, all-to-all and point-to-point, `split`) and the `Communicator` API |
 //! | GPU | `gpu` (feature `cuda`) | Collectives on CUDA device memory on the caller's stream: NCCL inside a node (cudarc, loaded at run time), the hierarchical path through pinned memory across nodes |
 //! | remote memory | [`rma`] | parameter-server shards and the token ring on one-sided operations |
-//! | training | [`train`] | the `Strategy` interface and the seven schemes of ALGORITHMS.md, the built-in model and data |
+//! | training | [`train`] | the `Strategy` interface and the seven schemes of docs/algorithms.md, the built-in model and data |
 //! | C ABI | [`ffi`] + `ffi/gradwire.h` | the stable C interface other frameworks link (collectives, hierarchy, training schemes) |
 //! | check | [`check`] | the conformance suite `gradwire check` runs: every collective against an independent reference |
 //! | CLI | `src/bin` | `gradwire launch`, `bench`, `check`, `info`, `train`, `plot` |

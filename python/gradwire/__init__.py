@@ -541,7 +541,7 @@ class GpuComm(_CommPart):
 
 
 class Strategy:
-    """A training scheme of ALGORITHMS.md on a communicator, over a flat float32 parameter
+    """A training scheme of docs/algorithms.md on a communicator, over a flat float32 parameter
     vector (a contiguous NumPy array or CPU tensor of `len(init)` values). For ssgd, daso
     and bsp (`framework_update` True) a step is before_update(grads), your optimizer's
     step, after_update(params); for the parameter-server schemes it is step(params, grads).

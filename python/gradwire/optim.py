@@ -14,10 +14,12 @@ with the host's ranks): every parameter's `.data` and `.grad` become views into 
 step hands the scheme one flat vector without copying. The communicator is `comm` if
 given, else the default process group's when it is "gradwire", else one made from the
 launcher's environment (`gradwire launch`, torchrun). Parameters must be float32 tensors
-on the CPU or on one CUDA device per rank. The schemes themselves run in libgradwire
-(ALGORITHMS.md) on host memory: for a CUDA model the gradients and parameters cross to
-host mirrors and back once per step (node-local steps therefore run on gradwire's shared
-memory, not NCCL).
+on the CPU or on one CUDA device per rank. The schemes' schedules and bookkeeping run in
+libgradwire (docs/algorithms.md). For a CUDA model, DASO and dense BSP keep the data on the
+device by default (`device_resident`): libgradwire records each data step and the Python
+side runs it on NCCL, staging only what crosses nodes through pinned host memory. The
+parameter servers and top-k BSP run on host mirrors: the gradients and parameters cross to
+the host and back once per step.
 
 Buffers (BatchNorm's running statistics) are not parameters: given the model (`model=`,
 DASO's `set_model` or Heat's `DataParallelMultiGPU`, a ParameterServer made from a module),

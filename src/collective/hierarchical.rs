@@ -7,8 +7,8 @@
 //! broadcast inside the node — fewer, larger cross-node messages. `gradwire bench
 //! allreduce --hierarchical sharded|leader` measures both.
 //!
-//! Inside a node the groups use shared memory; between nodes tcp (verbs later). GPU
-//! buffers take the same path with NCCL as the node-local step (see `gpu`).
+//! Inside a node the groups use shared memory; between nodes, the links' transport (tcp or
+//! verbs). GPU buffers take the same path with NCCL as the node-local step (see `gpu`).
 
 use super::agree::agree_on;
 use super::algos::Ctx;

@@ -1,4 +1,4 @@
-//! The C ABI of the training layer: a scheme of ALGORITHMS.md (`Strategy`) on a
+//! The C ABI of the training layer: a scheme of docs/algorithms.md (`Strategy`) on a
 //! communicator, which a framework drives step by step. For ssgd, DASO and BSP the
 //! framework's own optimizer makes the local update between `before_update` (gradients)
 //! and `after_update` (parameters); the parameter-server schemes take whole steps.

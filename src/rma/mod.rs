@@ -1,5 +1,5 @@
 //! Remote-memory layer: parameter-server shards and the token ring of the dynamic-delay
-//! cyclic gradient update (ALGORITHMS.md §3), on the one-sided operations of every
+//! cyclic gradient update (docs/algorithms.md §3), on the one-sided operations of every
 //! transport (mapped memory on shm, the one-sided service on tcp; verbs later).
 //!
 //! Every rank exposes one window laid out as:

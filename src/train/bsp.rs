@@ -1,4 +1,4 @@
-//! `bsp`: aggregation-interval bulk-synchronous SGD (ALGORITHMS.md §2). Each rank takes K
+//! `bsp`: aggregation-interval bulk-synchronous SGD (docs/algorithms.md §2). Each rank takes K
 //! local steps of the framework's optimizer from the shared anchor x̃, then one allreduce
 //! averages the changes Δ_j = x̃ − x_j and every rank moves to x̃ − avg(Δ), the new anchor.
 //! Momentum (and any optimizer state) stays local, as the specification says.

@@ -1,4 +1,4 @@
-//! `daso`: Distributed Asynchronous and Selective Optimization (ALGORITHMS.md §1), batch for
+//! `daso`: Distributed Asynchronous and Selective Optimization (docs/algorithms.md §1), batch for
 //! batch the schedule and arithmetic of Heat's `heat.optim.DASO` (`dp_optimizer.py`), the
 //! reference its users switch from; `python/tests/heat_compare.py` runs Heat's own code
 //! beside this one and finds the parameters bit-identical.
@@ -95,7 +95,7 @@ fn reduce_on_wire(comm: &Communicator, buf: &mut [f32], wire: Wire, op: ReduceOp
     }
 }
 
-/// DASO's knobs, named as Heat's (ALGORITHMS.md §1), and gradwire's two named variants.
+/// DASO's knobs, named as Heat's (docs/algorithms.md §1), and gradwire's two named variants.
 #[derive(Clone, Debug)]
 pub struct DasoConfig {
     /// Synchronous epochs at the start (0: Heat's, the whole run stays synchronous).

@@ -1,4 +1,4 @@
-//! Training drivers: the seven schemes of ALGORITHMS.md behind one [`Strategy`] interface
+//! Training drivers: the seven schemes of docs/algorithms.md behind one [`Strategy`] interface
 //! that a framework drives step by step, a [`Model`] interface with a built-in multi-layer
 //! perceptron, and the data it trains on.
 //!
@@ -170,7 +170,7 @@ pub struct StrategyConfig {
     pub node_interval: usize,
     /// BSP: fraction of entries sent with top-k sparsification (with error feedback); 0 = dense.
     pub topk: f64,
-    /// DASO knobs (ALGORITHMS.md §1).
+    /// DASO knobs (docs/algorithms.md §1).
     pub daso: daso::DasoConfig,
     /// Downpour: pull every `fetch` steps, push every `push` steps.
     pub fetch: usize,

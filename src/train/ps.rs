@@ -1,9 +1,9 @@
 //! The parameter-server strategies, on the remote-memory layer ([`crate::rma`]): every rank
 //! is a worker and serves one shard of the parameters.
 //!
-//! - `ddcgu` (ALGORITHMS.md §3): workers never wait; whoever holds the token pushes all it
+//! - `ddcgu` (docs/algorithms.md §3): workers never wait; whoever holds the token pushes all it
 //!   accumulated since its last push (the dynamic delay), pulls θ and passes the token on.
-//!   Of the knobs ALGORITHMS.md lists, η_eff (sum, mean, staleness) and a holder with
+//!   Of the knobs docs/algorithms.md lists, η_eff (sum, mean, staleness) and a holder with
 //!   nothing accumulated (passes on) are implemented. Not implemented, deliberately: one
 //!   token per shard (a worker would then push shard by shard at different times, each
 //!   shard's θ mixing pushes of different rounds, and conservation would need a count per
