@@ -73,8 +73,20 @@ impl std::fmt::Debug for Communicator {
 impl Communicator {
     /// Joins the job described by the environment (see `bootstrap::env`), connecting to
     /// every peer within `GRADWIRE_TIMEOUT_MS`.
+    /// Under a launcher that names no rendezvous but runs a PMI server (Hydra's `mpiexec`:
+    /// `PMI_FD`), rank 0's unique id travels through the launcher's key-value exchange
+    /// (`bootstrap::pmi`) and no gradwire variable is needed.
     pub fn init() -> Result<Self> {
         crate::config::init_logging();
+        let lookup = |k: &str| std::env::var(k).ok();
+        if let Some(fd) = crate::bootstrap::pmi::wanted(&lookup)? {
+            let (rank, world) = crate::bootstrap::RankEnv::identity(&lookup)?;
+            if world > 1 {
+                let cfg = Config::from_env()?;
+                let id = crate::bootstrap::pmi::share_unique_id(fd, rank, Instant::now() + cfg.timeout)?;
+                return Self::from_unique_id_with_timeout(&id, world, rank, Some(cfg.timeout));
+            }
+        }
         Self::with_env(crate::bootstrap::RankEnv::from_env()?, Config::from_env()?)
     }
 

@@ -26,8 +26,11 @@ pub struct RankEnv {
     pub store_exists: bool,
 }
 
-/// One source of a value: the variable it came from and its text.
-type Found = Option<(&'static str, String)>;
+/// A value and the variable it came from.
+type Named = (&'static str, String);
+
+/// One source of a value, if any.
+type Found = Option<Named>;
 
 /// Looks a variable up through a getter (so tests can pass their own environment).
 fn get(lookup: &dyn Fn(&str) -> Option<String>, name: &'static str) -> Found {
@@ -70,8 +73,15 @@ impl RankEnv {
         Self::from_lookup(&|k| std::env::var(k).ok())
     }
 
-    /// Reads rank identity through `lookup` (a variable name to its value).
-    pub fn from_lookup(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+    /// Rank and world size alone, as the launcher's variables give them (checked as
+    /// [`RankEnv::from_lookup`] checks them).
+    pub fn identity(lookup: &dyn Fn(&str) -> Option<String>) -> Result<(usize, usize)> {
+        let (rank, world) = Self::rank_and_world(lookup)?;
+        Ok((number(&rank)?, number(&world)?))
+    }
+
+    /// The rank's and the world size's variable and text, checked.
+    fn rank_and_world(lookup: &dyn Fn(&str) -> Option<String>) -> Result<(Named, Named)> {
         let rank = agreeing(lookup, RANK_VARS)?
             .ok_or_else(|| config("no rank found: set RANK and WORLD_SIZE (torchrun), run under mpirun or srun, or start with `gradwire launch`"))?;
         let world = agreeing(lookup, WORLD_VARS)?.ok_or_else(|| config(format!("{} is set but no world size (WORLD_SIZE or equivalent)", rank.0)))?;
@@ -85,6 +95,13 @@ impl RankEnv {
         if r >= w {
             return Err(config(format!("{}={r} is not below {}={w}", rank.0, world.0)));
         }
+        Ok((rank, world))
+    }
+
+    /// Reads rank identity through `lookup` (a variable name to its value).
+    pub fn from_lookup(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+        let (rank, world) = Self::rank_and_world(lookup)?;
+        let (r, w) = (number(&rank)?, number(&world)?);
         let local_rank = agreeing(lookup, LOCAL_RANK_VARS)?.map(|f| number(&f)).transpose()?;
         let local_world = agreeing(lookup, LOCAL_WORLD_VARS)?.map(|f| number(&f)).transpose()?;
         if let (Some(lr), Some(lw)) = (local_rank, local_world) {
@@ -103,7 +120,9 @@ impl RankEnv {
             let port = port.map(|p| p.1.parse::<u16>().map_err(|_| config(format!("{}={:?} is not a TCP port (0-65535)", p.0, p.1)))).transpose()?.unwrap_or(0);
             (addr.map(|a| a.1).unwrap_or_else(|| "127.0.0.1".into()), port, secret.map(|s| s.1).unwrap_or_default())
         } else {
-            let addr = addr.ok_or_else(|| config("MASTER_ADDR is not set (the address of rank 0's rendezvous store)"))?;
+            let addr = addr.ok_or_else(|| {
+                config("MASTER_ADDR is not set (the address of rank 0's rendezvous store): export MASTER_ADDR, MASTER_PORT and GRADWIRE_JOB_SECRET, start the ranks with `gradwire launch`, torchrun or a launcher with a PMI server (PMI_FD: Hydra's mpiexec), or make the communicator from a unique id")
+            })?;
             let port = port.ok_or_else(|| config("MASTER_PORT is not set (the port of rank 0's rendezvous store)"))?;
             let p = port.1.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| config(format!("{}={:?} is not a TCP port (1-65535)", port.0, port.1)))?;
             let secret = secret.ok_or_else(|| {

@@ -4,6 +4,7 @@
 pub mod auth;
 pub mod env;
 pub mod interfaces;
+pub mod pmi;
 pub mod refusals;
 pub mod store;
 pub mod unique_id;

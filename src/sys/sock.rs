@@ -41,3 +41,26 @@ impl<S: AsRawFd> Write for NoSigpipe<'_, S> {
         Ok(())
     }
 }
+
+/// A descriptor of our own for the inherited socket `fd` (a launcher's PMI connection):
+/// closing ours leaves the original open for whoever else uses it (an MPI library).
+pub fn dup_inherited_socket(fd: i32) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: an all-zero stat is valid; fstat writes at most its size, and on a descriptor
+    // that is not open fails with EBADF without touching anything else.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a socket"));
+    }
+    // SAFETY: fcntl(F_DUPFD_CLOEXEC) on an open descriptor returns a new one or -1.
+    let own = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if own < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `own` is a fresh descriptor that nothing else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(own) })
+}

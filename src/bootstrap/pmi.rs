@@ -1,0 +1,155 @@
+//! The launcher's own key-value exchange (PMI-1's wire protocol over the socket a Hydra
+//! `mpiexec`, or another PMI server, hands each rank in `PMI_FD`): how ranks started by
+//! such a launcher, with no gradwire variable exported, find each other. Rank 0 makes a
+//! unique id and puts it; every rank passes the launcher's barrier; the others get it. The
+//! id carries a fresh job secret, so only processes of this job (those the launcher gave
+//! this socket) learn it.
+//!
+//! Used only where the environment names no rendezvous (no `MASTER_ADDR` or
+//! `GRADWIRE_JOB_SECRET`): explicit variables win. A process that has called `MPI_Init`
+//! shares its PMI connection with the MPI library; such an application makes its
+//! communicator from a unique id it broadcasts itself (`gradwire_get_unique_id` and
+//! `MPI_Bcast`), as NCCL applications do.
+
+use super::unique_id::{UniqueId, UNIQUE_ID_BYTES};
+use crate::error::{config, Error, Result};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::Instant;
+
+/// The key rank 0's id is put under.
+const KEY: &str = "gradwire-unique-id";
+
+/// A PMI-1 connection, if the environment asks for one: `PMI_FD` is set and neither a
+/// rendezvous address nor a job secret is.
+pub fn wanted(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<i32>> {
+    let set = |k: &str| lookup(k).is_some_and(|v| !v.trim().is_empty());
+    let Some(fd) = lookup("PMI_FD").filter(|v| !v.trim().is_empty()) else { return Ok(None) };
+    if ["GRADWIRE_MASTER_ADDR", "MASTER_ADDR", "GRADWIRE_JOB_SECRET"].iter().any(|k| set(k)) {
+        return Ok(None);
+    }
+    let fd = fd.trim().parse::<i32>().ok().filter(|&f| f >= 0).ok_or_else(|| config(format!("PMI_FD={fd:?} is not a file descriptor number")))?;
+    Ok(Some(fd))
+}
+
+/// Hands rank 0's unique id to every rank through the launcher's PMI server on `fd`,
+/// within `deadline`.
+pub fn share_unique_id(fd: i32, rank: usize, deadline: Instant) -> Result<UniqueId> {
+    let own = crate::sys::sock::dup_inherited_socket(fd).map_err(|e| config(format!("PMI_FD={fd}: {e} (the launcher's PMI connection)")))?;
+    let mut pmi = Pmi { fd: own, deadline, pending: Vec::new() };
+    let init = pmi.call("cmd=init pmi_version=1 pmi_subversion=1", "response_to_init")?;
+    if field(&init, "pmi_version") != Some("1") {
+        return Err(pmi.refused("init", &init));
+    }
+    let kvs = pmi.call("cmd=get_my_kvsname", "my_kvsname")?;
+    let kvs = field(&kvs, "kvsname").ok_or_else(|| pmi.refused("get_my_kvsname", &kvs))?.to_string();
+    let mine = if rank == 0 {
+        let id = UniqueId::create()?;
+        let hex: String = id.to_bytes()?.iter().map(|b| format!("{b:02x}")).collect();
+        let put = pmi.call(&format!("cmd=put kvsname={kvs} key={KEY} value={hex}"), "put_result")?;
+        if field(&put, "rc") != Some("0") {
+            return Err(pmi.refused("put", &put));
+        }
+        Some(id)
+    } else {
+        None
+    };
+    pmi.call("cmd=barrier_in", "barrier_out")?;
+    let id = match mine {
+        Some(id) => id,
+        None => {
+            let got = pmi.call(&format!("cmd=get kvsname={kvs} key={KEY}"), "get_result")?;
+            let hex = field(&got, "value").filter(|_| field(&got, "rc") == Some("0")).ok_or_else(|| pmi.refused("get", &got))?;
+            let bytes: Option<Vec<u8>> = (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
+            match bytes {
+                Some(b) if b.len() == UNIQUE_ID_BYTES => UniqueId::from_bytes(&b)?,
+                _ => return Err(Error::Protocol(format!("PMI: the value under {KEY} is not a gradwire unique id"))),
+            }
+        }
+    };
+    // The launcher's connection stays open for anyone else; ours closes here.
+    Ok(id)
+}
+
+/// The value of `name` in a PMI-1 reply (`cmd=... name=value ...`).
+fn field<'a>(reply: &'a str, name: &str) -> Option<&'a str> {
+    reply.split_whitespace().find_map(|kv| kv.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
+}
+
+struct Pmi {
+    fd: OwnedFd,
+    deadline: Instant,
+    /// Bytes read past the last reply's newline.
+    pending: Vec<u8>,
+}
+
+impl Pmi {
+    /// Sends one command and reads its reply, which must be `cmd=<want> ...`.
+    fn call(&mut self, command: &str, want: &str) -> Result<String> {
+        let what = command.split_whitespace().next().unwrap_or(command).trim_start_matches("cmd=").to_string();
+        let mut stream = std::fs::File::from(self.fd.try_clone().map_err(|e| Error::io("PMI: dup", e))?);
+        crate::sys::sock::NoSigpipe(&stream).write_all(format!("{command}\n").as_bytes()).map_err(|e| Error::io(format!("PMI {what}"), e))?;
+        let reply = loop {
+            if let Some(end) = self.pending.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.pending.drain(..=end).collect();
+                break String::from_utf8_lossy(&line).trim().to_string();
+            }
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            let mut fds = [libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+            if left.is_zero() || crate::sys::poll::poll(&mut fds, left.as_millis().min(i32::MAX as u128) as i32) == 0 {
+                return Err(Error::Protocol(format!("PMI: timed out waiting for the launcher to answer {what} (a rank of the job is missing or stuck)")));
+            }
+            let mut buf = [0u8; 4096];
+            match stream.read(&mut buf) {
+                Ok(0) => return Err(Error::Protocol(format!("PMI: the launcher closed the connection during {what}"))),
+                Ok(n) => self.pending.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io(format!("PMI {what}"), e)),
+            }
+        };
+        if field(&reply, "cmd") != Some(want) {
+            return Err(self.refused(&what, &reply));
+        }
+        Ok(reply)
+    }
+
+    fn refused(&self, what: &str, reply: &str) -> Error {
+        Error::Protocol(format!("PMI: the launcher answered {what} with {reply:?}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn wanted_in(pairs: &[(&str, &str)]) -> Result<Option<i32>> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        wanted(&move |k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn pmi_only_where_no_rendezvous_is_named() {
+        assert_eq!(wanted_in(&[("PMI_FD", "6"), ("PMI_RANK", "1")]).unwrap(), Some(6));
+        assert_eq!(wanted_in(&[("PMI_RANK", "1")]).unwrap(), None);
+        assert_eq!(wanted_in(&[("PMI_FD", "6"), ("MASTER_ADDR", "h")]).unwrap(), None);
+        assert_eq!(wanted_in(&[("PMI_FD", "6"), ("GRADWIRE_JOB_SECRET", "0123456789")]).unwrap(), None);
+        let err = wanted_in(&[("PMI_FD", "six")]).unwrap_err().to_string();
+        assert!(err.contains("PMI_FD=\"six\""), "{err}");
+    }
+
+    #[test]
+    fn reply_fields() {
+        let r = "cmd=get_result rc=0 msg=success value=abc=d";
+        assert_eq!(field(r, "cmd"), Some("get_result"));
+        assert_eq!(field(r, "value"), Some("abc=d"));
+        assert_eq!(field(r, "val"), None);
+    }
+
+    #[test]
+    fn a_descriptor_that_is_not_a_socket_is_refused() {
+        let file = std::fs::File::open("/proc/self/status").unwrap();
+        let err = share_unique_id(file.as_raw_fd(), 1, Instant::now()).unwrap_err().to_string();
+        assert!(err.contains("not a socket"), "{err}");
+    }
+}
