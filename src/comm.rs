@@ -80,11 +80,14 @@ impl Communicator {
         crate::config::init_logging();
         let lookup = |k: &str| std::env::var(k).ok();
         if let Some(fd) = crate::bootstrap::pmi::wanted(&lookup)? {
-            let (rank, world) = crate::bootstrap::RankEnv::identity(&lookup)?;
+            let (rank, world) = crate::bootstrap::pmi::identity(&lookup)?;
             if world > 1 {
+                // One deadline for the exchange and the joining after it.
                 let cfg = Config::from_env()?;
-                let id = crate::bootstrap::pmi::share_unique_id(fd, rank, Instant::now() + cfg.timeout)?;
-                return Self::from_unique_id_with_timeout(&id, world, rank, Some(cfg.timeout));
+                let deadline = Instant::now() + cfg.timeout;
+                let id = crate::bootstrap::pmi::share_unique_id(fd, rank, deadline)?;
+                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+                return Self::from_unique_id_with_timeout(&id, world, rank, Some(left));
             }
         }
         Self::with_env(crate::bootstrap::RankEnv::from_env()?, Config::from_env()?)

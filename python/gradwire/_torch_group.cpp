@@ -103,14 +103,9 @@ class AsyncWork : public Work {
         keep_(std::move(keep)),
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return done_;
-  }
-  bool isSuccess() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return done_ && !error_;
-  }
+  // Done once its future is: who saw it done may read the future's value at once.
+  bool isCompleted() override { return future_->completed(); }
+  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
   std::exception_ptr exception() const override {
     std::lock_guard<std::mutex> lock(mutex_);
     return error_;
@@ -128,8 +123,13 @@ class AsyncWork : public Work {
     } else if (!cv_.wait_for(lock, timeout, finished)) {
       TORCH_CHECK(false, "gradwire: Timed out after ", timeout.count(), " ms in Work.wait (the operation is still pending)");
     }
-    if (error_) {
-      std::rethrow_exception(error_);
+    auto error = error_;
+    lock.unlock();
+    // finish() marks the future a moment after done_ (the future's callbacks run on the
+    // completion thread, and may wait on this work: the future is marked before they run).
+    future_->wait();
+    if (error) {
+      std::rethrow_exception(error);
     }
     return true;
   }
@@ -225,7 +225,13 @@ class Completer {
       }
       // Bounded by the operation's own deadline; frees the handle.
       int code = state->wait(next.first, -1);
-      next.second->finish(code == 0 ? nullptr : failure_of(code));
+      try {
+        next.second->finish(code == 0 ? nullptr : failure_of(code));
+      } catch (const std::exception& e) {
+        // A future's callback that threw (torch runs them here): the later works must
+        // still complete; the callback's owner sees its own failure.
+        TORCH_WARN("gradwire: a callback of a completed work failed: ", e.what());
+      }
     }
   }
 
@@ -320,8 +326,12 @@ class FastGroup : public c10d::PyProcessGroup {
   // Before the communicator is finalized: every later call takes the Python path, and the
   // async calls started here complete first. Called without the GIL.
   void detach() {
-    std::lock_guard<std::mutex> lock(start_mutex_);
-    comm_.store(nullptr);
+    {
+      std::lock_guard<std::mutex> lock(start_mutex_);
+      comm_.store(nullptr);  // no call starts after this
+    }
+    // Not under the lock: a completing work's callback may try to start a call, and must
+    // fail rather than wait for this.
     if (completer_) {
       completer_->stop();
     }

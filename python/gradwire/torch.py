@@ -74,37 +74,42 @@ def _meet(store, rank, size, timeout):
     keep one store across a job's restarts (with a c10d rendezvous, one per job), and a
     store is used again after destroy_process_group. Nothing in the environment tells
     attempts apart across nodes (an agent that restarts because another node failed keeps
-    its TORCHELASTIC_RESTART_COUNT), so each meeting proves itself fresh: rank 0 posts a
-    new nonce, every member answers with that nonce and one of its own, and rank 0 posts the
-    id beside every answer it took; a member takes the id only beside its own fresh nonce,
-    and answers again whenever rank 0's nonce changes. A key left by a dead rank is never
-    read as this meeting's."""
+    its TORCHELASTIC_RESTART_COUNT), so each meeting proves itself fresh: rank 0 posts a new
+    nonce, and the meeting's keys live under it, where no earlier meeting wrote. Each member
+    answers there with a nonce of its own, and rank 0 posts the id there beside every
+    answer; a member takes the id only beside its own nonce, and answers again whenever
+    rank 0's nonce changes. A key left by a dead rank is never read as this meeting's."""
     deadline = time.monotonic() + timeout.total_seconds()
     mine = os.urandom(16).hex()
     if rank == 0:
         store.set("gradwire/meet/leader", mine)
-        want = {r: None for r in range(1, size)}
-        while any(v is None for v in want.values()):
-            for r in [r for r, v in want.items() if v is None]:
-                answer = _store_get(store, f"gradwire/meet/answer/{r}")
-                if answer is not None and answer.startswith(mine + ":"):
-                    want[r] = answer.split(":", 1)[1]
-            if any(v is None for v in want.values()):
-                _pause_until(deadline, lambda: f"rank(s) {[r for r, v in want.items() if v is None]} of {size} did not join the group")
+        keys = [f"gradwire/meet/{mine}/answer/{r}" for r in range(1, size)]
+        if keys:
+            try:
+                store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError:
+                missing = [r for r, k in zip(range(1, size), keys) if not store.check([k])]
+                if not missing:
+                    raise
+                raise RuntimeError(f"gradwire: forming a group timed out: rank(s) {missing} of {size} did not join the group") from None
+        answers = [store.get(k).decode() for k in keys]
         uid = unique_id()
-        store.set("gradwire/meet/id", (mine + ":" + ",".join(want[r] for r in range(1, size)) + ":").encode() + uid)
+        store.set(f"gradwire/meet/{mine}/id", ",".join(answers).encode() + b":" + uid)
         return uid
-    answered = None
+    answered = rejected = None
     while True:
         leader = _store_get(store, "gradwire/meet/leader")
         if leader is not None and leader != answered:
-            store.set(f"gradwire/meet/answer/{rank}", f"{leader}:{mine}")
+            store.set(f"gradwire/meet/{leader}/answer/{rank}", mine)
             answered = leader
-        posted = store.get("gradwire/meet/id") if store.check(["gradwire/meet/id"]) else None
-        if posted is not None and answered is not None:
-            leader_nonce, nonces, uid = posted.split(b":", 2)
-            if leader_nonce.decode() == answered and nonces.decode().split(",")[rank - 1] == mine:
-                return uid
+        if answered is not None and answered != rejected:
+            key = f"gradwire/meet/{answered}/id"
+            if store.check([key]):
+                nonces, uid = store.get(key).split(b":", 1)
+                nonces = nonces.decode().split(",")
+                if len(nonces) == size - 1 and nonces[rank - 1] == mine:
+                    return uid
+                rejected = answered  # another meeting's id (a leader of an earlier one)
         _pause_until(deadline, lambda: "rank 0 of the group did not hand out its id")
 
 

@@ -17,8 +17,11 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::Instant;
 
-/// The key rank 0's id is put under.
+/// The key rank 0's id is put under, followed by the number of communicators this process
+/// made through PMI before (every rank makes them in the same order).
 const KEY: &str = "gradwire-unique-id";
+
+static EXCHANGES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// A PMI-1 connection, if the environment asks for one: `PMI_FD` is set and neither a
 /// rendezvous address nor a job secret is.
@@ -32,11 +35,21 @@ pub fn wanted(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<i32>> {
     Ok(Some(fd))
 }
 
+/// Rank and world size as the PMI server gave them (`PMI_RANK`, `PMI_SIZE`): under Hydra
+/// inside a Slurm allocation the batch step's `SLURM_PROCID` is there too, and is not this
+/// rank's.
+pub fn identity(lookup: &dyn Fn(&str) -> Option<String>) -> Result<(usize, usize)> {
+    let only = |k: &str| if k == "PMI_RANK" || k == "PMI_SIZE" { lookup(k) } else { None };
+    super::RankEnv::identity(&only)
+}
+
 /// Hands rank 0's unique id to every rank through the launcher's PMI server on `fd`,
-/// within `deadline`.
+/// within `deadline`, and tells the server this process is done with PMI (Hydra kills a
+/// job one of whose ranks closes its connection without saying so).
 pub fn share_unique_id(fd: i32, rank: usize, deadline: Instant) -> Result<UniqueId> {
     let own = crate::sys::sock::dup_inherited_socket(fd).map_err(|e| config(format!("PMI_FD={fd}: {e} (the launcher's PMI connection)")))?;
     let mut pmi = Pmi { fd: own, deadline, pending: Vec::new() };
+    let key = format!("{KEY}-{}", EXCHANGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
     let init = pmi.call("cmd=init pmi_version=1 pmi_subversion=1", "response_to_init")?;
     if field(&init, "pmi_version") != Some("1") {
         return Err(pmi.refused("init", &init));
@@ -46,7 +59,7 @@ pub fn share_unique_id(fd: i32, rank: usize, deadline: Instant) -> Result<Unique
     let mine = if rank == 0 {
         let id = UniqueId::create()?;
         let hex: String = id.to_bytes()?.iter().map(|b| format!("{b:02x}")).collect();
-        let put = pmi.call(&format!("cmd=put kvsname={kvs} key={KEY} value={hex}"), "put_result")?;
+        let put = pmi.call(&format!("cmd=put kvsname={kvs} key={key} value={hex}"), "put_result")?;
         if field(&put, "rc") != Some("0") {
             return Err(pmi.refused("put", &put));
         }
@@ -58,15 +71,16 @@ pub fn share_unique_id(fd: i32, rank: usize, deadline: Instant) -> Result<Unique
     let id = match mine {
         Some(id) => id,
         None => {
-            let got = pmi.call(&format!("cmd=get kvsname={kvs} key={KEY}"), "get_result")?;
+            let got = pmi.call(&format!("cmd=get kvsname={kvs} key={key}"), "get_result")?;
             let hex = field(&got, "value").filter(|_| field(&got, "rc") == Some("0")).ok_or_else(|| pmi.refused("get", &got))?;
             let bytes: Option<Vec<u8>> = (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
             match bytes {
                 Some(b) if b.len() == UNIQUE_ID_BYTES => UniqueId::from_bytes(&b)?,
-                _ => return Err(Error::Protocol(format!("PMI: the value under {KEY} is not a gradwire unique id"))),
+                _ => return Err(Error::Protocol(format!("PMI: the value under {key} is not a gradwire unique id"))),
             }
         }
     };
+    pmi.call("cmd=finalize", "finalize_ack")?;
     // The launcher's connection stays open for anyone else; ours closes here.
     Ok(id)
 }
@@ -96,7 +110,15 @@ impl Pmi {
             }
             let left = self.deadline.saturating_duration_since(Instant::now());
             let mut fds = [libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
-            if left.is_zero() || crate::sys::poll::poll(&mut fds, left.as_millis().min(i32::MAX as u128) as i32) == 0 {
+            let ready = if left.is_zero() { 0 } else { crate::sys::poll::poll(&mut fds, left.as_millis().clamp(1, i32::MAX as u128) as i32) };
+            if ready < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue; // a signal: wait again, for what is left
+                }
+                return Err(Error::io(format!("PMI {what}: poll"), e));
+            }
+            if ready == 0 {
                 return Err(Error::Protocol(format!("PMI: timed out waiting for the launcher to answer {what} (a rank of the job is missing or stuck)")));
             }
             let mut buf = [0u8; 4096];
@@ -136,6 +158,12 @@ mod tests {
         assert_eq!(wanted_in(&[("PMI_FD", "6"), ("GRADWIRE_JOB_SECRET", "0123456789")]).unwrap(), None);
         let err = wanted_in(&[("PMI_FD", "six")]).unwrap_err().to_string();
         assert!(err.contains("PMI_FD=\"six\""), "{err}");
+    }
+
+    #[test]
+    fn the_pmi_server_s_rank_wins_over_an_enclosing_slurm_step() {
+        let m: HashMap<&str, &str> = [("PMI_RANK", "2"), ("PMI_SIZE", "4"), ("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")].into_iter().collect();
+        assert_eq!(identity(&|k| m.get(k).map(|v| v.to_string())).unwrap(), (2, 4));
     }
 
     #[test]
