@@ -346,7 +346,7 @@ class FastGroup : public c10d::PyProcessGroup {
 
   c10::intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& tensors,
                                      const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override {
-    auto comm = fast(opts.asyncOp);
+    auto comm = fast();
     auto op = op_of(opts.reduceOp);
     if (comm != nullptr && op && tensors.size() == 1 && plain(tensors[0]) && !opts.sparseIndices) {
       auto& t = tensors[0];
@@ -360,7 +360,7 @@ class FastGroup : public c10d::PyProcessGroup {
 
   c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
                                      const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override {
-    auto comm = fast(opts.asyncOp);
+    auto comm = fast();
     if (comm != nullptr && tensors.size() == 1 && plain(tensors[0]) && opts.rootTensor == 0 && opts.rootRank >= 0 &&
         opts.rootRank < getSize()) {
       auto& t = tensors[0];
@@ -375,7 +375,7 @@ class FastGroup : public c10d::PyProcessGroup {
 
   c10::intrusive_ptr<Work> GRADWIRE_ALLGATHER_SINGLE(at::Tensor& output, at::Tensor& input,
                                              const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override {
-    auto comm = fast(opts.asyncOp);
+    auto comm = fast();
     if (comm != nullptr && plain(output) && plain(input) && output.scalar_type() == input.scalar_type() &&
         output.numel() == input.numel() * getSize() && !stray_overlap(output, input, getRank())) {
       if (opts.asyncOp) {
@@ -389,7 +389,7 @@ class FastGroup : public c10d::PyProcessGroup {
   c10::intrusive_ptr<Work> GRADWIRE_REDUCE_SCATTER_SINGLE(
       at::Tensor& output, at::Tensor& input,
       const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override {
-    auto comm = fast(opts.asyncOp);
+    auto comm = fast();
     auto op = op_of(opts.reduceOp);
     if (comm != nullptr && op && plain(output) && plain(input) && output.scalar_type() == input.scalar_type() &&
         input.numel() == output.numel() * getSize() && !stray_overlap(input, output, getRank())) {
@@ -409,7 +409,7 @@ class FastGroup : public c10d::PyProcessGroup {
   // The communicator, if this call may take the fast path (no send or receive queued
   // before it). Async calls from Python never come here (the entry points send them to the
   // Python methods), so an async one is torch's C++ calling.
-  gradwire_comm_t* fast(bool /*async_op*/) const {
+  gradwire_comm_t* fast() const {
     if (p2p_pending_.load(std::memory_order_relaxed)) {
       return nullptr;
     }

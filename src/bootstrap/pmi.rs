@@ -14,7 +14,7 @@
 use super::unique_id::{UniqueId, UNIQUE_ID_BYTES};
 use crate::error::{config, Error, Result};
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::time::Instant;
 
 /// The key rank 0's id is put under, followed by the number of communicators this process
@@ -48,7 +48,7 @@ pub fn identity(lookup: &dyn Fn(&str) -> Option<String>) -> Result<(usize, usize
 /// job one of whose ranks closes its connection without saying so).
 pub fn share_unique_id(fd: i32, rank: usize, deadline: Instant) -> Result<UniqueId> {
     let own = crate::sys::sock::dup_inherited_socket(fd).map_err(|e| config(format!("PMI_FD={fd}: {e} (the launcher's PMI connection)")))?;
-    let mut pmi = Pmi { fd: own, deadline, pending: Vec::new() };
+    let mut pmi = Pmi { stream: std::fs::File::from(own), deadline, pending: Vec::new() };
     let key = format!("{KEY}-{}", EXCHANGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
     let init = pmi.call("cmd=init pmi_version=1 pmi_subversion=1", "response_to_init")?;
     if field(&init, "pmi_version") != Some("1") {
@@ -91,7 +91,8 @@ fn field<'a>(reply: &'a str, name: &str) -> Option<&'a str> {
 }
 
 struct Pmi {
-    fd: OwnedFd,
+    /// Our own descriptor of the launcher's connection.
+    stream: std::fs::File,
     deadline: Instant,
     /// Bytes read past the last reply's newline.
     pending: Vec<u8>,
@@ -101,15 +102,14 @@ impl Pmi {
     /// Sends one command and reads its reply, which must be `cmd=<want> ...`.
     fn call(&mut self, command: &str, want: &str) -> Result<String> {
         let what = command.split_whitespace().next().unwrap_or(command).trim_start_matches("cmd=").to_string();
-        let mut stream = std::fs::File::from(self.fd.try_clone().map_err(|e| Error::io("PMI: dup", e))?);
-        crate::sys::sock::NoSigpipe(&stream).write_all(format!("{command}\n").as_bytes()).map_err(|e| Error::io(format!("PMI {what}"), e))?;
+        crate::sys::sock::NoSigpipe(&self.stream).write_all(format!("{command}\n").as_bytes()).map_err(|e| Error::io(format!("PMI {what}"), e))?;
         let reply = loop {
             if let Some(end) = self.pending.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = self.pending.drain(..=end).collect();
                 break String::from_utf8_lossy(&line).trim().to_string();
             }
             let left = self.deadline.saturating_duration_since(Instant::now());
-            let mut fds = [libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+            let mut fds = [libc::pollfd { fd: self.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
             let ready = if left.is_zero() { 0 } else { crate::sys::poll::poll(&mut fds, left.as_millis().clamp(1, i32::MAX as u128) as i32) };
             if ready < 0 {
                 let e = std::io::Error::last_os_error();
@@ -122,7 +122,7 @@ impl Pmi {
                 return Err(Error::Protocol(format!("PMI: timed out waiting for the launcher to answer {what} (a rank of the job is missing or stuck)")));
             }
             let mut buf = [0u8; 4096];
-            match stream.read(&mut buf) {
+            match self.stream.read(&mut buf) {
                 Ok(0) => return Err(Error::Protocol(format!("PMI: the launcher closed the connection during {what}"))),
                 Ok(n) => self.pending.extend_from_slice(&buf[..n]),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
