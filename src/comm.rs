@@ -73,24 +73,22 @@ impl std::fmt::Debug for Communicator {
 impl Communicator {
     /// Joins the job described by the environment (see `bootstrap::env`), connecting to
     /// every peer within `GRADWIRE_TIMEOUT_MS`.
-    /// Under a launcher that names no rendezvous but runs a PMI server (Hydra's `mpiexec`:
-    /// `PMI_FD`), rank 0's unique id travels through the launcher's key-value exchange
-    /// (`bootstrap::pmi`) and no gradwire variable is needed.
+    /// Under a launcher that names no rendezvous, rank 0's unique id travels through the
+    /// launcher's own exchange (PMI-1, PMIx, or a job file in the shared home: see
+    /// `bootstrap::launcher`) and no gradwire variable is needed.
     pub fn init() -> Result<Self> {
         crate::config::init_logging();
         let lookup = |k: &str| std::env::var(k).ok();
-        if let Some(fd) = crate::bootstrap::pmi::wanted(&lookup)? {
-            let (rank, world) = crate::bootstrap::pmi::identity(&lookup)?;
-            if world > 1 {
-                // One deadline for the exchange and the joining after it.
-                let cfg = Config::from_env()?;
-                let deadline = Instant::now() + cfg.timeout;
-                let id = crate::bootstrap::pmi::share_unique_id(fd, rank, deadline)?;
-                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-                return Self::from_unique_id_with_timeout(&id, world, rank, Some(left));
-            }
+        let cfg = Config::from_env()?;
+        // One deadline for the exchange and the joining after it.
+        let deadline = Instant::now() + cfg.timeout;
+        if let Some(shared) = crate::bootstrap::launcher::share_unique_id(&lookup, deadline)? {
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let comm = Self::from_unique_id_with_timeout(&shared.id, shared.world, shared.rank, Some(left));
+            shared.done();
+            return comm;
         }
-        Self::with_env(crate::bootstrap::RankEnv::from_env()?, Config::from_env()?)
+        Self::with_env(crate::bootstrap::RankEnv::from_env()?, cfg)
     }
 
     /// Joins the group that `id` leads to as `rank` of `world` (the framework carried the id

@@ -55,6 +55,11 @@ pub const SETTINGS: &[Setting] = &[
         default: "libibverbs.so.1, then libibverbs.so",
         help: "The libibverbs that the verbs transport opens at run time (a path or a name on the loader path); without one, verbs are unavailable and gradwire says why.",
     },
+    Setting {
+        env: "GRADWIRE_PMIX_LIB",
+        default: "libpmix.so.2, then libpmix.so",
+        help: "The libpmix opened under a PMIx launcher (Open MPI's mpirun, srun --mpi=pmix) that names no rendezvous, to pass rank 0's address through the launcher (a path or a name on the loader path).",
+    },
     Setting { env: "GRADWIRE_IB_DEV", default: "(automatic)", help: "RDMA device to use (see `gradwire info` for the list and the automatic choice)." },
     Setting { env: "GRADWIRE_IB_PORT", default: "(first ACTIVE port)", help: "RDMA port number on that device." },
     Setting {

@@ -1,24 +1,28 @@
-//! Ranks started by a cluster's own launcher find each other with no gradwire variable.
-//! Hydra's `mpiexec` (MPICH's launcher, from `pip install mpich`) across network-namespace
-//! nodes: gradwire's communicator forms through Hydra's PMI server (`bootstrap::pmi`), for
-//! the C ABI's `gradwire bench` and for Python's `gradwire.Comm()`.
+//! Ranks started by a cluster's own launcher find each other with no gradwire variable
+//! (`bootstrap::launcher`), for the C ABI's `gradwire bench` and for Python's
+//! `gradwire.Comm()`: Hydra's `mpiexec` (MPICH's launcher, from `pip install mpich`: PMI-1)
+//! and Open MPI's `mpirun` (Debian's: PMIx) across network-namespace nodes; Slurm's `srun`
+//! on a one-node cluster the test starts (Debian's slurmctld and slurmd), with PMI
+//! (`--mpi=pmi2`) and without (`--mpi=none`: the job file in the shared home).
 
 mod common;
 use common::*;
 use std::process::Command;
 use std::time::Duration;
 
-fn has_mpiexec() -> bool {
-    Command::new("mpiexec").arg("--version").output().map(|o| o.status.success()).unwrap_or(false)
+fn runs(program: &str, version_flag: &str) -> bool {
+    Command::new(program).arg(version_flag).output().map(|o| o.status.success()).unwrap_or(false)
 }
 
-/// `gradwire launch --netns` only makes the nodes; tests/launchers/hydra_netns.sh drops
-/// everything it exports and runs `mpiexec` with 2 ranks on each node's address.
-fn under_hydra(nodes: usize, per_node: usize, program: &[&str]) -> String {
+/// `gradwire launch --netns` only makes the nodes; tests/launchers/mpi_netns.sh drops
+/// everything it exports and runs `launcher` (hydra or openmpi) with `per_node` ranks on
+/// each node's address.
+fn under_mpi(launcher: &str, nodes: usize, per_node: usize, program: &[&str]) -> String {
     let root = env!("CARGO_MANIFEST_DIR");
     let mut cmd = Command::new(bin());
     cmd.args(["launch", "-n", &nodes.to_string(), "--netns", "--bind", "none", "--timeout", "300", "--"])
-        .arg(format!("{root}/tests/launchers/hydra_netns.sh"))
+        .arg(format!("{root}/tests/launchers/mpi_netns.sh"))
+        .arg(launcher)
         .arg(per_node.to_string())
         .args(program)
         .env("PYTHONPATH", format!("{root}/python"))
@@ -26,7 +30,7 @@ fn under_hydra(nodes: usize, per_node: usize, program: &[&str]) -> String {
     let out = run_with_limit(cmd, Duration::from_secs(400));
     let t = text(&out);
     println!("{t}");
-    assert!(out.status.success(), "the job under mpiexec failed:\n{t}");
+    assert!(out.status.success(), "the job under {launcher} failed:\n{t}");
     t
 }
 
@@ -35,16 +39,81 @@ fn hydra_mpiexec_across_nodes_needs_no_gradwire_variable() {
     if !can_netns("hydra_mpiexec_across_nodes_needs_no_gradwire_variable") {
         return;
     }
-    if !has_mpiexec() {
+    if !runs("mpiexec", "--version") {
         eprintln!("SKIP hydra_mpiexec_across_nodes_needs_no_gradwire_variable: no mpiexec (pip install mpich)");
         return;
     }
     // The C ABI's communicator (gradwire_comm_init), checked against a reference.
-    let t = under_hydra(2, 2, &[bin(), "bench", "allreduce", "--check", "-b", "4K", "-e", "1M", "-n", "3"]);
+    let t = under_mpi("hydra", 2, 2, &[bin(), "bench", "allreduce", "--check", "-b", "4K", "-e", "1M", "-n", "3"]);
     assert!(t.contains("1048576"), "no 1 MiB row:\n{t}");
     // Python's Comm(): 4 ranks, gradwire's nodes the namespaces Hydra placed them in.
-    let t = under_hydra(2, 2, &["python3", &format!("{}/python/tests/launcher_comm.py", env!("CARGO_MANIFEST_DIR")), "--per-node", "2"]);
+    let t = under_mpi("hydra", 2, 2, &["python3", &format!("{}/python/tests/launcher_comm.py", env!("CARGO_MANIFEST_DIR")), "--per-node", "2"]);
     for r in 0..4 {
         assert!(t.contains(&format!("launcher comm: ok (rank {r} of 4)")), "rank {r} did not finish:\n{t}");
     }
+}
+
+#[test]
+fn openmpi_mpirun_across_nodes_needs_no_gradwire_variable() {
+    if !can_netns("openmpi_mpirun_across_nodes_needs_no_gradwire_variable") {
+        return;
+    }
+    if !runs("mpiexec.openmpi", "--version") {
+        eprintln!("SKIP openmpi_mpirun_across_nodes_needs_no_gradwire_variable: no Open MPI (Debian: openmpi-bin)");
+        return;
+    }
+    let t = under_mpi("openmpi", 2, 2, &[bin(), "bench", "allreduce", "--check", "-b", "4K", "-e", "1M", "-n", "3"]);
+    assert!(t.contains("1048576"), "no 1 MiB row:\n{t}");
+    let t = under_mpi("openmpi", 2, 2, &["python3", &format!("{}/python/tests/launcher_comm.py", env!("CARGO_MANIFEST_DIR")), "--per-node", "2"]);
+    for r in 0..4 {
+        assert!(t.contains(&format!("launcher comm: ok (rank {r} of 4)")), "rank {r} did not finish:\n{t}");
+    }
+}
+
+/// `srun -n 4` on a one-node Slurm cluster (tests/launchers/slurm_single_host.sh), with a
+/// PMI server (`--mpi=pmi2`, which speaks PMI-1 too) and with none (`--mpi=none`, the
+/// default of many clusters: rank 0's id goes through a 0600 job file in `$HOME`, here a
+/// fresh directory, which holds no job file afterwards).
+#[test]
+fn slurm_srun_needs_no_gradwire_variable() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP slurm_srun_needs_no_gradwire_variable: slurmd starts tasks as their user and needs root");
+        return;
+    }
+    if !runs("slurmd", "-V") || !runs("slurmctld", "-V") {
+        eprintln!("SKIP slurm_srun_needs_no_gradwire_variable: no Slurm (Debian: slurmctld slurmd slurm-client)");
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let home = std::env::temp_dir().join(format!("gw-slurm-home-{}", std::process::id()));
+    std::fs::create_dir_all(&home).unwrap();
+    let comm = format!("{root}/python/tests/launcher_comm.py");
+    let script = format!(
+        "set -e; for mpi in pmi2 none; do echo \"== --mpi=$mpi\"; srun --mpi=$mpi -n 4 python3 {comm} --per-node 4; \
+         srun --mpi=$mpi -n 4 {bench} bench allreduce --check -b 4K -e 256K -n 2 | tail -n 1; done",
+        bench = bin()
+    );
+    let mut cmd = Command::new(format!("{root}/tests/launchers/slurm_single_host.sh"));
+    cmd.args(["4", "bash", "-c", &script])
+        .env("HOME", &home)
+        .env("PYTHONPATH", format!("{root}/python"))
+        .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"));
+    for k in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GRADWIRE_JOB_SECRET", "SLURM_CONF"] {
+        cmd.env_remove(k);
+    }
+    let out = run_with_limit(cmd, Duration::from_secs(300));
+    let t = text(&out);
+    println!("{t}");
+    assert!(out.status.success(), "the jobs under srun failed:\n{t}");
+    for (mpi, part) in t.split("== --mpi=").skip(1).map(|p| (p.lines().next().unwrap_or(""), p)) {
+        for r in 0..4 {
+            assert!(part.contains(&format!("launcher comm: ok (rank {r} of 4)")), "--mpi={mpi}: rank {r} did not finish:\n{t}");
+        }
+        assert!(part.contains("262144"), "--mpi={mpi}: no 256 KiB row from gradwire bench:\n{t}");
+    }
+    assert_eq!(t.matches("== --mpi=").count(), 2, "{t}");
+    let left: Vec<_> = std::fs::read_dir(home.join(".gradwire/jobs")).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "job files left behind: {left:?}");
+    std::fs::remove_dir_all(&home).unwrap();
 }

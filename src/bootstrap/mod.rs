@@ -4,7 +4,10 @@
 pub mod auth;
 pub mod env;
 pub mod interfaces;
+pub mod job_file;
+pub mod launcher;
 pub mod pmi;
+pub mod pmix;
 pub mod refusals;
 pub mod store;
 pub mod unique_id;

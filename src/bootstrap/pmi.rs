@@ -11,7 +11,7 @@
 //! communicator from a unique id it broadcasts itself (`gradwire_get_unique_id` and
 //! `MPI_Bcast`), as NCCL applications do.
 
-use super::unique_id::{UniqueId, UNIQUE_ID_BYTES};
+use super::unique_id::UniqueId;
 use crate::error::{config, Error, Result};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -58,7 +58,7 @@ pub fn share_unique_id(fd: i32, rank: usize, deadline: Instant) -> Result<Unique
     let kvs = field(&kvs, "kvsname").ok_or_else(|| pmi.refused("get_my_kvsname", &kvs))?.to_string();
     let mine = if rank == 0 {
         let id = UniqueId::create()?;
-        let hex: String = id.to_bytes()?.iter().map(|b| format!("{b:02x}")).collect();
+        let hex = id.to_hex()?;
         let put = pmi.call(&format!("cmd=put kvsname={kvs} key={key} value={hex}"), "put_result")?;
         if field(&put, "rc") != Some("0") {
             return Err(pmi.refused("put", &put));
@@ -73,11 +73,7 @@ pub fn share_unique_id(fd: i32, rank: usize, deadline: Instant) -> Result<Unique
         None => {
             let got = pmi.call(&format!("cmd=get kvsname={kvs} key={key}"), "get_result")?;
             let hex = field(&got, "value").filter(|_| field(&got, "rc") == Some("0")).ok_or_else(|| pmi.refused("get", &got))?;
-            let bytes: Option<Vec<u8>> = (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
-            match bytes {
-                Some(b) if b.len() == UNIQUE_ID_BYTES => UniqueId::from_bytes(&b)?,
-                _ => return Err(Error::Protocol(format!("PMI: the value under {key} is not a gradwire unique id"))),
-            }
+            UniqueId::from_hex(hex).map_err(|e| Error::Protocol(format!("PMI: the value under {key}: {e}")))?
         }
     };
     pmi.call("cmd=finalize", "finalize_ack")?;

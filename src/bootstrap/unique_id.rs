@@ -59,6 +59,22 @@ impl UniqueId {
         Ok(out)
     }
 
+    /// The id's bytes as hex digits: what launchers' key-value exchanges carry (PMI-1's
+    /// values hold no spaces).
+    pub fn to_hex(&self) -> Result<String> {
+        Ok(self.to_bytes()?.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Parses text made by [`UniqueId::to_hex`]; anything else is a clear error.
+    pub fn from_hex(hex: &str) -> Result<UniqueId> {
+        let hex = hex.trim();
+        let bytes: Option<Vec<u8>> = (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
+        match bytes {
+            Some(b) if b.len() == UNIQUE_ID_BYTES => UniqueId::from_bytes(&b),
+            _ => Err(invalid(format!("not a gradwire unique id in hex ({} characters, not {})", hex.len(), 2 * UNIQUE_ID_BYTES))),
+        }
+    }
+
     /// Parses bytes made by [`UniqueId::to_bytes`]; anything else is a clear error.
     pub fn from_bytes(b: &[u8]) -> Result<UniqueId> {
         let bad = |why: &str| invalid(format!("not a gradwire unique id ({why}): pass the bytes gradwire_get_unique_id wrote, unchanged"));
@@ -132,6 +148,10 @@ mod tests {
         for c in cases {
             let e = UniqueId::from_bytes(&c).unwrap_err().to_string();
             assert!(e.contains("not a gradwire unique id"), "{e}");
+        }
+        assert_eq!(UniqueId::from_hex(&id.to_hex().unwrap()).unwrap(), id);
+        for bad in ["", "zz", &id.to_hex().unwrap()[2..]] {
+            assert!(UniqueId::from_hex(bad).unwrap_err().to_string().contains("not a gradwire unique id"));
         }
         let long = UniqueId { host: "h".repeat(100), ..id };
         assert!(long.to_bytes().is_err());
