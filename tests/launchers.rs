@@ -14,6 +14,11 @@ fn runs(program: &str, version_flag: &str) -> bool {
     Command::new(program).arg(version_flag).output().map(|o| o.status.success()).unwrap_or(false)
 }
 
+/// Whether Hydra's mpiexec is here, as tests/launchers/mpi_netns.sh looks for it.
+fn has_hydra() -> bool {
+    ["mpiexec", "mpiexec.hydra"].iter().any(|m| Command::new(m).arg("--version").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("HYDRA")))
+}
+
 /// `gradwire launch --netns` only makes the nodes; tests/launchers/mpi_netns.sh drops
 /// everything it exports and runs `launcher` (hydra or openmpi) with `per_node` ranks on
 /// each node's address.
@@ -39,7 +44,7 @@ fn hydra_mpiexec_across_nodes_needs_no_gradwire_variable() {
     if !can_netns("hydra_mpiexec_across_nodes_needs_no_gradwire_variable") {
         return;
     }
-    if !runs("mpiexec", "--version") {
+    if !has_hydra() {
         eprintln!("SKIP hydra_mpiexec_across_nodes_needs_no_gradwire_variable: no mpiexec (pip install mpich)");
         return;
     }
@@ -67,6 +72,25 @@ fn openmpi_mpirun_across_nodes_needs_no_gradwire_variable() {
     let t = under_mpi("openmpi", 2, 2, &["python3", &format!("{}/python/tests/launcher_comm.py", env!("CARGO_MANIFEST_DIR")), "--per-node", "2"]);
     for r in 0..4 {
         assert!(t.contains(&format!("launcher comm: ok (rank {r} of 4)")), "rank {r} did not finish:\n{t}");
+    }
+}
+
+/// A program that runs on MPI itself (ffi/examples/mpi_unique_id.c, built with Open MPI's
+/// compiler wrapper) broadcasts rank 0's unique id with `MPI_Bcast` and checks gradwire's
+/// allreduce against `MPI_Allreduce`, across namespace nodes under Open MPI's `mpirun`.
+#[test]
+fn an_mpi_program_broadcasts_the_unique_id_itself() {
+    if !can_netns("an_mpi_program_broadcasts_the_unique_id_itself") {
+        return;
+    }
+    if !runs("mpicc.openmpi", "--version") {
+        eprintln!("SKIP an_mpi_program_broadcasts_the_unique_id_itself: no Open MPI compiler (Debian: libopenmpi-dev)");
+        return;
+    }
+    let exe = c_program_with("mpicc.openmpi", "ffi/examples/mpi_unique_id.c", "mpi-unique-id-c-example");
+    let t = under_mpi("openmpi", 2, 2, &[exe.to_str().unwrap()]);
+    for r in 0..4 {
+        assert!(t.contains(&format!("rank {r} of 4: ok")), "rank {r} did not finish:\n{t}");
     }
 }
 

@@ -174,14 +174,18 @@ pub fn cdylib_dir() -> std::path::PathBuf {
 /// Compiles the C program `src` (a path under the repository) against `ffi/gradwire.h`
 /// and the cdylib, to `name` beside the library, and returns its path.
 pub fn c_program(src: &str, name: &str) -> std::path::PathBuf {
+    c_program_with(&std::env::var("CC").unwrap_or_else(|_| "cc".into()), src, name)
+}
+
+/// [`c_program`] with the C compiler `cc` (an MPI compiler wrapper, say).
+pub fn c_program_with(cc: &str, src: &str, name: &str) -> std::path::PathBuf {
     let dir = cdylib_dir();
     let root = env!("CARGO_MANIFEST_DIR");
     let exe = dir.join(name);
     // Built under a name of this process's and renamed: another test binary may be running
     // the program while this one builds it.
     let building = dir.join(format!("{name}.{}", std::process::id()));
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let out = Command::new(&cc)
+    let out = Command::new(cc)
         .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-I"])
         .arg(format!("{root}/ffi"))
         .arg(format!("{root}/{src}"))
@@ -189,6 +193,7 @@ pub fn c_program(src: &str, name: &str) -> std::path::PathBuf {
         .arg(&dir)
         .arg("-lgradwire")
         .arg("-ldl") // the GPU example opens the CUDA driver itself
+        .arg("-lm")
         .arg(format!("-Wl,-rpath,{}", dir.display()))
         .arg("-o")
         .arg(&building)

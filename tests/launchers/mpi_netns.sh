@@ -42,15 +42,23 @@ clean=(env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u GROUP_RANK
     -u GRADWIRE_JOB_SECRET GW_MPI_NETNS_PREFIX="$prefix")
 case "$launcher" in
 hydra)
-    echo "mpi_netns.sh: mpiexec -n $n -hosts $host_list $*" >&2
-    exec "${clean[@]}" mpiexec -n $n -hosts "$host_list" -launcher rsh -launcher-exec "$SELF" -iface eth0 "$@" ;;
+    # Hydra's mpiexec: pip's mpich, else Debian's (Open MPI's may own the name mpiexec).
+    mpiexec=
+    for m in mpiexec mpiexec.hydra; do
+        "$m" --version 2>/dev/null | grep -q HYDRA && { mpiexec=$m; break; }
+    done
+    [ -n "$mpiexec" ] || die "no Hydra mpiexec (pip install mpich)"
+    echo "mpi_netns.sh: $mpiexec -n $n -hosts $host_list $*" >&2
+    exec "${clean[@]}" "$mpiexec" -n $n -hosts "$host_list" -launcher rsh -launcher-exec "$SELF" -iface eth0 "$@" ;;
 openmpi)
     # Every namespace has all of the host's cores: no binding, and oversubscription allowed.
-    # The daemons reach mpirun over eth0; PYTHONPATH and GRADWIRE_LIB go to every rank
-    # (-x), as a job script exports them on a cluster.
+    # Every namespace also has the host's name, so Open MPI's own messages (an MPI program's)
+    # go over tcp on eth0 only: its shared-memory transport would pair ranks of different
+    # "nodes". The daemons reach mpirun over eth0; PYTHONPATH and GRADWIRE_LIB go to every
+    # rank (-x), as a job script exports them on a cluster.
     echo "mpi_netns.sh: mpirun -np $n --host $host_list $*" >&2
     exec "${clean[@]}" mpiexec.openmpi --allow-run-as-root -np $n --host "$host_list" --bind-to none --oversubscribe \
         --mca plm_rsh_agent "$SELF" --mca plm_rsh_no_tree_spawn 1 --mca oob_tcp_if_include eth0 \
-        -x PYTHONPATH -x GRADWIRE_LIB "$@" ;;
+        --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include eth0 -x PYTHONPATH -x GRADWIRE_LIB "$@" ;;
 *) die "unknown launcher $launcher (hydra or openmpi)" ;;
 esac
