@@ -121,7 +121,7 @@ impl RankEnv {
             (addr.map(|a| a.1).unwrap_or_else(|| "127.0.0.1".into()), port, secret.map(|s| s.1).unwrap_or_default())
         } else {
             let addr = addr.ok_or_else(|| {
-                config("MASTER_ADDR is not set (the address of rank 0's rendezvous store): export MASTER_ADDR, MASTER_PORT and GRADWIRE_JOB_SECRET, start the ranks with `gradwire launch`, torchrun or a launcher with a PMI server (PMI_FD: Hydra's mpiexec), or make the communicator from a unique id")
+                config("MASTER_ADDR is not set (the address of rank 0's rendezvous store): export MASTER_ADDR, MASTER_PORT and GRADWIRE_JOB_SECRET, start the ranks with `gradwire launch`, torchrun or a launcher with its own exchange (Hydra's mpiexec, Open MPI's mpirun, srun), or make the communicator from a unique id")
             })?;
             let port = port.ok_or_else(|| config("MASTER_PORT is not set (the port of rank 0's rendezvous store)"))?;
             let p = port.1.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| config(format!("{}={:?} is not a TCP port (1-65535)", port.0, port.1)))?;
