@@ -95,7 +95,8 @@ fn an_mpi_program_broadcasts_the_unique_id_itself() {
 }
 
 /// `srun -n 4` on a one-node Slurm cluster (tests/launchers/slurm_single_host.sh), with a
-/// PMI server (`--mpi=pmi2`, which speaks PMI-1 too) and with none (`--mpi=none`, the
+/// PMI server (`--mpi=pmi2`, which speaks PMI-1 too), with PMIx (`--mpi=pmix`: Slurm's
+/// plugin loads libpmix through libpmix-dev's link) and with none (`--mpi=none`, the
 /// default of many clusters: rank 0's id goes through a 0600 job file in `$HOME`, here a
 /// fresh directory, which holds no job file afterwards); then a Heat DASO script
 /// (python/examples/heat_daso.py) under plain `srun`.
@@ -115,7 +116,7 @@ fn slurm_srun_needs_no_gradwire_variable() {
     std::fs::create_dir_all(&home).unwrap();
     let comm = format!("{root}/python/tests/launcher_comm.py");
     let script = format!(
-        "set -e; for mpi in pmi2 none; do echo \"== --mpi=$mpi\"; srun --mpi=$mpi -n 4 python3 {comm} --per-node 4; \
+        "set -e; for mpi in pmi2 pmix none; do echo \"== --mpi=$mpi\"; srun --mpi=$mpi -n 4 python3 {comm} --per-node 4; \
          srun --mpi=$mpi -n 4 {bench} bench allreduce --check -b 4K -e 256K -n 2 | tail -n 1; done; \
          echo '== Heat'; srun -n 4 python3 {root}/python/examples/heat_daso.py",
         bench = bin()
@@ -138,7 +139,7 @@ fn slurm_srun_needs_no_gradwire_variable() {
         }
         assert!(part.contains("262144"), "--mpi={mpi}: no 256 KiB row from gradwire bench:\n{t}");
     }
-    assert_eq!(t.matches("== --mpi=").count(), 2, "{t}");
+    assert_eq!(t.matches("== --mpi=").count(), 3, "{t}");
     // A Heat DASO script as Heat's users start it: every rank ends with the same parameters.
     let finals: Vec<&str> = t.lines().filter_map(|l| l.split_once(": final test acc").map(|(_, rest)| rest)).collect();
     assert!(finals.len() == 4 && finals.iter().all(|f| *f == finals[0]), "the Heat DASO ranks disagree or did not finish:\n{t}");
