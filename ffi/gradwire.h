@@ -165,9 +165,9 @@ int gradwire_alltoall(gradwire_comm_t *comm, const void *sendbuf, const size_t *
                       const size_t *recvcounts, size_t count, gradwire_dtype_t dtype);
 int gradwire_ialltoall(gradwire_comm_t *comm, const void *sendbuf, const size_t *sendcounts, void *recvbuf,
                        const size_t *recvcounts, size_t count, gradwire_dtype_t dtype, gradwire_work_t **work);
-/* Tagged point-to-point: messages between two ranks are matched in order; the next recv
- * from a peer must name the same count, dtype and tag as that peer's send, or both fail
- * with GRADWIRE_ERR_MISMATCH. Blocking (a send may wait until the peer receives): pair them
+/* Tagged point-to-point: messages are matched by (peer, tag), in order within a tag, as in
+ * MPI; a recv takes the oldest message from that peer with its tag, which must have the
+ * same count and dtype, or both fail with GRADWIRE_ERR_MISMATCH. Blocking (a send may wait until the peer receives): pair them
  * or use a batch (below). */
 int gradwire_send(gradwire_comm_t *comm, const void *buf, size_t count, gradwire_dtype_t dtype, int peer,
                   unsigned int tag);

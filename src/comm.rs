@@ -176,7 +176,7 @@ impl Communicator {
             link_kinds,
             engine,
             windows: Windows::new(verbs),
-            p2p: P2pCounters::new(size),
+            p2p: P2pCounters::default(),
             rendezvous,
         })
     }

@@ -464,16 +464,19 @@ fn parameter_server_names_a_killed_rank() {
 }
 
 /// A killed rank (during async calls, and during blocking ones, which the C++ hot path
-/// makes), a mismatched call and a send/recv pair with different tags on the torch backend
-/// are RuntimeErrors of the right kind naming the rank (or the tags), within the deadline,
-/// on every survivor.
+/// makes), a mismatched call, a receive of a tag its peer never sends (a timeout naming
+/// the tag) and a send/recv pair of one tag with different counts on the torch backend
+/// are RuntimeErrors of the right kind naming the rank (or the tag, or the count), within
+/// the deadline, on every survivor.
 #[test]
 fn torch_backend_faults_name_the_rank() {
     if !python_has("torch") {
         eprintln!("SKIP torch_backend_faults_name_the_rank: torch is not importable");
         return;
     }
-    for (mode, expect, world) in [("kill", "rank 1", 3), ("kill_blocking", "rank 1", 3), ("mismatch", "rank 1", 3), ("tag", "tag 2", 2)] {
+    for (mode, expect, world) in
+        [("kill", "rank 1", 3), ("kill_blocking", "rank 1", 3), ("mismatch", "rank 1", 3), ("tag", "tag 2", 2), ("tag_count", "count 101", 2)]
+    {
         faulty_ranks("torch_faults.py", mode, world, mode.starts_with("kill").then_some(1), "RuntimeError", expect);
     }
 }

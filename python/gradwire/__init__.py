@@ -868,14 +868,14 @@ class Comm:
         return self._call(lib.gradwire_alltoall, lib.gradwire_ialltoall, (sp, sc, rp, rc, count, dt), [x, sc, rc, out], async_op)
 
     def send(self, x: Buffer, peer: int, tag: int = 0) -> None:
-        """Sends `x` to rank `peer`; matched in order by that rank's recv with the same tag."""
+        """Sends `x` to rank `peer`; matched by that rank's recv with the same tag, in order within the tag."""
         peer = _int_arg(peer, "send: peer", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
         tag = _int_arg(tag, "send: tag", 0, 2**32 - 1)
         p, n, dt = _buffer(x, "send")
         _check(load_library().gradwire_send(self._live(), p, n, dt, peer, tag))
 
     def recv(self, x: Buffer, peer: int, tag: int = 0) -> Buffer:
-        """Receives the next message from rank `peer` into `x` (same count, dtype and tag)."""
+        """Receives the oldest message from rank `peer` with `tag` into `x` (same count and dtype)."""
         peer = _int_arg(peer, "recv: peer", 0, self.size - 1, f"not a rank of this communicator (size {self.size})")
         tag = _int_arg(tag, "recv: tag", 0, 2**32 - 1)
         p, n, dt = _buffer(x, "recv")

@@ -192,6 +192,23 @@ if world > 1:
     cases += 1
     if not np.array_equal(into, np.random.default_rng(seed + prv).random(4 << 20, dtype=np.float32)):
         failures.append(f"rank {rank}: p2p_batch ring received wrong data")
+    # Messages told apart only by tag, received in another order than sent: a receive takes
+    # the oldest message from its peer with its tag, as torch and MPI match them. In one
+    # batch, 2 MiB, 1000 and 0 elements received in reverse (the first two read aside);
+    # then two small sends completed before the peer takes them, in reverse, blocking.
+    sizes = {21: 1 << 19, 22: 1000, 23: 0}
+    mine = {t: np.random.default_rng([seed, rank, t]).random(n, dtype=np.float32) for t, n in sizes.items()}
+    theirs = {t: np.random.default_rng([seed, prv, t]).random(n, dtype=np.float32) for t, n in sizes.items()}
+    got = {t: np.zeros(n, dtype=np.float32) for t, n in sizes.items()}
+    comm.p2p_batch([("send", mine[t], nxt, t) for t in (21, 22, 23)] + [("recv", got[t], prv, t) for t in (23, 22, 21)])
+    comm.p2p_batch([("send", mine[22], nxt, 22), ("send", mine[21][:7], nxt, 21)], async_op=True).wait()
+    late21, late22 = np.zeros(7, dtype=np.float32), np.zeros(1000, dtype=np.float32)
+    comm.recv(late21, prv, 21)
+    comm.recv(late22, prv, 22)
+    for what, a, b in [("tag 21", got[21], theirs[21]), ("tag 22", got[22], theirs[22]), ("tag 21, later", late21, theirs[21][:7]), ("tag 22, later", late22, theirs[22])]:
+        cases += 1
+        if not np.array_equal(a, b):
+            failures.append(f"rank {rank}: messages received out of tag order: {what} received wrong data")
     overlapping = [("send", out, nxt, 0), ("recv", out[10:], prv, 0)]
     for bad in ([("put", out, nxt, 0)], [("send", out, rank, 0)], [("send", out, nxt, -1)], [("send", out)], overlapping):
         cases += 1

@@ -234,6 +234,23 @@ if world > 1:
     for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, big, nxt, tag=6), dist.P2POp(dist.irecv, into, prv, tag=6)]):
         work.wait()
     expect("batch_isend_irecv ring (16 MiB, all send first)", into, (inp(prv, 901, n, torch.float32).to(torch.float64), 0.0))
+    # Messages told apart only by tag, received in another order than sent (torch matches
+    # point-to-point messages by peer and tag): in one batch, 1 MiB and 100 elements; then
+    # two small isends that the peer takes with blocking recvs in reverse order.
+    a, b = inp(rank, 904, 1 << 18, torch.float32), inp(rank, 905, 100, torch.float64)
+    ga, gb = torch.empty(1 << 18), torch.empty(100, dtype=torch.float64)
+    ops = [dist.P2POp(dist.isend, a, nxt, tag=31), dist.P2POp(dist.isend, b, nxt, tag=32)]
+    for work in dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, gb, prv, tag=32), dist.P2POp(dist.irecv, ga, prv, tag=31)]):
+        work.wait()
+    expect("batch receiving tag 32 before tag 31", ga, (inp(prv, 904, 1 << 18, torch.float32).to(torch.float64), 0.0))
+    expect("batch receiving tag 32 before tag 31 (tag 32)", gb, (inp(prv, 905, 100, torch.float64), 0.0))
+    sends = [dist.isend(b[:10].clone(), dst=nxt, tag=33), dist.isend(b[10:30].clone(), dst=nxt, tag=34)]
+    g34, g33 = torch.empty(20, dtype=torch.float64), torch.empty(10, dtype=torch.float64)
+    dist.recv(g34, src=prv, tag=34)
+    dist.recv(g33, src=prv, tag=33)
+    for work in sends:
+        work.wait()
+    expect("recv of tag 34 before tag 33", torch.cat([g33, g34]), (inp(prv, 905, 100, torch.float64)[:30], 0.0))
     # Plain isend then irecv into a non-contiguous view, completed by polling is_completed.
     strided = torch.zeros(2 * 333, dtype=torch.float64)[::2]
     sent, received = dist.isend(mine, dst=nxt, tag=7), dist.irecv(strided, src=prv, tag=7)

@@ -5,7 +5,10 @@ ranks directly, so nothing but the fault stops them):
     torch_faults.py kill_blocking  the same before blocking all_gather_into_tensor calls
                                (the C++ hot path's; the others' errors are raised from it)
     torch_faults.py mismatch   rank 1 all_reduces 11 elements where the others give 10
-    torch_faults.py tag        (2 ranks) rank 0 sends with tag 1, rank 1 receives with tag 2
+    torch_faults.py tag        (2 ranks) rank 0 sends with tag 1, rank 1 receives with tag 2:
+                               messages are matched by peer and tag, so rank 1's receive
+                               waits for a message nobody sends and times out naming its tag
+    torch_faults.py tag_count  (2 ranks) both use tag 1, rank 1 receives 101 elements of 100
 
 Survivors print "caught RuntimeError: ..." with the error torch raised and exit 3.
 """
@@ -30,12 +33,11 @@ if mode in ("kill", "kill_blocking") and rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 start = time.monotonic()
 try:
-    if mode == "tag":
-        y = torch.ones(100)
+    if mode in ("tag", "tag_count"):
         if rank == 0:
-            dist.send(y, dst=1, tag=1)
+            dist.send(torch.ones(100), dst=1, tag=1)
         else:
-            dist.recv(y, src=0, tag=2)
+            dist.recv(torch.ones(100 + (mode == "tag_count")), src=0, tag=1 if mode == "tag_count" else 2)
     for _ in range(1000):
         if mode == "kill_blocking":
             dist.all_gather_into_tensor(torch.empty((1 << 14) * dist.get_world_size()), torch.ones(1 << 14))
@@ -45,9 +47,15 @@ try:
         if mode == "mismatch":
             dist.all_reduce(x)
 except RuntimeError as e:
-    # A small send completes into the peer's ring before the peer sees the wrong tag, so the
+    # A small send completes into the peer's ring before the peer fails its receive, so the
     # sender learns of it from its next call, as the peer's reason for leaving.
-    want = {"kill": (gradwire.PeerLostError,), "kill_blocking": (gradwire.PeerLostError,), "mismatch": (gradwire.MismatchError,), "tag": (gradwire.MismatchError, gradwire.PeerLostError)}[mode]
+    want = {
+        "kill": (gradwire.PeerLostError,),
+        "kill_blocking": (gradwire.PeerLostError,),
+        "mismatch": (gradwire.MismatchError,),
+        "tag": (gradwire.DeadlineError, gradwire.PeerLostError),
+        "tag_count": (gradwire.MismatchError, gradwire.PeerLostError),
+    }[mode]
     if not isinstance(e, want):
         print(f"rank {rank}: caught {type(e).__name__}, not {want}: {e}", flush=True)
         os._exit(4)

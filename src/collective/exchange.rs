@@ -16,7 +16,8 @@ use crate::engine::{EngineState, Job, Work};
 use crate::error::{invalid, Error, Result};
 use crate::transport::frame::{CallHeader, OpKind};
 use crate::transport::{Links, RecvOp, SendOp, Sink};
-use std::sync::atomic::AtomicU64;
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Instant;
 
 /// The element counts of an all-to-all: what this rank sends to and receives from each
@@ -254,14 +255,14 @@ impl Communicator {
         Ok((job, what))
     }
 
-    /// The header of the next message to or from `peer`: point-to-point messages between two
-    /// ranks are matched in order, with their own sequence numbers.
+    /// The header of the next message to or from `peer` with `tag`: point-to-point messages
+    /// are matched by (peer, tag), in order within a tag (as MPI and torch match them), with
+    /// sequence numbers of their own per peer and tag.
     pub(crate) fn p2p_header(&self, dtype: DType, peer: usize, tag: u32, count: usize, sending: bool) -> Result<CallHeader> {
         if peer >= self.size() || peer == self.rank() {
             return Err(invalid(format!("send/recv peer {peer}: must be another rank of this communicator (size {})", self.size())));
         }
-        let counters = if sending { &self.p2p.sent } else { &self.p2p.received };
-        let seq = counters[peer].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let seq = self.p2p.next(peer, tag, sending);
         Ok(CallHeader { op: OpKind::Send, dtype, redop: ReduceOp::Sum, root: tag, count: count as u64, seq })
     }
 }
@@ -300,16 +301,22 @@ pub(super) fn alltoall_over_links(
     links.exchange_copying(call, &mut sends, &mut recvs, deadline, &sbuf[soff[me]..soff[me + 1]], mine)
 }
 
-/// Per peer, the point-to-point messages sent to it and received from it so far: the
-/// sequence numbers of their headers.
+/// Per peer and tag, the point-to-point messages sent to it and received from it so far:
+/// the sequence numbers of their headers.
+#[derive(Default)]
 pub(crate) struct P2pCounters {
-    sent: Vec<AtomicU64>,
-    received: Vec<AtomicU64>,
+    sent: Mutex<HashMap<(usize, u32), u64>>,
+    received: Mutex<HashMap<(usize, u32), u64>>,
 }
 
 impl P2pCounters {
-    pub(crate) fn new(size: usize) -> Self {
-        P2pCounters { sent: (0..size).map(|_| AtomicU64::new(0)).collect(), received: (0..size).map(|_| AtomicU64::new(0)).collect() }
+    /// The sequence number of the next message to (`sending`) or from `peer` with `tag`.
+    fn next(&self, peer: usize, tag: u32, sending: bool) -> u64 {
+        let counters = if sending { &self.sent } else { &self.received };
+        let mut c = counters.lock().unwrap_or_else(|p| p.into_inner());
+        let n = c.entry((peer, tag)).or_insert(0);
+        *n += 1;
+        *n - 1
     }
 }
 

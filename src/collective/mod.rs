@@ -385,15 +385,15 @@ impl Communicator {
         Ok(Pending { work: Some(work), value: Some(buf) })
     }
 
-    /// Sends `data` to `peer` with `tag`. Point-to-point messages between two ranks are
-    /// matched in order (as in NCCL): the receiver's next `recv` from us must name the same
-    /// tag, count and dtype, or both get a mismatch error.
+    /// Sends `data` to `peer` with `tag`. Point-to-point messages are matched by (peer, tag),
+    /// in order within a tag (as in MPI and torch): the receiver's `recv` of that tag from
+    /// us must name the same count and dtype, or both get a mismatch error.
     pub fn send<T: Element>(&self, data: &[T], peer: usize, tag: u32) -> Result<()> {
         // SAFETY: `data` is borrowed for the whole call.
         unsafe { self.send_raw(data.as_ptr() as *const u8, data.len(), T::DTYPE, peer, tag) }
     }
 
-    /// Receives the next message from `peer` into `buf` (see [`Communicator::send`]).
+    /// Receives the oldest message from `peer` with `tag` into `buf` (see [`Communicator::send`]).
     pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize, tag: u32) -> Result<()> {
         // SAFETY: `buf` is exclusively borrowed for the whole call.
         unsafe { self.recv_raw(buf.as_mut_ptr() as *mut u8, buf.len(), T::DTYPE, peer, tag) }
