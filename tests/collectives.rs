@@ -376,7 +376,7 @@ fn ranks_confined_to_one_cpu_by_a_cpuset_do_not_spin() {
     } else if v2_has_cpuset {
         (std::path::Path::new("/sys/fs/cgroup").join(&name), "cpuset.cpus")
     } else {
-        eprintln!("SKIP ranks_confined_to_one_cpu_by_a_cpuset_do_not_spin: no writable cpuset hierarchy");
+        skip("ranks_confined_to_one_cpu_by_a_cpuset_do_not_spin", "no writable cpuset hierarchy");
         return;
     };
     let made = std::fs::create_dir(&dir).and_then(|()| std::fs::write(dir.join(cpus_file), "0")).and_then(|()| {
@@ -388,7 +388,7 @@ fn ranks_confined_to_one_cpu_by_a_cpuset_do_not_spin() {
     });
     if let Err(e) = made {
         let _ = std::fs::remove_dir(&dir);
-        eprintln!("SKIP ranks_confined_to_one_cpu_by_a_cpuset_do_not_spin: cannot make cgroup {}: {e}", dir.display());
+        skip("ranks_confined_to_one_cpu_by_a_cpuset_do_not_spin", &format!("cannot make cgroup {}: {e}", dir.display()));
         return;
     }
     // The shell joins the group, then becomes the launcher: everything it starts is inside.

@@ -45,7 +45,7 @@ fn hydra_mpiexec_across_nodes_needs_no_gradwire_variable() {
         return;
     }
     if !has_hydra() {
-        eprintln!("SKIP hydra_mpiexec_across_nodes_needs_no_gradwire_variable: no mpiexec (pip install mpich)");
+        skip("hydra_mpiexec_across_nodes_needs_no_gradwire_variable", "no mpiexec (pip install mpich)");
         return;
     }
     // The C ABI's communicator (gradwire_comm_init), checked against a reference.
@@ -64,7 +64,7 @@ fn openmpi_mpirun_across_nodes_needs_no_gradwire_variable() {
         return;
     }
     if !runs("mpiexec.openmpi", "--version") {
-        eprintln!("SKIP openmpi_mpirun_across_nodes_needs_no_gradwire_variable: no Open MPI (Debian: openmpi-bin)");
+        skip("openmpi_mpirun_across_nodes_needs_no_gradwire_variable", "no Open MPI (Debian: openmpi-bin)");
         return;
     }
     let t = under_mpi("openmpi", 2, 2, &[bin(), "bench", "allreduce", "--check", "-b", "4K", "-e", "1M", "-n", "3"]);
@@ -84,7 +84,7 @@ fn an_mpi_program_broadcasts_the_unique_id_itself() {
         return;
     }
     if !runs("mpicc.openmpi", "--version") {
-        eprintln!("SKIP an_mpi_program_broadcasts_the_unique_id_itself: no Open MPI compiler (Debian: libopenmpi-dev)");
+        skip("an_mpi_program_broadcasts_the_unique_id_itself", "no Open MPI compiler (Debian: libopenmpi-dev)");
         return;
     }
     let exe = c_program_with("mpicc.openmpi", "ffi/examples/mpi_unique_id.c", "mpi-unique-id-c-example");
@@ -104,11 +104,11 @@ fn an_mpi_program_broadcasts_the_unique_id_itself() {
 fn slurm_srun_needs_no_gradwire_variable() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP slurm_srun_needs_no_gradwire_variable: slurmd starts tasks as their user and needs root");
+        skip("slurm_srun_needs_no_gradwire_variable", "slurmd starts tasks as their user and needs root");
         return;
     }
     if !runs("slurmd", "-V") || !runs("slurmctld", "-V") {
-        eprintln!("SKIP slurm_srun_needs_no_gradwire_variable: no Slurm (Debian: slurmctld slurmd slurm-client)");
+        skip("slurm_srun_needs_no_gradwire_variable", "no Slurm (Debian: slurmctld slurmd slurm-client)");
         return;
     }
     let root = env!("CARGO_MANIFEST_DIR");
@@ -146,4 +146,28 @@ fn slurm_srun_needs_no_gradwire_variable() {
     let left: Vec<_> = std::fs::read_dir(home.join(".gradwire/jobs")).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
     assert!(left.is_empty(), "job files left behind: {left:?}");
     std::fs::remove_dir_all(&home).unwrap();
+}
+
+/// Where every test must run (`GRADWIRE_TEST_REQUIRE=all`, as `.ci/run` sets it) a test whose
+/// dependency is missing fails instead of passing as a skip: the Slurm test, run by this
+/// binary with a `PATH` that has no Slurm, skips without the variable and fails with it.
+#[test]
+fn a_test_lacking_its_dependency_fails_where_every_test_must_run() {
+    let run = |require: bool| {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", "slurm_srun_needs_no_gradwire_variable", "--nocapture"]).env("PATH", "/nonexistent");
+        if require {
+            cmd.env("GRADWIRE_TEST_REQUIRE", "all");
+        } else {
+            cmd.env_remove("GRADWIRE_TEST_REQUIRE");
+        }
+        run_with_limit(cmd, Duration::from_secs(60))
+    };
+    let (skipped, failed) = (run(false), run(true));
+    let (ts, tf) = (text(&skipped), text(&failed));
+    assert!(skipped.status.success() && ts.contains("SKIP slurm_srun_needs_no_gradwire_variable"), "without the variable the test skips:\n{ts}");
+    assert!(
+        !failed.status.success() && tf.contains("slurm_srun_needs_no_gradwire_variable cannot run here") && tf.contains("GRADWIRE_TEST_REQUIRE=all"),
+        "with it the test fails:\n{tf}"
+    );
 }

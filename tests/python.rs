@@ -42,7 +42,7 @@ fn launch_py(n: usize, launch: &[&str], script: &str, args: &[&str], env: &[(&st
 #[test]
 fn numpy_buffers() {
     if !python_has("numpy") {
-        eprintln!("SKIP numpy_buffers: numpy is not importable (pip install numpy; .ci/run does)");
+        skip("numpy_buffers", "numpy is not importable (pip install numpy; .ci/run does)");
         return;
     }
     let t = run_py(4, "numpy_collectives.py", &[]);
@@ -57,7 +57,7 @@ fn numpy_buffers() {
 #[test]
 fn integers_crossing_ctypes_are_range_checked() {
     if !python_has("numpy") {
-        eprintln!("SKIP integers_crossing_ctypes_are_range_checked: numpy is not importable (pip install numpy; .ci/run does)");
+        skip("integers_crossing_ctypes_are_range_checked", "numpy is not importable (pip install numpy; .ci/run does)");
         return;
     }
     let t = run_py(3, "bad_input.py", &[]);
@@ -67,7 +67,7 @@ fn integers_crossing_ctypes_are_range_checked() {
 #[test]
 fn torch_ddp_hook_matches_gloo() {
     if !python_has("torch") {
-        eprintln!("SKIP torch_ddp_hook_matches_gloo: torch is not importable (about 1.9 GB; see benches/peers/install_torch.py)");
+        skip("torch_ddp_hook_matches_gloo", "torch is not importable (about 1.9 GB; see benches/peers/install_torch.py)");
         return;
     }
     for n in [2, 4] {
@@ -84,7 +84,7 @@ fn torch_ddp_hook_matches_gloo() {
 #[test]
 fn torch_backend_collectives_and_ddp_match_gloo() {
     if !python_has("torch") {
-        eprintln!("SKIP torch_backend_collectives_and_ddp_match_gloo: torch is not importable (about 1.9 GB; see benches/peers/install_torch.py)");
+        skip("torch_backend_collectives_and_ddp_match_gloo", "torch is not importable (about 1.9 GB; see benches/peers/install_torch.py)");
         return;
     }
     // With the C++ hot path (built at the first group) and, at 2 ranks, without it: the
@@ -116,7 +116,7 @@ fn torch_backend_collectives_and_ddp_match_gloo() {
 #[test]
 fn torch_backend_on_cuda_tensors() {
     if !python_has("torch") {
-        eprintln!("SKIP torch_backend_on_cuda_tensors: torch is not importable");
+        skip("torch_backend_on_cuda_tensors", "torch is not importable");
         return;
     }
     let t = run_py(1, "torch_cuda.py", &[]);
@@ -135,7 +135,7 @@ fn torch_backend_on_cuda_tensors() {
 #[test]
 fn torch_schemes_match_their_references() {
     if !python_has("torch") {
-        eprintln!("SKIP torch_schemes_match_their_references: torch is not importable");
+        skip("torch_schemes_match_their_references", "torch is not importable");
         return;
     }
     let mut layouts: Vec<&[&str]> = vec![&[]];
@@ -158,7 +158,7 @@ fn torch_schemes_match_their_references() {
 #[test]
 fn pytorch_distributed_tests_pass_on_gradwire() {
     if !python_has("torch") || !python_has("expecttest") {
-        eprintln!("SKIP pytorch_distributed_tests_pass_on_gradwire: torch or expecttest is not importable (.ci/run installs them)");
+        skip("pytorch_distributed_tests_pass_on_gradwire", "torch or expecttest is not importable (.ci/run installs them)");
         return;
     }
     let root = env!("CARGO_MANIFEST_DIR");
@@ -216,7 +216,7 @@ fn losses(t: &str) -> Vec<f64> {
 #[test]
 fn fsdp2_fully_shard_trains_as_on_gloo() {
     if !python_has("torch") {
-        eprintln!("SKIP fsdp2_fully_shard_trains_as_on_gloo: torch is not importable");
+        skip("fsdp2_fully_shard_trains_as_on_gloo", "torch is not importable");
         return;
     }
     let run = |backend: &str, world: usize| -> Vec<f64> {
@@ -253,7 +253,7 @@ fn fsdp2_fully_shard_trains_as_on_gloo() {
 #[test]
 fn split_group_forms_the_groups_gloo_forms() {
     if !python_has("torch") {
-        eprintln!("SKIP split_group_forms_the_groups_gloo_forms: torch is not importable");
+        skip("split_group_forms_the_groups_gloo_forms", "torch is not importable");
         return;
     }
     let run = |backend: &str| -> Vec<String> {
@@ -282,7 +282,7 @@ fn split_group_forms_the_groups_gloo_forms() {
 #[test]
 fn fsdp_with_tensor_parallel_trains_as_on_gloo() {
     if !python_has("torch") {
-        eprintln!("SKIP fsdp_with_tensor_parallel_trains_as_on_gloo: torch is not importable");
+        skip("fsdp_with_tensor_parallel_trains_as_on_gloo", "torch is not importable");
         return;
     }
     let run = |backend: &str| -> Vec<f64> {
@@ -309,7 +309,7 @@ fn fsdp_with_tensor_parallel_trains_as_on_gloo() {
 #[test]
 fn batchnorm_buffers_agree_after_finish() {
     if !python_has("torch") {
-        eprintln!("SKIP batchnorm_buffers_agree_after_finish: torch is not importable");
+        skip("batchnorm_buffers_agree_after_finish", "torch is not importable");
         return;
     }
     let launch: &[&str] = if can_netns("batchnorm_buffers_agree_after_finish (namespaces)") { &["--netns", "--ranks-per-node", "2"] } else { &[] };
@@ -328,7 +328,7 @@ fn batchnorm_buffers_agree_after_finish() {
 #[test]
 fn device_resident_schemes_match_the_host_path() {
     if !python_has("torch") {
-        eprintln!("SKIP device_resident_schemes_match_the_host_path: torch is not importable");
+        skip("device_resident_schemes_match_the_host_path", "torch is not importable");
         return;
     }
     let launch: &[&str] = if can_netns("device_resident_schemes_match_the_host_path (namespaces)") { &["--netns", "--ranks-per-node", "2"] } else { &[] };
@@ -347,7 +347,7 @@ fn device_resident_schemes_match_the_host_path() {
 #[test]
 fn daso_matches_heats_own_code() {
     if !python_has("torch") || !python_has("mpi4py") {
-        eprintln!("SKIP daso_matches_heats_own_code: torch or mpi4py is not importable (.ci/run installs them)");
+        skip("daso_matches_heats_own_code", "torch or mpi4py is not importable (.ci/run installs them)");
         return;
     }
     if !can_netns("daso_matches_heats_own_code") {
@@ -374,7 +374,7 @@ fn daso_matches_heats_own_code() {
 #[test]
 fn heat_style_daso_script_runs_with_its_import_changed() {
     if !python_has("torch") {
-        eprintln!("SKIP heat_style_daso_script_runs_with_its_import_changed: torch is not importable");
+        skip("heat_style_daso_script_runs_with_its_import_changed", "torch is not importable");
         return;
     }
     let script = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/python/examples/heat_daso.py")).unwrap();
@@ -457,7 +457,7 @@ fn faulty_ranks_once(script: &str, mode: &str, world: usize, dead: Option<usize>
 #[test]
 fn parameter_server_names_a_killed_rank() {
     if !python_has("torch") {
-        eprintln!("SKIP parameter_server_names_a_killed_rank: torch is not importable");
+        skip("parameter_server_names_a_killed_rank", "torch is not importable");
         return;
     }
     faulty_ranks("torch_schemes.py", "kill", 3, Some(1), "PeerLostError", "rank 1");
@@ -471,7 +471,7 @@ fn parameter_server_names_a_killed_rank() {
 #[test]
 fn torch_backend_faults_name_the_rank() {
     if !python_has("torch") {
-        eprintln!("SKIP torch_backend_faults_name_the_rank: torch is not importable");
+        skip("torch_backend_faults_name_the_rank", "torch is not importable");
         return;
     }
     for (mode, expect, world) in
@@ -488,7 +488,7 @@ fn torch_backend_faults_name_the_rank() {
 #[test]
 fn torch_backend_without_its_cpp_part_says_why() {
     if !python_has("torch") {
-        eprintln!("SKIP torch_backend_without_its_cpp_part_says_why: torch is not importable");
+        skip("torch_backend_without_its_cpp_part_says_why", "torch is not importable");
         return;
     }
     let root = env!("CARGO_MANIFEST_DIR");
@@ -527,7 +527,7 @@ fn torch_backend_without_its_cpp_part_says_why() {
 #[test]
 fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
     if !python_has("torch") {
-        eprintln!("SKIP pip_installed_package_runs_ddp_under_torchrun_and_launch: torch is not importable");
+        skip("pip_installed_package_runs_ddp_under_torchrun_and_launch", "torch is not importable");
         return;
     }
     let root = env!("CARGO_MANIFEST_DIR");
@@ -588,7 +588,7 @@ fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
 #[test]
 fn torch_fault_matrix_names_the_lost_rank() {
     if !python_has("torch") {
-        eprintln!("SKIP torch_fault_matrix_names_the_lost_rank: torch is not importable");
+        skip("torch_fault_matrix_names_the_lost_rank", "torch is not importable");
         return;
     }
     let root = env!("CARGO_MANIFEST_DIR");
@@ -610,7 +610,7 @@ fn torch_fault_matrix_names_the_lost_rank() {
 #[test]
 fn torchrun_restart_forms_the_group_from_its_own_attempt() {
     if !python_has("torch") {
-        eprintln!("SKIP torchrun_restart_forms_the_group_from_its_own_attempt: torch is not importable");
+        skip("torchrun_restart_forms_the_group_from_its_own_attempt", "torch is not importable");
         return;
     }
     let root = env!("CARGO_MANIFEST_DIR");
@@ -643,7 +643,7 @@ fn torchrun_restart_forms_the_group_from_its_own_attempt() {
 #[test]
 fn torchrun_across_nodes_trains_and_restarts_after_a_killed_rank() {
     if !python_has("torch") || !can_netns("torchrun_across_nodes_trains_and_restarts_after_a_killed_rank") {
-        eprintln!("SKIP torchrun_across_nodes_trains_and_restarts_after_a_killed_rank: needs torch and namespaces");
+        skip("torchrun_across_nodes_trains_and_restarts_after_a_killed_rank", "needs torch and namespaces");
         return;
     }
     let root = env!("CARGO_MANIFEST_DIR");
@@ -684,7 +684,7 @@ fn torchrun_across_nodes_trains_and_restarts_after_a_killed_rank() {
 #[test]
 fn frozen_parameters_stay_exact_under_the_schemes() {
     if !python_has("torch") {
-        eprintln!("SKIP frozen_parameters_stay_exact_under_the_schemes: torch is not importable");
+        skip("frozen_parameters_stay_exact_under_the_schemes", "torch is not importable");
         return;
     }
     let t = run_py(3, "frozen_parameters.py", &[]);
@@ -698,7 +698,7 @@ fn frozen_parameters_stay_exact_under_the_schemes() {
 #[test]
 fn scheme_options_and_life_cycle_are_checked() {
     if !python_has("torch") {
-        eprintln!("SKIP scheme_options_and_life_cycle_are_checked: torch is not importable");
+        skip("scheme_options_and_life_cycle_are_checked", "torch is not importable");
         return;
     }
     let t = run_py(2, "option_strings.py", &[]);

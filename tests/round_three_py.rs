@@ -19,12 +19,12 @@ fn python_has(module: &str) -> bool {
 #[test]
 fn torch_build_cache_loads_only_the_users_own_build() {
     if !python_has("torch") {
-        eprintln!("SKIP torch_build_cache_loads_only_the_users_own_build: torch is not importable");
+        skip("torch_build_cache_loads_only_the_users_own_build", "torch is not importable");
         return;
     }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP torch_build_cache_loads_only_the_users_own_build: planting files as another user (nobody) needs root");
+        skip("torch_build_cache_loads_only_the_users_own_build", "planting files as another user (nobody) needs root");
         return;
     }
     let root = env!("CARGO_MANIFEST_DIR");

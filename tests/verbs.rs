@@ -209,16 +209,20 @@ fn harness() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rxe/run-in-vm.sh")
 }
 
-/// Why the VM cannot run here, if it cannot.
-fn vm_unavailable() -> Option<String> {
+/// Whether a VM test runs here: not on a host with an RDMA port (the device_* tests ran
+/// natively there); where the harness cannot run, [`skip`] says why.
+fn vm_runs(test: &str) -> bool {
     if active_port().is_some() {
-        return Some("this host has an RDMA device; the device_* tests ran natively".into());
+        println!("skipped {test}: this host has an RDMA device; the device_* tests ran natively");
+        return false;
     }
-    match Command::new(harness()).arg("--check").output() {
-        Ok(o) if o.status.success() => None,
-        Ok(o) => Some(text(&o).trim().to_string()),
-        Err(e) => Some(format!("cannot run {}: {e}", harness().display())),
-    }
+    let why = match Command::new(harness()).arg("--check").output() {
+        Ok(o) if o.status.success() => return true,
+        Ok(o) => text(&o).trim().to_string(),
+        Err(e) => format!("cannot run {}: {e}", harness().display()),
+    };
+    skip(test, &why);
+    false
 }
 
 /// Stripped copies of this test binary and of gradwire (a smaller guest payload).
@@ -254,8 +258,7 @@ fn in_vm(nodes: usize, filter: &[&str]) {
 
 #[test]
 fn rxe_vm_one_guest() {
-    if let Some(why) = vm_unavailable() {
-        println!("skipped rxe_vm_one_guest: {why}");
+    if !vm_runs("rxe_vm_one_guest") {
         return;
     }
     in_vm(1, &["device_", "--skip", "device_two_nodes"]);
@@ -263,8 +266,7 @@ fn rxe_vm_one_guest() {
 
 #[test]
 fn rxe_vm_two_guests() {
-    if let Some(why) = vm_unavailable() {
-        println!("skipped rxe_vm_two_guests: {why}");
+    if !vm_runs("rxe_vm_two_guests") {
         return;
     }
     in_vm(2, &["device_two_nodes", "--exact"]);
@@ -275,8 +277,7 @@ fn rxe_vm_two_guests() {
 /// harness stops the peer and says which node ended first.
 #[test]
 fn rxe_vm_a_guest_that_fails_to_start_stops_its_peer() {
-    if let Some(why) = vm_unavailable() {
-        println!("skipped rxe_vm_a_guest_that_fails_to_start_stops_its_peer: {why}");
+    if !vm_runs("rxe_vm_a_guest_that_fails_to_start_stops_its_peer") {
         return;
     }
     let mut cmd = Command::new(harness());
