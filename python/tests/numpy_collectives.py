@@ -205,7 +205,17 @@ if world > 1:
     late21, late22 = np.zeros(7, dtype=np.float32), np.zeros(1000, dtype=np.float32)
     comm.recv(late21, prv, 21)
     comm.recv(late22, prv, 22)
-    for what, a, b in [("tag 21", got[21], theirs[21]), ("tag 22", got[22], theirs[22]), ("tag 21, later", late21, theirs[21][:7]), ("tag 22, later", late22, theirs[22])]:
+    # A small send started before an allreduce, received after it: across hosts (tcp) the
+    # allreduce's first message from that peer is the send's, which is read aside.
+    comm.p2p_batch([("send", mine[22], nxt, 24)], async_op=True).wait()
+    total = np.full(1 << 12, rank + 1.0, dtype=np.float32)
+    comm.allreduce(total)
+    after24 = np.zeros(1000, dtype=np.float32)
+    comm.recv(after24, prv, 24)
+    cases += 1
+    if not np.array_equal(total, np.full(1 << 12, world * (world + 1) / 2, dtype=np.float32)):
+        failures.append(f"rank {rank}: the allreduce between a send and its receive gave {total[:3]}")
+    for what, a, b in [("tag 24, received after an allreduce", after24, theirs[22]), ("tag 21", got[21], theirs[21]), ("tag 22", got[22], theirs[22]), ("tag 21, later", late21, theirs[21][:7]), ("tag 22, later", late22, theirs[22])]:
         cases += 1
         if not np.array_equal(a, b):
             failures.append(f"rank {rank}: messages received out of tag order: {what} received wrong data")

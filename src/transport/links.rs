@@ -211,9 +211,9 @@ pub struct Links {
     /// Streams we left in the middle of a frame (no in-band abort frame possible).
     mid_frame: Vec<bool>,
     /// Per peer, point-to-point messages that arrived before their receive was posted,
-    /// read aside while a receive of another tag from that peer waited: point-to-point
-    /// messages are matched by (peer, tag), as torch and MPI match them, and a stream
-    /// delivers them in the order they were sent.
+    /// read aside while a receive of another tag, or a collective's, from that peer waited:
+    /// point-to-point messages are matched by (peer, tag), as torch and MPI match them,
+    /// and a stream delivers them in the order they were sent.
     unexpected: Vec<std::collections::VecDeque<(CallHeader, Vec<u8>)>>,
 }
 
@@ -649,8 +649,9 @@ impl Links {
     }
 
     /// Checks a message's header against the receive's call: None when the message is the
-    /// receive's; the header of a point-to-point message of another tag from the same peer
-    /// (to be read aside, see [`Links::unexpected`]); else the error.
+    /// receive's; the header of a point-to-point message it is not for (another tag's, or
+    /// one where a collective's message was due), to be read aside (see
+    /// [`Links::unexpected`]); else the error.
     fn check_header(&mut self, op: &RecvOp<'_>, raw: &[u8; HEADER_LEN], call: &CallHeader) -> Result<Option<FrameHeader>> {
         let h = FrameHeader::decode(raw).map_err(|e| Error::Protocol(format!("rank {}: message from rank {}: {e}", self.rank, op.peer)))?;
         if h.kind == FrameKind::Abort {
@@ -667,7 +668,9 @@ impl Links {
             return Err(Error::Aborted { rank: self.rank, peer: op.peer, reason: String::from_utf8_lossy(&reason[..got]).into_owned() });
         }
         if h.call != *call {
-            let other_tag = call.op == OpKind::Send && h.call.op == OpKind::Send && h.call.root != call.root && h.step == 0;
+            // A point-to-point message this receive is not for: another tag's, or one sent
+            // before a collective that this receive belongs to.
+            let other_tag = h.call.op == OpKind::Send && h.step == 0 && !(call.op == OpKind::Send && h.call.root == call.root);
             // A payload that comes by rendezvous lands where the receive granted it: only
             // messages below the link's rendezvous size can be read aside.
             let small = |len: usize| self.rendezvous_from(op.peer).is_none_or(|from| len < from);
