@@ -31,7 +31,9 @@ fn under_mpi(launcher: &str, nodes: usize, per_node: usize, program: &[&str]) ->
         .arg(per_node.to_string())
         .args(program)
         .env("PYTHONPATH", format!("{root}/python"))
-        .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"));
+        .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+        // The job's ranks must see no gradwire variable but the library's location.
+        .env_remove("GRADWIRE_TEST_REQUIRE");
     let out = run_with_limit(cmd, Duration::from_secs(400));
     let t = text(&out);
     println!("{t}");
@@ -126,7 +128,7 @@ fn slurm_srun_needs_no_gradwire_variable() {
         .env("HOME", &home)
         .env("PYTHONPATH", format!("{root}/python"))
         .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"));
-    for k in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GRADWIRE_JOB_SECRET", "SLURM_CONF"] {
+    for k in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GRADWIRE_JOB_SECRET", "GRADWIRE_TEST_REQUIRE", "SLURM_CONF"] {
         cmd.env_remove(k);
     }
     let out = run_with_limit(cmd, Duration::from_secs(300));

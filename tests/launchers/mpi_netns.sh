@@ -45,7 +45,7 @@ hydra)
     # Hydra's mpiexec: pip's mpich, else Debian's (Open MPI's may own the name mpiexec).
     mpiexec=
     for m in mpiexec mpiexec.hydra; do
-        "$m" --version 2>/dev/null | grep -q HYDRA && { mpiexec=$m; break; }
+        case "$("$m" --version 2>/dev/null)" in *HYDRA*) mpiexec=$m; break ;; esac
     done
     [ -n "$mpiexec" ] || die "no Hydra mpiexec (pip install mpich)"
     echo "mpi_netns.sh: $mpiexec -n $n -hosts $host_list $*" >&2
