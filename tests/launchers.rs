@@ -14,6 +14,13 @@ fn runs(program: &str, version_flag: &str) -> bool {
     Command::new(program).arg(version_flag).output().map(|o| o.status.success()).unwrap_or(false)
 }
 
+/// Asserts that each of `world` ranks printed `line(rank)`.
+fn every_rank_printed(t: &str, world: usize, line: impl Fn(usize) -> String) {
+    for r in 0..world {
+        assert!(t.contains(&line(r)), "rank {r} did not finish:\n{t}");
+    }
+}
+
 /// Whether Hydra's mpiexec is here, as tests/launchers/mpi_netns.sh looks for it.
 fn has_hydra() -> bool {
     ["mpiexec", "mpiexec.hydra"].iter().any(|m| Command::new(m).arg("--version").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("HYDRA")))
@@ -55,9 +62,7 @@ fn hydra_mpiexec_across_nodes_needs_no_gradwire_variable() {
     assert!(t.contains("1048576"), "no 1 MiB row:\n{t}");
     // Python's Comm(): 4 ranks, gradwire's nodes the namespaces Hydra placed them in.
     let t = under_mpi("hydra", 2, 2, &["python3", &format!("{}/python/tests/launcher_comm.py", env!("CARGO_MANIFEST_DIR")), "--per-node", "2"]);
-    for r in 0..4 {
-        assert!(t.contains(&format!("launcher comm: ok (rank {r} of 4)")), "rank {r} did not finish:\n{t}");
-    }
+    every_rank_printed(&t, 4, |r| format!("launcher comm: ok (rank {r} of 4)"));
 }
 
 #[test]
@@ -72,9 +77,7 @@ fn openmpi_mpirun_across_nodes_needs_no_gradwire_variable() {
     let t = under_mpi("openmpi", 2, 2, &[bin(), "bench", "allreduce", "--check", "-b", "4K", "-e", "1M", "-n", "3"]);
     assert!(t.contains("1048576"), "no 1 MiB row:\n{t}");
     let t = under_mpi("openmpi", 2, 2, &["python3", &format!("{}/python/tests/launcher_comm.py", env!("CARGO_MANIFEST_DIR")), "--per-node", "2"]);
-    for r in 0..4 {
-        assert!(t.contains(&format!("launcher comm: ok (rank {r} of 4)")), "rank {r} did not finish:\n{t}");
-    }
+    every_rank_printed(&t, 4, |r| format!("launcher comm: ok (rank {r} of 4)"));
 }
 
 /// A program that runs on MPI itself (ffi/examples/mpi_unique_id.c, built with Open MPI's
@@ -91,9 +94,7 @@ fn an_mpi_program_broadcasts_the_unique_id_itself() {
     }
     let exe = c_program_with("mpicc.openmpi", "ffi/examples/mpi_unique_id.c", "mpi-unique-id-c-example");
     let t = under_mpi("openmpi", 2, 2, &[exe.to_str().unwrap()]);
-    for r in 0..4 {
-        assert!(t.contains(&format!("rank {r} of 4: ok")), "rank {r} did not finish:\n{t}");
-    }
+    every_rank_printed(&t, 4, |r| format!("rank {r} of 4: ok"));
 }
 
 /// `srun -n 4` on a one-node Slurm cluster (tests/launchers/slurm_single_host.sh), with a

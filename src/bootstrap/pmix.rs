@@ -308,10 +308,10 @@ mod tests {
             .into_iter()
             .find(|d| std::path::Path::new(d).join("pmix.h").exists());
         let Some(include) = include else {
-            crate::skip_test("layouts_match_the_installed_header", "no pmix.h (Debian: libpmix-dev)");
+            crate::test_support::skip_test("layouts_match_the_installed_header", "no pmix.h (Debian: libpmix-dev)");
             return;
         };
-        let here: Vec<(&str, u64)> = vec![
+        let declared: Vec<(&str, u64)> = vec![
             ("sizeof(pmix_proc_t)", std::mem::size_of::<Proc>() as u64),
             ("offsetof(pmix_proc_t, rank)", std::mem::offset_of!(Proc, rank) as u64),
             ("sizeof(pmix_value_t)", std::mem::size_of::<Value>() as u64),
@@ -325,28 +325,9 @@ mod tests {
             ("PMIX_RANK_WILDCARD", PMIX_RANK_WILDCARD as u64),
             ("sizeof(PMIX_JOB_SIZE)", PMIX_JOB_SIZE.to_bytes_with_nul().len() as u64),
         ];
-        let dir = std::env::temp_dir().join(format!("gradwire-pmix-abi-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut c = String::from("#include <stddef.h>\n#include <stdio.h>\n#include <string.h>\n#include <pmix.h>\nint main(void) {\n");
-        for (expr, _) in &here {
-            c += &format!("    printf(\"%llu\\n\", (unsigned long long)({expr}));\n");
-        }
-        c += &format!("    printf(\"%d\\n\", strcmp(PMIX_JOB_SIZE, \"{}\") == 0);\n    return 0;\n}}\n", PMIX_JOB_SIZE.to_str().unwrap());
-        std::fs::write(dir.join("abi.c"), c).unwrap();
-        let cc = match std::process::Command::new("cc").arg(format!("-I{include}")).arg("-o").arg(dir.join("abi")).arg(dir.join("abi.c")).output() {
-            Ok(o) => o,
-            Err(e) => {
-                crate::skip_test("layouts_match_the_installed_header", &format!("no C compiler `cc` ({e})"));
-                return;
-            }
-        };
-        assert!(cc.status.success(), "compiling the layout probe failed:\n{}", String::from_utf8_lossy(&cc.stderr));
-        let out = std::process::Command::new(dir.join("abi")).output().unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
-        let got: Vec<u64> = String::from_utf8_lossy(&out.stdout).lines().map(|l| l.parse().unwrap()).collect();
-        assert_eq!(got.len(), here.len() + 1);
-        let wrong: Vec<String> = here.iter().zip(&got).filter(|((_, h), c)| h != *c).map(|((e, h), c)| format!("{e}: pmix.h {c}, here {h}")).collect();
-        assert!(wrong.is_empty(), "pmix.h disagrees with src/bootstrap/pmix.rs:\n{}", wrong.join("\n"));
-        assert_eq!(got[here.len()], 1, "PMIX_JOB_SIZE is not {:?} in pmix.h", PMIX_JOB_SIZE);
+        let same_key = format!("strcmp(PMIX_JOB_SIZE, {:?}) == 0", PMIX_JOB_SIZE.to_str().unwrap());
+        let mut declared: Vec<(String, u64)> = declared.into_iter().map(|(e, v)| (e.to_string(), v)).collect();
+        declared.push((same_key, 1));
+        crate::test_support::assert_c_values("layouts_match_the_installed_header", Some(include), "pmix.h", &declared, "src/bootstrap/pmix.rs");
     }
 }

@@ -592,33 +592,10 @@ mod tests {
     fn layouts_match_the_system_header() {
         let header = std::path::Path::new("/usr/include/infiniband/verbs.h");
         if !header.exists() {
-            crate::skip_test("layouts_match_the_system_header", &format!("{} is absent (Debian: libibverbs-dev)", header.display()));
+            crate::test_support::skip_test("layouts_match_the_system_header", &format!("{} is absent (Debian: libibverbs-dev)", header.display()));
             return;
         }
-        let dir = std::env::temp_dir().join(format!("gradwire-verbs-abi-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let decl = declared();
-        let mut c = String::from("#include <stddef.h>\n#include <stdio.h>\n#include <infiniband/verbs.h>\nint main(void) {\n");
-        for (expr, _) in &decl {
-            c += &format!("    printf(\"%llu\\n\", (unsigned long long)({expr}));\n");
-        }
-        c += "    return 0;\n}\n";
-        std::fs::write(dir.join("abi.c"), c).unwrap();
-        let cc = match std::process::Command::new("cc").arg("-o").arg(dir.join("abi")).arg(dir.join("abi.c")).output() {
-            Ok(o) => o,
-            Err(e) => {
-                crate::skip_test("layouts_match_the_system_header", &format!("no C compiler `cc` ({e})"));
-                return;
-            }
-        };
-        assert!(cc.status.success(), "compiling the layout probe failed:\n{}", String::from_utf8_lossy(&cc.stderr));
-        let out = std::process::Command::new(dir.join("abi")).output().unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
-        let got: Vec<u64> = String::from_utf8_lossy(&out.stdout).lines().map(|l| l.parse().unwrap()).collect();
-        assert_eq!(got.len(), decl.len());
-        let wrong: Vec<String> =
-            decl.iter().zip(&got).filter(|((_, here), c)| here != *c).map(|((e, here), c)| format!("{e}: verbs.h {c}, here {here}")).collect();
-        assert!(wrong.is_empty(), "verbs.h disagrees with src/transport/verbs/sys.rs:\n{}", wrong.join("\n"));
+        crate::test_support::assert_c_values("layouts_match_the_system_header", None, "infiniband/verbs.h", &declared(), "src/transport/verbs/sys.rs");
     }
 
     #[test]
