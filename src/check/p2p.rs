@@ -1,6 +1,6 @@
 //! Point-to-point messages and one-sided operations against what the peers sent.
 
-use super::case::Gen;
+use super::case::Input;
 use crate::transport::onesided::{Accumulate, AccumulateError};
 use crate::{Communicator, DType, Result};
 use std::sync::Arc;
@@ -19,7 +19,7 @@ pub(super) fn p2p_and_onesided(comm: &Communicator, seed: u64) -> Result<Vec<Str
     // send/recv: even ranks send first, odd ranks receive first (no cycle of blocked sends).
     let n = 7919;
     let (next, prev) = ((me + 1) % w, (me + w - 1) % w);
-    let mine = Gen::new(seed, me, 900_001, DType::F32).take(n);
+    let mine = Input::new(seed, me, 900_001, DType::F32).take(n);
     let out: Vec<f32> = mine.iter().map(|&v| v as f32).collect();
     let mut got = vec![0f32; n];
     if me % 2 == 0 {
@@ -29,7 +29,7 @@ pub(super) fn p2p_and_onesided(comm: &Communicator, seed: u64) -> Result<Vec<Str
         comm.recv(&mut got, prev, 7)?;
         comm.send(&out, next, 7)?;
     }
-    let want = Gen::new(seed, prev, 900_001, DType::F32).take(n);
+    let want = Input::new(seed, prev, 900_001, DType::F32).take(n);
     if got.iter().zip(&want).any(|(g, w)| *g as f64 != *w) {
         bad.push(format!("rank {me}: send/recv from rank {prev}: data differs"));
     }
@@ -41,7 +41,7 @@ pub(super) fn p2p_and_onesided(comm: &Communicator, seed: u64) -> Result<Vec<Str
     let sum_at = own_at + BLOCK_BYTES;
     let region = Arc::new(crate::Region::shared("check-window", sum_at + BLOCK_BYTES)?);
     let block = |r: usize| -> Vec<u8> {
-        let v = Gen::new(seed, r, 900_002, DType::F64).take(BLOCK_BYTES / 8);
+        let v = Input::new(seed, r, 900_002, DType::F64).take(BLOCK_BYTES / 8);
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
     };
     // SAFETY: nobody else can reach the region before `expose` returns.
@@ -86,7 +86,7 @@ pub(super) fn p2p_and_onesided(comm: &Communicator, seed: u64) -> Result<Vec<Str
     let summed = unsafe { std::slice::from_raw_parts(region.as_ptr().add(sum_at) as *const f64, BLOCK_BYTES / 8) };
     let mut want = vec![0f64; BLOCK_BYTES / 8];
     for &p in &senders {
-        want.iter_mut().zip(Gen::new(seed, p, 900_002, DType::F64).take(BLOCK_BYTES / 8)).for_each(|(w, x)| *w += x);
+        want.iter_mut().zip(Input::new(seed, p, 900_002, DType::F64).take(BLOCK_BYTES / 8)).for_each(|(w, x)| *w += x);
     }
     if summed.iter().zip(&want).any(|(s, w)| (s - w).abs() > 1e-9 * (1.0 + w.abs())) {
         bad.push(format!("rank {me}: one-sided accumulates from ranks {senders:?}: sum differs"));
