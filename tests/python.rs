@@ -583,8 +583,8 @@ fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
 /// collectives waited out of order and DASO, BSP and ParameterServer steps, with 2 and 3
 /// ranks, as plain processes, under torchrun and under `gradwire launch`. Every survivor
 /// raises an error naming rank 1 within the deadline (3 s) plus 5 s, or the launcher names
-/// it; no rank crashes (a lost peer during DDP used to SIGSEGV every survivor). gloo runs
-/// the DDP and async cases beside it, reported for comparison.
+/// it; no rank crashes (a lost peer during DDP used to SIGSEGV every survivor). The gloo
+/// cases the script can run beside it (reported, not judged) are left out here.
 #[test]
 fn torch_fault_matrix_names_the_lost_rank() {
     if !python_has("torch") {
@@ -594,6 +594,7 @@ fn torch_fault_matrix_names_the_lost_rank() {
     let root = env!("CARGO_MANIFEST_DIR");
     let mut cmd = Command::new("python3");
     cmd.arg(format!("{root}/python/tests/fault_matrix.py"))
+        .arg("--no-gloo")
         .env("PYTHONPATH", format!("{root}/python"))
         .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
         .env("GRADWIRE_BIN", bin());

@@ -3,9 +3,9 @@ under DDP (with and without a communication hook), wait on async collectives out
 or step one of gradwire's scheme optimizers (DASO, BSP, ParameterServer), with 2 and 3
 ranks, started as plain processes, under torchrun and under `gradwire launch`
 (python/tests/fault_rank.py is one rank). The same script on gloo runs beside it, for
-comparison (reported, not judged).
+comparison (reported, not judged; `--no-gloo` leaves it out, as the test suite does).
 
-    fault_matrix.py [--loops N] [--jobs J] [--only SUBSTRING] [--deadline-s S] [--margin-s S]
+    fault_matrix.py [--loops N] [--jobs J] [--only SUBSTRING] [--deadline-s S] [--margin-s S] [--no-gloo]
 
 Needs GRADWIRE_LIB (libgradwire.so) and, for the launch cases, GRADWIRE_BIN (the gradwire
 command) in the environment, and the package on PYTHONPATH. What each case must show:
@@ -44,7 +44,7 @@ START_LIMIT_S = 240  # start-up to the fault (a fresh cache builds the C++ part 
 CRASH = re.compile(r"Segmentation fault|SIGSEGV|Signal 11|SIGABRT|Signal 6|core dumped|Fatal Python error")
 
 
-def cases():
+def cases(gloo=True):
     """(launcher, scenario, fault, world, backend) of the whole matrix."""
     out = [("plain", s, f, w, "gradwire") for s in SCENARIOS for f in ("kill", "stop") for w in (2, 3)]
     # Each launcher runs every scenario once; between them both faults and both sizes.
@@ -53,7 +53,7 @@ def cases():
         out.append(("torchrun", s, fault, world, "gradwire"))
         out.append(("launch", s, ("stop", "kill")[i % 2], 5 - world, "gradwire"))
     # torch's own backend on the scenarios it can run (the schemes are gradwire's).
-    out += [("plain", s, f, 3, "gloo") for s in ("ddp", "ddp_hook", "async") for f in ("kill", "stop")]
+    out += [("plain", s, f, 3, "gloo") for s in ("ddp", "ddp_hook", "async") for f in ("kill", "stop") if gloo]
     return out
 
 
@@ -215,8 +215,9 @@ def main():
     ap.add_argument("--only", default="", help="run the cases whose line contains this")
     ap.add_argument("--deadline-s", type=float, default=3.0, help="gradwire's and gloo's deadline")
     ap.add_argument("--margin-s", type=float, default=5.0, help="allowed beyond the deadline")
+    ap.add_argument("--no-gloo", action="store_true", help="leave out the gloo cases (they are reported, not judged)")
     a = ap.parse_args()
-    chosen = [c for c in cases() if a.only in " ".join(map(str, c))]
+    chosen = [c for c in cases(gloo=not a.no_gloo) if a.only in " ".join(map(str, c))]
     failed = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs) as pool:
         for loop in range(a.loops):

@@ -4,14 +4,15 @@ batch by batch (global skip, local skip, batches to wait) and epoch by epoch (ev
 parameters, within a relative 1e-5).
 
     heat_compare.py drive CONFIG [CONFIG ...]    # both runs and the comparison
-    heat_compare.py gradwire HEAT_JSON OUT_JSON [VARIANT]  # one rank of gradwire's run (under gradwire launch)
+    heat_compare.py gradwire HEAT_JSON OUT_DIR VARIANT[,VARIANT...]  # one rank of gradwire's runs (under gradwire launch)
 
 CONFIG is one of CONFIGS. `drive` needs Heat, mpi4py and an MPI next to the Python that
 runs it (`.ci/run` installs them: heat without its dependencies, mpi4py, the PyPI mpich
 wheel, scipy), GRADWIRE_BIN (the gradwire command), and root for the namespace nodes.
 Every configuration runs twice on gradwire: with the data on gradwire's host buffers
 (VARIANT "heat") and with the data moved by the Python caller (`device_resident=True`,
-VARIANT "device", the path a CUDA model takes, here on CPU tensors). Prints one line per
+VARIANT "device", the path a CUDA model takes, here on CPU tensors), one after the other in
+one job (each from Heat's starting point, with a DASO of its own). Prints one line per
 run and "heat compare: ok" when every one matches. A control runs the first configuration
 once more with gradwire's `sync_average="change"`, which must not match: the comparison can
 fail.
@@ -37,15 +38,22 @@ CONFIGS = {
 RTOL = 1e-5
 
 
-def gradwire_rank(heat_json, out_json, variant="heat"):
-    """One rank of gradwire's run of Heat's configuration (heat_reference.py's model and
-    data; Heat's starting parameters)."""
+def gradwire_rank(heat_json, out_dir, variants):
+    """One rank of gradwire's runs of Heat's configuration, one per variant (comma-separated),
+    each written to OUT_DIR/gradwire-VARIANT.json by rank 0."""
+    with open(heat_json) as f:
+        ref = json.load(f)
+    for variant in variants.split(","):
+        gradwire_run(ref, os.path.join(out_dir, f"gradwire-{variant}.json"), variant)
+
+
+def gradwire_run(ref, out_json, variant):
+    """One run of Heat's configuration `ref` (heat_reference.py's model and data; Heat's
+    starting parameters) on a model and DASO of its own."""
     import torch
 
     import gradwire.heat as ht
 
-    with open(heat_json) as f:
-        ref = json.load(f)
     args = ref["args"]
     torch.set_num_threads(1)
     rank = ht.MPI_WORLD.rank
@@ -111,6 +119,7 @@ def gradwire_rank(heat_json, out_json, variant="heat"):
         daso.epoch_loss_logic(forced[epoch])
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         epochs.append({"schedule_after": [daso.global_skip, daso.local_skip, daso.batches_to_wait], "params": every_rank(flat)})
+    daso.finish()
     if rank == 0:
         with open(out_json, "w") as f:
             json.dump({"batches": batches, "epochs": epochs}, f)
@@ -155,16 +164,16 @@ def drive(names):
             subprocess.run([mpiexec, "-n", "4", py, os.path.join(HERE, "heat_reference.py"), "--out", ref_path, *CONFIGS[name]], env=env, check=True, timeout=600)
             with open(ref_path) as f:
                 ref = json.load(f)
-            for variant in ("heat", "device", "change") if i == 0 else ("heat", "device"):
-                ours_path = os.path.join(d, f"gradwire-{variant}.json")
-                subprocess.run(
-                    [os.environ["GRADWIRE_BIN"], "launch", "-n", "4", "--netns", "--ranks-per-node", "2", "--"]
-                    + [py, os.path.abspath(__file__), "gradwire", ref_path, ours_path, variant],
-                    env=env,
-                    check=True,
-                    timeout=600,
-                )
-                with open(ours_path) as f:
+            variants = ("heat", "device", "change") if i == 0 else ("heat", "device")
+            subprocess.run(
+                [os.environ["GRADWIRE_BIN"], "launch", "-n", "4", "--netns", "--ranks-per-node", "2", "--"]
+                + [py, os.path.abspath(__file__), "gradwire", ref_path, d, ",".join(variants)],
+                env=env,
+                check=True,
+                timeout=600,
+            )
+            for variant in variants:
+                with open(os.path.join(d, f"gradwire-{variant}.json")) as f:
                     ours = json.load(f)
                 ok, line = compare(name if variant == "heat" else f"{name} ({variant})", ref, ours)
                 if variant == "change":
