@@ -523,7 +523,7 @@ fn torch_backend_without_its_cpp_part_says_why() {
 /// the wheel carries libgradwire.so and the `gradwire` command, and
 /// `init_process_group("gradwire")` works with no import and no gradwire variable, under
 /// torchrun and under the installed `gradwire launch`, outside the repository; the C++
-/// part of the torch backend builds from the installed files.
+/// part of the torch backend loads from the files installed beside it.
 #[test]
 fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
     if !python_has("torch") {
@@ -544,10 +544,8 @@ fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
     ok(Command::new("python3").args(["-m", "venv", "--system-site-packages"]).arg(&venv), "python3 -m venv");
     ok(Command::new(venv.join("bin/pip")).args(["install", "--quiet", &format!("{root}[torch]")]), "pip install .[torch]");
     std::fs::copy(format!("{root}/python/examples/ddp_gradwire.py"), dir.join("ddp_gradwire.py")).unwrap();
-    // A cache of its own: the installed files, not the repository's, build the C++ part.
-    let cache = dir.join("cache");
     let clean = |cmd: &mut Command| {
-        cmd.current_dir(&dir).env("OMP_NUM_THREADS", "1").env("XDG_CACHE_HOME", &cache);
+        cmd.current_dir(&dir).env("OMP_NUM_THREADS", "1");
         for k in ["GRADWIRE_LIB", "PYTHONPATH", "GRADWIRE_JOB_SECRET", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"] {
             cmd.env_remove(k);
         }
@@ -557,8 +555,14 @@ fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
     clean(&mut where_lib);
     let lib = ok(&mut where_lib, "import gradwire");
     assert!(lib.trim().starts_with(venv.to_str().unwrap()), "the library is not the bundled one: {lib}");
-    // The wheel carries the torch backend's C++ source and gradwire.h, which build where it
-    // is installed (into the empty cache above).
+    // The wheel carries the torch backend's C++ source and gradwire.h, the repository's
+    // files: the installed package takes the build the other tests made from them (the
+    // cache is keyed by their contents), built once per run.
+    let site = std::path::Path::new(lib.trim()).parent().unwrap().to_path_buf();
+    for file in ["_torch_group.cpp", "gradwire.h"] {
+        let installed = std::fs::read(site.join(file)).unwrap_or_else(|e| panic!("the wheel lacks {file}: {e}"));
+        assert!(installed == std::fs::read(format!("{root}/python/gradwire/{file}")).unwrap(), "the installed {file} is not the repository's");
+    }
     let mut native = Command::new(venv.join("bin/python"));
     native.args(["-c", "import gradwire._torch_native as n; c, why = n.fast_group(); print('C++ hot path:', c is not None, why, n.__file__)"]);
     clean(&mut native);

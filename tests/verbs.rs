@@ -101,9 +101,12 @@ fn device_mismatched_calls_fail_on_every_rank() {
 }
 
 /// A 64 KiB ring sends every payload of 32 KiB or more by rendezvous; a 1 MiB zone grants
-/// anything larger piece by piece: the whole matrix, larger counts and an 8 MiB run go that
-/// way. With no zone (`GRADWIRE_IB_ZONE_BYTES=0`) every receiver refuses and those payloads
-/// fall back to the ring.
+/// anything larger piece by piece: every collective and algorithm, larger counts and an 8
+/// MiB run go that way. With no zone (`GRADWIRE_IB_ZONE_BYTES=0`) every receiver refuses
+/// and those payloads fall back to the ring. Which path a payload takes depends on its
+/// size alone, so elements of each size (1, 2, 4 and 8 bytes) and two operations stand for
+/// the whole dtype and op matrix, which `device_every_collective_dtype_op_at_2_and_4_ranks`
+/// runs over the same transport.
 #[test]
 fn device_rendezvous_with_a_small_ring() {
     if !device_or_skip("device_rendezvous_with_a_small_ring") {
@@ -116,7 +119,8 @@ fn device_rendezvous_with_a_small_ring() {
     let mixed_chunks = [("GRADWIRE_IB_RING_BYTES", "65536"), ("GRADWIRE_IB_ZONE_BYTES", "1048576"), ("GRADWIRE_RING_CHUNK_BYTES", "33000")];
     for (n, env) in [(2, &small_ring[..]), (4, &small_ring[..]), (2, &no_zone[..]), (4, &mixed_chunks[..])] {
         let large: &[&str] = if n == 2 { &["--large", "8M"] } else { &[] };
-        let args: Vec<&str> = ["check", "--transport", "verbs", "--counts", "0,1,7919,100003"].iter().chain(large).copied().collect();
+        let matrix = ["check", "--transport", "verbs", "--counts", "0,1,7919,100003", "--dtypes", "int8,bfloat16,float32,float64", "--ops", "sum,max"];
+        let args: Vec<&str> = matrix.iter().chain(large).copied().collect();
         let t = ok(&launch(n, &[], &args, env), &format!("{n}-rank verbs matrix with {env:?}"));
         println!("{t}");
         assert!(t.contains(r#"links ["verbs"]"#) && t.contains(" 0 failed"), "{t}");

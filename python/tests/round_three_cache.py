@@ -153,14 +153,20 @@ def main():
                 print(f"cache: ok {name} ({seen['warnings'][0]})", flush=True)
             if ran:
                 os.unlink(marker)
-        # A real build, then its library replaced by the user's own different file.
+        # A real build (the user's, in their own cache: built once per run, copied here
+        # with its record), then its library replaced by the user's own different file.
         xdg = os.path.join(root, "xdg")
         env = {"XDG_CACHE_HOME": xdg, "HOME": home, "TMPDIR": tmp}
-        built = subprocess.run([sys.executable, "-m", "gradwire._torch_native"], env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-        where = built.stdout.strip().rsplit(": ", 1)[-1]
-        if built.returncode != 0 or not os.path.isfile(where):
+        built = subprocess.run([sys.executable, "-m", "gradwire._torch_native"], capture_output=True, text=True, timeout=600)
+        users = built.stdout.strip().rsplit(": ", 1)[-1]
+        if built.returncode != 0 or not os.path.isfile(users):
             failures.append(f"swapped: the build failed:\n{built.stdout}\n{built.stderr}")
         else:
+            where = os.path.join(xdg, "gradwire", key, os.path.basename(users))
+            os.makedirs(os.path.dirname(where), mode=0o700)
+            for suffix, mode in (("", 0o700), (".sha256", 0o600)):
+                shutil.copyfile(users + suffix, where + suffix)
+                os.chmod(where + suffix, mode)
             first = run_group(env)
             shutil.copyfile(so, where)  # the user's own file now, mode unchanged
             seen = run_group(env)
