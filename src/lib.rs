@@ -37,7 +37,7 @@ mod test_support;
 pub mod train;
 pub mod transport;
 
-pub use collective::exchange::Counts;
+pub use collective::exchange::{Counts, P2pOp};
 pub use collective::hierarchical::{HierarchicalAlgo, Hierarchy};
 pub use collective::{Collective, Pending, Request};
 pub use comm::Communicator;

@@ -496,3 +496,37 @@ fn in_place_collectives_on_shared_buffers() {
         assert!(all == &gathered, "rank {r}: allgather in place on shared buffers (seed {seed})");
     }
 }
+
+/// A receive of 0 bytes that finds another tag's message first reads that message aside
+/// before taking its own: it is not done until then, even though its own payload is empty.
+/// Here the message read aside (32 MiB) outgrows what the link holds, so it arrives in
+/// pieces while the batch's next receive from the same peer waits its turn (that receive
+/// once read from the middle of it: "bad frame magic"). Over tcp and shm; the data is
+/// checked.
+#[test]
+fn an_empty_receive_reads_a_large_message_of_another_tag_aside_whole() {
+    use gradwire::{DType, P2pOp};
+    for transport in [TransportChoice::Tcp, TransportChoice::Shm] {
+        let n = 8 << 20;
+        let sent: Vec<f32> = (0..n).map(|i| (i % 9973) as f32 * 0.5 + 1.0).collect();
+        ranks_as_threads(
+            2,
+            |_, c| c.transport = transport,
+            |rank, comm| {
+                let mut big = if rank == 0 { sent.clone() } else { vec![0f32; n] };
+                let mut empty: [f32; 0] = [];
+                let op = |send, tag, count, buf: *mut f32| P2pOp { send, peer: 1 - rank, tag, dtype: DType::F32, count, buf: buf as *mut u8 };
+                let ops = if rank == 0 {
+                    [op(true, 21, n, big.as_mut_ptr()), op(true, 23, 0, empty.as_mut_ptr())]
+                } else {
+                    [op(false, 23, 0, empty.as_mut_ptr()), op(false, 21, n, big.as_mut_ptr())]
+                };
+                // SAFETY: every buffer lives, untouched, until the batch returns.
+                unsafe { comm.run_p2p_batch(&ops) }.unwrap_or_else(|e| panic!("{transport:?}, rank {rank}: {e}"));
+                if rank == 1 {
+                    assert!(big == sent, "{transport:?}: the message read aside arrived changed");
+                }
+            },
+        );
+    }
+}

@@ -56,9 +56,13 @@ impl Counts {
 pub struct P2pOp {
     /// A send (else a receive).
     pub send: bool,
+    /// The other rank.
     pub peer: usize,
+    /// Matches a send with the receive of the same tag from the same peer (in order within a tag).
     pub tag: u32,
+    /// The elements' type.
     pub dtype: DType,
+    /// Elements in `buf`.
     pub count: usize,
     /// Read by a send, written by a receive.
     pub buf: *mut u8,

@@ -192,8 +192,10 @@ impl SendState {
 }
 
 impl RecvState {
+    /// The receive's own header and payload are in. A header read while another message
+    /// is read aside is that message's: a receive of 0 bytes is not complete then.
     fn complete(&self) -> bool {
-        self.header_done == HEADER_LEN && self.payload_done == self.len
+        self.header_done == HEADER_LEN && self.diverted.is_none() && self.payload_done == self.len
     }
 }
 
