@@ -6,28 +6,49 @@
 #   benches/reproduce.sh ddcgu    # ddcgu vs cyclic vs ssgd, rank 1 slowed 3x
 #   benches/reproduce.sh bsp      # bsp (K = 4, 16) vs downpour vs eamsgd vs ssgd, 4 nodes at 1 Gbit/s
 #
-# On PyTorch models through gradwire.torch (benches/torch_reproduce.py; needs torch and
-# scikit-learn, whose digits it trains on), against DDP on gloo and on gradwire:
+# On PyTorch models through gradwire.torch (benches/torch_reproduce.py; it trains on the UCI
+# digits scikit-learn ships, which this script installs where it is missing), each claim on
+# the conv net and the 10.8 M-parameter MLP, against DDP on gloo and on gradwire:
 #
-#   benches/reproduce.sh torch-daso      # 4 nodes x 2 ranks, 1 Gbit/s, the 10.8 M-parameter MLP
+#   benches/reproduce.sh torch-daso      # 4 nodes x 2 ranks, 1 Gbit/s: DASO as Heat runs it and tuned
 #   benches/reproduce.sh torch-daso-10g  # the same at 10 Gbit/s
-#   benches/reproduce.sh torch-bsp       # bsp vs downpour vs eamsgd, 4 nodes x 1 rank, 1 Gbit/s
-#   benches/reproduce.sh torch-ddcgu     # ddcgu vs cyclic vs ssgd, conv net, 2 nodes, rank 1 slowed 3x
+#   benches/reproduce.sh torch-bsp       # bsp (dense, top-k) vs downpour vs eamsgd, 4 nodes x 1 rank, 1 Gbit/s
+#   benches/reproduce.sh torch-ddcgu     # ddcgu vs cyclic vs DDP, 2 nodes, rank 1 slowed 3x
 #
-# REPEATS=N runs every scheme N times (torch claims: 3 by default); the table gives the
-# median and the spread. Add --record to write the claim's section of REPRODUCTION.md
-# (plots, of the first repeat, go to docs/reproduction/).
+# Every run but DASO's trains on past its epochs until 60 s of training have passed (DASO's
+# schedule is fixed by its epochs: they are chosen long enough, and the table flags a run
+# shorter than 60 s). REPEATS=N runs every scheme N times (torch claims: 5 by default), repeat r with seed r
+# (the model's initial weights and the data order; recorded in the CSVs), the schemes and
+# models interleaved so that drift of the machine hits all alike; MODELS="convnet wide"
+# chooses the models. The table gives the median and the spread. Add --record to keep the
+# CSVs in benches/results/reproduction/CLAIM/ and write the claim's section of
+# REPRODUCTION.md (plots, of the first repeat, go to docs/reproduction/); --tables
+# regenerates the section from the kept CSVs without running anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-claim=${1:?usage: benches/reproduce.sh daso|ddcgu|bsp|torch-daso|torch-daso-10g|torch-bsp|torch-ddcgu [--record]}
-record=0
+claim=${1:?usage: benches/reproduce.sh daso|ddcgu|bsp|torch-daso|torch-daso-10g|torch-bsp|torch-ddcgu [--record|--tables]}
+record=0 tables_only=0
 [ "${2:-}" = --record ] && record=1
-cargo build --release --bin gradwire --lib >&2
-gw=$PWD/target/release/gradwire
+[ "${2:-}" = --tables ] && tables_only=1 record=1
+kept=benches/results/reproduction/$claim
 out=target/reproduce/$claim
+cargo build --release --bin gradwire --lib >&2
+if [ $tables_only = 1 ]; then
+  out=$kept
+else
+  rm -rf "$out"
+fi
+gw=$PWD/target/release/gradwire
 mkdir -p "$out" docs/reproduction
-rm -f "$out"/*.csv
-case $claim in torch-*) repeats=${REPEATS:-3} ;; *) repeats=${REPEATS:-1} ;; esac
+case $claim in
+  torch-*)
+    repeats=${REPEATS:-5}
+    python3 -c 'import sklearn' 2>/dev/null || python3 -m pip install --quiet scikit-learn >&2
+    ;;
+  *) repeats=${REPEATS:-1} ;;
+esac
+[ $tables_only = 1 ] && repeats=0
+min_s=${MIN_SECONDS:-60}  # training time every run but DASO's reaches (a smoke test sets 0)
 baseline=ssgd
 run() { # label, launch args..., --, train args...
   local label=$1; shift
@@ -35,80 +56,131 @@ run() { # label, launch args..., --, train args...
   echo "== $label (repeat $rep): gradwire launch ${launch[*]} -- gradwire train $*" >&2
   "$gw" launch "${launch[@]}" -- "$gw" train --label "$label" --csv "$out/$label.r$rep.csv" "$@" >&2
 }
-runpy() { # label, launch args..., --, benches/torch_reproduce.py args...
+runpy() { # label, launch args..., --, benches/torch_reproduce.py args... (for $model, seed $rep)
   local label=$1; shift
   local launch=() ; while [ "$1" != -- ]; do launch+=("$1"); shift; done; shift
-  echo "== $label (repeat $rep): gradwire launch ${launch[*]} -- python3 benches/torch_reproduce.py $*" >&2
+  mkdir -p "$out/$model"
+  echo "== $label, $model, repeat $rep: gradwire launch ${launch[*]} -- python3 benches/torch_reproduce.py --model $model --seed $rep $*" >&2
   PYTHONPATH=$PWD/python GRADWIRE_LIB=$PWD/target/release/libgradwire.so GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
-    "$gw" launch "${launch[@]}" -- python3 benches/torch_reproduce.py --label "$label" --csv "$out/$label.r$rep.csv" "$@" >&2
+    "$gw" launch "${launch[@]}" -- python3 benches/torch_reproduce.py --model "$model" --seed "$rep" \
+    --label "$label" --csv "$out/$model/$label.r$rep.csv" "$@" >&2
 }
-for rep in $(seq 1 "$repeats"); do
+case $claim in torch-*) models=(${MODELS:-convnet wide}) ;; *) models=(builtin) ;; esac
+describe() { # the model's words in a title
+  case $1 in
+    wide) echo "MLP 64-4096-2560-10 (10.8 M parameters)" ;;
+    convnet) echo "conv net (two 3x3 convolutions, 0.3 M parameters)" ;;
+  esac
+}
+# Each claim: its title (for $model), baseline, and the schemes of one repeat (run_all).
 case $claim in
   daso)
     title="DASO vs ssgd: 3 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MLP 256-512-512-10 (0.4 M parameters) on synthetic:12000:256:10, 8 epochs, batch 16 per rank"
-    common=(--data synthetic:12000:256:10 --hidden 512,512 --epochs 8 --batch 16 --lr 0.02)
-    net=(-n 6 --netns --ranks-per-node 2 --link-gbit 1)
-    run ssgd "${net[@]}" -- --strategy ssgd "${common[@]}"
-    run daso "${net[@]}" -- --strategy daso "${common[@]}"
+    run_all() {
+      local common=(--data synthetic:12000:256:10 --hidden 512,512 --epochs 8 --batch 16 --lr 0.02)
+      local net=(-n 6 --netns --ranks-per-node 2 --link-gbit 1)
+      run ssgd "${net[@]}" -- --strategy ssgd "${common[@]}"
+      run daso "${net[@]}" -- --strategy daso "${common[@]}"
+    }
     ;;
   ddcgu)
     title="ddcgu vs cyclic vs ssgd, rank 1 computes 3x slower: 2 ranks (one per core) on shm, MLP 64-256-256-10 on the UCI digits, 12 epochs, batch 32 per rank"
-    common=(--data digits --hidden 256,256 --epochs 12 --slow 1:3)
-    # Plain SGD everywhere (the servers apply plain SGD steps): the schemes are compared,
-    # not the optimizers.
-    run ssgd -n 2 -- --strategy ssgd --lr 0.2 --momentum 0 "${common[@]}"
-    run cyclic -n 2 -- --strategy cyclic --lr 0.2 "${common[@]}"
-    run ddcgu -n 2 -- --strategy ddcgu --lr 0.2 "${common[@]}"
+    run_all() {
+      local common=(--data digits --hidden 256,256 --epochs 12 --slow 1:3)
+      # Plain SGD everywhere (the servers apply plain SGD steps): the schemes are compared,
+      # not the optimizers.
+      run ssgd -n 2 -- --strategy ssgd --lr 0.2 --momentum 0 "${common[@]}"
+      run cyclic -n 2 -- --strategy cyclic --lr 0.2 "${common[@]}"
+      run ddcgu -n 2 -- --strategy ddcgu --lr 0.2 "${common[@]}"
+    }
     ;;
   bsp)
     title="bsp vs downpour vs eamsgd vs ssgd: 4 namespace nodes x 1 rank, links shaped to 1 Gbit/s, MLP 64-256-256-10 on the UCI digits, 12 epochs, batch 32 per rank"
-    common=(--data digits --hidden 256,256 --epochs 12)
-    net=(-n 4 --netns --link-gbit 1)
-    run ssgd "${net[@]}" -- --strategy ssgd --lr 0.05 "${common[@]}"
-    run bsp-K4 "${net[@]}" -- --strategy bsp --interval 4 --lr 0.05 "${common[@]}"
-    run bsp-K16 "${net[@]}" -- --strategy bsp --interval 16 --lr 0.05 "${common[@]}"
-    run downpour "${net[@]}" -- --strategy downpour --lr 0.05 "${common[@]}"
-    run eamsgd "${net[@]}" -- --strategy eamsgd --lr 0.01 --tau 4 "${common[@]}"
+    run_all() {
+      local common=(--data digits --hidden 256,256 --epochs 12)
+      local net=(-n 4 --netns --link-gbit 1)
+      run ssgd "${net[@]}" -- --strategy ssgd --lr 0.05 "${common[@]}"
+      run bsp-K4 "${net[@]}" -- --strategy bsp --interval 4 --lr 0.05 "${common[@]}"
+      run bsp-K16 "${net[@]}" -- --strategy bsp --interval 16 --lr 0.05 "${common[@]}"
+      run downpour "${net[@]}" -- --strategy downpour --lr 0.05 "${common[@]}"
+      run eamsgd "${net[@]}" -- --strategy eamsgd --lr 0.01 --tau 4 "${common[@]}"
+    }
     ;;
   torch-daso|torch-daso-10g)
     gbit=1; [ $claim = torch-daso-10g ] && gbit=10
-    epochs=${EPOCHS:-12}; [ $gbit = 10 ] && epochs=${EPOCHS:-24}
-    title="PyTorch: DASO vs DDP (gloo, gradwire): 4 namespace nodes x 2 ranks, links shaped to $gbit Gbit/s, MLP 64-4096-2560-10 (10.8 M parameters) on the UCI digits, $epochs epochs, batch 16 per rank, SGD lr 0.02 momentum 0.9"
+    epochs=${EPOCHS:-16}
+    title="PyTorch: DASO vs DDP (gloo, gradwire): 4 namespace nodes x 2 ranks, links shaped to $gbit Gbit/s, MODEL on the UCI digits, $epochs epochs (DDP: more where 60 s of training need them), batch 16 per rank, SGD lr 0.02 momentum 0.9; daso-heat: Heat's defaults (4 warm-up and 4 cool-down epochs, its skips, bf16 parameter average); daso-tuned: 2 + 2 epochs, gradwire's variants (cap_phases, sync_average='change')"
     baseline=ddp-gloo
-    common=(--model wide --epochs "$epochs" --batch 16 --lr 0.02)
-    net=(-n 8 --netns --ranks-per-node 2 --link-gbit $gbit)
-    runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo "${common[@]}"
-    runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire "${common[@]}"
-    runpy daso "${net[@]}" -- --scheme daso --warmup 2 --cooldown 2 "${common[@]}"
+    run_all() {
+      local common=(--epochs "$epochs" --batch 16 --lr 0.02)
+      local net=(-n 8 --netns --ranks-per-node 2 --link-gbit $gbit)
+      runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo --min-seconds "$min_s" "${common[@]}"
+      runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire --min-seconds "$min_s" "${common[@]}"
+      runpy daso-heat "${net[@]}" -- --scheme daso "${common[@]}"
+      runpy daso-tuned "${net[@]}" -- --scheme daso --warmup 2 --cooldown 2 --daso-variants "${common[@]}"
+    }
     ;;
   torch-bsp)
     epochs=${EPOCHS:-12}
-    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 4 namespace nodes x 1 rank, links shaped to 1 Gbit/s, MLP 64-4096-2560-10 (10.8 M parameters) on the UCI digits, $epochs epochs, batch 32 per rank; every scheme communicates every 4 steps (K, fetch/push, tau)"
+    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 4 namespace nodes x 1 rank, links shaped to 1 Gbit/s, MODEL on the UCI digits, $epochs epochs or more (to 60 s of training), batch 32 per rank; every scheme communicates every 4 steps (K, fetch/push, tau); bsp-topk sends 1 % of the change; Downpour blocks on its fetches and pushes (gradwire's Downpour has no background form)"
     baseline=ddp-gloo
-    common=(--model wide --epochs "$epochs")
-    net=(-n 4 --netns --link-gbit 1)
-    runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo --lr 0.02 "${common[@]}"
-    runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire --lr 0.02 "${common[@]}"
-    runpy bsp-K4 "${net[@]}" -- --scheme bsp --interval 4 --lr 0.02 "${common[@]}"
-    runpy downpour "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --lr 0.1 "${common[@]}"
-    runpy eamsgd "${net[@]}" -- --scheme eamsgd --tau 4 --lr 0.002 "${common[@]}"
+    run_all() {
+      local common=(--epochs "$epochs" --min-seconds "$min_s")
+      local net=(-n 4 --netns --link-gbit 1)
+      runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo --lr 0.02 "${common[@]}"
+      runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire --lr 0.02 "${common[@]}"
+      runpy bsp-K4 "${net[@]}" -- --scheme bsp --interval 4 --lr 0.02 "${common[@]}"
+      runpy bsp-K4-topk "${net[@]}" -- --scheme bsp --interval 4 --topk 0.01 --lr 0.02 "${common[@]}"
+      runpy downpour-blocking "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --lr 0.1 "${common[@]}"
+      runpy eamsgd "${net[@]}" -- --scheme eamsgd --tau 4 --lr 0.002 "${common[@]}"
+    }
     ;;
   torch-ddcgu)
     epochs=${EPOCHS:-60}
-    title="PyTorch: ddcgu vs cyclic vs synchronous SGD (DDP on gradwire), rank 1 computes 3x slower: 2 namespace nodes x 1 rank (one per core: with more ranks than cores the token waits for the scheduler), links shaped to 1 Gbit/s, conv net (0.3 M parameters) on the UCI digits, $epochs epochs, batch 32, plain SGD lr 0.1 everywhere, the servers applying each push's sum"
-    common=(--model convnet --epochs "$epochs" --lr 0.1 --slow 1:3)
-    net=(-n 2 --netns --link-gbit 1)
-    runpy ssgd "${net[@]}" -- --scheme ddp --backend gradwire --momentum 0 "${common[@]}"
-    runpy cyclic "${net[@]}" -- --scheme cyclic --rule sum "${common[@]}"
-    runpy ddcgu "${net[@]}" -- --scheme ddcgu --rule sum "${common[@]}"
+    title="PyTorch: ddcgu vs cyclic vs synchronous SGD (DDP on gloo and on gradwire), rank 1 computes 3x slower: 2 namespace nodes x 1 rank (one per core: with more ranks than cores the token waits for the scheduler), links shaped to 1 Gbit/s, MODEL on the UCI digits, $epochs epochs or more (to 60 s of training), batch 32, plain SGD; the servers apply each push's sum at lr 0.1 (one step per minibatch, as sequential SGD takes), DDP averages 2 ranks' gradients at the scaled rate 0.2, so every scheme moves the same distance per minibatch"
+    baseline=ddp-gloo
+    run_all() {
+      local common=(--epochs "$epochs" --min-seconds "$min_s" --slow 1:3)
+      local net=(-n 2 --netns --link-gbit 1)
+      runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo --momentum 0 --lr 0.2 "${common[@]}"
+      runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire --momentum 0 --lr 0.2 "${common[@]}"
+      runpy cyclic "${net[@]}" -- --scheme cyclic --rule sum --lr 0.1 "${common[@]}"
+      runpy ddcgu "${net[@]}" -- --scheme ddcgu --rule sum --lr 0.1 "${common[@]}"
+    }
     ;;
   *) echo "unknown claim '$claim' (daso, ddcgu, bsp, torch-daso, torch-daso-10g, torch-bsp, torch-ddcgu)" >&2; exit 2 ;;
 esac
+# Interleaved: every scheme and model once per repeat, repeat after repeat.
+for rep in $(seq 1 "$repeats"); do
+  for model in "${models[@]}"; do run_all; done
 done
-"$gw" plot -o "docs/reproduction/$claim.svg" "$out"/*.r1.csv
-python3 benches/reproduce_table.py "$claim" "$title" "$baseline" "docs/reproduction/$claim.svg" "$out"/*.csv | tee "$out/section.md"
+if [ $record = 1 ] && [ $tables_only = 0 ]; then
+  # The runs of the models run now replace those kept; other models' kept runs stay.
+  mkdir -p "$kept"
+  if [ "${models[*]}" = builtin ]; then
+    rm -f "$kept"/*.csv && cp "$out"/*.csv "$kept"/
+  else
+    for model in "${models[@]}"; do rm -rf "${kept:?}/$model" && cp -r "$out/$model" "$kept/"; done
+  fi
+  out=$kept
+fi
+if [ $record = 1 ] && [ "${models[*]}" != builtin ]; then
+  # The section covers every model with kept runs.
+  models=()
+  for d in "$out"/*/; do [ -d "$d" ] && models+=("$(basename "$d")"); done
+fi
+sections=()
+for model in "${models[@]}"; do
+  dir=$out; name=$claim; t=$title
+  if [ "$model" != builtin ]; then dir=$out/$model; name=$claim-$model; t=${title/MODEL/$(describe "$model")}; fi
+  ls "$dir"/*.csv >/dev/null 2>&1 || { echo "reproduce: no runs in $dir" >&2; exit 1; }
+  "$gw" plot -o "docs/reproduction/$name.svg" "$dir"/*.r1.csv
+  python3 benches/reproduce_table.py "$name" "$t" "$baseline" "docs/reproduction/$name.svg" "$dir"/*.r*.csv > "target/reproduce-$name.md"
+  sections+=("target/reproduce-$name.md")
+done
+cat "${sections[@]}" | tee "target/reproduce-$claim.section.md"
 [ $record = 1 ] || exit 0
-python3 - "$claim" "$out/section.md" <<'PY'
+python3 - "$claim" "target/reproduce-$claim.section.md" <<'PY'
 import sys
 claim, sec = sys.argv[1], open(sys.argv[2]).read()
 doc = open("REPRODUCTION.md").read()

@@ -33,6 +33,7 @@ p.add_argument("--scheme", required=True, choices=["ddp", "daso", "bsp", "downpo
 p.add_argument("--backend", default="gradwire", choices=["gloo", "gradwire"], help="ddp's process group")
 p.add_argument("--model", default="wide", choices=["convnet", "wide"])
 p.add_argument("--epochs", type=int, default=10)
+p.add_argument("--min-seconds", type=float, default=0.0, help="train on past --epochs until this much training time has passed (not daso, whose schedule is fixed by its epochs)")
 p.add_argument("--batch", type=int, default=32, help="per rank")
 p.add_argument("--lr", type=float, default=0.02)
 p.add_argument("--momentum", type=float, default=0.9)
@@ -43,13 +44,16 @@ p.add_argument("--push", type=int, default=1)
 p.add_argument("--tau", type=int, default=4)
 p.add_argument("--beta", type=float, default=0.9)
 p.add_argument("--rule", default="sum", choices=["sum", "mean", "staleness"], help="ddcgu, cyclic: how the servers apply a push")
-p.add_argument("--warmup", type=int, default=2, help="daso")
-p.add_argument("--cooldown", type=int, default=2, help="daso")
+p.add_argument("--warmup", type=int, default=4, help="daso: warm-up epochs (Heat's default 4)")
+p.add_argument("--cooldown", type=int, default=4, help="daso: cool-down epochs (Heat's default 4)")
+p.add_argument("--daso-variants", action="store_true", help="daso: gradwire's own variants (cap_phases, sync_average='change') instead of Heat's schedule and arithmetic")
 p.add_argument("--slow", default="", help="RANK:FACTOR: that rank's compute takes FACTOR times as long")
-p.add_argument("--seed", type=int, default=0)
+p.add_argument("--seed", type=int, default=0, help="the model's initial weights and the data order (recorded in the CSV)")
 p.add_argument("--label", default=None)
 p.add_argument("--csv", default=None)
 a = p.parse_args()
+if a.min_seconds and a.scheme == "daso":
+    p.error("--min-seconds: DASO's schedule is fixed by --epochs (its total_epochs); give it enough epochs instead")
 
 torch.set_num_threads(1)
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -104,16 +108,16 @@ else:
     comm = resolve_comm()
     net = model
     if a.scheme == "daso":
-        # The recorded runs used gradwire's variants (REPRODUCTION.md): phases capped at a
-        # quarter of the run, the synchronous phases averaging every rank's change.
+        # Heat's schedule and arithmetic, or (--daso-variants) gradwire's own: phases capped
+        # at a quarter of the run, the synchronous phases averaging every rank's change.
         scheme = DASO(
             torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum),
             total_epochs=a.epochs,
             warmup_epochs=a.warmup,
             cooldown_epochs=a.cooldown,
             comm=comm,
-            cap_phases=True,
-            sync_average="change",
+            cap_phases=a.daso_variants,
+            sync_average="change" if a.daso_variants else "heat",
         )
         scheme.last_batch = per_epoch - 1
     elif a.scheme == "bsp":
@@ -162,11 +166,13 @@ def mean_over_ranks(v):
 
 f = open(a.csv, "w") if a.csv and rank == 0 else None
 if f:
-    f.write("label,strategy,ranks,epoch,wall_s,train_loss,test_loss,test_acc,mb_sent_per_rank_mean,mb_sent_per_rank_max\n")
+    f.write("label,strategy,ranks,epoch,wall_s,train_loss,test_loss,test_acc,mb_sent_per_rank_mean,mb_sent_per_rank_max,model,seed\n")
 if rank == 0:
     print(f"{label}: {a.model} ({n_params / 1e6:.1f} M parameters), {world} ranks, {per_epoch} steps per rank per epoch", flush=True)
 wall = 0.0
-for epoch in range(a.epochs):
+epoch = -1
+while epoch + 1 < a.epochs or wall < a.min_seconds:
+    epoch += 1
     if not pool:
         sampler.set_epoch(epoch)
     t0 = time.perf_counter()
@@ -199,9 +205,9 @@ for epoch in range(a.epochs):
     sent = scheme.bytes_sent / 1e6 if scheme is not None else float("nan")
     if rank == 0:
         state = scheme.describe() if scheme is not None else ""
-        print(f"epoch {epoch + 1:>3}/{a.epochs}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  test acc {100 * acc:5.1f} %  wall {wall:7.2f} s  {state}", flush=True)
+        print(f"epoch {epoch + 1:>3}/{max(a.epochs, epoch + 1)}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  test acc {100 * acc:5.1f} %  wall {wall:7.2f} s  {state}", flush=True)
         if f:
-            f.write(f"{label},{a.scheme},{world},{epoch + 1},{wall:.3f},{train_loss:.6f},{test_loss:.6f},{acc:.6f},{sent:.3f},{sent:.3f}\n")
+            f.write(f"{label},{a.scheme},{world},{epoch + 1},{wall:.3f},{train_loss:.6f},{test_loss:.6f},{acc:.6f},{sent:.3f},{sent:.3f},{a.model},{a.seed}\n")
             f.flush()
 if scheme is not None:
     scheme.finish()
