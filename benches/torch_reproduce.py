@@ -169,9 +169,24 @@ if f:
     f.write("label,strategy,ranks,epoch,wall_s,train_loss,test_loss,test_acc,mb_sent_per_rank_mean,mb_sent_per_rank_max,model,seed\n")
 if rank == 0:
     print(f"{label}: {a.model} ({n_params / 1e6:.1f} M parameters), {world} ranks, {per_epoch} steps per rank per epoch", flush=True)
+def go_on(epochs_done):
+    """Whether to train another epoch: --epochs not done yet, or (past them) some rank's
+    training time still under --min-seconds. Agreed by every rank (their clocks differ)."""
+    if epochs_done < a.epochs:
+        return True
+    if not a.min_seconds:
+        return False
+    short = float(wall < a.min_seconds)
+    if scheme is None:
+        t = torch.tensor([short])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() > 0
+    return comm.allreduce(np.array([short]), op="max")[0] > 0
+
+
 wall = 0.0
 epoch = -1
-while epoch + 1 < a.epochs or wall < a.min_seconds:
+while go_on(epoch + 1):
     epoch += 1
     if not pool:
         sampler.set_epoch(epoch)
