@@ -108,11 +108,12 @@ case $claim in
     ;;
   torch-daso|torch-daso-10g)
     gbit=1; [ $claim = torch-daso-10g ] && gbit=10
-    epochs=${EPOCHS:-16}
-    title="PyTorch: DASO vs DDP (gloo, gradwire): 4 namespace nodes x 2 ranks, links shaped to $gbit Gbit/s, MODEL on the UCI digits, $epochs epochs (DDP: more where 60 s of training need them), batch 16 per rank, SGD lr 0.02 momentum 0.9; daso-heat: Heat's defaults (4 warm-up and 4 cool-down epochs, its skips, bf16 parameter average); daso-tuned: 2 + 2 epochs, gradwire's variants (cap_phases, sync_average='change')"
+    # DASO's schedule is fixed by its epochs: enough for 60 s of training on each model.
+    epochs_of() { case $1 in convnet) echo "${EPOCHS:-40}" ;; *) echo "${EPOCHS:-16}" ;; esac; }
+    title="PyTorch: DASO vs DDP (gloo, gradwire): 4 namespace nodes x 2 ranks, links shaped to $gbit Gbit/s, MODEL on the UCI digits, EPOCHS epochs (DDP: more where 60 s of training need them), batch 16 per rank, SGD lr 0.02 momentum 0.9; daso-heat: Heat's defaults (4 warm-up and 4 cool-down epochs, its skips, bf16 parameter average); daso-tuned: 2 + 2 epochs, gradwire's variants (cap_phases, sync_average='change')"
     baseline=ddp-gloo
     run_all() {
-      local common=(--epochs "$epochs" --batch 16 --lr 0.02)
+      local common=(--epochs "$(epochs_of "$model")" --batch 16 --lr 0.02)
       local net=(-n 8 --netns --ranks-per-node 2 --link-gbit $gbit)
       runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo --min-seconds "$min_s" "${common[@]}"
       runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire --min-seconds "$min_s" "${common[@]}"
@@ -121,11 +122,11 @@ case $claim in
     }
     ;;
   torch-bsp)
-    epochs=${EPOCHS:-12}
-    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 4 namespace nodes x 1 rank, links shaped to 1 Gbit/s, MODEL on the UCI digits, $epochs epochs or more (to 60 s of training), batch 32 per rank; every scheme communicates every 4 steps (K, fetch/push, tau); bsp-topk sends 1 % of the change; Downpour blocks on its fetches and pushes (gradwire's Downpour has no background form)"
+    epochs_of() { echo "${EPOCHS:-12}"; }
+    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 4 namespace nodes x 1 rank, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme communicates every 4 steps (K, fetch/push, tau); bsp-topk sends 1 % of the change; Downpour blocks on its fetches and pushes (gradwire's Downpour has no background form)"
     baseline=ddp-gloo
     run_all() {
-      local common=(--epochs "$epochs" --min-seconds "$min_s")
+      local common=(--epochs "$(epochs_of "$model")" --min-seconds "$min_s")
       local net=(-n 4 --netns --link-gbit 1)
       runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo --lr 0.02 "${common[@]}"
       runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire --lr 0.02 "${common[@]}"
@@ -136,11 +137,13 @@ case $claim in
     }
     ;;
   torch-ddcgu)
-    epochs=${EPOCHS:-60}
-    title="PyTorch: ddcgu vs cyclic vs synchronous SGD (DDP on gloo and on gradwire), rank 1 computes 3x slower: 2 namespace nodes x 1 rank (one per core: with more ranks than cores the token waits for the scheduler), links shaped to 1 Gbit/s, MODEL on the UCI digits, $epochs epochs or more (to 60 s of training), batch 32, plain SGD; the servers apply each push's sum at lr 0.1 (one step per minibatch, as sequential SGD takes), DDP averages 2 ranks' gradients at the scaled rate 0.2, so every scheme moves the same distance per minibatch"
+    # An epoch of the MLP under DDP takes about 30 s here (43 MB a step over 1 Gbit/s, the
+    # slowed rank): 3 of them pass 60 s, and every run trains at least that long anyway.
+    epochs_of() { case $1 in wide) echo "${EPOCHS:-3}" ;; *) echo "${EPOCHS:-60}" ;; esac; }
+    title="PyTorch: ddcgu vs cyclic vs synchronous SGD (DDP on gloo and on gradwire), rank 1 computes 3x slower: 2 namespace nodes x 1 rank (one per core: with more ranks than cores the token waits for the scheduler), links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32, plain SGD; the servers apply each push's sum at lr 0.1 (one step per minibatch, as sequential SGD takes), DDP averages 2 ranks' gradients at the scaled rate 0.2, so every scheme moves the same distance per minibatch"
     baseline=ddp-gloo
     run_all() {
-      local common=(--epochs "$epochs" --min-seconds "$min_s" --slow 1:3)
+      local common=(--epochs "$(epochs_of "$model")" --min-seconds "$min_s" --slow 1:3)
       local net=(-n 2 --netns --link-gbit 1)
       runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo --momentum 0 --lr 0.2 "${common[@]}"
       runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire --momentum 0 --lr 0.2 "${common[@]}"
@@ -172,7 +175,9 @@ fi
 sections=()
 for model in "${models[@]}"; do
   dir=$out; name=$claim; t=$title
-  if [ "$model" != builtin ]; then dir=$out/$model; name=$claim-$model; t=${title/MODEL/$(describe "$model")}; fi
+  if [ "$model" != builtin ]; then
+    dir=$out/$model; name=$claim-$model; t=${title/MODEL/$(describe "$model")}; t=${t/EPOCHS/$(epochs_of "$model")}
+  fi
   ls "$dir"/*.csv >/dev/null 2>&1 || { echo "reproduce: no runs in $dir" >&2; exit 1; }
   "$gw" plot -o "docs/reproduction/$name.svg" "$dir"/*.r1.csv
   python3 benches/reproduce_table.py "$name" "$t" "$baseline" "docs/reproduction/$name.svg" "$dir"/*.r*.csv > "target/reproduce-$name.md"
