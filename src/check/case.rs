@@ -151,38 +151,38 @@ pub fn run_case(
                 Some((h, algo)) => h.allreduce_bytes(dtype, buf, redop, algo)?,
                 None => run_bytes(comm, req, &[], buf)?,
             }
-            // Which blocks this rank checks against the reference: where every rank must
-            // hold the same bytes (an allreduce: their fingerprints are compared), block b
-            // falls to rank b % w; the root of a reduce checks all of them.
-            let checks: Box<dyn Fn(usize) -> bool> = if op == Collective::Allreduce {
+            // Where every rank must hold the same bytes (an allreduce: their fingerprints are
+            // compared), each checks its share against the reference, block b falling to
+            // rank b % w; the root of a reduce checks every block.
+            let shared = op == Collective::Allreduce;
+            if shared {
                 let fp = fingerprint(buf);
                 let mut all = vec![0f64; 2 * w];
                 comm.allgather(&[(fp >> 32) as f64, (fp & 0xffff_ffff) as f64], &mut all)?;
                 if all.chunks(2).any(|c| c != &all[..2]) {
                     failures.push(format!("rank {me}: {label}: ranks hold different results"));
                 }
-                Box::new(move |block| block % w == me)
-            } else {
-                Box::new(|_| true)
-            };
+            }
             let inputs: Vec<Input> = (0..w).map(|r| Input::new(seed, r, case, dtype)).collect();
             let mut wrong = 0;
             for (block, off) in (0..n).step_by(BLOCK).enumerate() {
                 let m = BLOCK.min(n - off);
                 let bytes = &buf[off * es..(off + m) * es];
-                let (bad, got, want) = if op == Collective::Reduce && me != root {
+                if shared && block % w != me {
+                    continue;
+                }
+                let got = decode(dtype, bytes);
+                // int64 results are compared exactly; every other type within its tolerance.
+                let (want, bad) = if op == Collective::Reduce && me != root {
                     // Any other rank's buffer stays its input.
                     let own = mine.values(off..off + m);
                     let bad = if dtype == DType::I64 { int64_wrong(bytes, own.iter().map(|&v| v as i64)) } else { 0 };
-                    (bad, decode(dtype, bytes), own.iter().map(|&v| (v, 0.0)).collect::<Vec<_>>())
-                } else if checks(block) {
+                    (own.iter().map(|&v| (v, 0.0)).collect::<Vec<_>>(), bad)
+                } else {
                     let stretch: Vec<Vec<f64>> = inputs.iter().map(|input| input.values(off..off + m)).collect();
                     let bad = if dtype == DType::I64 { int64_wrong(bytes, (0..m).map(|i| int64_reference(redop, &stretch, i))) } else { 0 };
-                    (bad, decode(dtype, bytes), (0..m).map(|i| reference(&stretch, i)).collect())
-                } else {
-                    continue;
+                    ((0..m).map(|i| reference(&stretch, i)).collect(), bad)
                 };
-                // int64 results are compared exactly above; every other type within its tolerance.
                 let bad = if dtype == DType::I64 { bad } else { count_wrong(&got, &want) };
                 if bad > 0 && wrong == 0 {
                     if let Some(i) = (0..m).find(|&i| !within(got[i], want[i])) {
