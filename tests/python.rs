@@ -162,18 +162,25 @@ fn pytorch_distributed_tests_pass_on_gradwire() {
         return;
     }
     let root = env!("CARGO_MANIFEST_DIR");
-    for (backend, world) in [("gloo", 2), ("gradwire", 2), ("gradwire", 3)] {
-        let mut cmd = Command::new("python3");
-        cmd.arg(format!("{root}/python/tests/torch_dist_suite.py"))
-            .args(["--backend", backend, "--world-size", &world.to_string(), "--start-method", "fork"])
-            .env("PYTHONPATH", format!("{root}/python"))
-            .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
-            .env("GLOO_SOCKET_IFNAME", "lo")
-            .env("OMP_NUM_THREADS", "1");
-        if backend == "gradwire" {
-            cmd.args(["--expect-fail", &format!("{root}/python/tests/torch_dist_expected_failures.txt")]);
-        }
-        let out = run_with_limit(cmd, Duration::from_secs(900));
+    // The three runs at once: each spends most of its time waiting (torch's tests sleep,
+    // time out and tear down), and each has its own store files.
+    let runs = [("gloo", 2), ("gradwire", 2), ("gradwire", 3)].map(|(backend, world)| {
+        std::thread::spawn(move || {
+            let mut cmd = Command::new("python3");
+            cmd.arg(format!("{root}/python/tests/torch_dist_suite.py"))
+                .args(["--backend", backend, "--world-size", &world.to_string(), "--start-method", "fork"])
+                .env("PYTHONPATH", format!("{root}/python"))
+                .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
+                .env("GLOO_SOCKET_IFNAME", "lo")
+                .env("OMP_NUM_THREADS", "1");
+            if backend == "gradwire" {
+                cmd.args(["--expect-fail", &format!("{root}/python/tests/torch_dist_expected_failures.txt")]);
+            }
+            (backend, world, run_with_limit(cmd, Duration::from_secs(900)))
+        })
+    });
+    for run in runs {
+        let (backend, world, out) = run.join().expect("a run's thread panicked");
         let t = text(&out);
         println!("{backend}, {world} ranks:\n{t}");
         assert!(out.status.success(), "{backend}, {world} ranks: {t}");
@@ -542,7 +549,17 @@ fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
         t
     };
     ok(Command::new("python3").args(["-m", "venv", "--system-site-packages"]).arg(&venv), "python3 -m venv");
-    ok(Command::new(venv.join("bin/pip")).args(["install", "--quiet", &format!("{root}[torch]")]), "pip install .[torch]");
+    // The user's command, whose Rust part cargo builds unoptimised here (its release profile
+    // overridden through cargo's environment, in a target directory of its own, kept between
+    // runs): this test checks what the package carries and that it runs, not the speed of
+    // the code, and an optimised build from nothing takes minutes of the suite's 30.
+    let mut pip = Command::new(venv.join("bin/pip"));
+    pip.args(["install", "--quiet", &format!("{root}[torch]")])
+        .env("CARGO_TARGET_DIR", format!("{root}/target/pip-test"))
+        .env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "0")
+        .env("CARGO_PROFILE_RELEASE_DEBUG", "0")
+        .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "16");
+    ok(&mut pip, "pip install .[torch]");
     std::fs::copy(format!("{root}/python/examples/ddp_gradwire.py"), dir.join("ddp_gradwire.py")).unwrap();
     let clean = |cmd: &mut Command| {
         cmd.current_dir(&dir).env("OMP_NUM_THREADS", "1");

@@ -4,7 +4,7 @@ batch by batch (global skip, local skip, batches to wait) and epoch by epoch (ev
 parameters, within a relative 1e-5).
 
     heat_compare.py drive CONFIG [CONFIG ...]    # both runs and the comparison
-    heat_compare.py gradwire HEAT_JSON OUT_DIR VARIANT[,VARIANT...]  # one rank of gradwire's runs (under gradwire launch)
+    heat_compare.py gradwire HEAT_JSON:OUT_DIR:VARIANT[,VARIANT...] ...  # one rank of gradwire's runs (under gradwire launch)
 
 CONFIG is one of CONFIGS. `drive` needs Heat, mpi4py and an MPI next to the Python that
 runs it (`.ci/run` installs them: heat without its dependencies, mpi4py, the PyPI mpich
@@ -12,7 +12,8 @@ wheel, scipy), GRADWIRE_BIN (the gradwire command), and root for the namespace n
 Every configuration runs twice on gradwire: with the data on gradwire's host buffers
 (VARIANT "heat") and with the data moved by the Python caller (`device_resident=True`,
 VARIANT "device", the path a CUDA model takes, here on CPU tensors), one after the other in
-one job (each from Heat's starting point, with a DASO of its own). Prints one line per
+one job (each from Heat's starting point, with a DASO of its own). Heat's runs of every
+configuration share one MPI job, and gradwire's one launch. Prints one line per
 run and "heat compare: ok" when every one matches. A control runs the first configuration
 once more with gradwire's `sync_average="change"`, which must not match: the comparison can
 fail.
@@ -38,13 +39,16 @@ CONFIGS = {
 RTOL = 1e-5
 
 
-def gradwire_rank(heat_json, out_dir, variants):
-    """One rank of gradwire's runs of Heat's configuration, one per variant (comma-separated),
-    each written to OUT_DIR/gradwire-VARIANT.json by rank 0."""
-    with open(heat_json) as f:
-        ref = json.load(f)
-    for variant in variants.split(","):
-        gradwire_run(ref, os.path.join(out_dir, f"gradwire-{variant}.json"), variant)
+def gradwire_rank(plans):
+    """One rank of gradwire's runs: for each HEAT_JSON:OUT_DIR:VARIANTS, Heat's configuration
+    once per variant (comma-separated), each written to OUT_DIR/gradwire-VARIANT.json by
+    rank 0."""
+    for plan in plans:
+        heat_json, out_dir, variants = plan.split(":")
+        with open(heat_json) as f:
+            ref = json.load(f)
+        for variant in variants.split(","):
+            gradwire_run(ref, os.path.join(out_dir, f"gradwire-{variant}.json"), variant)
 
 
 def gradwire_run(ref, out_json, variant):
@@ -158,22 +162,28 @@ def drive(names):
         mpiexec = "mpiexec"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     failed = 0
-    for i, name in enumerate(names):
-        with tempfile.TemporaryDirectory(prefix=f"gw-heat-{name}-") as d:
-            ref_path = os.path.join(d, "heat.json")
-            subprocess.run([mpiexec, "-n", "4", py, os.path.join(HERE, "heat_reference.py"), "--out", ref_path, *CONFIGS[name]], env=env, check=True, timeout=600)
-            with open(ref_path) as f:
+    with tempfile.TemporaryDirectory(prefix="gw-heat-") as d:
+        ref_paths = {name: os.path.join(d, f"heat-{name}.json") for name in names}
+        variants = {name: ("heat", "device", "change") if i == 0 else ("heat", "device") for i, name in enumerate(names)}
+        heat_args = []
+        for name in names:
+            heat_args += ["--then"] * bool(heat_args) + ["--out", ref_paths[name], *CONFIGS[name]]
+        subprocess.run([mpiexec, "-n", "4", py, os.path.join(HERE, "heat_reference.py"), *heat_args], env=env, check=True, timeout=600)
+        plans = []
+        for name in names:
+            os.mkdir(os.path.join(d, name))
+            plans.append(f"{ref_paths[name]}:{os.path.join(d, name)}:{','.join(variants[name])}")
+        subprocess.run(
+            [os.environ["GRADWIRE_BIN"], "launch", "-n", "4", "--netns", "--ranks-per-node", "2", "--"] + [py, os.path.abspath(__file__), "gradwire", *plans],
+            env=env,
+            check=True,
+            timeout=600,
+        )
+        for name in names:
+            with open(ref_paths[name]) as f:
                 ref = json.load(f)
-            variants = ("heat", "device", "change") if i == 0 else ("heat", "device")
-            subprocess.run(
-                [os.environ["GRADWIRE_BIN"], "launch", "-n", "4", "--netns", "--ranks-per-node", "2", "--"]
-                + [py, os.path.abspath(__file__), "gradwire", ref_path, d, ",".join(variants)],
-                env=env,
-                check=True,
-                timeout=600,
-            )
-            for variant in variants:
-                with open(os.path.join(d, f"gradwire-{variant}.json")) as f:
+            for variant in variants[name]:
+                with open(os.path.join(d, name, f"gradwire-{variant}.json")) as f:
                     ours = json.load(f)
                 ok, line = compare(name if variant == "heat" else f"{name} ({variant})", ref, ours)
                 if variant == "change":
@@ -188,4 +198,4 @@ def drive(names):
 if __name__ == "__main__":
     if sys.argv[1] == "drive":
         sys.exit(drive(sys.argv[2:] or list(CONFIGS)))
-    gradwire_rank(*sys.argv[2:5])
+    gradwire_rank(sys.argv[2:])

@@ -23,6 +23,10 @@ Run (2 "nodes" x 2 ranks, 4 MPI ranks on localhost; 15-21 s wall here on 2 share
         --total-epochs 12 --warmup-epochs 2 --cooldown-epochs 2 --max-global-skips 8 \
         --batches 20 --losses 1,1,1,1,1,1,1,1,1,1,1,1
 
+Several runs in one job (one MPI start and one node group for all, each run from its own
+seed and with a DASO of its own): their arguments one after the other, separated by
+`--then`, each with its own `--out` (`--gpus-per-node` and `--port-base` alike in all).
+
 `--losses` (one value per epoch) is what every rank hands to `epoch_loss_logic`; a
 constant sequence makes Heat's plateau detector fire on every third cycling epoch. Without
 it the epoch's mean training loss of each rank is handed over (Heat averages it over all
@@ -82,7 +86,7 @@ import warnings
 import torch
 
 
-def parse_args():
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON path (written by rank 0)")
     p.add_argument("--total-epochs", type=int, default=12)
@@ -114,7 +118,22 @@ def parse_args():
         action="store_true",
         help="also record every rank's flat params after each step() (batches[i].params)",
     )
-    return p.parse_args()
+    return p.parse_args(argv)
+
+
+def parse_runs(argv):
+    """The arguments of each run: `argv` split at `--then`."""
+    runs, part = [], []
+    for a in argv + ["--then"]:
+        if a == "--then":
+            runs.append(parse_args(part))
+            part = []
+        else:
+            part.append(a)
+    for args in runs[1:]:
+        if (args.gpus_per_node, args.port_base) != (runs[0].gpus_per_node, runs[0].port_base):
+            raise SystemExit("--gpus-per-node and --port-base must be alike in every run of a job")
+    return runs
 
 
 def stub_torchvision():
@@ -168,7 +187,8 @@ def flat_buffers(module):
 
 
 def main():
-    args = parse_args()
+    runs = parse_runs(sys.argv[1:])
+    args = runs[0]
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.jit.script in Heat
     stubbed_tv = stub_torchvision()
@@ -200,7 +220,14 @@ def main():
         rank=local_rank,
         world_size=G,
     )
+    for args in runs:
+        run(args, ht, MPI, world, G, nodes, stubbed_tv, _RealDDP)
+    torch.distributed.destroy_process_group()
 
+
+def run(args, ht, MPI, world, G, nodes, stubbed_tv, _RealDDP):
+    """One run of Heat's DASO with `args`, written to args.out by rank 0."""
+    rank, size = world.rank, world.size
     # --- model, local optimizer, Heat's DASO, Heat's DataParallelMultiGPU ---
     torch.manual_seed(args.seed)  # same on every rank: Heat re-inits params after DDP
     model = Net(args.batchnorm)
@@ -315,7 +342,6 @@ def main():
             f"heat_reference: wrote {args.out} ({len(batches)} batches, {len(epochs)} epochs, "
             f"{elapsed:.1f}s, final params identical on all ranks: {same})"
         )
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
