@@ -7,7 +7,9 @@ ranks directly, so nothing but the fault stops them):
     torch_faults.py mismatch   rank 1 all_reduces 11 elements where the others give 10
     torch_faults.py tag        (2 ranks) rank 0 sends with tag 1, rank 1 receives with tag 2:
                                messages are matched by peer and tag, so rank 1's receive
-                               waits for a message nobody sends and times out naming its tag
+                               waits for a message nobody sends and times out naming its tag;
+                               rank 0's next allreduce, which waits for rank 1 as long, raises
+                               rank 1's reason or, when its own deadline comes first, names rank 1
     torch_faults.py tag_count  (2 ranks) both use tag 1, rank 1 receives 101 elements of 100
 
 Survivors print "caught RuntimeError: ..." with the error torch raised and exit 3.
