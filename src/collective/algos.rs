@@ -427,8 +427,7 @@ pub fn chain_broadcast(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usi
 /// Pipelined chain reduce for large buffers, the chain broadcast reversed: pieces move along
 /// root − 1 → root − 2 → … → root; each rank reduces piece k into its copy as it arrives
 /// while forwarding piece k − 1, so every link carries S once and the reduction overlaps
-/// the transfer (a binomial tree sends S ⌈log2 W⌉ times into the root's link: 4 namespaces
-/// at 10 Gbit/s, 64 MiB, 0.42 GB/s). The ranks between the tail and the root keep their
+/// the transfer (a binomial tree sends S ⌈log2 W⌉ times into the root's link). The ranks between the tail and the root keep their
 /// input: they combine it with what arrives into `work` (as long as `buf`; the others may
 /// pass an empty one) and pass that on. Cost (pieces + W − 2)α + Sβ.
 pub fn chain_reduce(cx: &mut Ctx<'_>, buf: &mut [u8], root: usize, piece: usize, work: &mut [u8]) -> Result<()> {

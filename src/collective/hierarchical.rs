@@ -106,8 +106,7 @@ pub struct Hierarchy {
     pub cross: Communicator,
     world: usize,
     /// The sharded variant's padded buffer and shard, kept between calls: fresh zeroed
-    /// allocations cost a page fault per 4 KiB on every call (measured: 64 MiB allreduces
-    /// ran at a third of the speed).
+    /// allocations cost a page fault per 4 KiB on every call.
     scratch: std::sync::Mutex<(Vec<u64>, Vec<u64>)>,
 }
 

@@ -56,7 +56,7 @@ const APPLIED_AT: usize = 192;
 const LOCK_AT: usize = 256;
 /// Where a shard's parameters start in its window (public so that benchmarks can time raw
 /// one-sided operations on the same offsets: a page-aligned source runs the kernel's tcp
-/// copy at half speed here, see BENCHMARKS.md).
+/// copy at about half speed).
 pub const PARAMS_AT: usize = 320;
 /// Per inbox: pushes applied so far (written by the shard), then the two slots.
 const INBOX_ACK: usize = 0;

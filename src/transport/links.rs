@@ -739,9 +739,7 @@ impl Links {
                 poll(&mut fds, 0);
             }
             // As Open MPI does when oversubscribed: a rank sharing a core gives it to the
-            // peer it waits for, yet sees the data without a sleep and a wake-up (4 ranks on
-            // 2 cores, TCP loopback: 4 KiB 30-35 against 62-66 us, 1 MiB 1.54-1.79 against
-            // 1.02-1.31 GB/s busbw, 16-256 MiB +5-15 %; alternating runs).
+            // peer it waits for, yet sees the data without a sleep and a wake-up.
             WaitStage::Yield => {
                 if poll(&mut fds, 0) == 0 {
                     std::thread::yield_now();

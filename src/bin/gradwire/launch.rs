@@ -48,8 +48,8 @@ fn allowed_cpus() -> Vec<usize> {
 
 /// Pins the calling (child) process to `cpu` before it executes the rank. Like mpirun's
 /// default: ranks that share memory must not end up time-sharing one core while another
-/// idles — measured here, two unbound ranks that settle on one core halve the shm
-/// allreduce's bandwidth (8.4 to 1.8 GB/s at 4 MiB).
+/// idles (two unbound ranks that settle on one core lose most of the shm allreduce's
+/// bandwidth).
 fn bind_to(cmd: &mut Command, cpu: usize) {
     use std::os::unix::process::CommandExt;
     // SAFETY: only async-signal-safe calls between fork and exec.

@@ -224,8 +224,7 @@ enum How<'s> {
 /// rank attach; else staged, with the stores `stores` has timed faster. One rank decides
 /// for all: ranks that each chose for themselves fell out of step (attach needs them all,
 /// so one rank's probe of it staged and left its chooser a call apart from the others')
-/// and then never tried attach together again, staging at 2.4x its time (2 ranks,
-/// broadcast, 1 MiB: 85 against 35 us).
+/// and then never tried attach together again, staging at more than twice its time.
 #[allow(clippy::too_many_arguments)] // the collective's own state, split so each part can be borrowed
 fn pulled_or_staged<B: Deref<Target = [u8]>>(
     cx: &ShmCtx<'_>,
@@ -589,9 +588,8 @@ fn shm_allreduce(cx: &ShmCtx<'_>, state: &mut OneHostState, buf: &mut [u8], dtyp
 pub const SMALL_MAX: usize = 64 << 10;
 
 /// The small form has every rank read every input (W·S bytes); beyond this the staged
-/// form, where each rank reduces 1/W of them, wins. Alternating runs, 4 ranks: 4 KiB
-/// 6.2-6.7 µs against 11.7-17.5 staged, 16 KiB 13-19 against 17, 32 KiB 22-32 against
-/// 22-23, 64 KiB 39-48 against 34-42; 2 ranks: even at 64 KiB.
+/// form, where each rank reduces 1/W of them, wins (at 4 ranks from about 32-64 KiB; at 2
+/// ranks the two are even at 64 KiB).
 const SMALL_READ_MAX: usize = 128 << 10;
 
 /// Room for the call header in front of each half of the small form's area (a cache line).
@@ -636,12 +634,8 @@ const BLOCK: usize = 32 << 10;
 /// From this size on, the ranks agree on a form that works in the peers' buffers: buffers
 /// that every rank maps take the zero-copy form, private ones cross-memory attach where
 /// the kernel lets every rank reach every peer. Agreeing costs a call that stages anyway
-/// one barrier, about 5 % at 2-4 MiB and 4 ranks (30-40 % at 128-512 KiB), while mapped
-/// buffers gain 2-6x over staging at every size from 128 KiB (2 ranks, alternating runs),
-/// and private ones through cross-memory attach, against staged (3-4 alternating turns):
-/// 2 ranks 256 KiB 20-24 against 36-46 us, 512 KiB 38-40 against 78-89, 1-2 MiB 12.3-14.4
-/// against 6.4-7.9 GB/s busbw; 4 ranks on 2 cores, 256 KiB 79-85 against 83-96 us, 512 KiB
-/// 152-159 against 160-196, 1 MiB 353-376 against 385-424, 2 MiB 736-984 against 745-779.
+/// one barrier, a large share of the call below 256 KiB and a small one above, where
+/// mapped buffers and cross-memory attach both beat staging.
 pub const LARGE_MIN: usize = 256 << 10;
 
 /// Where some rank cannot attach, only calls from this size agree (on zero-copy or not):

@@ -205,9 +205,8 @@ const MIN_BROADCAST_SEGMENT: usize = 64 << 10;
 
 /// Broadcast: the root's `buf` into every rank's, pipelined through the two halves of the
 /// root's staged area: the root writes segment k + 1 into one half while the others copy
-/// segment k out of the other (one barrier per segment would serialise the two copies:
-/// 2 ranks, 16 and 64 MiB, 15.1 and 12.1 GB/s against the links' pipelined chain's 24.7
-/// and 20.6). Phase base + k + 1 says, from the root, that segment k is in its half k % 2;
+/// segment k out of the other (one barrier per segment would serialise the two copies
+/// and fall behind the links' pipelined chain). Phase base + k + 1 says, from the root, that segment k is in its half k % 2;
 /// from any other rank, that it has copied segment k out. The call ends with one barrier
 /// for all (every rank then stands at the same phase). A call the halves would cut into
 /// fewer than [`BROADCAST_SEGMENTS`] segments goes in smaller ones (of at least

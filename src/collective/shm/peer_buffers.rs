@@ -15,8 +15,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// Bytes of a part reduced and then written to the peers at a time: the block is still in
-/// L2 when it is written (and 256 KiB was the fastest block for cross-memory attach, 2
-/// ranks, 16 MiB: 9.2, 13.1, 10.8 and 10.2 GB/s with 64 KiB, 256 KiB, 1 and 4 MiB).
+/// L2 when it is written (and 256 KiB timed fastest for cross-memory attach among 64 KiB
+/// to 4 MiB blocks).
 pub(super) const PEER_BLOCK: usize = 256 << 10;
 
 /// What the ranks agreed on for a large call.
@@ -104,10 +104,8 @@ pub(super) fn agree_on_form(cx: &ShmCtx<'_>, attach: &mut Attach, want_attach: b
 
 /// Cross-memory attach (`process_vm_readv`/`process_vm_writev`): the kernel copies
 /// between this process's memory and a peer's, once, where staging copies every byte into
-/// shared memory and out again. 2 ranks, private buffers, alternating with the staged form
-/// (benches/peers/cma_probe.c, kernel 6.18): 4 and 16 MiB 12.1-12.3 against 6.1-7.4 GB/s
-/// busbw, 64 MiB 6.9-7.0 against 5.7-5.9, 256 MiB 6.6-6.8 against 5.4-5.6; 4 ranks on 2
-/// cores, 4-16 MiB 3.9-5.1 against 2.9-3.0, 64 MiB even.
+/// shared memory and out again (benches/peers/cma_probe.c times both; the report is
+/// docs/benchmarks.md).
 pub(super) struct Attach {
     /// `GRADWIRE_SHM_CMA`; cleared for good when the kernel refuses (permissions do not
     /// come back within a job).

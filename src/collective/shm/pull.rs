@@ -14,11 +14,8 @@
 //!
 //! Private buffers take cross-memory attach or staging (`parts`), whichever rank 0 has
 //! timed faster for the collective and size on this host (`OneHostState::part_forms`): the kernel
-//! pins the peer's pages for every call, which on one host cost more than staging's second
-//! copy at every size (2 ranks, allgather 8.5-10.6 against 15.1-19.3 GB/s busbw at 1-4
-//! MiB, 3.7 against 4.7 at 64 MiB) and on another less (2 ranks, allgather, alternating,
-//! 1 MiB 55-76 against 109-120 us, 4-16 MiB 1.1-1.2x, 64 MiB even; Open MPI's vader,
-//! which copies the same way, 65-72 us at 1 MiB there).
+//! pins the peer's pages for every call, which on one host costs more than staging's second
+//! copy at every size and on another less.
 
 use super::peer_buffers::{attach_error, reduce_staged_ends, PEER_BLOCK};
 use super::staged::{copy_out, streams_out};

@@ -11,11 +11,8 @@ use std::time::{Duration, Instant};
 
 /// Staged allreduce (see the module comment). A rank's own part does not pass through
 /// staging on the way in: it is reduced in its buffer, then staged once for the peers
-/// (2 ranks, medians of 5 alternating runs: 1 MiB 14.8 against 8.2 GB/s busbw, 64 MiB
-/// 9.4 against 7.0, with every part staged both ways). Segments of about 1 MiB keep the
-/// staging areas in cache (every part staged, 16 and 64 MiB: 2 ranks 4.3-4.4 GB/s with
-/// 16 MiB segments, 6.7-7.1 with 2 MiB and 6.2-7.3 with 1 MiB; 4 ranks 3.0-3.6 with
-/// 4 MiB, 3.7-4.5 with 2 MiB, 4.1-4.8 with 1 MiB).
+/// (one copy fewer than staging every part both ways). Segments of about 1 MiB keep the
+/// staging areas in cache, which larger segments do not.
 ///
 /// Returns how long the call took, less the wait for the peers to arrive at its first
 /// barrier: what [`StoreChooser`] compares.
@@ -85,7 +82,7 @@ pub(super) fn shm_allreduce_staged(cx: &ShmCtx<'_>, buf: &mut [u8], dtype: DType
             // The call ends with every copy-out done, as every other form ends: no later
             // call needs to reason about this one, and the time [`StoreChooser`] compares
             // ends at the same moment on every rank (without it, ranks timed differently
-            // and fell out of step on their choice: 4 ranks, 512 KiB, 213 against 324 us).
+            // and fell out of step on their choice, which cost half as much again).
             cx.advance(base + 1);
             cx.wait_all(base + 1)?;
             return Ok(first_copy_in + since.elapsed());
@@ -114,11 +111,9 @@ pub(super) fn copy_out(dst: &mut [u8], src: &[u8], streaming: bool) {
 /// when `streaming` (x86-64), so the lines go to memory instead of staying modified in this
 /// core's cache, from where every peer's read has to fetch them. ([`copy_out`] writes
 /// outputs too large for the cache with it too, fenced alike.) How fast that fetch is
-/// changes on a virtual machine from one minute to the next: two processes handing 512 KiB
-/// back and forth (benches/peers/handoff.c) ran at 3.4-4.8 GB/s with plain copies against
-/// 16-20 with streaming ones in some minutes, and 14-16 either way in others, where plain
-/// stores win by keeping everything in cache (2 ranks, 1-4 MiB: 12-13 against 6.3 GB/s
-/// busbw). Hence [`StoreChooser`].
+/// changes on a virtual machine from one minute to the next (benches/peers/handoff.c): in
+/// some minutes streaming stores are several times faster, in others plain stores win by
+/// keeping everything in cache. Hence [`StoreChooser`].
 ///
 /// # Safety
 /// `dst..dst + src.len()` is writable and does not overlap `src`.

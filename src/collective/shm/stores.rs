@@ -11,9 +11,8 @@ use std::time::Duration;
 /// call only warms up (page faults, cold caches); then each kind is timed twice, in turns of
 /// two calls, and the faster one is kept. Only the second call of a turn is timed: the first
 /// after a change of kind pays for the change (cache lines the other kind left where this
-/// one does not want them), which steady use of a kind never does; timed, a 2-rank 1 MiB
-/// broadcast through cross-memory attach took 78-80 us right after a staged call against
-/// 25 us in a row, and staging lost every first try. The other is tried again (two calls)
+/// one does not want them), which steady use of a kind never does (a first call after a
+/// change took about three times as long as one in a row). The other is tried again (two calls)
 /// after 32 calls, then twice as seldom each time it loses again, at most every 1024 calls: a host whose cache
 /// hand-off slows down shows in the kind in use within three calls, one that recovers
 /// within the probe interval, and trying the slower kind costs little once the interval has

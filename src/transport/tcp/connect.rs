@@ -113,8 +113,7 @@ fn finish(s: TcpStream) -> Result<Box<dyn Link>> {
     s.set_read_timeout(None).ok();
     // Socket buffers stay with the kernel's autotuning. Fixed 4 MiB buffers were slower:
     // data waits longer between the sender's copy in and the receiver's copy out and
-    // leaves the cache (interleaved runs: 4 ranks on loopback 0.90-0.94 against
-    // 1.06-1.07 GB/s busbw, 4 namespaces at 10 Gbit/s 0.63-0.64 against 0.72).
+    // leaves the cache.
     s.set_nonblocking(true).map_err(|e| Error::io("set tcp link nonblocking", e))?;
     Ok(Box::new(TcpLink { stream: s }))
 }
