@@ -13,8 +13,8 @@
 # attach: one copy per byte moved) or through staging in shared memory (two copies, in user
 # space). Through the kernel, each rank must fetch its part of every peer's buffer and put
 # the result into every peer's: the copies-only figure. An allreduce also reduces, so it
-# stays below that figure; gradwire's staged form measured lower still (BENCHMARKS.md).
-# --record replaces this script's section of BENCHMARKS.md (after the part compare.sh writes).
+# stays below that figure; gradwire's staged form measured lower still (docs/benchmarks.md).
+# --record replaces this script's section of docs/benchmarks.md (after the part compare.sh writes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 record=0

@@ -209,7 +209,7 @@ meta netns_params "-b $NETNS_MIN -e $NETNS_MAX -f $FACTOR -n $NETNS_ITERS -w $NE
 meta torch_params "-b $MIN -e $MAX -f $FACTOR -n $ITERS -w $WARMUP, W = $TORCH_RANKS, one host, collectives {$TORCH_COLLS}"
 
 # ---- 1. dependencies and builds -----------------------------------------------
-if ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1; then
+if ! { command -v "$MPICC" && command -v "$MPIRUN"; } >/dev/null 2>&1; then
     if [ "$DO_INSTALL" = 1 ]; then
         log "installing Open MPI (apt-get install -y openmpi-bin libopenmpi-dev)"
         apt-get update -qq >"$RESULTS/logs/apt.log" 2>&1 || true
@@ -219,6 +219,7 @@ if ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1; then
         log "mpicc/mpirun missing and --no-install given"
     fi
 fi
+openmpi_commands  # as installed now
 
 gradwire_status
 GW_OK=0; [ "$GW_STATUS" = ok ] && GW_OK=1
@@ -228,13 +229,13 @@ meta gradwire_rev "$(cd "$ROOT" && { git rev-parse --short HEAD 2>/dev/null || e
 meta gradwire_bin "${GW//"$ROOT/"/}"
 
 MPI_STATUS=ok
-if ! command -v mpicc >/dev/null 2>&1; then
+if ! command -v "$MPICC" >/dev/null 2>&1; then
     MPI_STATUS="n/a (mpicc not installed)"
-elif ! mpicc -O2 -Wall -Wextra -o "$BUILD/mpi_collectives" "$PEERS/mpi_collectives.c" >"$RESULTS/logs/mpicc.log" 2>&1; then
+elif ! "$MPICC" -O2 -Wall -Wextra -o "$BUILD/mpi_collectives" "$PEERS/mpi_collectives.c" >"$RESULTS/logs/mpicc.log" 2>&1; then
     MPI_STATUS="n/a (mpicc failed, see $RESULTS/logs/mpicc.log)"
 fi
 meta mpi_status "$MPI_STATUS"
-meta mpi_version "$(mpirun --version 2>/dev/null | head -1)"
+meta mpi_version "$("$MPIRUN" --version 2>/dev/null | head -1)"
 
 GLOO_STATUS=ok
 torch_ok || GLOO_STATUS="n/a (torch not importable)"
@@ -350,7 +351,7 @@ part_local() {  # part_local REPEAT
                 # pml ob1 so that the btl choice is honoured; vader = shared memory.
                 # shellcheck disable=SC2086
                 run_one mpi "$coll" "$w" local "$rep" \
-                    mpirun --allow-run-as-root --oversubscribe -np "$w" \
+                    "$MPIRUN" --allow-run-as-root --oversubscribe -np "$w" \
                     --mca pml ob1 --mca btl self,vader $MPI_EXTRA \
                     "$BUILD/mpi_collectives" -c "$coll" "${BENCH_ARGS[@]}" --csv CSV
             else

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # benches/compare.sh -- side-by-side allreduce benchmark: gradwire vs Open MPI
-# vs Gloo (torch.distributed), same sizes, same machine, one run; writes
-# BENCHMARKS.md at the repository root, headed by a "Targets" table (the
-# performance targets of the issue "Make the CPU paths beat Open MPI and
-# Gloo", judged from this run's medians).
+# vs Gloo (torch.distributed), same sizes, same machine, one run; writes a
+# report headed by a summary of the performance targets (judged from this run's
+# medians), with a chart per table: target/peers/benchmarks.md, or with
+# --record the report users read, docs/benchmarks.md, from the run's CSVs kept
+# in benches/results/compare/ (committed).
 #
 #   benches/compare.sh                  # full run: all parts, 3 repeats (~16 min on 2 cores)
+#   benches/compare.sh --record         # the same, kept and written into docs/benchmarks.md
+#   benches/compare.sh --report         # no run: docs/benchmarks.md from the kept run
 #   benches/compare.sh --quick          # smoke test: up to 16M, 1 repeat (~2 min)
 #   benches/compare.sh --parts netns    # only the network-namespace part
 #   benches/compare.sh --parts bound    # only the transport ceilings
@@ -52,8 +55,9 @@
 #      with the same sizes and iterations for every tool; every run is
 #      wrapped in `timeout`;
 #   5. benches/peers/merge.py takes the median per cell across repeats and
-#      writes the markdown (targets, tables, exact commands).
-# Raw CSVs, logs and the run list stay in target/peers/results/.
+#      writes the markdown (summary, targets, charts, tables, exact commands).
+# Raw CSVs, logs and the run list stay in target/peers/results/; --record
+# copies the CSVs, the run list and the setup into benches/results/compare/.
 #
 # Network namespaces: this script creates none itself.  `gradwire launch
 # --netns` creates gw<pid>n<i> + bridge gwb<pid> and removes them at exit;
@@ -77,7 +81,10 @@ MIN=4K MAX=256M FACTOR=4 ITERS=20 WARMUP=5 REPEATS=3
 RANKS="2 4"
 TRANSPORTS="shm tcp"
 TOOLS="gradwire mpi gloo"
-OUT="$ROOT/BENCHMARKS.md"
+OUT="$ROOT/target/peers/benchmarks.md"
+KEPT="$ROOT/benches/results/compare"   # the recorded run (--record, --report)
+REPORT="$ROOT/docs/benchmarks.md"
+RECORD=0
 RUN_TIMEOUT=""          # seconds per launch; default depends on MAX
 INSTALL_TORCH=0
 DO_BUILD=1
@@ -103,7 +110,7 @@ usage: benches/compare.sh [options]
   -f, --factor F        size multiplier, local and netns parts (default $FACTOR)
   -n, --iters N         timed iterations per size (default $ITERS)
   -w, --warmup N        untimed warmup iterations per size (default $WARMUP)
-  --repeats R           repeats of every part, interleaved; BENCHMARKS.md shows medians
+  --repeats R           repeats of every part, interleaved; docs/benchmarks.md shows medians
                         (default $REPEATS)
   --ranks "2 4"         world sizes, local and latency parts (default "$RANKS")
   --transports "shm tcp"  gradwire/MPI transports (default "$TRANSPORTS"; Gloo is always TCP)
@@ -129,7 +136,9 @@ usage: benches/compare.sh [options]
   --mpi-args "ARGS"     extra mpirun arguments (recorded in the output)
   --mpi-out-of-place    MPI_Allreduce with separate send/recv buffers (default: MPI_IN_PLACE,
                         like gradwire's bench and Gloo)
-  --out FILE            markdown output (default BENCHMARKS.md at the repo root)
+  --out FILE            markdown output (default target/peers/benchmarks.md)
+  --record              keep the run in benches/results/compare/ and write docs/benchmarks.md
+  --report              run nothing: write docs/benchmarks.md from benches/results/compare/
   --install-torch       pip-install a torch that imports on this CPU-only machine if missing
   --no-build            do not run cargo build --release (use the existing binary)
   --no-install          never run apt-get/pip
@@ -169,6 +178,10 @@ while [ $# -gt 0 ]; do
         --mpi-args) MPI_EXTRA=$2; shift ;;
         --mpi-out-of-place) MPI_PLACE="--out-of-place" ;;
         --out) OUT=$2; shift ;;
+        --record) RECORD=1 ;;
+        --report)
+            "${PYTHON:-python3}" "$PEERS/merge.py" --results "$KEPT" --out "$REPORT"
+            exit ;;
         --install-torch) INSTALL_TORCH=1 ;;
         --no-build) DO_BUILD=0 ;;
         --no-install) DO_INSTALL=0 ;;
@@ -232,7 +245,7 @@ meta tools "$TOOLS"
 meta mpi_place "$([ "$MPI_PLACE" = --inplace ] && echo in-place || echo out-of-place)"
 
 # ---- 1. dependencies --------------------------------------------------------
-if has_tool mpi && ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1; then
+if has_tool mpi && ! { command -v "$MPICC" && command -v "$MPIRUN"; } >/dev/null 2>&1; then
     if [ "$DO_INSTALL" = 1 ]; then
         log "installing Open MPI (apt-get install -y openmpi-bin libopenmpi-dev)"
         apt-get update -qq >"$RESULTS/logs/apt.log" 2>&1 || true
@@ -242,6 +255,7 @@ if has_tool mpi && ! { command -v mpicc && command -v mpirun; } >/dev/null 2>&1;
         log "mpicc/mpirun missing and --no-install given"
     fi
 fi
+openmpi_commands  # as installed now
 
 if has_tool gloo && ! torch_ok && [ "$INSTALL_TORCH" = 1 ] && [ "$DO_INSTALL" = 1 ]; then
     log "installing torch (~2 GB download; log: $RESULTS/logs/install_torch.log)"
@@ -267,13 +281,13 @@ meta rustc "$(rustc --version 2>/dev/null || echo '?')"
 MPI_STATUS=ok
 if ! has_tool mpi; then
     MPI_STATUS="not run (--tools)"
-elif ! command -v mpicc >/dev/null 2>&1; then
+elif ! command -v "$MPICC" >/dev/null 2>&1; then
     MPI_STATUS="n/a (mpicc not installed)"
-elif ! mpicc -O2 -o "$BUILD/mpi_collectives" "$PEERS/mpi_collectives.c" >"$RESULTS/logs/mpicc.log" 2>&1; then
+elif ! "$MPICC" -O2 -o "$BUILD/mpi_collectives" "$PEERS/mpi_collectives.c" >"$RESULTS/logs/mpicc.log" 2>&1; then
     MPI_STATUS="n/a (mpicc failed)"
 fi
 meta mpi_status "$MPI_STATUS"
-meta mpi_version "$(mpirun --version 2>/dev/null | head -1)"
+meta mpi_version "$("$MPIRUN" --version 2>/dev/null | head -1)"
 
 GLOO_STATUS=ok
 if ! has_tool gloo; then
@@ -428,7 +442,7 @@ part_local() {  # part_local REPEAT
                 # pml ob1 so the btl choice is honoured (the ucx pml would bypass it).
                 # shellcheck disable=SC2086
                 run_one mpi "$w" "$tr" "$rep" \
-                    mpirun --allow-run-as-root --oversubscribe -np "$w" \
+                    "$MPIRUN" --allow-run-as-root --oversubscribe -np "$w" \
                     --mca pml ob1 "${BTL[@]}" $MPI_EXTRA \
                     "$BUILD/mpi_collectives" -c allreduce "${BENCH_ARGS[@]}" -d float32 -o sum \
                     $MPI_PLACE --csv CSV
@@ -464,7 +478,7 @@ part_latency() {  # part_latency REPEAT: shm only, gradwire and Open MPI
             mpi_btl shm
             # shellcheck disable=SC2086
             run_one mpi "$w" lat-shm "$rep" \
-                mpirun --allow-run-as-root --oversubscribe -np "$w" \
+                "$MPIRUN" --allow-run-as-root --oversubscribe -np "$w" \
                 --mca pml ob1 "${BTL[@]}" $MPI_EXTRA \
                 "$BUILD/mpi_collectives" -c allreduce "${LAT_ARGS[@]}" -d float32 -o sum \
                 $MPI_PLACE --csv CSV
@@ -575,5 +589,14 @@ if { has_part netns || has_part bound; } && [ "$NETNS_STATUS" = ok ]; then
 fi
 
 # ---- 5. merge -------------------------------------------------------------------
+if [ "$RECORD" = 1 ]; then
+    rm -rf "$KEPT"
+    mkdir -p "$KEPT/csv" "$KEPT/logs"
+    cp "$META" "$RUNS" "$KEPT/"
+    cp "$RESULTS"/csv/*.csv "$KEPT/csv/" 2>/dev/null
+    # merge.py reads the mpirun line of the namespace runs from their logs
+    grep -lE '^mpi_netns.sh: [^ ]*mpirun[^ ]* ' "$RESULTS"/logs/*.log 2>/dev/null | xargs -r cp -t "$KEPT/logs/"
+    RESULTS=$KEPT OUT=$REPORT
+fi
 "$PYTHON" "$PEERS/merge.py" --results "$RESULTS" --out "$OUT" || { log "merge.py failed"; exit 1; }
 log "wrote $OUT (raw data: $RESULTS)"

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The DDP overhead report (a BENCHMARKS.md section and an SVG bar chart) from the CSV that
+"""The DDP overhead report (a docs/benchmarks.md section and an SVG bar chart) from the CSV that
 benches/ddp_overhead.py writes; nothing in it is typed by hand.
 
     python3 benches/ddp_overhead_report.py benches/results/ddp_overhead.csv [--record]
 
---record writes the section into BENCHMARKS.md (benches/record_section.py) and the chart to
+--record writes the section into docs/benchmarks.md (benches/record_section.py) and the chart to
 docs/benchmarks/ddp_overhead.svg; without it the section is printed.
 """
 import argparse

@@ -6,6 +6,15 @@
 
 log() { printf '[%s %s] %s\n' "$PROG" "$(date +%H:%M:%S)" "$*" >&2; }
 
+# Open MPI's commands by their Debian names where they exist: another MPI may own `mpirun`
+# and `mpicc` on PATH (the PyPI mpich wheel the Heat comparison installs does).
+openmpi_commands() {
+    MPIRUN=$(command -v mpirun.openmpi || command -v mpirun || echo mpirun)
+    MPICC=$(command -v mpicc.openmpi || command -v mpicc || echo mpicc)
+    export MPIRUN
+}
+openmpi_commands
+
 to_bytes() {  # 4K -> 4096
     local s=$1 n m=1
     case "$s" in

@@ -5,7 +5,7 @@
 # time per ring size), on shm and tcp here and on verbs inside the rxe guest.
 #
 #   benches/ps_bench.sh            # print the section
-#   benches/ps_bench.sh --record   # also write it into BENCHMARKS.md
+#   benches/ps_bench.sh --record   # also write it into docs/benchmarks.md
 #
 # Environment: REPEATS (default 3; each cell is the median), NO_VM=1 skips verbs. About
 # 4 minutes on 2 cores (the guest boot included).

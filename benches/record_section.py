@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes one section (a markdown text starting with its "## " heading) into BENCHMARKS.md.
+"""Writes one section (a markdown text starting with its "## " heading) into the benchmark
+report, docs/benchmarks.md.
 
     python3 benches/record_section.py SECTION.md
 
@@ -9,7 +10,7 @@ sections other scripts write (rxe_compare.sh, ps_bench.sh, tbf_wire.sh).
 """
 import sys
 
-PATH = "BENCHMARKS.md"
+PATH = "docs/benchmarks.md"
 KEEP = "<!-- Sections below are written by other scripts (benches/rxe_compare.sh --record); merge.py keeps them. -->"
 
 section = open(sys.argv[1]).read().strip("\n") + "\n"

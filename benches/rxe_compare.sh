@@ -4,7 +4,7 @@
 # 2-rank allreduce busbw, same device, same sizes, medians of REPEATS turns.
 #
 #   benches/rxe_compare.sh            # print the table
-#   benches/rxe_compare.sh --record   # also write it into BENCHMARKS.md (its verbs section)
+#   benches/rxe_compare.sh --record   # also write it into docs/benchmarks.md (its verbs section)
 #
 # Environment: SIZES (default "65536 1048576 4194304 16777216"), BYTES moved per size, tool
 # and repeat (default 64 MiB), REPEATS (default 3); GRADWIRE_* variables are passed to the

@@ -7,7 +7,7 @@
 #
 # payload / charged is the most of the link rate any TCP allreduce's busbw can reach here
 # (target 3b asks for 95 %); busy = bytes charged per call / (link rate x time per call).
-# --record replaces this script's section of BENCHMARKS.md (after the part compare.sh writes).
+# --record replaces this script's section of docs/benchmarks.md (after the part compare.sh writes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 record=0

@@ -5,7 +5,7 @@
 # same sizes, one run; ratios within it.
 #
 #   benches/torch_compare.sh            # print the tables
-#   benches/torch_compare.sh --record   # also write them into BENCHMARKS.md
+#   benches/torch_compare.sh --record   # also write them into docs/benchmarks.md
 #
 # Environment: RANKS (default "2 4"), SIZES (default 4 KiB to 256 MiB, x4), DDP_STEPS (10),
 # REPEATS (3): gradwire's runs (torch and bench) and the DDP steps alternate that many

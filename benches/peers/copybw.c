@@ -1,6 +1,6 @@
 /*
  * copybw.c -- this machine's single-thread memory bandwidth, printed beside
- * the allreduce tables in BENCHMARKS.md as "the machine's measured copy
+ * the allreduce tables in docs/benchmarks.md as "the machine's measured copy
  * bandwidth".
  *
  * Three kernels over BUF_MIB (default 256 MiB) float buffers, pages touched

@@ -1,6 +1,6 @@
 /*
  * handoff.c -- how fast two cores hand data to each other through shared
- * memory, printed beside the allreduce tables in BENCHMARKS.md.
+ * memory, printed beside the allreduce tables in docs/benchmarks.md.
  *
  * Two threads pinned to CPUs 0 and 1. Each round, each copies BLOCK_KIB
  * (default 512 KiB) of its private buffer into its half of a shared buffer,

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""merge.py -- turn benches/compare.sh's raw results into BENCHMARKS.md.
+"""merge.py -- turn benches/compare.sh's raw results into the benchmark report
+(docs/benchmarks.md, its charts in docs/benchmarks/).
 
 Input (a results directory written by compare.sh):
   meta.tsv   key<TAB>value lines (date, uname, CPU, copy bandwidth, command...)
@@ -15,7 +16,9 @@ Input (a results directory written by compare.sh):
              from there)
 
 Output: markdown with
-  * "Targets": every performance target of the issue "Make the CPU paths
+  * "Summary" (one screen): each target's ratio and verdict, and gradwire's
+    busbw over the best peer's per table;
+  * "Targets in detail": every performance target of the issue "Make the CPU paths
     beat Open MPI and Gloo", judged from this run's medians (met / not met);
   * one table per (W, transport) of the local part: per size the median
     busbw of each tool across repeats (with the +-spread when repeats > 1),
@@ -26,6 +29,8 @@ Output: markdown with
   * the small-message latency table (latency part);
   * one table per link rate of the netns part, with gradwire's fraction of
     the link rate;
+  * beside each of those tables an SVG chart of busbw against size (median,
+    min-max bars), written next to the output in benchmarks/;
   * "Transport ceilings" (bound part): per (W, TCP loopback / netns rate)
     and size, the median payload rate of tcpring's ring streams (a ring
     allreduce's per-link traffic with no reduction: the rate the sockets
@@ -35,12 +40,13 @@ Output: markdown with
     3a, 3b and 4 (context: met / not met does not depend on them);
   * the exact commands.
 
-Usage: merge.py --results DIR [--out BENCHMARKS.md]
+Usage: merge.py --results DIR [--out docs/benchmarks.md]
 """
 import argparse
 import csv
 import math
 import os
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -222,7 +228,7 @@ def load(results):
             try:
                 with open(logf) as f:
                     for line in f:
-                        if line.startswith("mpi_netns.sh: mpirun "):
+                        if re.match(r"mpi_netns\.sh: \S*mpirun\S* ", line):
                             inner[key] = line[len("mpi_netns.sh: "):].strip()
             except OSError:
                 pass
@@ -716,16 +722,87 @@ def targets(res, meta, copy_bw, ranks_local, transports, cores=(0, None)):
     lines = ["| " + " | ".join(head) + " |",
              "|---|---|---:|---|---:|---:|---:|---:|---|---|"]
     tally = defaultdict(int)
+    short = ["| # | target | W | sizes | gradwire / reference | threshold | result |",
+             "|---|---|---:|---|---:|---:|---|"]
     # by target id, then W (stable: the order rows were made in within one id)
     rows.sort(key=lambda r: r[0].split(" ", 1)[0])
     for r in rows:
         tid, _, name = r[0].partition(" ")
         lines.append("| " + " | ".join((tid, name) + tuple(r[1:]) +
                                        (ceil.get((r[0], r[1]), ceil.get((tid, r[1]), "—")),)) + " |")
+        short.append("| " + " | ".join((tid, name, r[1], r[2], r[5], r[6], r[7])) + " |")
         res_cell = r[-1]
         tally["met" if res_cell == "**met**" else
               "not met" if res_cell.startswith("**not met") else "n/a"] += 1
-    return lines, tally
+    return lines, tally, short
+
+
+# ---- plots (SVG written by hand: no plotting package needed) ------------------------
+COLOURS = {"gradwire": "#1f77b4", "mpi": "#d62728", "gloo": "#2ca02c", "bound": "#7f7f7f"}
+
+
+def svg_plot(title, series, path):
+    """A busbw-against-size line chart: `series` is [(name, colour, [(size, median, lo, hi)])],
+    the size axis in powers of two; min-max of the repeats as a bar at each point."""
+    pts = [p for _, _, ps in series for p in ps]
+    if not pts:
+        return False
+    width, height, left, right, top, bottom = 640, 320, 60, 150, 30, 40
+    xs = sorted({p[0] for p in pts})
+    lx = [math.log2(x) for x in xs]
+    x0, x1 = min(lx), max(lx) if max(lx) > min(lx) else min(lx) + 1
+    ymax = max(p[3] for p in pts) * 1.08 or 1.0
+
+    def X(size):
+        return left + (math.log2(size) - x0) / (x1 - x0) * (width - left - right)
+
+    def Y(v):
+        return top + (1 - v / ymax) * (height - top - bottom)
+
+    el = [f'<text x="{left}" y="18" font-weight="bold">{title}</text>',
+          f'<line x1="{left}" y1="{Y(0):.1f}" x2="{width - right}" y2="{Y(0):.1f}" stroke="black"/>',
+          f'<line x1="{left}" y1="{top}" x2="{left}" y2="{Y(0):.1f}" stroke="black"/>',
+          f'<text x="12" y="{top + (height - top - bottom) / 2:.0f}" transform="rotate(-90 12 '
+          f'{top + (height - top - bottom) / 2:.0f})" text-anchor="middle">busbw GB/s</text>']
+    step = 10 ** math.floor(math.log10(ymax / 4)) if ymax > 0 else 1
+    step *= next(f for f in (1, 2, 5, 10) if ymax / (step * f) <= 6)
+    v = 0.0
+    while v <= ymax:
+        el.append(f'<line x1="{left}" y1="{Y(v):.1f}" x2="{width - right}" y2="{Y(v):.1f}" stroke="#ddd"/>')
+        el.append(f'<text x="{left - 4}" y="{Y(v) + 4:.1f}" text-anchor="end">{v:g}</text>')
+        v += step
+    for size in xs:
+        el.append(f'<text x="{X(size):.1f}" y="{height - bottom + 16}" text-anchor="middle">{human(size)}</text>')
+    for i, (name, colour, ps) in enumerate(series):
+        ps = sorted(ps)
+        if len(ps) > 1:
+            el.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="'
+                      + " ".join(f"{X(a):.1f},{Y(m):.1f}" for a, m, _, _ in ps) + '"/>')
+        for a, m, lo, hi in ps:
+            el.append(f'<line x1="{X(a):.1f}" y1="{Y(lo):.1f}" x2="{X(a):.1f}" y2="{Y(hi):.1f}" stroke="{colour}"/>')
+            el.append(f'<circle cx="{X(a):.1f}" cy="{Y(m):.1f}" r="2.5" fill="{colour}"/>')
+        ly = top + 16 * i
+        el.append(f'<line x1="{width - right + 10}" y1="{ly}" x2="{width - right + 28}" y2="{ly}" stroke="{colour}" stroke-width="2"/>')
+        el.append(f'<text x="{width - right + 32}" y="{ly + 4}">{name}</text>')
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+                f'font-family="sans-serif" font-size="12">' + "".join(el) + "</svg>\n")
+    return True
+
+
+def plot_series(res, keys, labels):
+    """[(label, colour, [(size, median, min, max)])] of each tool's busbw that has data."""
+    out = []
+    for t, key in keys.items():
+        ps = []
+        for size in res.sizes(key):
+            vals = [r["busbw"] for r in res.rows(key, size)]
+            if vals:
+                ps.append((size, statistics.median(vals), min(vals), max(vals)))
+        if ps:
+            out.append((labels[t], COLOURS[t], ps))
+    return out
 
 
 def geomean(xs):
@@ -744,7 +821,7 @@ def parse_csvish(value, keys_hint):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", required=True)
-    ap.add_argument("--out", default="BENCHMARKS.md")
+    ap.add_argument("--out", default="docs/benchmarks.md")
     args = ap.parse_args()
 
     meta = read_meta(os.path.join(args.results, "meta.tsv"))
@@ -785,17 +862,29 @@ def main() -> int:
 
     out = []
     w = out.append
-    w("# Allreduce benchmarks: gradwire vs Open MPI vs Gloo")
+    plots = os.path.join(os.path.dirname(os.path.abspath(args.out)), "benchmarks")
+
+    def plot(name, title, keys, labels):
+        """Writes the chart and puts its image into the report."""
+        path = os.path.join(plots, name)
+        if svg_plot(title, plot_series(res, keys, labels), path):
+            w(f"![{title}]({os.path.relpath(path, os.path.dirname(os.path.abspath(args.out)))})")
+            w("")
+
+    w("# Benchmarks: gradwire against Open MPI and Gloo")
     w("")
-    w("Generated by `benches/compare.sh`; do not edit by hand, re-run it instead.")
+    w(f"Generated by `benches/peers/merge.py` from the run kept in `{os.path.relpath(args.results)}` "
+      "(`benches/compare.sh --record` runs and keeps one; `benches/compare.sh --report` "
+      "regenerates this page from the kept run). Do not edit by hand.")
     w("")
     if meta.get("load_warning"):
         w(f"> **Warning:** {meta['load_warning']}.")
         w("")
+    w("@@SUMMARY@@")
 
     # ---- targets
-    tlines, tally = targets(res, meta, copy_bw, ranks, transports, cores)
-    w("## Targets")
+    tlines, tally, tshort = targets(res, meta, copy_bw, ranks, transports, cores)
+    w("## Targets in detail")
     w("")
     w("The performance targets of the issue \"Make the CPU paths beat Open MPI and Gloo\" "
       "(float32 SUM allreduce), judged by `benches/peers/merge.py` from **this run's "
@@ -970,6 +1059,10 @@ def main() -> int:
                 w(f"## W = {wsz}, transport = {tr}" if tr not in GW_SHM_KINDS else
                   f"## W = {wsz}, transport = shm, {GW_SHM_HEADINGS[tr]}")
                 w("")
+                gw_label = {"shm-shared": "gradwire (alloc)", "shm-registered": "gradwire (registered)"}.get(tr, "gradwire")
+                plot(f"allreduce-w{wsz}-{tr}.svg", f"allreduce, W = {wsz}, {tr}",
+                     {t: local_key(t, wsz, tr) for t, _ in TOOLS},
+                     {"gradwire": gw_label, "mpi": "Open MPI", "gloo": "Gloo (tcp)" if tr != "tcp" else "Gloo"})
                 if len(lines) <= 2:
                     w("_No data._")
                 else:
@@ -997,6 +1090,8 @@ def main() -> int:
             w(f"## W = {nw} network namespaces, links shaped to {rate_label(rate)} "
               f"(link rate {rate / 8:g} GB/s)")
             w("")
+            plot(f"allreduce-netns-{r}g.svg", f"allreduce, {nw} namespaces, {rate_label(rate)} links",
+                 {t: (t, nw, kind) for t, _ in TOOLS}, {"gradwire": "gradwire", "mpi": "Open MPI", "gloo": "Gloo"})
             lines, ratios = table_netns(res, nw, kind)
             if len(lines) <= 2:
                 w("_No data._")
@@ -1049,15 +1144,22 @@ def main() -> int:
             missing_notes([(bkey, "tcpring")])
             w("")
 
+    top = ["## Summary", "",
+           f"float32 SUM allreduce, {meta.get('nproc', '?')} cores ({meta.get('cpu_model', '?')}), "
+           f"{meta.get('date', '?')[:10]}, gradwire {meta.get('gradwire_rev', '?').split(' ')[0]}; "
+           f"medians of {repeats} repeat(s). The performance targets, judged from this run "
+           "(figures and ceilings in \"Targets in detail\"):", ""]
+    top += tshort + ["", f"**{tally['met']} met, {tally['not met']} not met, {tally['n/a']} n/a** "
+                     f"(of {sum(tally.values())} rows).", ""]
     if summary:
-        w("## Summary: gradwire / best-peer busbw (geometric mean over sizes)")
-        w("")
-        w("| W | transport | all sizes | sizes ≥ 1 MiB |")
-        w("|---:|---|---:|---:|")
+        top += ["gradwire's busbw over the best peer's (geometric mean over the sizes of each table):", "",
+                "| W | transport | all sizes | sizes ≥ 1 MiB |", "|---:|---|---:|---:|"]
         for wsz, tr, g_all, g_big in summary:
             big = "n/a" if math.isnan(g_big) else f"{g_big:.2f}×"
-            w(f"| {wsz} | {tr} | {g_all:.2f}× | {big} |")
-        w("")
+            top.append(f"| {wsz} | {tr} | {g_all:.2f}× | {big} |")
+        top.append("")
+    at = out.index("@@SUMMARY@@")
+    out[at:at + 1] = top
 
     w("## Exact commands")
     w("")

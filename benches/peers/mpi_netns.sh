@@ -94,7 +94,7 @@ done
 export GW_MPI_NETNS_PREFIX=$prefix
 host_list=$(IFS=,; echo "${hosts[*]}")
 # shellcheck disable=SC2054  # the commas are Open MPI's list syntax
-cmd=(mpirun --allow-run-as-root -np "$WORLD_SIZE" --host "$host_list" --bind-to none
+cmd=("${MPIRUN:-mpirun}" --allow-run-as-root -np "$WORLD_SIZE" --host "$host_list" --bind-to none
      --mca plm_rsh_agent "$SELF --agent" --mca plm_rsh_no_tree_spawn 1
      --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include eth0
      --mca oob_tcp_if_include eth0)

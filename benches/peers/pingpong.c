@@ -1,7 +1,7 @@
 /*
  * pingpong.c -- this machine's loopback TCP round-trip time with *blocking*
  * reads (each hop wakes a sleeping process), printed beside the tables in
- * BENCHMARKS.md: it is the latency floor of any transport that sleeps in the
+ * docs/benchmarks.md: it is the latency floor of any transport that sleeps in the
  * kernel while waiting (Gloo does), as opposed to one that busy-polls.
  *
  * Output: one CSV line (with -H, a header line first):  rtt_us_mean,rtt_us_min
