@@ -228,4 +228,7 @@ if scheme is not None:
     scheme.finish()
 if f:
     f.close()
+if dist.is_initialized():
+    # Left to the interpreter's exit, gloo's threads once ended a rank with SIGABRT.
+    dist.destroy_process_group()
 sys.exit(0)
