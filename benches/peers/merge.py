@@ -738,7 +738,7 @@ def targets(res, meta, copy_bw, ranks_local, transports, cores=(0, None)):
 
 
 # ---- plots (SVG written by hand: no plotting package needed) ------------------------
-COLOURS = {"gradwire": "#1f77b4", "mpi": "#d62728", "gloo": "#2ca02c", "bound": "#7f7f7f"}
+COLOURS = {"gradwire": "#1f77b4", "mpi": "#d62728", "gloo": "#2ca02c"}
 
 
 def svg_plot(title, series, path):
@@ -764,7 +764,7 @@ def svg_plot(title, series, path):
           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{Y(0):.1f}" stroke="black"/>',
           f'<text x="12" y="{top + (height - top - bottom) / 2:.0f}" transform="rotate(-90 12 '
           f'{top + (height - top - bottom) / 2:.0f})" text-anchor="middle">busbw GB/s</text>']
-    step = 10 ** math.floor(math.log10(ymax / 4)) if ymax > 0 else 1
+    step = 10 ** math.floor(math.log10(ymax / 4))
     step *= next(f for f in (1, 2, 5, 10) if ymax / (step * f) <= 6)
     v = 0.0
     while v <= ymax:
@@ -862,13 +862,10 @@ def main() -> int:
 
     out = []
     w = out.append
-    plots = os.path.join(os.path.dirname(os.path.abspath(args.out)), "benchmarks")
-
     def plot(name, title, keys, labels):
-        """Writes the chart and puts its image into the report."""
-        path = os.path.join(plots, name)
-        if svg_plot(title, plot_series(res, keys, labels), path):
-            w(f"![{title}]({os.path.relpath(path, os.path.dirname(os.path.abspath(args.out)))})")
+        """Writes the chart beside the report (in benchmarks/) and puts its image into it."""
+        if svg_plot(title, plot_series(res, keys, labels), os.path.join(os.path.dirname(os.path.abspath(args.out)), "benchmarks", name)):
+            w(f"![{title}](benchmarks/{name})")
             w("")
 
     w("# Benchmarks: gradwire against Open MPI and Gloo")
