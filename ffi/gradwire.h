@@ -145,6 +145,24 @@ int gradwire_barrier(gradwire_comm_t *comm);
  * other ranks' recvbuf is scratch space of count elements). */
 int gradwire_reduce(gradwire_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count,
                     gradwire_dtype_t dtype, gradwire_op_t op, int root);
+/* How a collective's sendbuf and recvbuf (their sizes in bytes) lie on this rank of comm,
+ * by the one rule every call, host and GPU, applies: GRADWIRE_LAYOUT_APART (no byte
+ * shared), GRADWIRE_LAYOUT_IN_PLACE (the same buffer: allreduce, broadcast, reduce),
+ * GRADWIRE_LAYOUT_BLOCK (NCCL's in-place block of an allgather or a reduce-scatter) or
+ * GRADWIRE_LAYOUT_OVERLAPPING (shared otherwise: the call refuses it). A framework that
+ * accepts such buffers, as torch does, asks it to know when it must copy. */
+#define GRADWIRE_CALL_ALLREDUCE 0u
+#define GRADWIRE_CALL_BROADCAST 1u
+#define GRADWIRE_CALL_REDUCE 2u
+#define GRADWIRE_CALL_ALLGATHER 3u
+#define GRADWIRE_CALL_REDUCE_SCATTER 4u
+#define GRADWIRE_CALL_ALLTOALL 5u
+#define GRADWIRE_LAYOUT_APART 0
+#define GRADWIRE_LAYOUT_IN_PLACE 1
+#define GRADWIRE_LAYOUT_BLOCK 2
+#define GRADWIRE_LAYOUT_OVERLAPPING 3
+int gradwire_buffer_layout(gradwire_comm_t *comm, unsigned int collective, const void *sendbuf, size_t sendbytes,
+                           const void *recvbuf, size_t recvbytes, int *layout);
 /* Non-blocking broadcast, allgather and reduce-scatter: as the blocking calls, returning at
  * once; wait with gradwire_wait, buffers valid until then. */
 int gradwire_ibroadcast(gradwire_comm_t *comm, void *buf, size_t count, gradwire_dtype_t dtype, int root,

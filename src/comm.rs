@@ -5,6 +5,7 @@ use crate::bootstrap::{Bootstrap, StoreClient, Topology};
 use crate::collective::algos::{dissemination_barrier, Ctx};
 use crate::collective::exchange::P2pCounters;
 use crate::collective::shm::OneHost;
+use crate::collective::state::SharedState;
 use crate::config::Config;
 use crate::dtype::{DType, ReduceOp};
 use crate::engine::{Engine, EngineState, Job, Work};
@@ -36,6 +37,8 @@ pub struct Communicator {
     /// Transport used to reach each peer (`None`: this rank).
     link_kinds: Vec<Option<Transport>>,
     engine: Engine,
+    /// What the collectives keep between their calls.
+    pub(crate) collectives: SharedState,
     windows: Windows,
     pub(crate) p2p: P2pCounters,
     pub(crate) rendezvous: Rendezvous,
@@ -164,8 +167,8 @@ impl Communicator {
         let spin = if here > cpus { Duration::ZERO } else { cfg.spin };
         log::debug!("rank {rank}: {here} ranks on this host, {cpus} CPUs for them: spin {} us before yielding", spin.as_micros());
         let links = Links::new(rank, links, abort.clone(), spin);
-        let one_host = shm.clone().map(|dom| Box::new(OneHost::new(dom, shm_reaches_all, spin, cfg.shm_stores, cfg.shm_cma)) as Box<dyn std::any::Any + Send>);
-        let state = EngineState::new(rank, size, links, shm, abort, global_ranks.clone()).with_store(store.clone(), prefix).with_above(one_host);
+        let one_host = shm.clone().map(|dom| OneHost::new(dom, shm_reaches_all, spin, cfg.shm_stores, cfg.shm_cma));
+        let state = EngineState::new(rank, size, links, shm, abort, global_ranks.clone()).with_store(store.clone(), prefix);
         let engine = Engine::start(state, cfg.timeout, format!("gradwire-{prefix}-r{rank}"))?;
         Ok(Communicator {
             rank,
@@ -175,6 +178,7 @@ impl Communicator {
             config: cfg,
             link_kinds,
             engine,
+            collectives: SharedState::new(one_host),
             windows: Windows::new(verbs),
             p2p: P2pCounters::default(),
             rendezvous,

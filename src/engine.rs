@@ -27,17 +27,6 @@ pub struct EngineState {
     pub links: Links,
     pub shm: Option<Arc<ShmDomain>>,
     pub abort: Arc<AtomicBool>,
-    /// What the collectives layer keeps between its operations (the one-host allreduce),
-    /// opaque to the engine: operations reach it through the `&mut` they run with, so it
-    /// needs neither a lock nor a reference count.
-    pub above: Option<Box<dyn std::any::Any + Send>>,
-    /// A work buffer kept between operations (a reduce-scatter over the links reduces in a
-    /// copy of its send buffer): a fresh one per call of 64 MiB faulted in every page
-    /// again, which halved that reduce-scatter's rate across namespaces at 10 Gbit/s.
-    pub scratch: Vec<u64>,
-    /// The reduced block of an in-place reduce-scatter over the links, kept between
-    /// operations as `scratch` is (copied into place at the end).
-    pub in_place_block: Vec<u64>,
     failed: Option<String>,
     /// Collectives executed so far: the sequence number in every message header.
     seq: u64,
@@ -258,27 +247,7 @@ impl EngineState {
     pub fn new(rank: usize, world: usize, links: Links, shm: Option<Arc<ShmDomain>>, abort: Arc<AtomicBool>, global: Vec<usize>) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        EngineState {
-            rank,
-            world,
-            links,
-            shm,
-            abort,
-            above: None,
-            scratch: Vec::new(),
-            in_place_block: Vec::new(),
-            failed: None,
-            seq: 0,
-            global,
-            id,
-            store: None,
-        }
-    }
-
-    /// Hands the engine what the collectives layer keeps between operations (see `above`).
-    pub fn with_above(mut self, above: Option<Box<dyn std::any::Any + Send>>) -> Self {
-        self.above = above;
-        self
+        EngineState { rank, world, links, shm, abort, failed: None, seq: 0, global, id, store: None }
     }
 
     /// Lets failures be explained through the rendezvous store (see `store`).

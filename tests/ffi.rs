@@ -247,6 +247,30 @@ unsafe fn bad_inputs() {
     expect(gradwire_reduce_scatter(comm, xp, shifted, 4, 0, 5), INVALID, "unknown op 5");
     expect(gradwire_reduce_scatter(comm, std::ptr::null(), xp, 4, 0, 0), INVALID, "sendbuf is NULL");
     expect(gradwire_barrier(bogus), INVALID, "not a live communicator");
+    // The rule every call applies, as a framework asks it (one rank: its block is at 0).
+    let mut lay = -1;
+    let cx = xp as *const c_void;
+    // SAFETY: inside `x`, 4 bytes on (the buffers are not read).
+    let x4 = unsafe { cx.add(4) };
+    expect(gradwire_buffer_layout(comm, 6, cx, 16, cx, 16, &mut lay), INVALID, "unknown collective 6");
+    expect(gradwire_buffer_layout(comm, 0, cx, 16, cx, 16, std::ptr::null_mut()), INVALID, "layout is NULL");
+    expect(gradwire_buffer_layout(bogus, 0, cx, 16, cx, 16, &mut lay), INVALID, "not a live communicator");
+    let code = |name: &str| GRADWIRE_CALLS.iter().position(|(n, _)| *n == name).unwrap() as u32;
+    let (allreduce, allgather) = (code("GRADWIRE_CALL_ALLREDUCE"), code("GRADWIRE_CALL_ALLGATHER"));
+    let (reduce_scatter, alltoall) = (code("GRADWIRE_CALL_REDUCE_SCATTER"), code("GRADWIRE_CALL_ALLTOALL"));
+    for (call, send, sb, recv, rb, want) in [
+        (allreduce, cx, 16, cx, 16, GRADWIRE_LAYOUT_IN_PLACE),
+        (allreduce, cx, 16, x4, 16, GRADWIRE_LAYOUT_OVERLAPPING),
+        (allreduce, cx, 4, x4, 4, GRADWIRE_LAYOUT_APART),
+        (allgather, cx, 4, cx, 4, GRADWIRE_LAYOUT_BLOCK),
+        (allgather, x4, 4, cx, 8, GRADWIRE_LAYOUT_OVERLAPPING),
+        (reduce_scatter, cx, 8, cx, 4, GRADWIRE_LAYOUT_BLOCK),
+        (alltoall, cx, 16, cx, 16, GRADWIRE_LAYOUT_OVERLAPPING),
+        (alltoall, cx, 0, cx, 16, GRADWIRE_LAYOUT_APART),
+    ] {
+        assert_eq!(gradwire_buffer_layout(comm, call, send, sb, recv, rb, &mut lay), 0, "{}", last_error());
+        assert_eq!(lay, want, "collective {call}, {sb} bytes at {send:p}, {rb} at {recv:p}");
+    }
 
     let mut mem: *mut c_void = std::ptr::null_mut();
     expect(gradwire_alloc(comm, 0, &mut mem), INVALID, "bytes is 0");

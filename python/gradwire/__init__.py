@@ -49,8 +49,13 @@ __all__ = [
 # A NumPy array or a CPU torch tensor (used in place through its data pointer).
 Buffer = Any
 
+# The C ABI's codes and signatures below are checked against ffi/gradwire.h by
+# tests/ffi_header.rs (python_tables_match_the_header).
 _DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int8": 4, "uint8": 5, "int32": 6, "int64": 7, "bool": 8}
 _OPS = {"sum": 0, "avg": 1, "min": 2, "max": 3, "product": 4}
+# gradwire_buffer_layout's collective codes and answers.
+_CALLS = {"allreduce": 0, "broadcast": 1, "reduce": 2, "allgather": 3, "reduce_scatter": 4, "alltoall": 5}
+_LAYOUTS = {"apart": 0, "in_place": 1, "block": 2, "overlapping": 3}
 # Ranges of the C types integers cross ctypes as (ffi/gradwire.h).
 _INT = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
@@ -152,23 +157,9 @@ def _candidates():
 _lib = None
 
 
-def load_library() -> ctypes.CDLL:
-    """Loads libgradwire once and declares the C signatures."""
-    global _lib
-    if _lib is not None:
-        return _lib
-    tried = []
-    for path in _candidates():
-        if os.path.sep in path and not os.path.exists(path):
-            tried.append(path)
-            continue
-        try:
-            lib = ctypes.CDLL(path)
-            break
-        except OSError as e:
-            tried.append(f"{path} ({e})")
-    else:
-        raise ImportError("libgradwire.so not found; `pip install .` in the repository bundles it (or build it with cargo build --release, or set GRADWIRE_LIB). Tried: " + ", ".join(tried))
+def _signatures():
+    """The C calls' parameter types (every one returns int), and those of the calls a
+    library built with the cargo feature `cuda` (the default) adds."""
     p, i, sz, u = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint
     pp = ctypes.POINTER(ctypes.c_void_p)
     sigs = {
@@ -188,6 +179,7 @@ def load_library() -> ctypes.CDLL:
         "gradwire_iallgather": [p, p, p, sz, u, pp],
         "gradwire_ireduce_scatter": [p, p, p, sz, u, u, pp],
         "gradwire_reduce": [p, p, p, sz, u, u, i],
+        "gradwire_buffer_layout": [p, u, p, sz, p, sz, ctypes.POINTER(i)],
         "gradwire_allgather": [p, p, p, sz, u],
         "gradwire_reduce_scatter": [p, p, p, sz, u, u],
         "gradwire_barrier": [p],
@@ -235,8 +227,29 @@ def load_library() -> ctypes.CDLL:
         "gradwire_gpu_reduce": [p, p, p, sz, u, u, i, p],
         "gradwire_gpu_reduce_scatter": [p, p, p, sz, u, u, p],
         "gradwire_gpu_allgather": [p, p, p, sz, u, p],
-        "gradwire_gpu_alltoall": [p, p, p, p, p, sz, u, p],
+        "gradwire_gpu_alltoall": [p, p, ctypes.POINTER(sz), p, ctypes.POINTER(sz), sz, u, p],
     }
+    return sigs, gpu_sigs
+
+
+def load_library() -> ctypes.CDLL:
+    """Loads libgradwire once and declares the C signatures."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    tried = []
+    for path in _candidates():
+        if os.path.sep in path and not os.path.exists(path):
+            tried.append(path)
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+            break
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+    else:
+        raise ImportError("libgradwire.so not found; `pip install .` in the repository bundles it (or build it with cargo build --release, or set GRADWIRE_LIB). Tried: " + ", ".join(tried))
+    sigs, gpu_sigs = _signatures()
     if hasattr(lib, "gradwire_gpu_comm_create"):
         sigs.update(gpu_sigs)
     for name, args in sigs.items():
@@ -775,6 +788,13 @@ class Comm:
             return Work(w, keep)
         _check(blocking(self._live(), *args))
         return keep[-1]
+
+    def _overlapping(self, call, sp, sbytes, rp, rbytes):
+        """Whether `sbytes` at `sp` and `rbytes` at `rp` overlap other than as `call` takes
+        them in place: gradwire's own rule, asked of it (the torch backend then copies)."""
+        layout = ctypes.c_int()
+        _check(load_library().gradwire_buffer_layout(self._live(), _CALLS[call], sp, sbytes, rp, rbytes, ctypes.byref(layout)))
+        return layout.value == _LAYOUTS["overlapping"]
 
     def _allreduce(self, sp, rp, n, dt, op, keep, async_op):
         lib = load_library()

@@ -69,6 +69,7 @@ struct Calls {
   decltype(&gradwire_iallgather) iallgather = nullptr;
   decltype(&gradwire_ireduce_scatter) ireduce_scatter = nullptr;
   decltype(&gradwire_wait) wait = nullptr;
+  decltype(&gradwire_buffer_layout) buffer_layout = nullptr;
 };
 
 // The exception of a call that failed with `code`, as the Python binding raises it
@@ -289,15 +290,6 @@ bool plain(const at::Tensor& t) {
          dtype_of(t).has_value();
 }
 
-// Whether `part` overlaps `whole` other than as its block `rank` (the in-place layout).
-bool stray_overlap(const at::Tensor& whole, const at::Tensor& part, int rank) {
-  auto w = reinterpret_cast<uintptr_t>(whole.data_ptr());
-  auto p = reinterpret_cast<uintptr_t>(part.data_ptr());
-  size_t wn = whole.nbytes(), pn = part.nbytes();
-  bool overlap = wn > 0 && pn > 0 && w < p + pn && p < w + wn;
-  return overlap && p != w + static_cast<uintptr_t>(rank) * pn;
-}
-
 class FastGroup : public c10d::PyProcessGroup {
  public:
   using PyProcessGroup::PyProcessGroup;
@@ -319,6 +311,7 @@ class FastGroup : public c10d::PyProcessGroup {
     calls_.iallgather = reinterpret_cast<decltype(calls_.iallgather)>(at("gradwire_iallgather"));
     calls_.ireduce_scatter = reinterpret_cast<decltype(calls_.ireduce_scatter)>(at("gradwire_ireduce_scatter"));
     calls_.wait = reinterpret_cast<decltype(calls_.wait)>(at("gradwire_wait"));
+    calls_.buffer_layout = reinterpret_cast<decltype(calls_.buffer_layout)>(at("gradwire_buffer_layout"));
     completer_ = std::make_unique<Completer>(calls_.wait);
     comm_.store(reinterpret_cast<gradwire_comm_t*>(comm));
   }
@@ -377,7 +370,7 @@ class FastGroup : public c10d::PyProcessGroup {
                                              const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override {
     auto comm = fast();
     if (comm != nullptr && plain(output) && plain(input) && output.scalar_type() == input.scalar_type() &&
-        output.numel() == input.numel() * getSize() && !stray_overlap(output, input, getRank())) {
+        output.numel() == input.numel() * getSize() && takes(comm, GRADWIRE_CALL_ALLGATHER, input, output)) {
       if (opts.asyncOp) {
         return start([&](gradwire_work_t** w) { return calls_.iallgather(comm, input.data_ptr(), output.data_ptr(), input.numel(), *dtype_of(input), w); }, {output}, {input});
       }
@@ -392,7 +385,7 @@ class FastGroup : public c10d::PyProcessGroup {
     auto comm = fast();
     auto op = op_of(opts.reduceOp);
     if (comm != nullptr && op && plain(output) && plain(input) && output.scalar_type() == input.scalar_type() &&
-        input.numel() == output.numel() * getSize() && !stray_overlap(input, output, getRank())) {
+        input.numel() == output.numel() * getSize() && takes(comm, GRADWIRE_CALL_REDUCE_SCATTER, input, output)) {
       if (opts.asyncOp) {
         return start([&](gradwire_work_t** w) { return calls_.ireduce_scatter(comm, input.data_ptr(), output.data_ptr(), output.numel(), *dtype_of(output), *op, w); }, {output}, {input});
       }
@@ -409,6 +402,15 @@ class FastGroup : public c10d::PyProcessGroup {
   // The communicator, if this call may take the fast path (no send or receive queued
   // before it). Async calls from Python never come here (the entry points send them to the
   // Python methods), so an async one is torch's C++ calling.
+  // Whether gradwire takes these buffers as they lie (apart, or in place as the call
+  // allows: gradwire's rule, asked of it); any other overlap goes to the Python method,
+  // which copies, as gloo does.
+  bool takes(gradwire_comm_t* comm, unsigned int call, const at::Tensor& send, const at::Tensor& recv) const {
+    int layout = GRADWIRE_LAYOUT_OVERLAPPING;
+    return calls_.buffer_layout(comm, call, send.data_ptr(), send.nbytes(), recv.data_ptr(), recv.nbytes(), &layout) == GRADWIRE_OK &&
+           layout != GRADWIRE_LAYOUT_OVERLAPPING;
+  }
+
   gradwire_comm_t* fast() const {
     if (p2p_pending_.load(std::memory_order_relaxed)) {
       return nullptr;

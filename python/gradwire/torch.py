@@ -234,18 +234,6 @@ def _blocks_of(whole, part, size, what, name):
         raise ValueError(f"gradwire: {what} {name} must hold {size} x {part.numel()} elements of {part.dtype}")
 
 
-def _stray_overlap(whole, part, rank):
-    """Whether `part` overlaps `whole` other than as its block `rank`: the in-place layout
-    gradwire takes as NCCL does."""
-    return _overlap(whole, part) and part.data_ptr() != whole.data_ptr() + rank * part.nbytes
-
-
-def _overlap(a, b):
-    """Whether the memory of two contiguous tensors overlaps."""
-    a0, b0, an, bn = a.data_ptr(), b.data_ptr(), a.nbytes, b.nbytes
-    return an > 0 and bn > 0 and a0 < b0 + bn and b0 < a0 + an
-
-
 def _then(first, second):
     """A function that runs `first` (if any), then `second`."""
     if first is None:
@@ -786,7 +774,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         _blocks_of(out, src, self._comm.size, what, "output")
         # FSDP gathers in place (the input is the output's own part). Any other overlap
         # goes in as a copy, on every rank alike.
-        if _stray_overlap(out, src, self._comm.rank):
+        if self._comm._overlapping("allgather", src.data_ptr(), src.nbytes, out.data_ptr(), out.nbytes):
             src = src.clone()
         if cuda:
             self._gpu(out).allgather(src, out)
@@ -841,7 +829,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             return _cuda_work([output_tensor], opts, output_tensor.device) if cuda else _Work([output_tensor])
         # In place: the output is the input's own part. Any other overlap lands in a
         # separate tensor, copied back at the end.
-        if _stray_overlap(src, out, self._comm.rank):
+        if self._comm._overlapping("reduce_scatter", src.data_ptr(), src.nbytes, out.data_ptr(), out.nbytes):
             target, out = out, torch.empty_like(out)
             back = _then(back, lambda: target.copy_(out))
         if cuda:
@@ -1043,6 +1031,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
 # The C calls the C++ group makes itself (it has the addresses of the library loaded here).
 _NATIVE_CALLS = (
+    "gradwire_buffer_layout",
     "gradwire_allreduce",
     "gradwire_broadcast",
     "gradwire_allgather",

@@ -8,8 +8,8 @@
 //! named. All-to-all with equal blocks is a [`crate::Collective`] of its own (on one host
 //! it goes through shared memory, see `collective::shm`).
 
-use super::shm::OneHost;
-use super::Ptr;
+use super::layout::{layout, Span};
+use super::{Collective, Ptr};
 use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
 use crate::engine::{EngineState, Job, Work};
@@ -92,14 +92,19 @@ impl Communicator {
     fn alltoall_job(&self, dtype: DType, counts: Counts, send: *const u8, recv: *mut u8) -> Result<Job> {
         let (w, me) = (self.size(), self.rank());
         let (slen, rlen) = counts.bytes(dtype, w)?;
-        if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
-            return Err(invalid("alltoall: null buffer"));
+        if slen > 0 && send.is_null() {
+            return Err(invalid("sendbuf is NULL"));
         }
+        if rlen > 0 && recv.is_null() {
+            return Err(invalid("recvbuf is NULL"));
+        }
+        layout(Collective::AllToAll, me, Span::of(send, slen), Span::of(recv, rlen))?;
         // Checked here, not in the job: a bad argument must not fail the communicator.
         if counts.send[me] != counts.recv[me] {
             return Err(invalid(format!("alltoall: rank {me} sends {} elements to itself but expects {}", counts.send[me], counts.recv[me])));
         }
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
+        let kept = self.collectives.clone();
         Ok(Box::new(move |st: &mut EngineState, deadline: Instant| {
             let (s, r) = (s, r);
             // SAFETY: lengths and validity are the caller's contract (see start_alltoall).
@@ -121,7 +126,7 @@ impl Communicator {
             // Published like every collective's call: a peer in a one-host collective of the
             // same sequence number (the equal-block all-to-all, say) names the mismatch at
             // once instead of at the deadline.
-            if let Some(one_host) = st.above.as_ref().and_then(|a| a.downcast_ref::<OneHost>()) {
+            if let Some(one_host) = &kept.lock().one_host {
                 one_host.announce(&call);
             }
             alltoall_over_links(&mut st.links, &call, sbuf, rbuf, &cut(&counts.send), &cut(&counts.recv), me, deadline)

@@ -231,7 +231,12 @@ impl Hierarchy {
         if parent.size() != self.world {
             return Err(invalid(format!("hierarchical allreduce: called on a communicator of {} ranks, made for {}", parent.size(), self.world)));
         }
-        call.op.check(call.dtype)?;
+        crate::collective::Request::new(crate::collective::Collective::Allreduce, call.dtype, call.op, call.count).check(
+            parent.rank(),
+            parent.size(),
+            call.send,
+            call.recv,
+        )?;
         let me = self.clone();
         Ok(Box::new(move |state, deadline| {
             let call = call;

@@ -22,9 +22,11 @@ pub(crate) mod agree;
 pub(crate) mod algos;
 pub(crate) mod exchange;
 pub(crate) mod hierarchical;
+pub mod layout;
 pub mod reduce;
 pub(crate) mod shm;
 mod split;
+pub(crate) mod state;
 
 use crate::comm::Communicator;
 use crate::config::Algo;
@@ -33,7 +35,9 @@ use crate::engine::{EngineState, Work};
 use crate::error::{invalid, Result};
 use crate::transport::frame::{CallHeader, OpKind};
 use algos::Ctx;
-use shm::{OneHost, OneHostCall};
+use layout::{Layout, Span};
+use shm::OneHostCall;
+use state::CollectiveState;
 use std::time::Instant;
 
 /// A buffer address handed to the progress thread.
@@ -113,6 +117,27 @@ impl Request {
         Request { op, dtype, redop, count, root: 0, algo: None }
     }
 
+    /// Checks this request with its buffers on `rank` of `size` ranks, as every entry
+    /// point does, once (the one check of a call: root, reduction, sizes, buffers present
+    /// and laid out as [`layout::layout`] allows); returns the send and receive bytes and
+    /// the buffers' layout.
+    pub fn check(&self, rank: usize, size: usize, send: *const u8, recv: *const u8) -> Result<(usize, usize, Layout)> {
+        if matches!(self.op, Collective::Broadcast | Collective::Reduce) && self.root >= size {
+            return Err(invalid(format!("root {} is not a rank of this communicator (size {size})", self.root)));
+        }
+        if matches!(self.op, Collective::Allreduce | Collective::ReduceScatter | Collective::Reduce) {
+            self.redop.check(self.dtype)?;
+        }
+        let (slen, rlen) = self.lengths(size)?;
+        if slen > 0 && send.is_null() {
+            return Err(invalid("sendbuf is NULL"));
+        }
+        if rlen > 0 && recv.is_null() {
+            return Err(invalid("recvbuf is NULL"));
+        }
+        Ok((slen, rlen, layout::layout(self.op, rank, Span::of(send, slen), Span::of(recv, rlen))?))
+    }
+
     /// (send bytes, receive bytes) this request reads and writes on a world of `w` ranks.
     pub fn lengths(&self, w: usize) -> Result<(usize, usize)> {
         let b = self.count.checked_mul(self.dtype.size()).ok_or_else(|| invalid(format!("count {} overflows", self.count)))?;
@@ -134,19 +159,6 @@ impl Request {
     }
 }
 
-/// Whether `send` and `recv` are NCCL's in-place layout of an allgather (`send` is this
-/// rank's block of `recv`) or of a reduce-scatter (`recv` is this rank's block of `send`).
-pub(crate) fn in_place_block(op: Collective, send: *const u8, recv: *mut u8, slen: usize, rlen: usize, rank: usize) -> bool {
-    let (s, r) = (send as usize, recv as usize);
-    slen > 0
-        && rlen > 0
-        && match op {
-            Collective::Allgather => rank.checked_mul(slen).and_then(|o| r.checked_add(o)) == Some(s),
-            Collective::ReduceScatter => rank.checked_mul(rlen).and_then(|o| s.checked_add(o)) == Some(r),
-            _ => false,
-        }
-}
-
 /// Runs an in-place allgather or reduce-scatter (NCCL's layouts) on the whole buffer with
 /// no separate input, so that no two views of the same bytes are alive. The allgather's
 /// forms read this rank's block where it lies and write only the others (FSDP and ZeRO
@@ -158,10 +170,11 @@ pub(crate) fn in_place_block(op: Collective, send: *const u8, recv: *mut u8, sle
 ///
 /// # Safety
 /// As for [`Communicator::start`]: `send` readable for `slen` and `recv` writable for
-/// `rlen` bytes, laid out as [`in_place_block`] says.
+/// `rlen` bytes, in the [`Layout::Block`] layout.
 #[allow(clippy::too_many_arguments)]
 unsafe fn run_in_place_block(
     st: &mut EngineState,
+    kept: &mut CollectiveState,
     deadline: Instant,
     call: CallHeader,
     req: Request,
@@ -179,9 +192,9 @@ unsafe fn run_in_place_block(
         // SAFETY: `send` is readable and writable for `slen` bytes (the caller's contract
         // for an in-place reduce-scatter, see `start`) and holds `recv`: the only view.
         Collective::ReduceScatter => unsafe { std::slice::from_raw_parts_mut(send, slen) },
-        op => unreachable!("in_place_block admits allgather and reduce-scatter only, not {}", op.name()),
+        op => unreachable!("only an allgather or a reduce-scatter has a block layout, not {}", op.name()),
     };
-    run(st, deadline, call, req, algo, tune, None, whole)
+    run(st, kept, deadline, call, req, algo, tune, None, whole)
 }
 
 impl Communicator {
@@ -213,38 +226,20 @@ impl Communicator {
 
     /// Validates a request and packages it for the engine.
     fn job(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<crate::engine::Job> {
-        if matches!(req.op, Collective::Broadcast | Collective::Reduce) && req.root >= self.size() {
-            return Err(invalid(format!("root {} is not a rank of this communicator (size {})", req.root, self.size())));
-        }
-        if matches!(req.op, Collective::Allreduce | Collective::ReduceScatter | Collective::Reduce) {
-            req.redop.check(req.dtype)?;
-        }
-        let (slen, rlen) = req.lengths(self.size())?;
-        if (slen > 0 && send.is_null()) || (rlen > 0 && recv.is_null()) {
-            return Err(invalid("null buffer"));
-        }
-        let block = in_place_block(req.op, send, recv, slen, rlen, self.rank());
-        if slen > 0 && std::ptr::eq(send, recv) && !block && matches!(req.op, Collective::ReduceScatter | Collective::Allgather | Collective::AllToAll) {
-            return Err(invalid(match req.op {
-                Collective::Allgather => {
-                    "allgather cannot run with the same send and receive buffer (in place, as NCCL: send is this rank's block of recv)".to_string()
-                }
-                Collective::ReduceScatter => {
-                    "reduce_scatter cannot run with the same send and receive buffer (in place, as NCCL: recv is this rank's block of send)".to_string()
-                }
-                _ => format!("{} cannot run in place (its send and receive buffers are the same)", req.op.name()),
-            }));
-        }
+        let (slen, rlen, layout) = req.check(self.rank(), self.size(), send, recv)?;
+        let block = layout == Layout::Block;
         let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes };
         let default_algo = self.config.algo;
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
+        let kept = self.collectives.clone();
         let job = Box::new(move |st: &mut EngineState, deadline: Instant| {
             let (s, r) = (s, r);
+            let kept = &mut *kept.lock();
             // Sequence numbers are given at execution, in the order operations run.
             let call = CallHeader { op: req.op.into(), dtype: req.dtype, redop: req.redop, root: req.root as u32, count: req.count as u64, seq: st.next_seq() };
             if block {
-                // SAFETY: as below; `in_place_block` checked the layout.
-                return unsafe { run_in_place_block(st, deadline, call, req, req.algo.unwrap_or(default_algo), tune, s.0, slen, r.0, rlen) };
+                // SAFETY: as below; `layout` found the block layout.
+                return unsafe { run_in_place_block(st, kept, deadline, call, req, req.algo.unwrap_or(default_algo), tune, s.0, slen, r.0, rlen) };
             }
             // In place, the receive buffer is the only view of the bytes: a shared view of
             // them beside the mutable one would break Rust's aliasing rules.
@@ -257,7 +252,7 @@ impl Communicator {
             };
             // SAFETY: as for `sbuf`.
             let rbuf: &mut [u8] = if rlen == 0 { &mut [] } else { unsafe { std::slice::from_raw_parts_mut(r.0, rlen) } };
-            run(st, deadline, call, req, req.algo.unwrap_or(default_algo), tune, sbuf, rbuf)
+            run(st, kept, deadline, call, req, req.algo.unwrap_or(default_algo), tune, sbuf, rbuf)
         });
         Ok(job)
     }
@@ -446,15 +441,25 @@ struct Sizes {
 
 /// Runs one collective on the progress thread; `send` is `None` in place.
 #[allow(clippy::too_many_arguments)]
-fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, algo: Algo, tune: Sizes, send: Option<&[u8]>, recv: &mut [u8]) -> Result<()> {
+fn run(
+    st: &mut EngineState,
+    kept: &mut CollectiveState,
+    deadline: Instant,
+    call: CallHeader,
+    req: Request,
+    algo: Algo,
+    tune: Sizes,
+    send: Option<&[u8]>,
+    recv: &mut [u8],
+) -> Result<()> {
     let (rank, world) = (st.rank, st.world);
-    let one_host = st.above.as_mut().and_then(|a| a.downcast_mut::<OneHost>());
+    let one_host = kept.one_host.as_mut();
     if let Some(one_host) = &one_host {
         one_host.announce(&call);
     }
     let mut on_one_host = one_host.filter(|h| h.covers_all());
     let host_call = OneHostCall { rank, world, call, deadline, abort: &st.abort };
-    let scratch = &mut st.scratch;
+    let scratch = &mut kept.scratch;
     let mut cx = Ctx { links: &mut st.links, call, deadline, rank, world, dtype: req.dtype, op: req.redop };
     // A rank that only sends in a rooted tree never reads a header: every rooted
     // collective over the links first agrees on its arguments (see `agree`). The one-host
@@ -524,7 +529,7 @@ fn run(st: &mut EngineState, deadline: Instant, call: CallHeader, req: Request, 
                     // Over the links, through a block kept between calls (a fresh one per
                     // call faulted in every page again), copied into place at the end.
                     let n = recv.len() / world;
-                    let block = crate::transport::scratch_bytes(&mut st.in_place_block, n);
+                    let block = crate::transport::scratch_bytes(&mut kept.in_place_block, n);
                     reduce_scatter_over_links(&mut cx, scratch, recv, block, tune)?;
                     recv[rank * n..][..n].copy_from_slice(block);
                     Ok(())

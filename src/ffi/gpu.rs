@@ -6,9 +6,8 @@ use super::{
     alltoall_counts, comm, dtype, gradwire_comm_t, gradwire_dtype_t, gradwire_op_t, guard, live_handle, out, put, redop, registry, root_of, take_handle,
     to_handle,
 };
-use crate::collective::Collective;
 use crate::error::{invalid, Result};
-use crate::gpu::{byte_len, DeviceComm};
+use crate::gpu::DeviceComm;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
@@ -145,9 +144,7 @@ pub unsafe extern "C" fn gradwire_gpu_reduce_scatter(
         let w = "gradwire_gpu_reduce_scatter";
         let (g, c) = gpu(gpu_p, w)?;
         let d = dtype(dt, w)?;
-        let (part, whole) = (byte_len(recvcount, 1, d, w)?, byte_len(recvcount, c.size(), d, w)?);
-        check_disjoint(Collective::ReduceScatter, c.rank(), sendbuf, whole, recvbuf, part, w)?;
-        // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
+        // SAFETY: the caller's contract; the pointers' kind, device and layout are checked inside.
         unsafe { g.reduce_scatter(&c, sendbuf as u64, recvbuf as u64, recvcount, d, redop(op, w)?, stream as _) }
     })
 }
@@ -169,9 +166,7 @@ pub unsafe extern "C" fn gradwire_gpu_allgather(
         let w = "gradwire_gpu_allgather";
         let (g, c) = gpu(gpu_p, w)?;
         let d = dtype(dt, w)?;
-        let (part, whole) = (byte_len(sendcount, 1, d, w)?, byte_len(sendcount, c.size(), d, w)?);
-        check_disjoint(Collective::Allgather, c.rank(), sendbuf, part, recvbuf, whole, w)?;
-        // SAFETY: the caller's contract; the pointers' kind and device are checked inside.
+        // SAFETY: the caller's contract; the pointers' kind, device and layout are checked inside.
         unsafe { g.allgather(&c, sendbuf as u64, recvbuf as u64, sendcount, d, stream as _) }
     })
 }
@@ -204,17 +199,4 @@ pub unsafe extern "C" fn gradwire_gpu_alltoall(
         // SAFETY: the caller's contract; the pointers' kind, device and overlap are checked inside.
         unsafe { g.alltoall(&c, sendbuf as u64, recvbuf as u64, counts.as_ref(), count, d, stream as _) }
     })
-}
-
-/// An error when the two buffers (`sb` and `rb` bytes, from [`byte_len`]: a count past
-/// PTRDIFF_MAX bytes is refused as such before it reaches here) overlap other than in
-/// NCCL's in-place layout of `op` (which NCCL runs as such, and the cross-node path piece
-/// by piece: each piece is read before it is written).
-fn check_disjoint(op: Collective, rank: usize, send: *const c_void, sb: usize, recv: *mut c_void, rb: usize, w: &str) -> Result<()> {
-    let (s, r) = (send as usize, recv as usize);
-    let block = crate::collective::in_place_block(op, send as *const u8, recv as *mut u8, sb, rb, rank);
-    if sb > 0 && rb > 0 && !block && s < r.saturating_add(rb) && r < s.saturating_add(sb) {
-        return Err(invalid(format!("{w}: sendbuf and recvbuf overlap (in place, as NCCL: this rank's block of the larger buffer)")));
-    }
-    Ok(())
 }

@@ -99,7 +99,6 @@ fn decode(
     let c = registry().comms.get(&comm_id).cloned().ok_or_else(|| invalid(format!("{w}: the hierarchy's communicator is finalized")))?;
     let req = Request::new(Collective::Allreduce, dtype(dt, w)?, redop(op, w)?, count);
     check_buffers(&c, &req, send, recv, w)?;
-    req.redop.check(req.dtype).map_err(|e| prefixed(e, w))?;
     let call = RawAllreduce { dtype: req.dtype, op: req.redop, algo: algo(al, w)?, send: send as *const u8, recv: recv as *mut u8, count };
     Ok((h, c, call))
 }

@@ -19,6 +19,7 @@ pub use train::*;
 
 use crate::bootstrap::unique_id::{UniqueId, UNIQUE_ID_BYTES};
 use crate::collective::exchange::{Counts, P2pOp};
+use crate::collective::layout::{layout, Layout, Span};
 use crate::collective::Collective;
 use crate::collective::Request;
 use crate::comm::Communicator;
@@ -247,29 +248,60 @@ fn redop(v: gradwire_op_t, what: &str) -> Result<ReduceOp> {
         .ok_or_else(|| invalid(format!("{what}: unknown op {v} (expected GRADWIRE_SUM..GRADWIRE_PRODUCT)")))
 }
 
-/// Validates the buffers of `req`: present where needed, identical or disjoint.
+/// The host entry points' own check of a call's buffers: none is CUDA device memory. The
+/// rest (sizes, presence, layout) is the request's one check, [`Request::check`], made where
+/// the call is run.
 fn check_buffers(c: &Communicator, req: &Request, send: *const c_void, recv: *mut c_void, what: &str) -> Result<()> {
     let (slen, rlen) = req.lengths(c.size()).map_err(|e| prefixed(e, what))?;
-    if slen > 0 && send.is_null() {
-        return Err(invalid(format!("{what}: sendbuf is NULL")));
-    }
-    if rlen > 0 && recv.is_null() {
-        return Err(invalid(format!("{what}: recvbuf is NULL")));
-    }
-    host_memory(send, slen, recv, rlen, what)?;
-    let (s, r) = (send as usize, recv as usize);
-    let in_place_ok = matches!(req.op, Collective::Allreduce | Collective::Broadcast | Collective::Reduce);
-    let block = crate::collective::in_place_block(req.op, send as *const u8, recv as *mut u8, slen, rlen, c.rank());
-    if slen > 0 && rlen > 0 && !(in_place_ok && s == r) && !block && s < r.saturating_add(rlen) && r < s.saturating_add(slen) {
-        let how = match req.op {
-            _ if in_place_ok => " (pass the same pointer for in place)",
-            Collective::Allgather => " (in place, as NCCL: sendbuf = recvbuf + rank x sendcount)",
-            Collective::ReduceScatter => " (in place, as NCCL: recvbuf = sendbuf + rank x recvcount)",
-            _ => "",
+    host_memory(send, slen, recv, rlen, what)
+}
+
+/// `gradwire_buffer_layout`'s collective codes, in the order of ffi/gradwire.h.
+pub const GRADWIRE_CALLS: [(&str, Collective); 6] = [
+    ("GRADWIRE_CALL_ALLREDUCE", Collective::Allreduce),
+    ("GRADWIRE_CALL_BROADCAST", Collective::Broadcast),
+    ("GRADWIRE_CALL_REDUCE", Collective::Reduce),
+    ("GRADWIRE_CALL_ALLGATHER", Collective::Allgather),
+    ("GRADWIRE_CALL_REDUCE_SCATTER", Collective::ReduceScatter),
+    ("GRADWIRE_CALL_ALLTOALL", Collective::AllToAll),
+];
+/// `gradwire_buffer_layout`'s answers.
+pub const GRADWIRE_LAYOUT_APART: c_int = 0;
+/// The same buffer.
+pub const GRADWIRE_LAYOUT_IN_PLACE: c_int = 1;
+/// NCCL's in-place block.
+pub const GRADWIRE_LAYOUT_BLOCK: c_int = 2;
+/// Overlapping otherwise: refused by every call.
+pub const GRADWIRE_LAYOUT_OVERLAPPING: c_int = 3;
+
+/// How a collective's buffers lie on this rank, by [`layout`], the rule every call applies.
+///
+/// # Safety
+/// `layout_out` must be NULL or valid for a write; the buffers are not read.
+#[no_mangle]
+pub unsafe extern "C" fn gradwire_buffer_layout(
+    comm_p: *mut gradwire_comm_t,
+    collective: c_uint,
+    sendbuf: *const c_void,
+    sendbytes: usize,
+    recvbuf: *const c_void,
+    recvbytes: usize,
+    layout_out: *mut c_int,
+) -> c_int {
+    guard(|| {
+        let w = "gradwire_buffer_layout";
+        let (_, c) = comm(comm_p, w)?;
+        let (_, op) = GRADWIRE_CALLS
+            .get(collective as usize)
+            .ok_or_else(|| invalid(format!("{w}: unknown collective {collective} (expected GRADWIRE_CALL_ALLREDUCE..GRADWIRE_CALL_ALLTOALL)")))?;
+        let answer = match layout(*op, c.rank(), Span::of(sendbuf, sendbytes), Span::of(recvbuf, recvbytes)) {
+            Ok(Layout::Apart) => GRADWIRE_LAYOUT_APART,
+            Ok(Layout::InPlace) => GRADWIRE_LAYOUT_IN_PLACE,
+            Ok(Layout::Block) => GRADWIRE_LAYOUT_BLOCK,
+            Err(_) => GRADWIRE_LAYOUT_OVERLAPPING,
         };
-        return Err(invalid(format!("{what}: sendbuf and recvbuf overlap{how}")));
-    }
-    Ok(())
+        put(layout_out, answer, w, "layout")
+    })
 }
 
 /// An error when a buffer of a host entry point is CUDA device memory (asked of the driver
@@ -277,7 +309,7 @@ fn check_buffers(c: &Communicator, req: &Request, send: *const c_void, recv: *mu
 fn host_memory(send: *const c_void, slen: usize, recv: *mut c_void, rlen: usize, what: &str) -> Result<()> {
     #[cfg(feature = "cuda")]
     for (p, len, name) in [(send as *const u8, slen, "sendbuf"), (recv as *const u8, rlen, "recvbuf")] {
-        if len > 0 {
+        if len > 0 && !p.is_null() {
             crate::gpu::expect_host(p, what, name)?;
         }
     }
@@ -603,22 +635,11 @@ fn alltoall_counts(c: &Communicator, count: usize, sendcounts: *const usize, rec
     }
 }
 
-/// Checks an all-to-all's buffers: no larger than any buffer can be (before their sizes
-/// compare them), present for their byte counts and disjoint.
+/// The host entry point's own check of an all-to-all's buffers: sizes a buffer can have,
+/// none of CUDA device memory (the rest: the call's one check, where it is run).
 fn alltoall_buffers(c: &Communicator, counts: &Counts, dt: DType, send: *const c_void, recv: *mut c_void, w: &str) -> Result<()> {
     let (sl, rl) = counts.bytes(dt, c.size()).map_err(|e| prefixed(e, w))?;
-    if sl > 0 && send.is_null() {
-        return Err(invalid(format!("{w}: sendbuf is NULL")));
-    }
-    if rl > 0 && recv.is_null() {
-        return Err(invalid(format!("{w}: recvbuf is NULL")));
-    }
-    host_memory(send, sl, recv, rl, w)?;
-    let (s, r) = (send as usize, recv as usize);
-    if sl > 0 && rl > 0 && s < r.saturating_add(rl) && r < s.saturating_add(sl) {
-        return Err(invalid(format!("{w}: sendbuf and recvbuf overlap")));
-    }
-    Ok(())
+    host_memory(send, sl, recv, rl, w)
 }
 
 /// # Safety
@@ -648,7 +669,7 @@ pub unsafe extern "C" fn gradwire_alltoall(
         let counts = alltoall_counts(&c, count, sendcounts, recvcounts, w)?;
         alltoall_buffers(&c, &counts, d, sendbuf, recvbuf, w)?;
         // SAFETY: checked buffers, valid for the call by contract.
-        unsafe { c.run_alltoall(d, counts, sendbuf as *const u8, recvbuf as *mut u8) }
+        unsafe { c.run_alltoall(d, counts, sendbuf as *const u8, recvbuf as *mut u8) }.map_err(|e| prefixed(e, w))
     })
 }
 
@@ -678,7 +699,7 @@ pub unsafe extern "C" fn gradwire_ialltoall(
         let counts = alltoall_counts(&c, count, sendcounts, recvcounts, w)?;
         alltoall_buffers(&c, &counts, d, sendbuf, recvbuf, w)?;
         // SAFETY: checked buffers; the caller keeps them valid until the work completes.
-        let handle = unsafe { c.start_alltoall(d, counts, sendbuf as *const u8, recvbuf as *mut u8)? };
+        let handle = unsafe { c.start_alltoall(d, counts, sendbuf as *const u8, recvbuf as *mut u8) }.map_err(|e| prefixed(e, w))?;
         put_work(work, handle, w)
     })
 }

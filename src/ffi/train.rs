@@ -4,6 +4,7 @@
 //! and `after_update` (parameters); the parameter-server schemes take whole steps.
 
 use super::{comm, gradwire_comm_t, guard, live_handle, out, put, registry, take_handle, to_handle};
+use crate::collective::layout::Span;
 use crate::comm::Communicator;
 use crate::error::{invalid, Result};
 use crate::train::plan::Action;
@@ -244,8 +245,7 @@ pub unsafe extern "C" fn gradwire_strategy_step(
     with_scheme(strategy, n, w, |s| {
         // Checked before any slice exists: a `&mut` overlapping a `&` is undefined behaviour.
         let bytes = n.checked_mul(4).ok_or_else(|| invalid(format!("{w}: {n} floats are more than any buffer holds")))?;
-        let (pa, ga) = (params as usize, grads as usize);
-        if n > 0 && pa < ga.wrapping_add(bytes) && ga < pa.wrapping_add(bytes) {
+        if Span::of(params, bytes).overlaps(Span::of(grads, bytes)) {
             return Err(invalid(format!("{w}: params and grads overlap")));
         }
         // SAFETY: the caller's contract; disjoint (checked); grads is only read.

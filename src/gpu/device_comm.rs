@@ -17,6 +17,7 @@
 use super::memory::{cuda_err, driver_err, expect_device, Current, Event, PinnedStaging};
 use super::nccl::NcclGroup;
 use crate::collective::exchange::Counts;
+use crate::collective::layout::{layout, Span};
 use crate::collective::{Collective, Request};
 use crate::comm::Communicator;
 use crate::dtype::{DType, ReduceOp};
@@ -235,6 +236,13 @@ impl DeviceComm {
         self.world / self.nodes
     }
 
+    /// An error when a call's buffers (device address, bytes) lie as no call of `op` takes
+    /// them (the rule of every entry point, [`layout`]).
+    fn laid_out(&self, op: Collective, send: (u64, usize), recv: (u64, usize), w: &str) -> Result<()> {
+        let span = |(at, len): (u64, usize)| Span { at: at as usize, len };
+        layout(op, self.rank, span(send), span(recv)).map(drop).map_err(|e| prefixed(e, w))
+    }
+
     /// Begins a call, after checking that `world` is the communicator this one was made
     /// from and that each buffer (pointer, name, bytes) is memory of this device that
     /// holds its bytes.
@@ -278,6 +286,7 @@ impl DeviceComm {
         let w = "gradwire_gpu_allreduce";
         op.check(dtype).map_err(|e| prefixed(e, w))?;
         let bytes = byte_len(count, 1, dtype, w)?;
+        self.laid_out(Collective::Allreduce, (send, bytes), (recv, bytes), w)?;
         let mut st = self.enter(world, &[(send, "sendbuf", bytes), (recv, "recvbuf", bytes)], w)?;
         if count == 0 {
             return Ok(());
@@ -433,6 +442,7 @@ impl DeviceComm {
         op.check(dtype).map_err(|e| prefixed(e, w))?;
         let bytes = byte_len(count, 1, dtype, w)?;
         let mine = self.rank == root;
+        self.laid_out(Collective::Reduce, (send, bytes), (recv, if mine { bytes } else { 0 }), w)?;
         let mut st = self.enter(world, &[(send, "sendbuf", bytes), (recv, "recvbuf", if mine { bytes } else { 0 })], w)?;
         if count == 0 {
             return Ok(());
@@ -477,6 +487,7 @@ impl DeviceComm {
         let w = "gradwire_gpu_reduce_scatter";
         op.check(dtype).map_err(|e| prefixed(e, w))?;
         let (part, whole) = (byte_len(recvcount, 1, dtype, w)?, byte_len(recvcount, self.world, dtype, w)?);
+        self.laid_out(Collective::ReduceScatter, (send, whole), (recv, part), w)?;
         let mut st = self.enter(world, &[(send, "sendbuf", whole), (recv, "recvbuf", part)], w)?;
         if recvcount == 0 {
             return Ok(());
@@ -512,6 +523,7 @@ impl DeviceComm {
     pub unsafe fn allgather(&self, world: &Communicator, send: u64, recv: u64, sendcount: usize, dtype: DType, stream: CUstream) -> Result<()> {
         let w = "gradwire_gpu_allgather";
         let (part, whole) = (byte_len(sendcount, 1, dtype, w)?, byte_len(sendcount, self.world, dtype, w)?);
+        self.laid_out(Collective::Allgather, (send, part), (recv, whole), w)?;
         let mut st = self.enter(world, &[(send, "sendbuf", part), (recv, "recvbuf", whole)], w)?;
         if sendcount == 0 {
             return Ok(());
@@ -573,9 +585,7 @@ impl DeviceComm {
         if blocks.send[self.rank] != blocks.recv[self.rank] {
             return Err(invalid(format!("{w}: rank {} sends {} elements to itself but expects {}", self.rank, blocks.send[self.rank], blocks.recv[self.rank])));
         }
-        if sb > 0 && rb > 0 && send < recv + rb as u64 && recv < send + sb as u64 {
-            return Err(invalid(format!("{w}: sendbuf and recvbuf overlap (an all-to-all cannot run in place)")));
-        }
+        self.laid_out(Collective::AllToAll, (send, sb), (recv, rb), w)?;
         let mut st = self.enter(world, &[(send, "sendbuf", sb), (recv, "recvbuf", rb)], w)?;
         if self.nodes == 1 {
             // SAFETY: the caller's contract; one node, so NCCL's ranks are the world's.

@@ -15,7 +15,6 @@ mod load;
 mod memory;
 mod nccl;
 
-pub(crate) use device_comm::byte_len;
 pub use device_comm::DeviceComm;
 pub use load::{describe, nccl_link_dir, nccl_search, unavailable, NcclSearch};
 pub use memory::{expect_device, expect_host, memory_kind, staging_bandwidth, MemoryKind};

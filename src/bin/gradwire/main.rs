@@ -153,9 +153,11 @@ enum Cmd {
         large: usize,
         #[arg(long, value_delimiter = ',', value_parser = collective_arg, default_value = "allreduce,reduce_scatter,allgather,broadcast,reduce,barrier,alltoall")]
         collectives: Vec<Collective>,
-        #[arg(long, value_delimiter = ',', default_value = "float32,float64,float16,bfloat16,int8,uint8,int32,int64,bool")]
+        /// Element types to check (default: every one gradwire has).
+        #[arg(long, value_delimiter = ',')]
         dtypes: Vec<DType>,
-        #[arg(long, value_delimiter = ',', default_value = "sum,avg,min,max,product")]
+        /// Reductions to check (default: every one gradwire has).
+        #[arg(long, value_delimiter = ',')]
         ops: Vec<ReduceOp>,
         #[arg(long)]
         transport: Option<TransportChoice>,
@@ -352,6 +354,8 @@ fn main() {
         Cmd::Check { counts, large, collectives, dtypes, ops, transport, split, hierarchical, overlap, token_ring, cyclic, kill, buffers, verbose } => {
             let kill = kill.and_then(|k| k.split_once(':').and_then(|(r, s)| Some((r.parse().ok()?, s.parse().ok()?))));
             set_transport(transport);
+            let dtypes = if dtypes.is_empty() { DType::ALL.to_vec() } else { dtypes };
+            let ops = if ops.is_empty() { ReduceOp::ALL.to_vec() } else { ops };
             let args = gradwire::check::CheckArgs { counts, large_bytes: large, collectives, dtypes, ops, verbose, hierarchical, buffers };
             exit_code(
                 "check",

@@ -66,8 +66,7 @@ use std::time::{Duration, Instant};
 
 /// The one-host collectives of one communicator: the shared segments of the ranks on this
 /// host, the collectives' part of their control pages, and what the forms learn between
-/// calls. The engine keeps it for the communicator (`EngineState::above`) and hands it to
-/// one call at a time.
+/// calls. The communicator keeps it (`super::state`) for one call at a time.
 pub(crate) struct OneHost {
     ctl: Control,
     /// True when the segments cover every rank of the communicator.
