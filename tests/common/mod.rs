@@ -274,14 +274,21 @@ pub fn killed_rank_in(
     ranks[victim].kill().unwrap();
     let killed_at = Instant::now();
     let _ = ranks[victim].wait();
-    for (r, c) in ranks.into_iter().enumerate() {
-        if r == victim {
-            continue;
-        }
-        let out = wait_with_limit(c, t.report_within * 5);
-        let elapsed = killed_at.elapsed();
+    // Every survivor's report first, then the checks: a survivor that names another
+    // survivor is explained by that one's report.
+    let reports: Vec<_> = ranks
+        .into_iter()
+        .enumerate()
+        .filter(|(r, _)| *r != victim)
+        .map(|(r, c)| {
+            let out = wait_with_limit(c, t.report_within * 5);
+            let elapsed = killed_at.elapsed();
+            println!("survivor {r} after {elapsed:?} ({}): {}", out.status, text(&out));
+            (r, out, elapsed)
+        })
+        .collect();
+    for (r, out, elapsed) in reports {
         let out_text = text(&out);
-        println!("survivor {r} after {elapsed:?}: {out_text}");
         assert!(!out.status.success(), "rank {r} should fail after rank {victim} died:\n{out_text}");
         assert!(out_text.contains(&format!("rank {victim}")), "rank {r}'s error does not name rank {victim}:\n{out_text}");
         assert!(!out_text.contains("panicked"), "{out_text}");

@@ -215,16 +215,15 @@ pub(super) fn shm_allreduce_in_peer_buffers(
 
 /// The error of a failed cross-memory attach to rank `p` (process `pid`), by its cause: the
 /// peer's process is gone (the kernel says so, or it exits while we copy, which can also
-/// show as a bad address), or some peer is gone or gave up (a bad address: the buffer went
+/// show as a bad address; its own reason when it aborted first), or some peer is gone or gave up (a bad address: the buffer went
 /// back to its caller; the peer's reason names the first failure), else the kernel's error.
 pub(super) fn attach_error(cx: &ShmCtx<'_>, p: usize, pid: u32, e: std::io::Error) -> Error {
     let me = cx.rank;
     let lost = |cause| Error::PeerLost { rank: me, peer: p, op: cx.call.to_string(), cause };
-    if e.raw_os_error() == Some(libc::ESRCH) {
-        return lost(format!("process {pid} exited"));
-    }
-    if let Some(cause) = process_gone(pid) {
-        return lost(cause);
+    if e.raw_os_error() == Some(libc::ESRCH) || process_gone(pid).is_some() {
+        // A peer that failed first left its reason in its page before it exited: that
+        // names the first failure, where "exited" would blame the messenger.
+        return lost(cx.ctl.peer_gone(p).unwrap_or_else(|| format!("process {pid} exited")));
     }
     let peers = (0..cx.world).filter(|&q| q != me);
     peers
