@@ -23,7 +23,18 @@ pub const SETTINGS: &[Setting] = &[
         default: "auto",
         help: "Allreduce algorithm: auto, ring, rd (recursive doubling), hd (recursive halving then doubling) or shm (one-host shared-buffer reduction).",
     },
-    Setting { env: "GRADWIRE_SMALL_BYTES", default: "262144", help: "Below this many bytes `auto` uses recursive doubling instead of the ring for allreduce, and a binomial tree instead of a chain for broadcast and reduce (over links)." },
+    Setting {
+        env: "GRADWIRE_SMALL_BYTES",
+        default: "262144",
+        help: "Below this many bytes `auto` uses a binomial tree instead of a chain for broadcast and reduce over links; when set, also recursive doubling instead of the ring for allreduce over links (unset, the cost model chooses: GRADWIRE_NET_*).",
+    },
+    Setting {
+        env: "GRADWIRE_NET_GBIT",
+        default: "25",
+        help: "The network's rate in Gbit/s, for the cost model's choice between ring and recursive doubling over links (`gradwire model --fit` fits it to your runs): 0.001 to 100000.",
+    },
+    Setting { env: "GRADWIRE_NET_ALPHA_US", default: "25", help: "The network's cost of one step (latency and per-message software cost), in microseconds, for the cost model: 0 to 1000000." },
+    Setting { env: "GRADWIRE_NET_GAMMA_NS", default: "0.1", help: "Nanoseconds per byte a reduction costs where it waits for the data, for the cost model: 0 to 1000." },
     Setting {
         env: "GRADWIRE_RING_CHUNK_BYTES",
         default: "1048576",
@@ -103,6 +114,26 @@ pub fn env_bool(env: &str, default: bool) -> Result<bool> {
         Some(v) if ["0", "false", "no", "off"].contains(&v.as_str()) => Ok(false),
         Some(v) => Err(config(format!("{env}={v:?}: expected 0 or 1"))),
     }
+}
+
+/// Parses a decimal setting within [lo, hi], with a clear error naming the variable.
+pub fn env_f64(env: &str, default: f64, lo: f64, hi: f64) -> Result<f64> {
+    match raw(env) {
+        None => Ok(default),
+        Some(v) => match v.trim().parse::<f64>() {
+            Ok(x) if (lo..=hi).contains(&x) => Ok(x),
+            _ => Err(config(format!("{env}={v:?}: expected a number from {lo} to {hi}"))),
+        },
+    }
+}
+
+/// The network's cost-model parameters, unless `GRADWIRE_SMALL_BYTES` fixes the allreduce's
+/// threshold (their defaults: a 25 Gbit/s Ethernet with TCP).
+fn network_link() -> Result<Option<crate::cost::Link>> {
+    let gbit = env_f64("GRADWIRE_NET_GBIT", 25.0, 0.001, 100_000.0)?;
+    let alpha_us = env_f64("GRADWIRE_NET_ALPHA_US", 25.0, 0.0, 1e6)?;
+    let gamma_ns = env_f64("GRADWIRE_NET_GAMMA_NS", 0.1, 0.0, 1000.0)?;
+    Ok(raw("GRADWIRE_SMALL_BYTES").is_none().then(|| crate::cost::Link::of_rate(gbit, alpha_us * 1e-6, gamma_ns * 1e-9)))
 }
 
 /// Reads a string setting.
@@ -228,6 +259,10 @@ pub struct Config {
     pub algo: Algo,
     /// Size in bytes below which `auto` prefers latency-bound algorithms (`GRADWIRE_SMALL_BYTES`).
     pub small_bytes: usize,
+    /// The network's parameters the automatic allreduce choice over links asks the cost
+    /// model with (`GRADWIRE_NET_GBIT`, `GRADWIRE_NET_ALPHA_US`, `GRADWIRE_NET_GAMMA_NS`);
+    /// `None` when `GRADWIRE_SMALL_BYTES` is set, which then fixes the threshold.
+    pub network: Option<crate::cost::Link>,
     /// Chunk size in bytes of the ring collectives' pipelining (`GRADWIRE_RING_CHUNK_BYTES`, 16 B to 4 GiB).
     pub ring_chunk_bytes: usize,
     /// Capacity in bytes of each shared-memory point-to-point ring (`GRADWIRE_SHM_RING_BYTES`, power of two, 4 KiB to 1 GiB).
@@ -287,6 +322,7 @@ impl Config {
             transport: env_parse("GRADWIRE_TRANSPORT", TransportChoice::Auto)?,
             algo: env_parse("GRADWIRE_ALGO", Algo::Auto)?,
             small_bytes: env_u64("GRADWIRE_SMALL_BYTES", 256 << 10)? as usize,
+            network: network_link()?,
             shm_ring_bytes: ring,
             shm_stage_bytes: stage,
             shm_stores: env_parse("GRADWIRE_SHM_STORES", StagedStores::Auto)?,

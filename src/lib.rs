@@ -23,6 +23,7 @@ pub mod check;
 pub mod collective;
 pub mod comm;
 pub mod config;
+pub mod cost;
 pub mod dtype;
 pub(crate) mod engine;
 pub mod error;

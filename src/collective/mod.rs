@@ -3,8 +3,9 @@
 //! floating-point types), on any communicator (including ones made by `split`).
 //!
 //! Algorithm choice for allreduce (`GRADWIRE_ALGO=auto`): on one host with shared memory,
-//! the shared-buffer reduction (`shm`); otherwise recursive doubling below
-//! `GRADWIRE_SMALL_BYTES` and the ring above it. f16 and bf16 are reduced in f32 and
+//! the shared-buffer reduction (`shm`); otherwise recursive doubling or the ring, whichever
+//! the cost model ([`crate::cost`], the network's `GRADWIRE_NET_*`) predicts faster for the
+//! size and the ranks (below `GRADWIRE_SMALL_BYTES`, where that is set). f16 and bf16 are reduced in f32 and
 //! rounded once per element on every automatic path (the one-host forms read every copy;
 //! over links, `algos::half_allreduce` and `algos::direct_reduce_scatter` bring every
 //! copy of a part to one rank); an explicitly chosen ring, recursive doubling or halving-
@@ -228,7 +229,7 @@ impl Communicator {
     fn job(&self, req: Request, send: *const u8, recv: *mut u8) -> Result<crate::engine::Job> {
         let (slen, rlen, layout) = req.check(self.rank(), self.size(), send, recv)?;
         let block = layout == Layout::Block;
-        let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes };
+        let tune = Sizes { small: self.config.small_bytes, ring_chunk: self.config.ring_chunk_bytes, network: self.config.network };
         let default_algo = self.config.algo;
         let (s, r) = (Ptr(send as *mut u8), Ptr(recv));
         let kept = self.collectives.clone();
@@ -432,11 +433,24 @@ impl<V> Drop for Pending<V> {
     }
 }
 
-/// The size thresholds an algorithm choice needs (from [`crate::config::Config`]).
+/// What an algorithm choice needs (from [`crate::config::Config`]).
 #[derive(Clone, Copy)]
 struct Sizes {
     small: usize,
     ring_chunk: usize,
+    /// The network's cost-model parameters (None: `small` decides the allreduce too).
+    network: Option<crate::cost::Link>,
+}
+
+impl Sizes {
+    /// Whether the automatic allreduce over links takes recursive doubling for `bytes` on
+    /// `world` ranks: the cost model's choice, or the fixed threshold where one is set.
+    fn latency_bound(&self, bytes: usize, world: usize) -> bool {
+        match &self.network {
+            Some(link) => crate::cost::choose_over_links(bytes as f64, world, link).0 == crate::cost::Algorithm::RecursiveDoubling,
+            None => bytes < self.small,
+        }
+    }
 }
 
 /// Runs one collective on the progress thread; `send` is `None` in place.
@@ -479,7 +493,7 @@ fn run(
             let half = algo == Algo::Auto && on_one_host.is_none() && matches!(req.dtype, DType::F16 | DType::BF16);
             let algo = match algo {
                 Algo::Auto if on_one_host.is_some() => Algo::SharedMemory,
-                Algo::Auto if recv.len() < tune.small => Algo::RecursiveDoubling,
+                Algo::Auto if tune.latency_bound(recv.len(), world) => Algo::RecursiveDoubling,
                 Algo::Auto => Algo::Ring,
                 Algo::SharedMemory if on_one_host.is_none() => {
                     return Err(invalid("GRADWIRE_ALGO=shm needs every rank on one host with the shm transport"));
@@ -600,4 +614,26 @@ fn reduce_scatter_over_links(cx: &mut Ctx<'_>, scratch: &mut Vec<u64>, send: &[u
 /// How a queued collective is named in messages, e.g. `allreduce(count 1024, float32)`.
 fn describe(req: &Request) -> String {
     format!("{}(count {}, {})", req.op.name(), req.count, req.dtype.name())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Sizes;
+    use crate::cost::{choose_over_links, Algorithm, Link};
+
+    #[test]
+    fn the_automatic_allreduce_asks_the_cost_model_unless_a_threshold_is_set() {
+        let link = Link::of_rate(25.0, 25e-6, 0.1e-9);
+        let by_model = Sizes { small: 256 << 10, ring_chunk: 1 << 20, network: Some(link) };
+        for world in [2, 3, 8, 64] {
+            for bytes in [4096usize, 256 << 10, 1 << 20, 64 << 20] {
+                let model = choose_over_links(bytes as f64, world, &link).0 == Algorithm::RecursiveDoubling;
+                assert_eq!(by_model.latency_bound(bytes, world), model, "{bytes} B on {world} ranks");
+            }
+        }
+        // The model's crossover grows with the ranks: at 64 ranks 1 MiB is still latency-bound.
+        assert!(by_model.latency_bound(1 << 20, 64) && !by_model.latency_bound(1 << 20, 2));
+        let fixed = Sizes { network: None, ..by_model };
+        assert!(fixed.latency_bound((256 << 10) - 1, 64) && !fixed.latency_bound(256 << 10, 64));
+    }
 }

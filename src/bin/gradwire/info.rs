@@ -89,8 +89,14 @@ pub fn run(settings_only: bool) -> i32 {
                 "  allreduce        {:?}: {}",
                 c.algo,
                 match c.algo {
-                    gradwire::Algo::Auto =>
-                        format!("one-host shared-buffer reduction when all ranks share a host; else recursive doubling below {} B, ring above", c.small_bytes),
+                    gradwire::Algo::Auto => match &c.network {
+                        Some(n) => format!(
+                            "one-host shared-buffer reduction when all ranks share a host; else ring or recursive doubling by the cost model (network {:.3} Gbit/s, {:.1} us per step)",
+                            8.0 / n.beta / 1e9,
+                            n.alpha * 1e6
+                        ),
+                        None => format!("one-host shared-buffer reduction when all ranks share a host; else recursive doubling below {} B, ring above", c.small_bytes),
+                    },
                     a => format!("forced to {a:?}"),
                 }
             );

@@ -8,6 +8,7 @@ mod gpu_bench;
 mod gpu_check;
 mod info;
 mod launch;
+mod model;
 mod plot;
 mod train;
 
@@ -231,6 +232,50 @@ enum Cmd {
         #[arg(required = true)]
         csv: Vec<String>,
     },
+    /// The cost model: predicted allreduce time per algorithm for N nodes of G ranks on the
+    /// links given, and the choice; or (--fit) its parameters fitted from measured runs.
+    Model {
+        /// Nodes.
+        #[arg(long, default_value_t = 2)]
+        nodes: usize,
+        /// Ranks per node.
+        #[arg(long, default_value_t = 1)]
+        ranks_per_node: usize,
+        /// The network's rate between nodes, Gbit/s.
+        #[arg(long, default_value_t = 25.0)]
+        gbit: f64,
+        /// Seconds per step on the network, in microseconds.
+        #[arg(long, default_value_t = 10.0)]
+        alpha_us: f64,
+        /// Seconds per byte reduced outside the transfer, in nanoseconds.
+        #[arg(long, default_value_t = 0.1)]
+        gamma_ns: f64,
+        /// The rate inside a node (shared memory, NVLink), Gbit/s.
+        #[arg(long, default_value_t = 400.0)]
+        node_gbit: f64,
+        /// Seconds per step inside a node, in microseconds.
+        #[arg(long, default_value_t = 2.0)]
+        node_alpha_us: f64,
+        #[arg(short = 'b', long = "minbytes", default_value = "4K", value_parser = size_arg)]
+        min: usize,
+        #[arg(short = 'e', long = "maxbytes", default_value = "1G", value_parser = size_arg)]
+        max: usize,
+        #[arg(short = 'f', long = "stepfactor", default_value_t = 4)]
+        factor: usize,
+        /// Also the communication a DASO rank waits for per batch in its cycling phase
+        /// (Heat's schedule after warm-up: a global send every 4 batches, merged 1 batch
+        /// later, node-local averages every batch) when a batch computes this long.
+        #[arg(long)]
+        compute_ms: Option<f64>,
+        /// Fit the network's parameters to these runs instead (ALGO:RANKS:FILE, a
+        /// `gradwire bench allreduce --csv` file run by GRADWIRE_ALGO=ALGO on RANKS ranks,
+        /// one per node) and print each run's measured and predicted time.
+        #[arg(long, value_parser = model::run_arg, value_delimiter = ',')]
+        fit: Vec<(gradwire::cost::Algorithm, usize, String)>,
+        /// Runs predicted with the fitted parameters but not used to fit them.
+        #[arg(long, value_parser = model::run_arg, value_delimiter = ',')]
+        check: Vec<(gradwire::cost::Algorithm, usize, String)>,
+    },
     /// What this host offers (transports, RDMA devices, huge pages, RLIMIT_MEMLOCK) and the
     /// settings gradwire will use.
     Info {
@@ -284,6 +329,36 @@ fn main() {
         Cmd::Train { args, transport } => {
             set_transport(transport);
             exit_code("train", Communicator::init().and_then(|c| train::run(&c, &args)))
+        }
+        Cmd::Model { nodes, ranks_per_node, gbit, alpha_us, gamma_ns, node_gbit, node_alpha_us, min, max, factor, compute_ms, fit, check } => {
+            let run = || -> Result<bool, String> {
+                if !fit.is_empty() {
+                    return model::fit_runs(&fit, &check).map(|_| true);
+                }
+                if !check.is_empty() {
+                    return Err("--check needs --fit (the runs to fit the parameters to)".into());
+                }
+                if nodes == 0 || ranks_per_node == 0 || min == 0 || factor < 2 || max < min {
+                    return Err(format!("--nodes {nodes}, --ranks-per-node {ranks_per_node}, sizes {min}..{max} x{factor}: nodes, ranks and sizes must be positive, the factor at least 2"));
+                }
+                let job = gradwire::cost::Job {
+                    nodes,
+                    per_node: ranks_per_node,
+                    network: model::link(gbit, alpha_us, gamma_ns)?,
+                    node: model::link(node_gbit, node_alpha_us, gamma_ns)?,
+                };
+                let sizes: Vec<usize> = std::iter::successors(Some(min), |&s| s.checked_mul(factor)).take_while(|&s| s <= max).collect();
+                let daso = match compute_ms {
+                    Some(ms) if ms >= 0.0 && ms.is_finite() => {
+                        Some(gradwire::cost::DasoStep { global_skip: 4, local_skip: 1, batches_to_wait: 1, compute: ms * 1e-3 })
+                    }
+                    Some(ms) => return Err(format!("--compute-ms {ms}: a batch's computation is a time, not negative")),
+                    None => None,
+                };
+                model::predict(&job, &sizes, daso);
+                Ok(true)
+            };
+            exit_code("model", run().map_err(gradwire::error::invalid))
         }
         Cmd::Plot { out, x, csv } => exit_code("plot", plot::draw(&csv, &out, &x).map(|_| true)),
         Cmd::Info { settings } => {

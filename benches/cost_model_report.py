@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""docs/cost_model.md from the runs benches/cost_model.sh keeps: per link rate the fitted
+parameters, every run's measured and predicted time, the median error (on the runs the fit
+saw and on those it did not), how often the model picks the faster of ring and recursive
+doubling against the fixed size threshold it replaces, and a chart per rate and node count.
+
+    python3 benches/cost_model_report.py benches/results/cost_model docs/cost_model.md
+"""
+
+import csv
+import os
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+from merge import human, svg_plot  # noqa: E402 (the benchmark report's chart writer)
+
+# The threshold the automatic choice used before the model (GRADWIRE_SMALL_BYTES' default).
+OLD_SMALL_BYTES = 256 << 10
+COLOURS = {"ring": "#1f77b4", "rd": "#d62728", "hd": "#2ca02c"}
+MODEL_COLOURS = {"ring": "#9ecae1", "rd": "#fc9f9f", "hd": "#a1d99b"}
+NAMES = {"ring": "ring", "rd": "recursive doubling", "hd": "halving-doubling"}
+
+
+def read_model(path):
+    """(the fit's comment line, rows as dicts) of one `gradwire model --fit` output."""
+    with open(path) as f:
+        first = f.readline().strip().lstrip("# ")
+        return first, list(csv.DictReader(f))
+
+
+def pct(x):
+    return f"{100 * x:.0f} %"
+
+
+def share(picks):
+    """'faster / within 5 %' shares of (picked the faster, within 5 % of it) pairs."""
+    return f"{pct(sum(p for p, _ in picks) / len(picks))} / {pct(sum(w for _, w in picks) / len(picks))}"
+
+
+# The extrapolation's assumptions (not measured here): a node of 8 ranks joined inside by
+# 1200 Gbit/s at 3 us per step (NVLink class); networks as below; a batch computing 100 ms.
+NETWORKS = [("100 Gbit/s RDMA", 100, 5), ("25 Gbit/s Ethernet", 25, 25)]
+MODELS = [("100 M parameters", 400_000_000), ("1 B parameters", 4_000_000_000)]
+PER_NODE, NODE_GBIT, NODE_ALPHA_US, GAMMA_NS, COMPUTE_MS = 8, 1200, 3, 0.05, 100
+NODES = [1 << i for i in range(11)]
+
+
+def predicted(gw, nodes, gbit, alpha_us, nbytes):
+    """One row of `gradwire model` for this job and size, as a dict of floats and names."""
+    out = subprocess.run(
+        [gw, "model", "--nodes", str(nodes), "--ranks-per-node", str(PER_NODE), "--gbit", str(gbit), "--alpha-us", str(alpha_us),
+         "--gamma-ns", str(GAMMA_NS), "--node-gbit", str(NODE_GBIT), "--node-alpha-us", str(NODE_ALPHA_US),
+         "-b", str(nbytes), "-e", str(nbytes), "--compute-ms", str(COMPUTE_MS)],
+        check=True, capture_output=True, text=True).stdout
+    rows = list(csv.DictReader(line for line in out.splitlines() if not line.startswith("#")))
+    return rows[0]
+
+
+def extrapolation(gw, charts, measured_nodes):
+    """The section predicting 1 to 1024 nodes, with a chart per network."""
+    lines = ["## Extrapolation to 1024 nodes", "",
+             f"Predicted by `gradwire model` (not measured beyond {measured_nodes} nodes: every row above that is an "
+             f"extrapolation of the model's form, marked ~). Assumed, not fitted: {PER_NODE} ranks per node joined inside by "
+             f"{NODE_GBIT} Gbit/s at {NODE_ALPHA_US} µs per step; γ = {GAMMA_NS} ns per byte; "
+             + "; ".join(f"{name}: α = {a} µs per step" for name, _, a in NETWORKS)
+             + f"; a batch computes {COMPUTE_MS} ms. float32 parameters and gradients. DDP's allreduce is the fastest of the "
+             "flat and hierarchical forms; DASO's wait is per batch in its cycling phase (a global send every 4 batches, "
+             "merged one batch later behind that batch's computation, node-local averages every batch).", ""]
+    head = "| nodes | " + " | ".join(f"{m}, {n}: DDP allreduce ms / DASO wait per batch ms" for n, _, _ in NETWORKS for m, _ in MODELS) + " |"
+    lines += [head, "|---:|" + "---|" * (len(NETWORKS) * len(MODELS))]
+    series = {name: [] for name, _, _ in NETWORKS}
+    for nodes in NODES:
+        cells = []
+        for name, gbit, alpha in NETWORKS:
+            for mname, nbytes in MODELS:
+                row = predicted(gw, nodes, gbit, alpha, nbytes)
+                ddp = min(float(row[k]) for k in ("ring_us", "rd_us", "hd_us", "sharded_us", "leader_us"))
+                cells.append(f"{ddp / 1e3:.1f} / {float(row['daso_wait_per_batch_us']) / 1e3:.1f}")
+                if mname == MODELS[0][0]:
+                    p = nodes * PER_NODE
+                    series[name].append((nodes, 2 * (p - 1) / p * nbytes / (ddp * 1e-6) / 1e9, row["fastest"]))
+        mark = "~" if nodes > measured_nodes else ""
+        lines.append(f"| {mark}{nodes} | " + " | ".join(cells) + " |")
+    lines.append("")
+    plotted = [(f"{name}", colour, [(n, bw, bw, bw) for n, bw, _ in pts]) for (name, pts), colour in zip(series.items(), ("#1f77b4", "#d62728"))]
+    if svg_plot(f"DDP allreduce of {MODELS[0][0]}, predicted busbw against nodes (x: nodes)", plotted, os.path.join(charts, "extrapolation.svg")):
+        lines += ["![predicted busbw against nodes](cost_model/extrapolation.svg)", ""]
+    return lines
+
+
+def main():
+    kept, out = sys.argv[1], sys.argv[2]
+    gw = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target", "release", "gradwire")
+    meta = dict(line.rstrip("\n").split("\t", 1) for line in open(os.path.join(kept, "meta.tsv")))
+    runs = list(csv.DictReader(open(os.path.join(kept, "runs.tsv")), delimiter="\t"))
+    rates = sorted({r["rate_gbit"] for r in runs}, key=float)
+    charts = os.path.join(os.path.dirname(os.path.abspath(out)), "cost_model")
+    summary, sections = [], []
+    all_err, held_err, picks, old_picks = [], [], [], []
+    for rate in rates:
+        fitline, rows = read_model(os.path.join(kept, f"model_{rate}g.csv"))
+        by = defaultdict(dict)  # (nodes, bytes) -> algo -> row
+        for r in rows:
+            r["err"] = float(r["predicted_us"]) / float(r["measured_us"]) - 1
+            by[(int(r["ranks"]), int(float(r["bytes"])))][r["algo"]] = r
+        errs = [abs(r["err"]) for r in rows]
+        held = [abs(r["err"]) for r in rows if r["in_fit"] == "0"]
+        rate_picks, rate_old = [], []
+        for (n, b), algos in sorted(by.items()):
+            if "ring" in algos and "rd" in algos:
+                t = {a: float(algos[a]["measured_us"]) for a in ("ring", "rd")}
+                faster = min(t, key=t.get)
+                model, old = algos["ring"]["chosen"], "rd" if b < OLD_SMALL_BYTES else "ring"
+                # (picked the faster, cost at most 5 % more than it: where the two take the
+                # same time the faster is a coin toss)
+                rate_picks.append((model == faster, t[model] <= 1.05 * t[faster]))
+                rate_old.append((old == faster, t[old] <= 1.05 * t[faster]))
+        all_err += errs
+        held_err += held
+        picks += rate_picks
+        old_picks += rate_old
+        summary.append(
+            f"| {rate} | {fitline.split(': ', 1)[1]} | {pct(statistics.median(errs))} | "
+            + (f"{pct(statistics.median(held))}" if held else "n/a")
+            + f" | {pct(sum(e <= 0.25 for e in errs) / len(errs))} | {share(rate_picks)} | {share(rate_old)} |"
+        )
+        lines = [f"### Links shaped to {rate} Gbit/s", "", f"Fit: {fitline}.", "",
+                 "| nodes | bytes | " + " | ".join(f"{NAMES[a]} measured / predicted µs (error)" for a in ("ring", "rd", "hd")) + " | faster (measured) | model's pick |",
+                 "|---:|---:|" + "---|" * 3 + "---|---|"]
+        for (n, b), algos in sorted(by.items()):
+            cells = []
+            for a in ("ring", "rd", "hd"):
+                r = algos.get(a)
+                if r is None:
+                    cells.append("")
+                    continue
+                mark = "" if r["in_fit"] == "1" else " *"
+                cells.append(f"{float(r['measured_us']):.0f} / {float(r['predicted_us']):.0f} ({100 * r['err']:+.0f} %){mark}")
+            faster = min(("ring", "rd"), key=lambda a: float(algos[a]["measured_us"])) if "ring" in algos and "rd" in algos else ""
+            pick = algos.get("ring", {}).get("chosen", "")
+            lines.append(f"| {n} | {human(b)} | " + " | ".join(cells) + f" | {faster} | {pick} |")
+        lines += ["", "\\* not in the fit (predicted from the other node counts).", ""]
+        for n in sorted({n for n, _ in by}):
+            series = []
+            for a in ("ring", "rd", "hd"):
+                pts = [(b, algos[a]) for (m, b), algos in sorted(by.items()) if m == n and a in algos]
+                if not pts:
+                    continue
+                # busbw as nccl-tests defines it: 2(n-1)/n x bytes / time, GB/s.
+                def bw(b, us):
+                    return 2 * (n - 1) / n * b / (float(us) * 1e-6) / 1e9
+
+                series.append((f"{a} measured", COLOURS[a], [(b, bw(b, r["measured_us"]), bw(b, r["measured_us"]), bw(b, r["measured_us"])) for b, r in pts]))
+                series.append((f"{a} model", MODEL_COLOURS[a], [(b, bw(b, r["predicted_us"]), bw(b, r["predicted_us"]), bw(b, r["predicted_us"])) for b, r in pts]))
+            name = f"allreduce-{rate}g-n{n}.svg"
+            if svg_plot(f"allreduce, {n} nodes, {rate} Gbit/s: measured and predicted", series, os.path.join(charts, name)):
+                lines.append(f"![{n} nodes at {rate} Gbit/s](cost_model/{name})")
+                lines.append("")
+        sections.append("\n".join(lines))
+    doc = [
+        "# The cost model against measured runs",
+        "",
+        "Generated by `benches/cost_model.sh --record` (or `--report` from the kept CSVs in "
+        "`benches/results/cost_model/`); do not edit. The model and its command: "
+        "[operators.md](operators.md#the-cost-model).",
+        "",
+        f"Setup: {meta.get('cpus')} CPUs ({meta.get('cpu')}), kernel {meta.get('kernel')}, "
+        f"commit {meta.get('commit')}, {meta.get('date')}. Each node is a network namespace with one rank, its egress "
+        "shaped by tc tbf; `gradwire bench allreduce` over tcp, float32 sum, time = the slowest rank's mean "
+        "(4-64 KiB: 400 timed calls after 40, so that tbf's 256 KiB burst weighs little; from 256 KiB: 5 after 1). The kernel here has no netem, so every run has "
+        "the namespaces' own latency: the delay dimension is not measured.",
+        "",
+        "## Summary",
+        "",
+        "| link Gbit/s | fitted parameters | median error | median error, runs not in the fit | within 25 % | the model's pick of ring or recursive doubling: the faster / within 5 % of it | the fixed 256 KiB threshold's |",
+        "|---|---|---:|---:|---:|---:|---:|",
+        *summary,
+        "",
+        f"Over every rate: median error {pct(statistics.median(all_err))}"
+        + (f" ({pct(statistics.median(held_err))} on the runs not in the fit)" if held_err else "")
+        + f"; of {len(picks)} cases (nodes x size x rate) the model picks the faster of ring and recursive doubling, or one within 5 % of it, "
+        f"in {share(picks)}, the fixed threshold in {share(old_picks)}. With 2 nodes the two algorithms move the same bytes in one step "
+        "or two and take the same time within noise.",
+        "",
+        *extrapolation(gw, charts, max(int(r["nodes"]) for r in runs)),
+        "## Each run",
+        "",
+        *sections,
+    ]
+    with open(out, "w") as f:
+        f.write("\n".join(doc).rstrip() + "\n")
+
+
+if __name__ == "__main__":
+    main()
