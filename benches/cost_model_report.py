@@ -99,13 +99,19 @@ def main():
     rates = sorted({r["rate_gbit"] for r in runs}, key=float)
     charts = os.path.join(os.path.dirname(os.path.abspath(out)), "cost_model")
     summary, sections = [], []
-    all_err, held_err, picks, old_picks = [], [], [], []
+    all_err, held_err, picks, old_picks, auto_ratios = [], [], [], [], []
     for rate in rates:
         fitline, rows = read_model(os.path.join(kept, f"model_{rate}g.csv"))
         by = defaultdict(dict)  # (nodes, bytes) -> algo -> row
         for r in rows:
             r["err"] = float(r["predicted_us"]) / float(r["measured_us"]) - 1
             by[(int(r["ranks"]), int(float(r["bytes"])))][r["algo"]] = r
+        # The automatic choice's own runs (told the fitted network), by nodes and size.
+        auto = {}
+        for run in runs:
+            if run["rate_gbit"] == rate and run["algo"] == "auto":
+                for row in csv.DictReader(open(os.path.join(kept, run["csv"]))):
+                    auto[(int(run["nodes"]), int(row["size_bytes"]))] = float(row["time_us"])
         errs = [abs(r["err"]) for r in rows]
         held = [abs(r["err"]) for r in rows if r["in_fit"] == "0"]
         rate_picks, rate_old = [], []
@@ -128,8 +134,9 @@ def main():
             + f" | {pct(sum(e <= 0.25 for e in errs) / len(errs))} | {share(rate_picks)} | {share(rate_old)} |"
         )
         lines = [f"### Links shaped to {rate} Gbit/s", "", f"Fit: {fitline}.", "",
-                 "| nodes | bytes | " + " | ".join(f"{NAMES[a]} measured / predicted µs (error)" for a in ("ring", "rd", "hd")) + " | faster (measured) | model's pick |",
-                 "|---:|---:|" + "---|" * 3 + "---|---|"]
+                 "| nodes | bytes | " + " | ".join(f"{NAMES[a]} measured / predicted µs (error)" for a in ("ring", "rd", "hd"))
+                 + " | faster (measured) | model's pick | `GRADWIRE_ALGO=auto` told the fitted network: µs (over the faster) |",
+                 "|---:|---:|" + "---|" * 3 + "---|---|---|"]
         for (n, b), algos in sorted(by.items()):
             cells = []
             for a in ("ring", "rd", "hd"):
@@ -141,7 +148,12 @@ def main():
                 cells.append(f"{float(r['measured_us']):.0f} / {float(r['predicted_us']):.0f} ({100 * r['err']:+.0f} %){mark}")
             faster = min(("ring", "rd"), key=lambda a: float(algos[a]["measured_us"])) if "ring" in algos and "rd" in algos else ""
             pick = algos.get("ring", {}).get("chosen", "")
-            lines.append(f"| {n} | {human(b)} | " + " | ".join(cells) + f" | {faster} | {pick} |")
+            auto_cell = ""
+            if (n, b) in auto and faster:
+                ratio = auto[(n, b)] / float(algos[faster]["measured_us"])
+                auto_ratios.append(ratio)
+                auto_cell = f"{auto[(n, b)]:.0f} ({ratio:.2f}x)"
+            lines.append(f"| {n} | {human(b)} | " + " | ".join(cells) + f" | {faster} | {pick} | {auto_cell} |")
         lines += ["", "\\* not in the fit (predicted from the other node counts).", ""]
         for n in sorted({n for n, _ in by}):
             series = []
@@ -183,7 +195,10 @@ def main():
         + (f" ({pct(statistics.median(held_err))} on the runs not in the fit)" if held_err else "")
         + f"; of {len(picks)} cases (nodes x size x rate) the model picks the faster of ring and recursive doubling, or one within 5 % of it, "
         f"in {share(picks)}, the fixed threshold in {share(old_picks)}. With 2 nodes the two algorithms move the same bytes in one step "
-        "or two and take the same time within noise.",
+        "or two and take the same time within noise."
+        + (f" The automatic choice itself, told the fitted network (`GRADWIRE_NET_*`), ran within 5 % of the faster in "
+           f"{pct(sum(r <= 1.05 for r in auto_ratios) / len(auto_ratios))} of {len(auto_ratios)} cases "
+           f"(median {statistics.median(auto_ratios):.2f}x, worst {max(auto_ratios):.2f}x)." if auto_ratios else ""),
         "",
         *extrapolation(gw, charts, max(int(r["nodes"]) for r in runs)),
         "## Each run",
