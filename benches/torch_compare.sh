@@ -5,7 +5,9 @@
 # same sizes, one run; ratios within it.
 #
 #   benches/torch_compare.sh            # print the tables
-#   benches/torch_compare.sh --record   # also write them into docs/benchmarks.md
+#   benches/torch_compare.sh --record   # also keep the raw outputs in benches/results/torch_compare/
+#                                       # and write the tables into docs/benchmarks.md
+#   benches/torch_compare.sh --report   # run nothing: rewrite the section from the kept outputs
 #
 # Environment: RANKS (default "2 4"), SIZES (default 4 KiB to 256 MiB, x4), DDP_STEPS (10),
 # REPEATS (3): gradwire's runs (torch and bench) and the DDP steps alternate that many
@@ -14,21 +16,46 @@
 # Needs torch (benches/peers/install_torch.py). About 12 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-record=0
-[ "${1:-}" = --record ] && record=1
-ranks=${RANKS:-2 4}
-# Also 2 x 2 ranks in network namespaces (shm inside a "node", tcp between): NETNS=0 skips.
-[ "${NETNS:-1}" = 1 ] && [ "$(id -u)" = 0 ] && command -v ip >/dev/null && ranks="$ranks 4ns"
-repeats=${REPEATS:-3}
-export SIZES=${SIZES:-4096 16384 65536 262144 1048576 4194304 16777216 67108864 268435456}
-sizes=$SIZES
-cargo build --release --bin gradwire --lib >&2
+mode=${1:-}
+case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
+kept=benches/results/torch_compare   # the recorded run (--record keeps it, --report reads it)
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-export GRADWIRE_LIB=$PWD/target/release/libgradwire.so PYTHONPATH=$PWD/python GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1
+raw=$tmp
+[ -n "$mode" ] && raw=$kept
+if [ "$mode" != --report ]; then
+  ranks=${RANKS:-2 4}
+  # Also 2 x 2 ranks in network namespaces (shm inside a "node", tcp between): NETNS=0 skips.
+  [ "${NETNS:-1}" = 1 ] && [ "$(id -u)" = 0 ] && command -v ip >/dev/null && ranks="$ranks 4ns"
+  repeats=${REPEATS:-3}
+  export SIZES=${SIZES:-4096 16384 65536 262144 1048576 4194304 16777216 67108864 268435456}
+  sizes=$SIZES
+  cargo build --release --bin gradwire --lib >&2
+  export GRADWIRE_LIB=$PWD/target/release/libgradwire.so PYTHONPATH=$PWD/python GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1
+  if [ "$mode" = --record ]; then rm -rf "$kept"; mkdir -p "$kept"; fi
+  printf 'cores\t%s\ntorch\t%s\ndate\t%s\ncommit\t%s\nranks\t%s\nrepeats\t%s\n' "$(getconf _NPROCESSORS_ONLN)" \
+    "$(python3 -c 'import torch; print(torch.__version__)')" "$(date -u +%Y-%m-%d)" "$(git rev-parse --short HEAD)" "$ranks" "$repeats" >"$raw/meta.tsv"
+  for cfg in $ranks; do
+    w=${cfg%ns}
+    where=()
+    [ "$cfg" != "$w" ] && where=(--netns --ranks-per-node 2)
+    b=$(echo "$sizes" | awk '{print $1}'); e=$(echo "$sizes" | awk '{print $NF}')
+    for rep in $(seq "$repeats"); do
+      for backend in gradwire gloo; do
+        s=$SIZES; [ "$backend" = gloo ] && [ "$rep" -gt 1 ] && s=""
+        ifname=lo; [ "$cfg" != "$w" ] && ifname=eth0
+        GLOO_SOCKET_IFNAME=$ifname SIZES=$s BACKEND=$backend target/release/gradwire launch -n "$w" "${where[@]}" -- python3 benches/torch_allreduce.py > "$raw/$backend-$cfg-$rep" 2>"$tmp/$backend-$cfg.err" \
+          < /dev/null || { cat "$tmp/$backend-$cfg.err" >&2; exit 1; }
+      done
+      target/release/gradwire launch -n "$w" "${where[@]}" -- target/release/gradwire bench allreduce -b "$b" -e "$e" -f 4 --csv "$raw/bench-$cfg-$rep.csv" >/dev/null 2>&1
+    done
+  done
+fi
+meta() { awk -F'\t' -v k="$1" '$1 == k { print $2 }' "$raw/meta.tsv"; }
+ranks=$(meta ranks); repeats=$(meta repeats)
 {
   echo "## PyTorch: torch.distributed on the gradwire backend vs gloo"
   echo
-  echo "Command: \`benches/torch_compare.sh --record\` ($(getconf _NPROCESSORS_ONLN) cores, torch $(python3 -c 'import torch; print(torch.__version__)'), $(date -u +%Y-%m-%d)). One host, ranks pinned by \`gradwire launch\`, float32 sum, private"
+  echo "Command: \`benches/torch_compare.sh --record\` ($(meta cores) cores, torch $(meta torch), $(meta date), commit $(meta commit); its raw outputs are kept in \`$kept/\`, from which \`--report\` rewrites this section). One host, ranks pinned by \`gradwire launch\`, float32 sum, private"
   echo "CPU tensors. busbw = 2(W-1)/W x bytes / time (nccl-tests), each time the slowest rank's mean;"
   echo "gradwire's figures and the DDP steps are medians of $repeats alternating runs (range in brackets)."
   echo "\`torch gradwire\` is \`dist.all_reduce\` after \`init_process_group(\"gradwire\")\`, \`gloo\` the same script"
@@ -38,28 +65,14 @@ export GRADWIRE_LIB=$PWD/target/release/libgradwire.so PYTHONPATH=$PWD/python GL
   echo "gradwire bench from 1 MiB; DDP steps <= 0.8x gloo's. The goals are set for one host; the namespace table is reported against them."
   for cfg in $ranks; do
     w=${cfg%ns}
-    where=()
     title="W = $w"
-    if [ "$cfg" != "$w" ]; then
-      where=(--netns --ranks-per-node 2)
-      title="W = 4 as 2 x 2 ranks in network namespaces (shm inside, tcp between; gloo over the namespaces' veth)"
-    fi
-    b=$(echo "$sizes" | awk '{print $1}'); e=$(echo "$sizes" | awk '{print $NF}')
-    for rep in $(seq "$repeats"); do
-      for backend in gradwire gloo; do
-        s=$SIZES; [ "$backend" = gloo ] && [ "$rep" -gt 1 ] && s=""
-        ifname=lo; [ "$cfg" != "$w" ] && ifname=eth0
-        GLOO_SOCKET_IFNAME=$ifname SIZES=$s BACKEND=$backend target/release/gradwire launch -n "$w" "${where[@]}" -- python3 benches/torch_allreduce.py > "$tmp/$backend-$cfg-$rep" 2>"$tmp/$backend-$cfg.err" \
-          < /dev/null || { cat "$tmp/$backend-$cfg.err" >&2; exit 1; }
-      done
-      target/release/gradwire launch -n "$w" "${where[@]}" -- target/release/gradwire bench allreduce -b "$b" -e "$e" -f 4 --csv "$tmp/bench-$cfg-$rep.csv" >/dev/null 2>&1
-    done
+    [ "$cfg" != "$w" ] && title="W = 4 as 2 x 2 ranks in network namespaces (shm inside, tcp between; gloo over the namespaces' veth)"
     echo
     echo "### $title"
     echo
     echo "| bytes | torch gradwire busbw GB/s | gloo busbw GB/s | gradwire / gloo | gradwire bench busbw GB/s | torch gradwire / bench | torch gradwire µs | gloo µs |"
     echo "|---:|---:|---:|---:|---:|---:|---:|---:|"
-    python3 - "$tmp" "$cfg" "$repeats" <<'PY'
+    python3 - "$raw" "$cfg" "$repeats" <<'PY'
 import csv, statistics, sys
 tmp, cfg, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
 w = int(cfg.removesuffix("ns"))
@@ -98,5 +111,5 @@ PY
   done
 } > "$tmp/section.md"
 cat "$tmp/section.md"
-[ $record = 1 ] && python3 benches/record_section.py "$tmp/section.md"
+[ -n "$mode" ] && python3 benches/record_section.py "$tmp/section.md"
 exit 0
