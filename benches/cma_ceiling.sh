@@ -7,45 +7,58 @@
 # Open MPI's vader. Medians and ranges over the rounds. cma_probe pins its processes round
 # robin to the online CPUs; gradwire's launcher pins only when ranks <= CPUs.
 #
-#   benches/cma_ceiling.sh [--record]    (ROUNDS=5 RANKS="2 4" SIZES="16 64 256", MiB)
+#   benches/cma_ceiling.sh [--record|--report]    (ROUNDS=5 RANKS="2 4" SIZES="16 64 256", MiB)
 #
 # A private buffer is reached from another process only through the kernel (cross-memory
 # attach: one copy per byte moved) or through staging in shared memory (two copies, in user
 # space). Through the kernel, each rank must fetch its part of every peer's buffer and put
 # the result into every peer's: the copies-only figure. An allreduce also reduces, so it
 # stays below that figure; gradwire's staged form measured lower still (docs/benchmarks.md).
-# --record replaces this script's section of docs/benchmarks.md (after the part compare.sh writes).
+# --record keeps the raw figures in benches/results/cma_ceiling/ and replaces this script's
+# section of docs/benchmarks.md (after the part compare.sh writes); --report rewrites the
+# section from the kept figures without measuring.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-record=0
-[ "${1:-}" = --record ] && record=1
+mode=${1:-}
+case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
+# shellcheck source=benches/lib.sh
+PROG=cma_ceiling ROOT=$PWD
+. benches/lib.sh   # Open MPI's mpirun and mpicc by their own names (MPIRUN, MPICC)
 rounds=${ROUNDS:-5} ranks=${RANKS:-2 4} sizes=${SIZES:-16 64 256}
-cargo build --release --bin gradwire >&2
-mkdir -p target/peers
-gcc -O3 -march=native benches/peers/cma_probe.c -o target/peers/cma_probe
-gcc -O3 -pthread benches/peers/copybw.c -o target/peers/copybw
-mpicc -O2 benches/peers/mpi_collectives.c -o target/peers/mpi_collectives
-gw=target/release/gradwire
-iters() { case $1 in 16) echo 30 ;; 64) echo 15 ;; *) echo 6 ;; esac; }
+kept=benches/results/cma_ceiling   # the recorded run (--record keeps it, --report reads it)
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-for _ in $(seq "$rounds"); do
-  # Target 1b's memory bound comes from the single-thread memcpy figure, as in compare.sh.
-  memcpy=$(target/peers/copybw -H | awk -F, 'NR == 2 { print $2 }')
-  echo "copybw ${memcpy:?copybw gave no figure}" | tee -a "$tmp/out" >&2
-  for w in $ranks; do
-    for mib in $sizes; do
-      n=$(iters "$mib") bytes=$((mib << 20))
-      g=$("$gw" launch -n "$w" -- "$gw" bench allreduce --transport shm -b "$bytes" -e "$bytes" -n "$n" -w 3 | awk -v s="$bytes" '$1 == s { print $7 }')
-      c=$(target/peers/cma_probe "$w" "$mib" "$n" 256 | sed 's/.*busbw \([0-9.]*\).*/\1/')
-      k=$(target/peers/cma_probe "$w" "$mib" "$n" 256 copy | sed 's/.*busbw \([0-9.]*\).*/\1/')
-      m=$(mpirun --allow-run-as-root --oversubscribe -np "$w" --mca pml ob1 --mca btl self,vader target/peers/mpi_collectives -c allreduce \
-        -b "$bytes" -e "$bytes" -n "$n" -w 3 -d float32 -o sum --inplace --csv /dev/stdout | awk -F, -v s="$bytes" '$1 == s { print $7 }')
-      : "${g:?gradwire gave no figure}" "${c:?cma_probe gave no figure}" "${k:?cma_probe copy gave no figure}" "${m:?Open MPI gave no figure}"
-      echo "$w $mib $g $c $k $m" | tee -a "$tmp/out" >&2
+raw=$tmp
+[ -n "$mode" ] && raw=$kept
+if [ "$mode" != --report ]; then
+  if [ "$mode" = --record ]; then rm -rf "$kept"; mkdir -p "$kept"; fi
+  printf '%s\n' "$rounds" >"$raw/rounds"
+  cargo build --release --bin gradwire >&2
+  mkdir -p target/peers
+  gcc -O3 -march=native benches/peers/cma_probe.c -o target/peers/cma_probe
+  gcc -O3 -pthread benches/peers/copybw.c -o target/peers/copybw
+  "$MPICC" -O2 benches/peers/mpi_collectives.c -o target/peers/mpi_collectives
+  gw=target/release/gradwire
+  iters() { case $1 in 16) echo 30 ;; 64) echo 15 ;; *) echo 6 ;; esac; }
+  for _ in $(seq "$rounds"); do
+    # Target 1b's memory bound comes from the single-thread memcpy figure, as in compare.sh.
+    memcpy=$(target/peers/copybw -H | awk -F, 'NR == 2 { print $2 }')
+    echo "copybw ${memcpy:?copybw gave no figure}" | tee -a "$raw/out" >&2
+    for w in $ranks; do
+      for mib in $sizes; do
+        n=$(iters "$mib") bytes=$((mib << 20))
+        g=$("$gw" launch -n "$w" -- "$gw" bench allreduce --transport shm -b "$bytes" -e "$bytes" -n "$n" -w 3 | awk -v s="$bytes" '$1 == s { print $7 }')
+        c=$(target/peers/cma_probe "$w" "$mib" "$n" 256 | sed 's/.*busbw \([0-9.]*\).*/\1/')
+        k=$(target/peers/cma_probe "$w" "$mib" "$n" 256 copy | sed 's/.*busbw \([0-9.]*\).*/\1/')
+        m=$("$MPIRUN" --allow-run-as-root --oversubscribe -np "$w" --mca pml ob1 --mca btl self,vader target/peers/mpi_collectives -c allreduce \
+          -b "$bytes" -e "$bytes" -n "$n" -w 3 -d float32 -o sum --inplace --csv /dev/stdout | awk -F, -v s="$bytes" '$1 == s { print $7 }')
+        : "${g:?gradwire gave no figure}" "${c:?cma_probe gave no figure}" "${k:?cma_probe copy gave no figure}" "${m:?Open MPI gave no figure}"
+        echo "$w $mib $g $c $k $m" | tee -a "$raw/out" >&2
+      done
     done
   done
-done
-python3 - "$tmp/out" "$rounds" "$record" "$tmp/section.md" <<'PY'
+fi
+rounds=$(cat "$raw/rounds")
+python3 - "$raw/out" "$rounds" "$([ -n "$mode" ] && echo 1 || echo 0)" "$tmp/section.md" <<'PY'
 import statistics, sys
 path, rounds, record, out_path = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 rows, memcpy = {}, []
@@ -74,7 +87,7 @@ print(table)
 if record:
     open(out_path, "w").write(f"""## Private buffers: what cross-memory attach allows (W = 2 and 4, shm)
 
-Command: `benches/cma_ceiling.sh --record` ({rounds} rounds; in each, per W and size, the four
+Command: `benches/cma_ceiling.sh --record` (raw figures kept in `benches/results/cma_ceiling/`; {rounds} rounds; in each, per W and size, the four
 runs one after another). busbw in GB/s, f32 sum, in place: median (range). gradwire: its
 one-host allreduce of private buffers (cross-memory attach). `benches/peers/cma_probe.c`: the
 same algorithm in plain C (rank r fetches part r of every peer's buffer through
@@ -97,5 +110,5 @@ with no kernel copy (the targets table judges 1a and 1b on registered buffers to
 {table}
 """)
 PY
-[ $record = 1 ] && python3 benches/record_section.py "$tmp/section.md"
+[ -n "$mode" ] && python3 benches/record_section.py "$tmp/section.md"
 true

@@ -3,18 +3,26 @@
 # charged (frames with their headers, and the ACKs of the other direction) against the
 # allreduce payload the rank sent, and how busy that kept the link.
 #
-#   benches/tbf_wire.sh [--record]    (needs root; GBIT=1 SIZES="16777216 67108864" ITERS=6)
+#   benches/tbf_wire.sh [--record|--report]    (needs root; GBIT=1 SIZES="16777216 67108864" ITERS=6)
 #
 # payload / charged is the most of the link rate any TCP allreduce's busbw can reach here
 # (target 3b asks for 95 %); busy = bytes charged per call / (link rate x time per call).
-# --record replaces this script's section of docs/benchmarks.md (after the part compare.sh writes).
+# --record keeps the per-rank figures in benches/results/tbf_wire/ and replaces this script's
+# section of docs/benchmarks.md (after the part compare.sh writes); --report rewrites the
+# section from them without measuring.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-record=0
-[ "${1:-}" = --record ] && record=1
+mode=${1:-}
+case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
 gbit=${GBIT:-1} sizes=${SIZES:-16777216 67108864} iters=${ITERS:-6} warmup=1 world=4
-cargo build --release --bin gradwire >&2
+kept=benches/results/tbf_wire   # the recorded run (--record keeps it, --report reads it)
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+raw=$tmp
+[ -n "$mode" ] && raw=$kept
+if [ "$mode" != --report ]; then
+cargo build --release --bin gradwire >&2
+if [ "$mode" = --record ]; then rm -rf "$kept"; mkdir -p "$kept"; fi
+printf '%s %s %s %s\n' "$gbit" "$iters" "$warmup" "$world" >"$raw/setup"
 for size in $sizes; do
   cat >"$tmp/rank.sh" <<SH
 #!/bin/sh
@@ -24,9 +32,11 @@ us=\$(echo "\$out" | awk '\$1 == $size { print \$5 }')
 echo "rank \$RANK $size \$charged \$us"
 SH
   chmod +x "$tmp/rank.sh"
-  target/release/gradwire launch -n $world --netns --link-gbit "$gbit" -- "$tmp/rank.sh" >>"$tmp/out"
+  target/release/gradwire launch -n $world --netns --link-gbit "$gbit" -- "$tmp/rank.sh" >>"$raw/out"
 done
-python3 - "$tmp/out" "$gbit" "$iters" "$warmup" "$world" "$record" "$tmp/section.md" <<'PY'
+fi
+read -r gbit iters warmup world <"$raw/setup"
+python3 - "$raw/out" "$gbit" "$iters" "$warmup" "$world" "$([ -n "$mode" ] && echo 1 || echo 0)" "$tmp/section.md" <<'PY'
 import sys
 path, gbit, iters, warmup, world, record = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
 rows = [l.split() for l in open(path) if l.startswith("rank ")]
@@ -46,7 +56,7 @@ if record:
     head = f"## What a {gbit:g} Gbit/s tbf link carries (gradwire allreduce, W = 4 namespaces)"
     section = f"""{head}
 
-Command: `benches/tbf_wire.sh --record` ({iters} timed + {warmup} warm-up calls per size). Per rank: the
+Command: `benches/tbf_wire.sh --record` (per-rank figures kept in `benches/results/tbf_wire/`; {iters} timed + {warmup} warm-up calls per size). Per rank: the
 bytes its namespace's tbf qdisc charged (`tc -s qdisc`: every frame with its headers, the
 ACKs it sends for the other ring direction included) per call, against the payload a ring
 allreduce rank sends per call (2(W-1)/W S). payload / charged is the most of the link rate
@@ -58,5 +68,5 @@ needs the link busy >= 95 / (payload / charged) of the time.
 """
     open(sys.argv[7], "w").write(section)
 PY
-[ $record = 1 ] && python3 benches/record_section.py "$tmp/section.md"
+[ -n "$mode" ] && python3 benches/record_section.py "$tmp/section.md"
 true
