@@ -5,18 +5,50 @@
 # time per ring size), on shm and tcp here and on verbs inside the rxe guest.
 #
 #   benches/ps_bench.sh            # print the section
-#   benches/ps_bench.sh --record   # also write it into docs/benchmarks.md
+#   benches/ps_bench.sh --record   # also keep the raw outputs in benches/results/ps_bench/
+#                                  # and write the section into docs/benchmarks.md
+#   benches/ps_bench.sh --report   # run nothing: rewrite the section from the kept outputs
 #
 # Environment: REPEATS (default 3; each cell is the median), NO_VM=1 skips verbs. About
 # 4 minutes on 2 cores (the guest boot included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-record=0
-[ "${1:-}" = --record ] && record=1
-repeats=${REPEATS:-3}
-cargo build --release --bin gradwire >&2
-gw=target/release/gradwire
+mode=${1:-}
+case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
+kept=benches/results/ps_bench   # the recorded run (--record keeps it, --report reads it)
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+raw=$tmp
+[ -n "$mode" ] && raw=$kept
+gw=target/release/gradwire
+if [ "$mode" != --report ]; then
+  repeats=${REPEATS:-3} vm=$([ "${NO_VM:-0}" = 1 ] && echo 0 || echo 1)
+  cargo build --release --bin gradwire >&2
+  if [ "$mode" = --record ]; then rm -rf "$kept"; mkdir -p "$kept"; fi
+  echo "$repeats $vm" >"$raw/setup"
+  ps_runs() { # $1 name, then the command that prints one bench ps run
+    local name=$1; shift
+    for r in $(seq "$repeats"); do "$@" >"$raw/ps-$name.$r" 2>&1 || { cat "$raw/ps-$name.$r" >&2; exit 1; }; done
+  }
+  ps_runs shm $gw launch -n 2 -- $gw bench ps --transport shm -b 64K -e 16M -f 4 -n 100 --check
+  ps_runs tcp $gw launch -n 2 -- $gw bench ps --transport tcp -b 64K -e 16M -f 4 -n 100 --check
+  ps_runs tcp-unbound $gw launch --bind none -n 2 -- $gw bench ps --transport tcp -b 64K -e 16M -f 4 -n 100 --check
+  for t in shm tcp; do
+    for n in 2 4 8; do
+      for r in $(seq "$repeats"); do $gw launch -n "$n" -- $gw bench token-ring --transport "$t" -n 20 >"$raw/ring-$t-$n.$r"; done
+    done
+  done
+  if [ "$vm" = 1 ]; then
+    strip -o "$tmp/gradwire" $gw 2>/dev/null || cp $gw "$tmp/gradwire"
+    cat >"$tmp/guest.sh" <<'G'
+#!/bin/sh
+for r in $(seq "$REPEATS"); do gradwire launch -n 2 -- gradwire bench ps --transport verbs -b 64K -e 16M -f 4 -n 10 --check > /tmp/ps.$r 2>&1; cat /tmp/ps.$r | sed "s/^/ps$r: /"; done
+for n in 2 4; do for r in $(seq "$REPEATS"); do gradwire launch -n $n -- gradwire bench token-ring --transport verbs -n 4 | sed "s/^/ring$n: /"; done; done
+G
+    chmod +x "$tmp/guest.sh"
+    tests/rxe/run-in-vm.sh -t 1500 -e "REPEATS=$repeats" -f "$tmp/gradwire" -- "$tmp/guest.sh" >"$raw/vm.out" 2>&1 || { cat "$raw/vm.out" >&2; exit 1; }
+  fi
+fi
+read -r repeats vm <"$raw/setup"
 
 # median_rows FILE...: per size, the median of each numeric column over the files.
 median_rows() {
@@ -30,27 +62,24 @@ for i, row in enumerate(runs[0]):
     print(f"| {int(row[0])} | {m[0]:.2f} | {m[1]:.2f} | {100*m[1]/m[0]:.0f} % | {m[3]:.2f} | {m[4]:.2f} | {100*m[4]/m[3]:.0f} % |")
 PY
 }
-ps_table() { # $1 title, then the command that prints one bench ps run
-  local title=$1; shift
-  for r in $(seq "$repeats"); do "$@" >"$tmp/ps.$r" 2>&1 || { cat "$tmp/ps.$r" >&2; exit 1; }; done
-  echo "### $title"
+ps_table() { # $1 title, $2 the runs' files, without the repeat suffix
+  echo "### $1"
   echo
   echo "| size (B) | write GB/s | push GB/s | push / write | read GB/s | pull GB/s | pull / read |"
   echo "|---:|---:|---:|---:|---:|---:|---:|"
-  median_rows $(seq -f "$tmp/ps.%g" "$repeats")
+  median_rows $(seq -f "$2.%g" "$repeats")
   echo
 }
-ring_rows() { # $1 transport label, then the command prefix that launches N ranks
-  local label=$1; shift
+ring_rows() { # $1 transport label, $2 its name in the kept files
   for n in 2 4 8; do
-    t=$(for r in $(seq "$repeats"); do "$@" "$n" | awk '/token round time/ { print $4 }'; done | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }')
-    echo "| $label | $n | $t | $(awk -v t="$t" -v n="$n" 'BEGIN { printf "%.1f", t / n }') |"
+    t=$(for r in $(seq "$repeats"); do awk '/token round time/ { print $4 }' "$raw/ring-$2-$n.$r"; done | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }')
+    echo "| $1 | $n | $t | $(awk -v t="$t" -v n="$n" 'BEGIN { printf "%.1f", t / n }') |"
   done
 }
 {
   echo "## Parameter-server shards and token ring"
   echo
-  echo "Written by \`benches/ps_bench.sh --record\`; medians of $repeats runs. A push is complete once"
+  echo "Written by \`benches/ps_bench.sh --record\` (raw outputs kept in \`$kept/\`; \`--report\` rewrites this section from them); medians of $repeats runs. A push is complete once"
   echo "applied (timed up to the flush): on shm the worker applies it in place under the shard lock;"
   echo "on tcp it is one accumulate request that the shard's one-sided service applies chunk by chunk"
   echo "as it arrives; on verbs one RDMA WRITE into the shard's inbox slot plus an atomic doorbell,"
@@ -58,19 +87,11 @@ ring_rows() { # $1 transport label, then the command prefix that launches N rank
   echo "round trip on tcp). The raw columns are \`Window::write\`/\`read\` of the same sizes at the"
   echo "same offset in the same run, blocks of ten of each kind taking turns."
   echo
-  ps_table "shm, W=2 (ranks pinned)" $gw launch -n 2 -- $gw bench ps --transport shm -b 64K -e 16M -f 4 -n 100 --check
-  ps_table "tcp loopback, W=2 (ranks pinned: the shard's core also receives)" $gw launch -n 2 -- $gw bench ps --transport tcp -b 64K -e 16M -f 4 -n 100 --check
-  ps_table "tcp loopback, W=2, --bind none" $gw launch --bind none -n 2 -- $gw bench ps --transport tcp -b 64K -e 16M -f 4 -n 100 --check
-  if [ "${NO_VM:-0}" != 1 ]; then
-    strip -o "$tmp/gradwire" $gw 2>/dev/null || cp $gw "$tmp/gradwire"
-    cat >"$tmp/guest.sh" <<'G'
-#!/bin/sh
-for r in $(seq "$REPEATS"); do gradwire launch -n 2 -- gradwire bench ps --transport verbs -b 64K -e 16M -f 4 -n 10 --check > /tmp/ps.$r 2>&1; cat /tmp/ps.$r | sed "s/^/ps$r: /"; done
-for n in 2 4; do for r in $(seq "$REPEATS"); do gradwire launch -n $n -- gradwire bench token-ring --transport verbs -n 4 | sed "s/^/ring$n: /"; done; done
-G
-    chmod +x "$tmp/guest.sh"
-    tests/rxe/run-in-vm.sh -t 1500 -e "REPEATS=$repeats" -f "$tmp/gradwire" -- "$tmp/guest.sh" >"$tmp/vm.out" 2>&1 || { cat "$tmp/vm.out" >&2; exit 1; }
-    for r in $(seq "$repeats"); do sed -n "s/^ps$r: //p" "$tmp/vm.out" >"$tmp/vps.$r"; done
+  ps_table "shm, W=2 (ranks pinned)" "$raw/ps-shm"
+  ps_table "tcp loopback, W=2 (ranks pinned: the shard's core also receives)" "$raw/ps-tcp"
+  ps_table "tcp loopback, W=2, --bind none" "$raw/ps-tcp-unbound"
+  if [ "$vm" = 1 ]; then
+    for r in $(seq "$repeats"); do sed -n "s/^ps$r: //p" "$raw/vm.out" >"$tmp/vps.$r"; done
     echo "### verbs on soft-RoCE (rxe, one QEMU guest, 2 emulated cores), W=2"
     echo
     echo "| size (B) | write GB/s | push GB/s | push / write | read GB/s | pull GB/s | pull / read |"
@@ -82,11 +103,11 @@ G
   echo
   echo "| transport | ring size | round time (us) | per hand-off (us) |"
   echo "|---|---:|---:|---:|"
-  ring_rows shm sh -c "$gw launch -n \$0 -- $gw bench token-ring --transport shm -n 20"
-  ring_rows tcp sh -c "$gw launch -n \$0 -- $gw bench token-ring --transport tcp -n 20"
-  if [ "${NO_VM:-0}" != 1 ]; then
+  ring_rows shm shm
+  ring_rows tcp tcp
+  if [ "$vm" = 1 ]; then
     for n in 2 4; do
-      t=$(sed -n "s/^ring$n: //p" "$tmp/vm.out" | awk '/token round time/ { print $4 }' | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }')
+      t=$(sed -n "s/^ring$n: //p" "$raw/vm.out" | awk '/token round time/ { print $4 }' | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }')
       echo "| verbs (rxe) | $n | $t | $(awk -v t="$t" -v n="$n" 'BEGIN { printf "%.1f", t / n }') |"
     done
   fi
@@ -108,5 +129,5 @@ NOTE
 python3 benches/ps_verdict.py "$tmp/section.md" | tee -a "$tmp/section.md"
 echo >> "$tmp/section.md"
 
-[ $record = 1 ] || exit 0
+[ -n "$mode" ] || exit 0
 python3 benches/record_section.py "$tmp/section.md"
