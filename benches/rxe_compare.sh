@@ -4,28 +4,38 @@
 # 2-rank allreduce busbw, same device, same sizes, medians of REPEATS turns.
 #
 #   benches/rxe_compare.sh            # print the table
-#   benches/rxe_compare.sh --record   # also write it into docs/benchmarks.md (its verbs section)
+#   benches/rxe_compare.sh --record   # also keep the guest's output in benches/results/rxe_compare/
+#                                     # and write the table into docs/benchmarks.md (its verbs section)
+#   benches/rxe_compare.sh --report   # run nothing: rewrite the section from the kept output
 #
 # Environment: SIZES (default "65536 1048576 4194304 16777216"), BYTES moved per size, tool
 # and repeat (default 64 MiB), REPEATS (default 3); GRADWIRE_* variables are passed to the
 # ranks in the guest. About 5 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-record=0
-[ "${1:-}" = --record ] && record=1
+mode=${1:-}
+case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
+kept=benches/results/rxe_compare   # the recorded run (--record keeps it, --report reads it)
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+raw=$tmp
+[ -n "$mode" ] && raw=$kept
+if [ "$mode" != --report ]; then
 sizes=${SIZES:-65536 1048576 4194304 16777216}
 cargo build --release --bin gradwire >&2
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+if [ "$mode" = --record ]; then rm -rf "$kept"; mkdir -p "$kept"; fi
+printf '%s\n%s\n' "$sizes" "${REPEATS:-3}" >"$raw/setup"
 strip -o "$tmp/gradwire" target/release/gradwire 2>/dev/null || cp target/release/gradwire "$tmp/gradwire"
 # GRADWIRE_* settings of this shell reach the ranks in the guest (to try ring sizes etc.).
 passthrough=()
 while IFS= read -r kv; do passthrough+=(-e "$kv"); done < <(env | grep '^GRADWIRE_' || true)
 tests/rxe/run-in-vm.sh -t 1500 -e "SIZES=$sizes" -e "BYTES=${BYTES:-67108864}" -e "REPEATS=${REPEATS:-3}" "${passthrough[@]}" \
-  -f "$tmp/gradwire" -- benches/rxe/in-guest.sh | tee "$tmp/out"
-grep -q '^| [0-9]' "$tmp/out" || { echo "rxe_compare: no result rows" >&2; exit 1; }
-[ $record = 1 ] || exit 0
+  -f "$tmp/gradwire" -- benches/rxe/in-guest.sh | tee "$raw/out"
+grep -q '^| [0-9]' "$raw/out" || { echo "rxe_compare: no result rows" >&2; exit 1; }
+fi
+[ -n "$mode" ] || exit 0
+{ read -r sizes; read -r repeats; } <"$raw/setup"
 
-python3 - "$tmp/out" "$sizes" "${REPEATS:-3}" "$tmp/section.md" <<'PY'
+python3 - "$raw/out" "$sizes" "$repeats" "$tmp/section.md" <<'PY'
 import re, sys
 out, sizes, repeats = open(sys.argv[1]).read(), sys.argv[2], sys.argv[3]
 rows = [l for l in out.splitlines() if l.startswith("|")]
@@ -42,7 +52,7 @@ for l in data:
                  + " |")
 section = f"""## RDMA verbs on soft-RoCE (rxe), one QEMU guest
 
-Command: `benches/rxe_compare.sh --record` (sizes {sizes}; each cell the median of {repeats}
+Command: `benches/rxe_compare.sh --record` (the guest's output kept in `benches/results/rxe_compare/`; sizes {sizes}; each cell the median of {repeats}
 turns in which the tools take turns). Inside one guest of `tests/rxe/run-in-vm.sh` (TCG, 2
 vCPUs on this 2-core host, rxe0 on the guest's eth0, active MTU 1024): perftest's
 `ib_write_bw` (client and server on rxe0, to the guest's own address), `gradwire bench
