@@ -236,6 +236,13 @@ impl DeviceComm {
         self.world / self.nodes
     }
 
+    /// The call's one check, as every entry point makes it ([`Request::check`]: root, op
+    /// against dtype, sizes, buffers present and laid out as the overlap rule allows), on
+    /// device addresses; returns the send and receive bytes.
+    fn checked(&self, req: Request, send: u64, recv: u64, w: &str) -> Result<(usize, usize)> {
+        req.check(self.rank, self.world, send as *const u8, recv as *const u8).map(|(s, r, _)| (s, r)).map_err(|e| prefixed(e, w))
+    }
+
     /// An error when a call's buffers (device address, bytes) lie as no call of `op` takes
     /// them (the rule of every entry point, [`layout`]).
     fn laid_out(&self, op: Collective, send: (u64, usize), recv: (u64, usize), w: &str) -> Result<()> {
@@ -284,9 +291,7 @@ impl DeviceComm {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn allreduce(&self, world: &Communicator, send: u64, recv: u64, count: usize, dtype: DType, op: ReduceOp, stream: CUstream) -> Result<()> {
         let w = "gradwire_gpu_allreduce";
-        op.check(dtype).map_err(|e| prefixed(e, w))?;
-        let bytes = byte_len(count, 1, dtype, w)?;
-        self.laid_out(Collective::Allreduce, (send, bytes), (recv, bytes), w)?;
+        let (bytes, _) = self.checked(Request::new(Collective::Allreduce, dtype, op, count), send, recv, w)?;
         let mut st = self.enter(world, &[(send, "sendbuf", bytes), (recv, "recvbuf", bytes)], w)?;
         if count == 0 {
             return Ok(());
@@ -386,10 +391,7 @@ impl DeviceComm {
     /// As [`DeviceComm::allreduce`], for `buf`.
     pub unsafe fn broadcast(&self, world: &Communicator, buf: u64, count: usize, dtype: DType, root: usize, stream: CUstream) -> Result<()> {
         let w = "gradwire_gpu_broadcast";
-        if root >= self.world {
-            return Err(invalid(format!("{w}: root {root} is not a rank (the communicator has {} ranks)", self.world)));
-        }
-        let bytes = byte_len(count, 1, dtype, w)?;
+        let (bytes, _) = self.checked(Request { root, ..Request::new(Collective::Broadcast, dtype, ReduceOp::Sum, count) }, buf, buf, w)?;
         let mut st = self.enter(world, &[(buf, "buf", bytes)], w)?;
         if count == 0 {
             return Ok(());
@@ -436,13 +438,9 @@ impl DeviceComm {
         stream: CUstream,
     ) -> Result<()> {
         let w = "gradwire_gpu_reduce";
-        if root >= self.world {
-            return Err(invalid(format!("{w}: root {root} is not a rank (the communicator has {} ranks)", self.world)));
-        }
-        op.check(dtype).map_err(|e| prefixed(e, w))?;
-        let bytes = byte_len(count, 1, dtype, w)?;
         let mine = self.rank == root;
-        self.laid_out(Collective::Reduce, (send, bytes), (recv, if mine { bytes } else { 0 }), w)?;
+        // Off the root the receive buffer is not used (as ncclReduce's): checked as in place.
+        let (bytes, _) = self.checked(Request { root, ..Request::new(Collective::Reduce, dtype, op, count) }, send, if mine { recv } else { send }, w)?;
         let mut st = self.enter(world, &[(send, "sendbuf", bytes), (recv, "recvbuf", if mine { bytes } else { 0 })], w)?;
         if count == 0 {
             return Ok(());
@@ -485,9 +483,7 @@ impl DeviceComm {
         stream: CUstream,
     ) -> Result<()> {
         let w = "gradwire_gpu_reduce_scatter";
-        op.check(dtype).map_err(|e| prefixed(e, w))?;
-        let (part, whole) = (byte_len(recvcount, 1, dtype, w)?, byte_len(recvcount, self.world, dtype, w)?);
-        self.laid_out(Collective::ReduceScatter, (send, whole), (recv, part), w)?;
+        let (whole, part) = self.checked(Request::new(Collective::ReduceScatter, dtype, op, recvcount), send, recv, w)?;
         let mut st = self.enter(world, &[(send, "sendbuf", whole), (recv, "recvbuf", part)], w)?;
         if recvcount == 0 {
             return Ok(());
@@ -522,8 +518,7 @@ impl DeviceComm {
     /// read before it is written).
     pub unsafe fn allgather(&self, world: &Communicator, send: u64, recv: u64, sendcount: usize, dtype: DType, stream: CUstream) -> Result<()> {
         let w = "gradwire_gpu_allgather";
-        let (part, whole) = (byte_len(sendcount, 1, dtype, w)?, byte_len(sendcount, self.world, dtype, w)?);
-        self.laid_out(Collective::Allgather, (send, part), (recv, whole), w)?;
+        let (part, whole) = self.checked(Request::new(Collective::Allgather, dtype, ReduceOp::Sum, sendcount), send, recv, w)?;
         let mut st = self.enter(world, &[(send, "sendbuf", part), (recv, "recvbuf", whole)], w)?;
         if sendcount == 0 {
             return Ok(());
