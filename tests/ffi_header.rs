@@ -42,11 +42,9 @@ fn header_bindings() -> syn::File {
     syn::parse_file(&bindings.to_string()).expect("bindgen output parses")
 }
 
-#[test]
-fn header_matches_rust_exports() {
-    let header = header_bindings();
-    let mut declared: BTreeMap<String, Sig> = BTreeMap::new();
-    let mut consts: BTreeMap<String, i64> = BTreeMap::new();
+/// The header's functions (name to signature) and constants (name to value).
+fn functions_and_constants(header: &syn::File) -> (BTreeMap<String, Sig>, BTreeMap<String, i64>) {
+    let (mut declared, mut consts) = (BTreeMap::new(), BTreeMap::new());
     for item in &header.items {
         match item {
             syn::Item::ForeignMod(m) => {
@@ -64,6 +62,13 @@ fn header_matches_rust_exports() {
             _ => {}
         }
     }
+    (declared, consts)
+}
+
+#[test]
+fn header_matches_rust_exports() {
+    let header = header_bindings();
+    let (declared, consts) = functions_and_constants(&header);
     // The C ABI's Rust side: every file of src/ffi/.
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/ffi");
     let mut rust = syn::File { shebang: None, attrs: vec![], items: vec![] };
@@ -197,20 +202,10 @@ fn ctypes_name(t: &str, aliases: &BTreeMap<String, String>, opaque: &[String]) -
 #[test]
 fn python_tables_match_the_header() {
     let header = header_bindings();
-    let (mut declared, mut consts, mut aliases, mut opaque, mut structs) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new(), vec![], BTreeMap::new());
+    let (declared, consts) = functions_and_constants(&header);
+    let (mut aliases, mut opaque, mut structs) = (BTreeMap::new(), vec![], BTreeMap::new());
     for item in &header.items {
         match item {
-            syn::Item::ForeignMod(m) => {
-                for f in &m.items {
-                    if let syn::ForeignItem::Fn(f) = f {
-                        declared.insert(f.sig.ident.to_string(), (args(f.sig.inputs.iter()), ret(&f.sig.output)));
-                    }
-                }
-            }
-            syn::Item::Const(c) if c.ident != "_" => {
-                let v = c.expr.to_token_stream().to_string().replace(' ', "");
-                consts.insert(c.ident.to_string(), v.trim_end_matches("u32").trim_end_matches("i32").parse::<i64>().unwrap());
-            }
             syn::Item::Type(t) => {
                 aliases.insert(t.ident.to_string(), norm(&t.ty));
             }
