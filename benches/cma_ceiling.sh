@@ -19,16 +19,10 @@
 # section from the kept figures without measuring.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:-}
-case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
-# shellcheck source=benches/lib.sh
 PROG=cma_ceiling ROOT=$PWD
-. benches/lib.sh   # Open MPI's mpirun and mpicc by their own names (MPIRUN, MPICC)
+. benches/lib.sh   # Open MPI's mpirun and mpicc by their own names (MPIRUN, MPICC); kept_run
+kept_run cma_ceiling "${1:-}"
 rounds=${ROUNDS:-5} ranks=${RANKS:-2 4} sizes=${SIZES:-16 64 256}
-kept=benches/results/cma_ceiling   # the recorded run (--record keeps it, --report reads it)
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-raw=$tmp
-[ -n "$mode" ] && raw=$kept
 if [ "$mode" != --report ]; then
   if [ "$mode" = --record ]; then rm -rf "$kept"; mkdir -p "$kept"; fi
   printf '%s\n' "$rounds" >"$raw/rounds"

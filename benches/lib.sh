@@ -6,6 +6,19 @@
 
 log() { printf '[%s %s] %s\n' "$PROG" "$(date +%H:%M:%S)" "$*" >&2; }
 
+# The mode of a benchmark script that keeps what it measures in benches/results/NAME/:
+# `kept_run NAME "${1:-}"` sets mode ("", --record or --report), kept (that directory), tmp
+# (a directory removed at exit) and raw (where the run's outputs go and the report reads
+# them: tmp without a mode, kept with one).
+kept_run() {
+    mode=$2
+    case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
+    kept=benches/results/$1
+    tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+    raw=$tmp
+    if [ -n "$mode" ]; then raw=$kept; fi
+}
+
 # Open MPI's commands by their Debian names where they exist: another MPI may own `mpirun`
 # and `mpicc` on PATH (the PyPI mpich wheel the Heat comparison installs does).
 openmpi_commands() {

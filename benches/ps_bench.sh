@@ -13,12 +13,9 @@
 # 4 minutes on 2 cores (the guest boot included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:-}
-case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
-kept=benches/results/ps_bench   # the recorded run (--record keeps it, --report reads it)
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-raw=$tmp
-[ -n "$mode" ] && raw=$kept
+# shellcheck source=benches/lib.sh
+. benches/lib.sh
+kept_run ps_bench "${1:-}"
 gw=target/release/gradwire
 if [ "$mode" != --report ]; then
   repeats=${REPEATS:-3} vm=$([ "${NO_VM:-0}" = 1 ] && echo 0 || echo 1)

@@ -13,12 +13,9 @@
 # ranks in the guest. About 5 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:-}
-case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
-kept=benches/results/rxe_compare   # the recorded run (--record keeps it, --report reads it)
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-raw=$tmp
-[ -n "$mode" ] && raw=$kept
+# shellcheck source=benches/lib.sh
+. benches/lib.sh
+kept_run rxe_compare "${1:-}"
 if [ "$mode" != --report ]; then
 sizes=${SIZES:-65536 1048576 4194304 16777216}
 cargo build --release --bin gradwire >&2

@@ -12,13 +12,10 @@
 # section from them without measuring.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:-}
-case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
+# shellcheck source=benches/lib.sh
+. benches/lib.sh
+kept_run tbf_wire "${1:-}"
 gbit=${GBIT:-1} sizes=${SIZES:-16777216 67108864} iters=${ITERS:-6} warmup=1 world=4
-kept=benches/results/tbf_wire   # the recorded run (--record keeps it, --report reads it)
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-raw=$tmp
-[ -n "$mode" ] && raw=$kept
 if [ "$mode" != --report ]; then
 cargo build --release --bin gradwire >&2
 if [ "$mode" = --record ]; then rm -rf "$kept"; mkdir -p "$kept"; fi

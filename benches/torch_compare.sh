@@ -16,12 +16,9 @@
 # Needs torch (benches/peers/install_torch.py). About 12 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:-}
-case "$mode" in ""|--record|--report) ;; *) echo "usage: $0 [--record|--report]" >&2; exit 2 ;; esac
-kept=benches/results/torch_compare   # the recorded run (--record keeps it, --report reads it)
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-raw=$tmp
-[ -n "$mode" ] && raw=$kept
+# shellcheck source=benches/lib.sh
+. benches/lib.sh
+kept_run torch_compare "${1:-}"
 if [ "$mode" != --report ]; then
   ranks=${RANKS:-2 4}
   # Also 2 x 2 ranks in network namespaces (shm inside a "node", tcp between): NETNS=0 skips.
