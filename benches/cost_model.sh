@@ -2,7 +2,7 @@
 # The cost model (gradwire model) against measured runs: allreduce over N network-namespace
 # nodes of one rank each (gradwire launch --netns, each node's egress shaped by tc tbf) at
 # each link rate, by the ring, recursive doubling and halving-doubling (GRADWIRE_ALGO). Per
-# rate the model's α, β and γ are fitted to the runs on FIT_NODES nodes and predict every
+# rate the model's α, β, γ and σ are fitted to the runs on FIT_NODES nodes and predict every
 # run; the report gives each run's error, the median, and how often the model picks the
 # faster of the two algorithms the automatic choice takes (ring, recursive doubling); then
 # the automatic choice itself runs, told the fitted network (GRADWIRE_NET_*).
@@ -57,6 +57,8 @@ for rate in $(cut -f1 "$kept/runs.tsv" | tail -n +2 | sort -u); do
   done < <(tail -n +2 "$kept/runs.tsv")
   args=(--fit "$(IFS=,; echo "${fit[*]}")")
   [ ${#check[@]} -gt 0 ] && args+=(--check "$(IFS=,; echo "${check[*]}")")
+  # Every node is a namespace of this one machine: its ranks share the recording host's cores.
+  args+=(--cores "$(awk -F'\t' '$1 == "cpus" {print $2}' "$kept/meta.tsv")")
   $gw model "${args[@]}" >"$kept/model_${rate}g.csv"
   # The automatic choice, told the fitted network: every node count, the same sizes.
   if [ "$mode" = --record ]; then

@@ -7,7 +7,11 @@
 //!   step that sends and receives S bytes costs α + Sβ);
 //! - γ, seconds per byte reduced where the reduction waits for the data (recursive doubling
 //!   reduces after each whole-buffer exchange; the ring and halving-doubling reduce as the
-//!   bytes arrive, which the model counts as hidden behind β).
+//!   bytes arrive, which the model counts as hidden behind β);
+//! - σ, seconds a step waits for each rank more than one that shares a core with the
+//!   others (the peer it waits on must first be scheduled): zero where every rank has a
+//!   core of its own, as in a real job; fitted where the measured ranks time-shared a host
+//!   (the namespace runs: up to 8 ranks on 2 cores).
 //!
 //! A job is N nodes of G ranks: the links between nodes are one [`Link`], the ranks of a
 //! node share memory (another [`Link`], fitted from the one-host collectives). The
@@ -27,12 +31,15 @@ pub struct Link {
     pub beta: f64,
     /// Seconds per byte reduced where the reduction is not hidden behind the transfer.
     pub gamma: f64,
+    /// Seconds per step per rank beyond one on a core (σ).
+    pub sigma: f64,
 }
 
 impl Link {
-    /// A link of `gbit` Gbit/s with `alpha` seconds per step and `gamma` seconds per byte.
+    /// A link of `gbit` Gbit/s with `alpha` seconds per step and `gamma` seconds per byte,
+    /// between ranks that each have a core of their own.
     pub fn of_rate(gbit: f64, alpha: f64, gamma: f64) -> Link {
-        Link { alpha, beta: 8.0 / (gbit * 1e9), gamma }
+        Link { alpha, beta: 8.0 / (gbit * 1e9), gamma, sigma: 0.0 }
     }
 }
 
@@ -86,16 +93,23 @@ pub struct Terms {
     pub bytes: f64,
     /// Bytes reduced while nothing else moves, each costing γ.
     pub reduced: f64,
+    /// Steps times the ranks beyond one per core, each costing σ.
+    pub shared: f64,
 }
 
 impl Terms {
     /// The time these terms take on `link`.
     pub fn time(self, link: &Link) -> f64 {
-        self.steps * link.alpha + self.bytes * link.beta + self.reduced * link.gamma
+        self.steps * link.alpha + self.bytes * link.beta + self.reduced * link.gamma + self.shared * link.sigma
+    }
+
+    /// These terms where `ranks_per_core` ranks time-share each core (1 or fewer: none do).
+    pub fn sharing(self, ranks_per_core: f64) -> Terms {
+        Terms { shared: self.steps * (ranks_per_core - 1.0).max(0.0), ..self }
     }
 
     fn plus(self, o: Terms) -> Terms {
-        Terms { steps: self.steps + o.steps, bytes: self.bytes + o.bytes, reduced: self.reduced + o.reduced }
+        Terms { steps: self.steps + o.steps, bytes: self.bytes + o.bytes, reduced: self.reduced + o.reduced, shared: self.shared + o.shared }
     }
 }
 
@@ -115,14 +129,14 @@ pub fn flat_terms(algo: Algorithm, bytes: f64, p: usize) -> Terms {
     }
     let q = power_of_two_below(p);
     let log_q = q.trailing_zeros() as f64;
-    let fold = if q == p { Terms::default() } else { Terms { steps: 2.0, bytes: 2.0 * bytes, reduced: bytes } };
+    let fold = if q == p { Terms::default() } else { Terms { steps: 2.0, bytes: 2.0 * bytes, reduced: bytes, shared: 0.0 } };
     let pf = p as f64;
     match algo {
-        Algorithm::Ring => Terms { steps: 2.0 * (pf - 1.0), bytes: 2.0 * (pf - 1.0) / pf * bytes, reduced: 0.0 },
-        Algorithm::RecursiveDoubling => Terms { steps: log_q, bytes: log_q * bytes, reduced: log_q * bytes }.plus(fold),
+        Algorithm::Ring => Terms { steps: 2.0 * (pf - 1.0), bytes: 2.0 * (pf - 1.0) / pf * bytes, ..Terms::default() },
+        Algorithm::RecursiveDoubling => Terms { steps: log_q, bytes: log_q * bytes, reduced: log_q * bytes, shared: 0.0 }.plus(fold),
         Algorithm::HalvingDoubling => {
             let qf = q as f64;
-            Terms { steps: 2.0 * log_q, bytes: 2.0 * (qf - 1.0) / qf * bytes, reduced: 0.0 }.plus(fold)
+            Terms { steps: 2.0 * log_q, bytes: 2.0 * (qf - 1.0) / qf * bytes, ..Terms::default() }.plus(fold)
         }
         Algorithm::Sharded | Algorithm::Leader => panic!("{algo} is hierarchical: see hierarchical_time"),
     }
@@ -164,7 +178,7 @@ pub fn job_time(algo: Algorithm, bytes: f64, job: &Job) -> f64 {
     let (n, g) = (job.nodes, job.per_node);
     let gf = g as f64;
     // Inside a node: a reduce-scatter or an allgather is half of a ring allreduce.
-    let half_ring = |b: f64| Terms { steps: gf - 1.0, bytes: (gf - 1.0) / gf * b, reduced: 0.0 };
+    let half_ring = |b: f64| Terms { steps: gf - 1.0, bytes: (gf - 1.0) / gf * b, ..Terms::default() };
     let cross = |b: f64| choose_over_links(b, n, &job.network).1;
     match algo {
         Algorithm::Sharded if g > 1 => 2.0 * half_ring(bytes).time(&job.node) + cross(bytes / gf),
@@ -220,12 +234,15 @@ mod tests {
     fn terms_follow_the_textbook_forms() {
         // p = 8, a power of two.
         let s = 1e6;
-        assert_eq!(flat_terms(Algorithm::Ring, s, 8), Terms { steps: 14.0, bytes: 2.0 * 7.0 / 8.0 * s, reduced: 0.0 });
-        assert_eq!(flat_terms(Algorithm::RecursiveDoubling, s, 8), Terms { steps: 3.0, bytes: 3.0 * s, reduced: 3.0 * s });
-        assert_eq!(flat_terms(Algorithm::HalvingDoubling, s, 8), Terms { steps: 6.0, bytes: 2.0 * 7.0 / 8.0 * s, reduced: 0.0 });
+        assert_eq!(flat_terms(Algorithm::Ring, s, 8), Terms { steps: 14.0, bytes: 2.0 * 7.0 / 8.0 * s, reduced: 0.0, shared: 0.0 });
+        assert_eq!(flat_terms(Algorithm::RecursiveDoubling, s, 8), Terms { steps: 3.0, bytes: 3.0 * s, reduced: 3.0 * s, shared: 0.0 });
+        assert_eq!(flat_terms(Algorithm::HalvingDoubling, s, 8), Terms { steps: 6.0, bytes: 2.0 * 7.0 / 8.0 * s, reduced: 0.0, shared: 0.0 });
         // p = 6 folds onto 4: two whole-buffer steps and a reduction more.
-        assert_eq!(flat_terms(Algorithm::RecursiveDoubling, s, 6), Terms { steps: 4.0, bytes: 4.0 * s, reduced: 3.0 * s });
+        assert_eq!(flat_terms(Algorithm::RecursiveDoubling, s, 6), Terms { steps: 4.0, bytes: 4.0 * s, reduced: 3.0 * s, shared: 0.0 });
         assert_eq!(flat_terms(Algorithm::Ring, s, 1), Terms::default());
+        // 8 ranks on 2 cores: every step waits for 3 ranks more per core.
+        assert_eq!(flat_terms(Algorithm::Ring, s, 8).sharing(4.0).shared, 14.0 * 3.0);
+        assert_eq!(flat_terms(Algorithm::Ring, s, 8).sharing(0.5).shared, 0.0);
     }
 
     #[test]

@@ -275,6 +275,10 @@ enum Cmd {
         /// Runs predicted with the fitted parameters but not used to fit them.
         #[arg(long, value_parser = model::run_arg, value_delimiter = ',')]
         check: Vec<(gradwire::cost::Algorithm, usize, String)>,
+        /// The cores of the one host the --fit and --check runs' ranks shared (network
+        /// namespaces on one machine); left out, each rank had a core of its own.
+        #[arg(long)]
+        cores: Option<usize>,
     },
     /// What this host offers (transports, RDMA devices, huge pages, RLIMIT_MEMLOCK) and the
     /// settings gradwire will use.
@@ -330,13 +334,13 @@ fn main() {
             set_transport(transport);
             exit_code("train", Communicator::init().and_then(|c| train::run(&c, &args)))
         }
-        Cmd::Model { nodes, ranks_per_node, gbit, alpha_us, gamma_ns, node_gbit, node_alpha_us, min, max, factor, compute_ms, fit, check } => {
+        Cmd::Model { nodes, ranks_per_node, gbit, alpha_us, gamma_ns, node_gbit, node_alpha_us, min, max, factor, compute_ms, fit, check, cores } => {
             let run = || -> Result<bool, String> {
                 if !fit.is_empty() {
-                    return model::fit_runs(&fit, &check).map(|_| true);
+                    return model::fit_runs(&fit, &check, cores).map(|_| true);
                 }
-                if !check.is_empty() {
-                    return Err("--check needs --fit (the runs to fit the parameters to)".into());
+                if !check.is_empty() || cores.is_some() {
+                    return Err("--check and --cores need --fit (the runs to fit the parameters to)".into());
                 }
                 if nodes == 0 || ranks_per_node == 0 || min == 0 || factor < 2 || max < min {
                     return Err(format!("--nodes {nodes}, --ranks-per-node {ranks_per_node}, sizes {min}..{max} x{factor}: nodes, ranks and sizes must be positive, the factor at least 2"));

@@ -3,7 +3,7 @@
 //! beside the measured one.
 
 use gradwire::cost::fit::{fit, samples_from_csv, Sample};
-use gradwire::cost::{choose_over_links, flat_time, job_time, Algorithm, DasoStep, Job, Link};
+use gradwire::cost::{choose_over_links, job_time, Algorithm, DasoStep, Job, Link};
 
 /// One measured run: `ALGO:RANKS:FILE` (a `gradwire bench allreduce --csv` file).
 pub fn run_arg(s: &str) -> Result<(Algorithm, usize, String), String> {
@@ -14,32 +14,40 @@ pub fn run_arg(s: &str) -> Result<(Algorithm, usize, String), String> {
     Ok((algo, ranks, file.to_string()))
 }
 
-fn samples(runs: &[(Algorithm, usize, String)]) -> Result<Vec<Sample>, String> {
+/// The samples of `runs`, whose ranks shared `cores` cores (None: each had one of its own).
+fn samples(runs: &[(Algorithm, usize, String)], cores: Option<usize>) -> Result<Vec<Sample>, String> {
     let mut all = vec![];
     for (algo, ranks, file) in runs {
         let text = std::fs::read_to_string(file).map_err(|e| format!("{file}: {e}"))?;
-        all.extend(samples_from_csv(&text, *algo, *ranks).map_err(|e| format!("{file}: {e}"))?);
+        let ranks_per_core = cores.map_or(1.0, |c| *ranks as f64 / c as f64);
+        all.extend(samples_from_csv(&text, *algo, *ranks).map_err(|e| format!("{file}: {e}"))?.into_iter().map(|s| Sample { ranks_per_core, ..s }));
     }
     Ok(all)
 }
 
 /// Fits a link to `runs` and prints it, then every sample of `runs` and `checks` as CSV:
-/// measured and predicted time, and whether the fit saw it.
-pub fn fit_runs(runs: &[(Algorithm, usize, String)], checks: &[(Algorithm, usize, String)]) -> Result<(), String> {
-    let (seen, held) = (samples(runs)?, samples(checks)?);
+/// measured and predicted time, whether the fit saw it, and the faster of ring and
+/// recursive doubling by the fitted model (on the runs' host: `cores` shared by the ranks).
+pub fn fit_runs(runs: &[(Algorithm, usize, String)], checks: &[(Algorithm, usize, String)], cores: Option<usize>) -> Result<(), String> {
+    if cores == Some(0) {
+        return Err("--cores 0: the ranks' host has at least one core".into());
+    }
+    let (seen, held) = (samples(runs, cores)?, samples(checks, cores)?);
     let link = fit(&seen)?;
     println!(
-        "# fitted on {} calls: alpha {:.2} us, beta {:.4} ns/B ({:.3} Gbit/s), gamma {:.4} ns/B",
+        "# fitted on {} calls: alpha {:.2} us, beta {:.4} ns/B ({:.3} Gbit/s), gamma {:.4} ns/B, sigma {:.2} us per step per rank beyond one on a core",
         seen.len(),
         link.alpha * 1e6,
         link.beta * 1e9,
         8.0 / link.beta / 1e9,
-        link.gamma * 1e9
+        link.gamma * 1e9,
+        link.sigma * 1e6
     );
     println!("algo,ranks,bytes,measured_us,predicted_us,in_fit,chosen");
     for (sample, in_fit) in seen.iter().map(|s| (s, 1)).chain(held.iter().map(|s| (s, 0))) {
-        let predicted = flat_time(sample.algo, sample.bytes, sample.ranks, &link);
-        let chosen = choose_over_links(sample.bytes, sample.ranks, &link).0;
+        let predicted = sample.terms().time(&link);
+        let time_of = |algo| Sample { algo, ..*sample }.terms().time(&link);
+        let chosen = [Algorithm::RecursiveDoubling, Algorithm::Ring].into_iter().min_by(|a, b| time_of(*a).total_cmp(&time_of(*b))).expect("two candidates");
         println!("{},{},{},{:.3},{:.3},{in_fit},{chosen}", sample.algo, sample.ranks, sample.bytes, sample.seconds * 1e6, predicted * 1e6);
     }
     Ok(())
