@@ -129,11 +129,11 @@ pub fn flat_terms(algo: Algorithm, bytes: f64, p: usize) -> Terms {
     }
     let q = power_of_two_below(p);
     let log_q = q.trailing_zeros() as f64;
-    let fold = if q == p { Terms::default() } else { Terms { steps: 2.0, bytes: 2.0 * bytes, reduced: bytes, shared: 0.0 } };
+    let fold = if q == p { Terms::default() } else { Terms { steps: 2.0, bytes: 2.0 * bytes, reduced: bytes, ..Terms::default() } };
     let pf = p as f64;
     match algo {
         Algorithm::Ring => Terms { steps: 2.0 * (pf - 1.0), bytes: 2.0 * (pf - 1.0) / pf * bytes, ..Terms::default() },
-        Algorithm::RecursiveDoubling => Terms { steps: log_q, bytes: log_q * bytes, reduced: log_q * bytes, shared: 0.0 }.plus(fold),
+        Algorithm::RecursiveDoubling => Terms { steps: log_q, bytes: log_q * bytes, reduced: log_q * bytes, ..Terms::default() }.plus(fold),
         Algorithm::HalvingDoubling => {
             let qf = q as f64;
             Terms { steps: 2.0 * log_q, bytes: 2.0 * (qf - 1.0) / qf * bytes, ..Terms::default() }.plus(fold)
@@ -151,9 +151,14 @@ pub fn flat_time(algo: Algorithm, bytes: f64, p: usize, link: &Link) -> f64 {
 /// choice gradwire's automatic algorithm makes over links (halving-doubling is chosen
 /// by name only), with its time.
 pub fn choose_over_links(bytes: f64, p: usize, link: &Link) -> (Algorithm, f64) {
+    choose_over_links_sharing(bytes, p, 1.0, link)
+}
+
+/// [`choose_over_links`] where `ranks_per_core` ranks time-share each core (σ counts).
+pub fn choose_over_links_sharing(bytes: f64, p: usize, ranks_per_core: f64, link: &Link) -> (Algorithm, f64) {
     [Algorithm::RecursiveDoubling, Algorithm::Ring]
         .into_iter()
-        .map(|a| (a, flat_time(a, bytes, p, link)))
+        .map(|a| (a, flat_terms(a, bytes, p).sharing(ranks_per_core).time(link)))
         .min_by(|x, y| x.1.total_cmp(&y.1))
         .expect("two candidates")
 }

@@ -3,7 +3,7 @@
 //! beside the measured one.
 
 use gradwire::cost::fit::{fit, samples_from_csv, Sample};
-use gradwire::cost::{choose_over_links, job_time, Algorithm, DasoStep, Job, Link};
+use gradwire::cost::{choose_over_links, choose_over_links_sharing, job_time, Algorithm, DasoStep, Job, Link};
 
 /// One measured run: `ALGO:RANKS:FILE` (a `gradwire bench allreduce --csv` file).
 pub fn run_arg(s: &str) -> Result<(Algorithm, usize, String), String> {
@@ -46,8 +46,7 @@ pub fn fit_runs(runs: &[(Algorithm, usize, String)], checks: &[(Algorithm, usize
     println!("algo,ranks,bytes,measured_us,predicted_us,in_fit,chosen");
     for (sample, in_fit) in seen.iter().map(|s| (s, 1)).chain(held.iter().map(|s| (s, 0))) {
         let predicted = sample.terms().time(&link);
-        let time_of = |algo| Sample { algo, ..*sample }.terms().time(&link);
-        let chosen = [Algorithm::RecursiveDoubling, Algorithm::Ring].into_iter().min_by(|a, b| time_of(*a).total_cmp(&time_of(*b))).expect("two candidates");
+        let chosen = choose_over_links_sharing(sample.bytes, sample.ranks, sample.ranks_per_core, &link).0;
         println!("{},{},{},{:.3},{:.3},{in_fit},{chosen}", sample.algo, sample.ranks, sample.bytes, sample.seconds * 1e6, predicted * 1e6);
     }
     Ok(())
