@@ -492,14 +492,28 @@ void fail_future(const py::object& future, const py::object& error) {
   wrapper->fut->setError(failure);
 }
 
+// What torch's group registry holds for a gradwire group on each of its devices (its name
+// and devices: DeviceMesh, FSDP2; gradwire/torch.py, _registry_entry). Python can derive
+// one from torch's Backend only where that binding has a constructor, which torch 2.11's
+// lacks; this one serves every torch the extension builds for. Calls torch sends to the
+// entry itself take Backend's defaults, which refuse, naming "gradwire".
+class RegistryEntry : public c10d::Backend {
+ public:
+  RegistryEntry(int rank, int size) : c10d::Backend(rank, size) {}
+  const std::string getBackendName() const override { return "gradwire"; }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  auto entry = py::class_<RegistryEntry, c10d::Backend, c10::intrusive_ptr<RegistryEntry>>(m, "RegistryEntry")
+                   .def(py::init<int, int>(), py::arg("rank"), py::arg("size"));
   py::class_<FastGroup, c10d::ProcessGroup, c10::intrusive_ptr<FastGroup>>(m, "FastGroup")
       .def(py::init<int, int>(), py::arg("rank"), py::arg("size"))
       .def("_attach", &FastGroup::attach, py::arg("comm"), py::arg("calls"))
       .def("_detach", &FastGroup::detach, py::call_guard<py::gil_scoped_release>())
       .def("_set_p2p_pending", &FastGroup::set_p2p_pending, py::arg("pending"))
       .def("_fast_calls", &FastGroup::fast_calls)
-      .def_static("_fail_future", &fail_future, py::arg("future"), py::arg("error"));
+      .def_static("_fail_future", &fail_future, py::arg("future"), py::arg("error"))
+      .attr("_registry_entry") = entry;  // found through the class gradwire/torch.py is given
 }

@@ -56,6 +56,7 @@ import inspect
 import os
 import threading
 import time
+import warnings
 from datetime import timedelta
 from typing import Optional
 
@@ -1114,12 +1115,13 @@ def _native_class():
 
 
 class _RegistryEntry(torch._C._distributed_c10d.Backend):
-    """What torch's group registry holds for a gradwire group on each of its devices. torch
-    names a group through its registered backends and reads its devices from them
-    (`group_name`, `destroy_process_group(group)`, `init_device_mesh`, FSDP2): without one,
-    "ProcessGroup name not set". The group itself overrides every collective it offers, so
-    calls reach it, not this entry; one torch sends to the entry directly (monitored
-    barrier, the coalesced forms) is refused by torch, naming gradwire."""
+    """What torch's group registry holds for a gradwire group on each of its devices, where
+    the C++ part is not built (else its RegistryEntry, the same in C++). torch names a group
+    through its registered backends and reads its devices from them (`group_name`,
+    `destroy_process_group(group)`, `init_device_mesh`, FSDP2): without one, "ProcessGroup
+    name not set". The group itself overrides every collective it offers, so calls reach
+    it, not this entry; one torch sends to the entry directly (monitored barrier, the
+    coalesced forms) is refused by torch, naming gradwire."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         super().__init__(group.rank(), group.size())
@@ -1128,12 +1130,31 @@ class _RegistryEntry(torch._C._distributed_c10d.Backend):
         return "gradwire"
 
 
+def _registry_entry(group: dist.ProcessGroup):
+    """The group's registry entry: the C++ part's where it is built (every torch it builds
+    for), else the Python one, which needs a torch whose Backend binding has a constructor
+    (not 2.11's); None, with a warning saying what is lost, where neither can be had."""
+    fast, _ = _torch_native.fast_group()
+    if fast is not None:
+        return fast._registry_entry(group.rank(), group.size())
+    try:
+        return _RegistryEntry(group)
+    except TypeError as e:  # torch's Backend has no Python constructor here
+        warnings.warn(
+            f"gradwire: torch {torch.__version__} cannot register a Python group ({e}) and the backend's C++ part is not built: "
+            "the group has no name, so DeviceMesh and FSDP2 refuse it; every collective works",
+            stacklevel=3,
+        )
+        return None
+
+
 def _create(store, rank, size, timeout):
     group = _native_class()(store, rank, size, timeout)
-    entry = _RegistryEntry(group)
-    group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-    for device in ("cpu", "cuda"):
-        group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, entry)
+    entry = _registry_entry(group)
+    if entry is not None:
+        group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+        for device in ("cpu", "cuda"):
+            group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, entry)
     return group
 
 
