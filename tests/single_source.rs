@@ -1,7 +1,8 @@
 //! Rules written once: a grep over the sources (src/ and the Python package with its C++
 //! backend) that fails when the buffer-overlap rule or the dtype table is written a second
 //! time. The Python binding's own code tables are checked against the header instead
-//! (tests/ffi_header.rs, python_tables_match_the_header).
+//! (tests/ffi_header.rs, python_tables_match_the_header). And figures written once: the
+//! report's GPU section comes from its committed run.
 
 use std::path::{Path, PathBuf};
 
@@ -69,4 +70,19 @@ fn the_dtype_table_is_written_once() {
         }
     }
     assert_eq!(found, ["src/dtype.rs"], "gradwire's element types are named and numbered in src/dtype.rs alone");
+}
+
+/// The report's GPU section is what benches/gpu_report.py makes of the newest committed GPU
+/// run (benches/results/gpu/), not figures typed or left behind by hand.
+#[test]
+fn the_gpu_report_section_is_its_committed_run() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut runs: Vec<PathBuf> = std::fs::read_dir(root.join("benches/results/gpu")).unwrap().map(|e| e.unwrap().path()).collect();
+    runs.sort();
+    let newest = runs.last().expect("a committed GPU run").strip_prefix(root).unwrap().display().to_string();
+    let out = std::process::Command::new("python3").current_dir(root).args(["benches/gpu_report.py", &newest]).output().expect("run python3");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let section = String::from_utf8(out.stdout).unwrap();
+    let report = std::fs::read_to_string(root.join("docs/benchmarks.md")).unwrap();
+    assert!(report.contains(section.trim()), "docs/benchmarks.md's GPU section is not benches/gpu_report.py {newest}: run it with --record");
 }

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark gradwire has, in one run on a machine with a GPU; the
+# binaries are built on another machine, so the GPU machine needs no Rust, only Python with
+# torch (and torchvision for the DASO benchmark), a C++ compiler and NCCL.
+#
+#   benches/gpu.sh --stage DIR     (here) the release binaries, the GPU test binaries and the
+#                                  C example, stripped, into DIR
+#   benches/gpu.sh --run DIR OUT   (on the GPU machine, from the repository root) every test
+#                                  and benchmark with DIR's binaries: one log, OUT/run.log,
+#                                  and the DASO benchmark's CSVs
+#   python3 benches/gpu_report.py OUT... [--record]   the report section from OUT's files
+#
+# One GPU is enough: the runs of several ranks make each rank a node of its own
+# (GRADWIRE_HOST_ID=node<rank>), so NCCL groups hold one rank and gradwire crosses between
+# them through pinned memory. A GPU with more ranks per node than GPUs is refused by name
+# (tests/gpu.rs checks that).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+stage() {
+    local dir=$1
+    mkdir -p "$dir"
+    cargo build --release --bins --lib || return 1
+    # The test binaries' paths, from cargo's own report of what it built.
+    local tests
+    tests=$(cargo test --release --no-run --lib --test gpu --message-format=json 2>/dev/null |
+        python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print("test" if m["target"]["kind"] == ["test"] else "lib", m["executable"])') || return 1
+    cp target/release/gradwire target/release/libgradwire.so "$dir/" || return 1
+    cp "$(awk '$1 == "lib" {print $2}' <<<"$tests")" "$dir/lib-test" || return 1
+    cp "$(awk '$1 == "test" {print $2}' <<<"$tests")" "$dir/gpu-test" || return 1
+    strip "$dir"/* || return 1
+    cc -std=c99 -Wall -Wextra -Werror -I ffi ffi/examples/gpu.c -L "$dir" -lgradwire -ldl -lm -Wl,-rpath,'$ORIGIN' -o "$dir/gpu-example"
+    ls -la "$dir"
+}
+
+run() {
+    local bin out
+    bin=$(cd "$1" && pwd) out=$2
+    mkdir -p "$out"
+    export PATH=$bin:$PATH GRADWIRE_LIB=$bin/libgradwire.so PYTHONPATH=$PWD/python GRADWIRE_TEST_BIN=$bin/gradwire
+    export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=4
+    exec > >(tee "$out/run.log") 2>&1
+    local t0 npr tr failed=0
+    t0=$(date +%s)
+    # step NAME LIMIT_S COMMAND...: the markers gpu_report.py reads the outcome from.
+    step() {
+        local name=$1 limit=$2 s
+        shift 2
+        s=$(date +%s)
+        echo "=== $name: $*"
+        timeout -k 5 "$limit" "$@"
+        local rc=$?
+        echo "=== $name rc=$rc $(($(date +%s) - s))s (t=$(($(date +%s) - t0))s)"
+        [ $rc -eq 0 ] || failed=$((failed + 1))
+    }
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    nproc
+    python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.nccl.version())'
+    npr='GRADWIRE_HOST_ID=node$RANK exec'
+    tr="python3 -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1"
+    step info 30 gradwire info
+    step rust-gpu 200 gpu-test --test-threads 1 --skip c_example
+    step lib-gpu 60 lib-test gpu:: --test-threads 1
+    step check1 60 gradwire launch -n 1 -- gradwire gpu-check
+    step check4 120 gradwire launch -n 4 -- sh -c "$npr gradwire gpu-check --hierarchical"
+    step check3tcp 120 env GRADWIRE_TRANSPORT=tcp gradwire launch -n 3 -- sh -c "$npr gradwire gpu-check --hierarchical"
+    step cex1 60 gradwire launch -n 1 -- gpu-example
+    step cex3 60 gradwire launch -n 3 -- sh -c "$npr gpu-example"
+    step native 180 python3 -m gradwire._torch_native
+    step cuda1 150 gradwire launch -n 1 -- python3 python/tests/torch_cuda.py
+    step cuda2 150 env GRADWIRE_TEST_NODE_PER_RANK=1 gradwire launch -n 2 -- python3 python/tests/torch_cuda.py
+    step fsdp2-gloo-cpu 120 $tr --master-port 29611 python/tests/fsdp2_vs_gloo.py gloo
+    step fsdp2-gradwire-cuda 120 $tr --master-port 29612 python/tests/fsdp2_vs_gloo.py gradwire cuda
+    step badinput 120 gradwire launch -n 3 -- python3 python/tests/bad_input.py
+    step torchbackend 200 gradwire launch -n 2 -- python3 python/tests/torch_backend.py
+    step torchbench 150 gradwire launch -n 1 -- python3 benches/gpu_torch.py --iters 100 --rounds 5
+    step gpubench2 150 gradwire launch -n 2 -- sh -c "$npr gradwire gpu-bench -b 1M -e 256M -n 10"
+    for model in resnet50 resnet18; do
+        step "daso-$model" 300 gradwire launch -n 2 -- python3 benches/gpu_daso.py --model $model --steps 24 --rounds 3 --csv "$out/gpu_daso_$model.csv"
+    done
+    echo "=== all done t=$(($(date +%s) - t0))s, $failed step(s) failed"
+    [ $failed -eq 0 ]
+}
+
+usage() {
+    sed -n '2,11p' "$0" >&2
+    exit 2
+}
+
+case "${1:-}" in
+--stage) [ $# -eq 2 ] || usage; stage "$2" ;;
+--run) [ $# -eq 3 ] || usage; run "$2" "$3" ;;
+*) usage ;;
+esac

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""The GPU report (a docs/benchmarks.md section and an SVG chart) from what one
+`benches/gpu.sh --run` left: its log (run.log) and the DASO benchmark's CSVs. Nothing in it is
+typed by hand.
+
+    python3 benches/gpu_report.py benches/results/gpu/DIR [--record]
+
+--record writes the section into docs/benchmarks.md (benches/record_section.py) and the chart
+to docs/benchmarks/gpu_daso.svg; without it the section is printed.
+"""
+import argparse
+import csv
+import glob
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+SVG = "docs/benchmarks/gpu_daso.svg"
+
+# What each step of benches/gpu.sh checks, and the line of its output that says how it went.
+STEPS = {
+    "rust-gpu": ("Rust GPU tests (tests/gpu.rs but the C example, which gpu.sh builds itself)", r"\d+ passed; \d+ failed"),
+    "lib-gpu": ("the library's gpu:: unit tests", r"\d+ passed; \d+ failed"),
+    "check1": ("`gradwire gpu-check`, 1 node", r"\d+ passed, \d+ failed"),
+    "check4": ("`gradwire gpu-check --hierarchical`, 4 nodes", r"\d+ passed, \d+ failed"),
+    "check3tcp": ("the same, 3 nodes over TCP", r"\d+ passed, \d+ failed"),
+    "cex1": ("C example (ffi/examples/gpu.c), 1 node", None),
+    "cex3": ("C example, 3 nodes", None),
+    "native": ("the torch backend's C++ part built", None),
+    "cuda1": ("torch on CUDA tensors, DDP, DASO and BSP on a CUDA model (python/tests/torch_cuda.py), 1 node", None),
+    "cuda2": ("the same, 2 nodes", None),
+    "fsdp2-gradwire-cuda": ("FSDP2 `fully_shard` on CUDA (python/tests/fsdp2_vs_gloo.py ... cuda), 2 nodes, against gloo's CPU run", None),
+    "badinput": ("bad input at every Python boundary (python/tests/bad_input.py), 3 ranks", r"rank 0: bad input: .*"),
+    "torchbackend": ("the torch backend's CPU tests on this torch (python/tests/torch_backend.py), 2 ranks", r"rank 0: torch backend: [^(]*"),
+}
+WAYS = {"alone": "the step alone", "daso": "DASO", "bsp": "BSP", "ddp": "DDP on gradwire"}
+
+
+def steps(log):
+    """{name: (rc, seconds, output)} from the log's '=== NAME: ...' and '=== NAME rc=...' markers."""
+    found = {}
+    for m in re.finditer(r"^=== (\S+): .*?\n(.*?)^=== \1 rc=(\d+) (\d+)s", log, re.M | re.S):
+        found[m.group(1)] = (int(m.group(3)), int(m.group(4)), m.group(2))
+    return found
+
+
+def losses(text):
+    return [float(v) for v in re.findall(r"^loss \d+ ([-0-9.e]+)", text, re.M)]
+
+
+def table(text, header, skip=1):
+    """The rows (lists of fields) of the whitespace table `skip` lines below the line that
+    starts with `header`."""
+    lines = text[text.index(header) :].splitlines()[skip:]
+    rows = []
+    for line in lines:
+        if not line.strip() or line.startswith(("#", "===")):
+            break
+        rows.append(line.split())
+    return rows
+
+
+def svg(models):
+    """Per model, a bar per way: its step time over the step alone, in per cent (median)."""
+    width, left, bar, gap = 640, 230, 16, 6
+    top = max(v for m in models.values() for v in m.values())
+    scale = (width - left - 70) / top
+    rows, y = [], 10
+    for model, over in models.items():
+        rows.append(f'<text x="4" y="{y + 12}" font-weight="bold">{model}</text>')
+        y += bar + gap
+        for way, pct in over.items():
+            rows.append(f'<text x="{left - 6}" y="{y + 12}" text-anchor="end">{WAYS[way]}</text>')
+            rows.append(f'<rect x="{left}" y="{y}" width="{max(pct, 0) * scale:.1f}" height="{bar}" fill="#4878a8"/>')
+            rows.append(f'<text x="{left + max(pct, 0) * scale + 4:.1f}" y="{y + 12}">{pct:+.1f} %</text>')
+            y += bar + gap
+    return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y + 10}" font-family="sans-serif" font-size="12">' + "".join(rows) + "</svg>\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir")
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+    log = open(os.path.join(args.dir, "run.log")).read()
+    gpu = re.search(r"^(.+), (\d+) MiB, ([0-9.]+)$", log, re.M)
+    nproc = re.search(r"^(\d+)$", log, re.M).group(1)
+    python, torch_version, cuda, nccl = re.search(r"^(3\.\d+\.\d+) (\S+) (\S+) (\(.*\))$", log, re.M).groups()
+    found = steps(log)
+    failed = [name for name, (rc, _, _) in found.items() if rc != 0]
+    nccl = ".".join(re.findall(r"\d+", nccl))
+    failures = ": " + ", ".join(failed) if failed else ""
+    lines = [
+        f"## GPU: every GPU test and benchmark on one {gpu.group(1)}",
+        "",
+        f"Command: `benches/gpu.sh --stage DIR` on the development machine, then `benches/gpu.sh --run DIR OUT` on the GPU machine "
+        f"(log and CSVs: `{args.dir}`, report: `benches/gpu_report.py`). One {gpu.group(1)} ({gpu.group(2)} MiB, driver {gpu.group(3)}), "
+        f"{nproc} CPUs, Python {python}, torch {torch_version} (CUDA {cuda}, its NCCL {nccl}). "
+        "One GPU: the runs of several ranks make each rank a node of its own, so NCCL groups hold one rank and gradwire's "
+        "cross-node path (pinned staging, gradwire's collectives between the processes) joins them. "
+        f"{len(found)} steps, {len(failed)} failed{failures}.",
+        "",
+        "| check | result | s |",
+        "|---|---|---:|",
+    ]
+    for name, (what, pattern) in STEPS.items():
+        if name not in found:
+            continue
+        rc, secs, out = found[name]
+        if rc != 0:
+            result = f"**failed** (exit {rc})"
+        elif pattern:
+            result = re.search(pattern, out, re.M).group(0).strip()
+        elif name.startswith("cex"):
+            result = f"{out.count(': 0 wrong elements')} ranks, 0 wrong elements each"
+        elif name.startswith("cuda"):
+            gaps = [float(g) for g in re.findall(r"max gap to the CPU run ([0-9.e+-]+)", out)]
+            daso = re.search(r"^DASO on \S+: .*host copies per step ([0-9.]+)", out, re.M).group(1)
+            result = f"ok on every rank; DASO and BSP within {max(gaps):.1e} of the CPU run; DASO's host copies {daso} x the model a step"
+        elif name == "fsdp2-gradwire-cuda":
+            ours, gloo = losses(out), losses(found["fsdp2-gloo-cpu"][2])
+            worst = max(abs(a - b) / abs(b) for a, b in zip(ours, gloo))
+            result = f"{len(ours)} steps' losses within {worst:.1e} (relative) of gloo's"
+        else:
+            result = "ok"
+        lines.append(f"| {what} | {result} | {secs} |")
+
+    # Per-call cost against torch's own NCCL backend.
+    bench = table(found["torchbench"][2], "call ")
+    calls = sorted({r[0] for r in bench}, key=[r[0] for r in bench].index)
+    sizes = sorted({int(r[1]) for r in bench})
+    over = {(r[0], int(r[1])): float(r[4]) for r in bench}
+    lines += [
+        "",
+        "**Against torch's NCCL backend** (`benches/gpu_torch.py --iters 100 --rounds 5`, one rank: both groups in one process, "
+        "the same call on the same CUDA tensors in alternating rounds; gradwire's time per call over NCCL's, best round each; "
+        "goal: at most +3 % from 1 MiB):",
+        "",
+        "| call | " + " | ".join(f"{s >> 20} MiB" for s in sizes) + " |",
+        "|---|" + "---:|" * len(sizes),
+    ]
+    lines += [f"| `{c}` | " + " | ".join(f"{over[c, s]:+.1f} %" for s in sizes) + " |" for c in calls]
+    worst = max(over.values())
+    lines += ["", f"Worst: {worst:+.1f} %; goal {'met' if worst <= 3 else '**missed**'}."]
+
+    # Staging and the hierarchical allreduce across 2 nodes.
+    out = found["gpubench2"][2]
+    staging = table(out, "       bytes  stage_d2h")
+    allreduce = table(out, "# gpu-bench: 2 ranks on 2 node(s), NCCL groups of 1, allreduce", skip=2)
+    lines += [
+        "",
+        "**Across 2 nodes** (`gradwire gpu-bench -b 1M -e 256M -n 10`): the staging copies through gradwire's registered region "
+        "against copies from `cuMemAllocHost` memory (goal: at least 0.9 of them, worse direction), and the device allreduce "
+        "against the host allreduce of the same bytes:",
+        "",
+        "| bytes | staging / pinned | device allreduce µs | host allreduce µs | device / host |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for s, a in zip(staging, allreduce):
+        lines.append(f"| {int(s[0]) >> 20} MiB | {float(s[5]):.3f} | {float(a[1]):.0f} | {float(a[3]):.0f} | {float(a[1]) / float(a[3]):.2f} |")
+
+    # DASO, BSP and DDP on a CUDA model.
+    models, ms, metas = {}, {}, {}
+    for path in sorted(glob.glob(os.path.join(args.dir, "gpu_daso_*.csv")), reverse=True):
+        with open(path) as f:
+            rows = list(csv.DictReader(f))
+        model = rows[0]["model"]
+        metas[model] = rows[0]
+        for r in rows:
+            ms.setdefault(model, {}).setdefault(r["way"], {})[int(r["round"])] = float(r["ms_per_step"])
+        steps_of = ms[model]
+        rounds = sorted(steps_of["alone"])
+        models[model] = {w: statistics.median(100 * (steps_of[w][i] / steps_of["alone"][i] - 1) for i in rounds) for w in steps_of if w != "alone"}
+    meta = next(iter(metas.values()))
+    lines += [
+        "",
+        f"**DASO, BSP and DDP on a CUDA model, {meta['ranks']} nodes on the one GPU** (`benches/gpu_daso.py --model M`, CSVs "
+        f"`gpu_daso_M.csv` beside the log): a torchvision ResNet with BatchNorm, batch {meta['batch']} of {meta['image']}x{meta['image']} "
+        f"on each rank, each way its own model and SGD optimizer, {len(rounds)} alternating rounds of {meta['steps']} steps after a "
+        "warm-up (DASO's warm-up epoch among it); the slowest rank's mean step, median over rounds, and the median of each round's "
+        "ratio to the step alone in the same round. DASO runs with Heat's defaults in its cycling phase, each timed epoch ending "
+        "in its blocking sync; BSP averages every 4 batches; both keep the model on the GPU. DASO's host copies a step, "
+        "as a multiple of the model's bytes: "
+        + ", ".join(f"{m} {float(metas[m]['daso_host_copies_per_step']):.3f}" for m in metas)
+        + ".",
+        "",
+        "| way | " + " | ".join(f"{m}: ms a step | over the step alone" for m in metas) + " |",
+        "|---|" + "---:|---:|" * len(metas),
+    ]
+    for w in WAYS:
+        cells = []
+        for m in metas:
+            cells += [f"{statistics.median(ms[m][w].values()):.2f}", "" if w == "alone" else f"{models[m][w]:+.1f} %"]
+        lines.append(f"| {WAYS[w]} | " + " | ".join(cells) + " |")
+    lines += ["", "DASO over the step alone (goal, issue 52: at most +10 %): " + "; ".join(
+        f"{m} {models[m]['daso']:+.1f} % ({'met' if models[m]['daso'] <= 10 else '**missed**'})" for m in metas) + "."]
+    lines += ["", f"![DASO, BSP and DDP over the step alone]({SVG})"]
+    section = "\n".join(lines) + "\n"
+    if not args.record:
+        print(section)
+        return
+    os.makedirs(os.path.dirname(SVG), exist_ok=True)
+    with open(SVG, "w") as f:
+        f.write(svg(models))
+    with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:
+        f.write(section)
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "record_section.py"), f.name], check=True)
+    os.unlink(f.name)
+
+
+if __name__ == "__main__":
+    main()
