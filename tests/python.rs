@@ -195,6 +195,11 @@ fn pytorch_distributed_tests_pass_on_gradwire() {
 /// `python/tests/SCRIPT ARGS` under torchrun on this host with `world` ranks (5 minutes at
 /// most): its output, the text printed, and the exit checked by the caller.
 fn torchrun(script: &str, world: usize, args: &[&str]) -> std::process::Output {
+    torchrun_with(script, world, args, &[])
+}
+
+/// [`torchrun`] with more environment (`PYTHONPATH` replaces the package's alone).
+fn torchrun_with(script: &str, world: usize, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     let root = env!("CARGO_MANIFEST_DIR");
     let mut cmd = Command::new("python3");
     cmd.args(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", &world.to_string(), "--master-addr", "127.0.0.1"])
@@ -204,6 +209,9 @@ fn torchrun(script: &str, world: usize, args: &[&str]) -> std::process::Output {
         .env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"))
         .env("GLOO_SOCKET_IFNAME", "lo")
         .env("OMP_NUM_THREADS", "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
     run_with_limit(cmd, Duration::from_secs(300))
 }
 
@@ -250,6 +258,54 @@ fn fsdp2_fully_shard_trains_as_on_gloo() {
         for (step, (a, b)) in ours.iter().zip(&gloo).enumerate() {
             assert!((a - b).abs() <= 1e-5 * b.abs(), "{world} ranks, step {step}: loss {a} on gradwire, {b} on gloo");
         }
+    }
+}
+
+/// The second torch release the backend is checked on: 2.11, the oldest it supports and
+/// the GPU machine's, installed beside the environment's torch (.ci/run:
+/// benches/peers/install_torch.py --target; `GRADWIRE_TEST_TORCH2` names another folder).
+/// Its C++ part builds for that torch, the backend's tests pass, and FSDP2 on a DeviceMesh
+/// trains as gloo does on the same torch (there the group's name comes from the C++ part).
+#[test]
+fn torch_backend_on_a_second_torch_release() {
+    const VERSION: &str = "2.11.0";
+    let home = std::env::var("HOME").unwrap_or_default();
+    let dir = std::env::var("GRADWIRE_TEST_TORCH2").unwrap_or_else(|_| format!("{home}/.cache/gradwire-test/torch-{VERSION}"));
+    if !std::path::Path::new(&dir).join("torch").is_dir() {
+        let why = format!("no second torch in {dir}: python3 benches/peers/install_torch.py --version {VERSION} --target {dir}");
+        skip("torch_backend_on_a_second_torch_release", &why);
+        return;
+    }
+    let root = env!("CARGO_MANIFEST_DIR");
+    let pythonpath = format!("{dir}:{root}/python");
+    let py = |args: &[&str]| {
+        let mut cmd = Command::new("python3");
+        cmd.args(args).env("PYTHONPATH", &pythonpath).env("GRADWIRE_LIB", cdylib_dir().join("libgradwire.so"));
+        let out = run_with_limit(cmd, Duration::from_secs(600));
+        let t = text(&out);
+        assert!(out.status.success(), "python3 {args:?} on the second torch:\n{t}");
+        t
+    };
+    let version = py(&["-c", "import torch; print(torch.__version__)"]);
+    assert!(version.trim().starts_with(VERSION), "PYTHONPATH={pythonpath} imports torch {version}");
+    println!("{}", py(&["-m", "gradwire._torch_native"]));
+
+    let t = run_py(2, "torch_backend.py", &[("PYTHONPATH", &pythonpath)]);
+    assert_eq!(t.matches(", 0 failed (seed").count(), 2, "{t}");
+
+    let run = |backend: &str| -> Vec<f64> {
+        let out = torchrun_with("fsdp2_vs_gloo.py", 2, &[backend], &[("PYTHONPATH", &pythonpath)]);
+        let t = text(&out);
+        println!("{backend} on torch {VERSION}:\n{t}");
+        assert!(out.status.success(), "{backend} on torch {VERSION}: {t}");
+        assert_eq!(t.matches("fsdp2: ok").count(), 2, "{t}");
+        losses(&t)
+    };
+    let (ours, gloo) = (run("gradwire"), run("gloo"));
+    assert_eq!(ours.len(), 6);
+    assert_eq!(ours.len(), gloo.len());
+    for (step, (a, b)) in ours.iter().zip(&gloo).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "torch {VERSION}, step {step}: loss {a} on gradwire, {b} on gloo");
     }
 }
 

@@ -10,26 +10,32 @@ smaller set that is enough for CPU tensors and the Gloo backend (~1.9 GB):
   2. torch's pure-python requirements (filelock, sympy, networkx, ...)
   3. --no-deps, at the versions torch's own metadata pins: the nvidia-*
      wheels whose libraries libtorch_cpu/libtorch_cuda link against
-     (cudart, cublas, cudnn, nvrtc, cupti, cufft, nvjitlink, cusparse,
+     (cudart, cublas, cudnn, nvrtc, cupti, cufft, curand, nvjitlink, cusparse,
      cusparselt, nccl, nvshmem, cufile).  Newer torch pins them through the
      `cuda-toolkit[...]==X` meta-package; its extras are resolved from that
      package's METADATA.
   4. `import torch`; if that still fails, falls back to `pip install torch`.
 
 Idempotent: does nothing if `import torch` already works.
-Usage: python3 benches/peers/install_torch.py [--version 2.x.y]
+Usage: python3 benches/peers/install_torch.py [--version 2.x.y] [--target DIR]
+
+--target DIR installs torch and its CUDA libraries into DIR alone (a second torch beside
+the environment's, used with PYTHONPATH=DIR); its pure-python requirements come from the
+environment.
 """
 import argparse
 import glob
 import importlib
+import os
 import re
 import subprocess
 import sys
 import tempfile
 import zipfile
 
-# cuda-toolkit extras / nvidia packages not needed to import torch on a CPU box
-SKIP = {"cusolver", "curand", "nvtx", "tileiras", "all"}
+# cuda-toolkit extras / nvidia packages not needed to import torch on a CPU box (torch
+# 2.11 links curand, 2.15 does not)
+SKIP = {"cusolver", "nvtx", "tileiras", "all"}
 PIP = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check"]
 
 
@@ -38,10 +44,12 @@ def sh(cmd):
     subprocess.check_call(cmd)
 
 
-def torch_imports() -> bool:
-    r = subprocess.run([sys.executable, "-c",
-                        "import torch, torch.distributed as d; assert d.is_gloo_available()"],
-                       capture_output=True, text=True)
+def torch_imports(target=None) -> bool:
+    env = dict(os.environ, PYTHONPATH=target) if target else None
+    code = "import torch, torch.distributed as d; assert d.is_gloo_available()"
+    if target:  # the torch in target, not the environment's
+        code += f"; assert torch.__file__.startswith({target!r}), torch.__file__"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         print(r.stderr.strip().splitlines()[-1:] or "", flush=True)
     return r.returncode == 0
@@ -71,16 +79,22 @@ def marker_ok(marker: str) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--version", default=None, help="torch version (default: latest)")
+    ap.add_argument("--target", default=None, help="install into this directory alone")
     args = ap.parse_args()
+    target = os.path.abspath(args.target) if args.target else None
+    pip = PIP + (["--target", target, "--upgrade"] if target else [])
 
-    if torch_imports():
+    if torch_imports(target):
         print("torch already importable; nothing to do")
         return 0
 
-    sh(PIP + ["--no-deps", "torch" + (f"=={args.version}" if args.version else "")])
+    sh(pip + ["--no-deps", "torch" + (f"=={args.version}" if args.version else "")])
     importlib.invalidate_caches()
     from importlib import metadata
-    reqs = metadata.requires("torch") or []
+    if target:
+        reqs = next(metadata.distributions(name="torch", path=[target])).requires or []
+    else:
+        reqs = metadata.requires("torch") or []
 
     plain, nvidia = [], []
     for req in reqs:
@@ -114,14 +128,16 @@ def main() -> int:
             plain.append(f"{name}{spec}")
 
     nvidia = sorted(set(nvidia))
-    if plain:
-        sh(PIP + plain)
+    if plain and not target:
+        sh(pip + plain)
     if nvidia:
-        sh(PIP + ["--no-deps"] + nvidia)
+        sh(pip + ["--no-deps"] + nvidia)
 
-    if torch_imports():
+    if torch_imports(target):
         print("torch importable (reduced CUDA runtime set)")
         return 0
+    if target:
+        return 1
     print("reduced install not enough; falling back to full `pip install torch`", flush=True)
     sh(PIP + ["torch" + (f"=={args.version}" if args.version else "")])
     return 0 if torch_imports() else 1
