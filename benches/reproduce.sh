@@ -23,7 +23,8 @@
 # chooses the models. The table gives the median and the spread. Add --record to keep the
 # CSVs in benches/results/reproduction/CLAIM/ and write the claim's section of
 # REPRODUCTION.md (plots, of the first repeat, go to docs/reproduction/); --tables
-# regenerates the section from the kept CSVs without running anything.
+# regenerates the section from the kept CSVs without running anything. RESUME=1 continues a
+# run that stopped: a torch run whose CSV is there is kept (remove a failed run's CSV first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 claim=${1:?usage: benches/reproduce.sh daso|ddcgu|bsp|torch-daso|torch-daso-10g|torch-bsp|torch-ddcgu [--record|--tables]}
@@ -35,7 +36,7 @@ out=target/reproduce/$claim
 cargo build --release --bin gradwire --lib >&2
 if [ $tables_only = 1 ]; then
   out=$kept
-else
+elif [ "${RESUME:-0}" != 1 ]; then
   rm -rf "$out"
 fi
 gw=$PWD/target/release/gradwire
@@ -60,6 +61,10 @@ runpy() { # label, launch args..., --, benches/torch_reproduce.py args... (for $
   local label=$1; shift
   local launch=() ; while [ "$1" != -- ]; do launch+=("$1"); shift; done; shift
   mkdir -p "$out/$model"
+  if [ "${RESUME:-0}" = 1 ] && [ -s "$out/$model/$label.r$rep.csv" ]; then
+    echo "== $label, $model, repeat $rep: kept from the run resumed" >&2
+    return
+  fi
   echo "== $label, $model, repeat $rep: gradwire launch ${launch[*]} -- python3 benches/torch_reproduce.py --model $model --seed $rep $*" >&2
   PYTHONPATH=$PWD/python GRADWIRE_LIB=$PWD/target/release/libgradwire.so GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
     "$gw" launch "${launch[@]}" -- python3 benches/torch_reproduce.py --model "$model" --seed "$rep" \
