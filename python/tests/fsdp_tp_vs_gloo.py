@@ -9,6 +9,7 @@ from sharded to replicated and back. Prints every step's loss (averaged over the
     fsdp_tp_vs_gloo.py BACKEND
 """
 
+import os
 import sys
 
 import torch
@@ -69,3 +70,8 @@ for step in range(6):
         print(f"loss {step} {mean.item() / world:.9f}", flush=True)
 dist.destroy_process_group()
 print(f"rank {rank}: fsdp tp: ok", flush=True)
+if backend == "gloo":
+    # The reference's data is out. torch's gloo can abort in its own teardown at interpreter
+    # exit ("terminate called without an active exception"), which is not the run under test.
+    sys.stderr.flush()
+    os._exit(0)

@@ -10,6 +10,7 @@ With `device_id`: the group made with `init_process_group(device_id=cpu:0)`, and
 `new_group([0, 1])` that reduces on its members ("device_id new_group: ok").
 """
 
+import os
 import sys
 
 import torch
@@ -50,3 +51,8 @@ else:
 dist.destroy_process_group(pairs)
 dist.destroy_process_group()
 print(f"rank {rank}: split group: ok", flush=True)
+if backend == "gloo":
+    # The reference's data is out. torch's gloo can abort in its own teardown at interpreter
+    # exit ("terminate called without an active exception"), which is not the run under test.
+    sys.stderr.flush()
+    os._exit(0)
