@@ -9,11 +9,9 @@ docs/benchmarks/ddp_overhead.svg; without it the section is printed.
 """
 import argparse
 import csv
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
+
+from record_section import record  # benches/, this script's folder
 
 SVG = "docs/benchmarks/ddp_overhead.svg"
 LABELS = {
@@ -94,14 +92,8 @@ def main():
     if not args.record:
         print(section)
         return
-    os.makedirs(os.path.dirname(SVG), exist_ok=True)
     medians = {k: statistics.median(ms[k].values()) for k in variants}
-    with open(SVG, "w") as f:
-        f.write(svg(medians, {k: (min(ms[k].values()), max(ms[k].values())) for k in variants}))
-    with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:
-        f.write(section)
-    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "record_section.py"), f.name], check=True)
-    os.unlink(f.name)
+    record(section, (SVG, svg(medians, {k: (min(ms[k].values()), max(ms[k].values())) for k in variants})))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,8 @@ import glob
 import os
 import re
 import statistics
-import subprocess
-import sys
-import tempfile
+
+from record_section import record  # benches/, this script's folder
 
 SVG = "docs/benchmarks/gpu_daso.svg"
 
@@ -202,13 +201,7 @@ def main():
     if not args.record:
         print(section)
         return
-    os.makedirs(os.path.dirname(SVG), exist_ok=True)
-    with open(SVG, "w") as f:
-        f.write(svg(models))
-    with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:
-        f.write(section)
-    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "record_section.py"), f.name], check=True)
-    os.unlink(f.name)
+    record(section, (SVG, svg(models)))
 
 
 if __name__ == "__main__":
