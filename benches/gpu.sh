@@ -76,11 +76,16 @@ run() {
     step fsdp2-gloo-cpu 120 $tr --master-port 29611 python/tests/fsdp2_vs_gloo.py gloo
     step fsdp2-gradwire-cuda 120 $tr --master-port 29612 python/tests/fsdp2_vs_gloo.py gradwire cuda
     step badinput 120 gradwire launch -n 3 -- python3 python/tests/bad_input.py
+    step buffers-cuda 150 gradwire launch -n 2 -- sh -c "$npr python3 python/tests/batchnorm_buffers.py cuda"
     step torchbackend 200 gradwire launch -n 2 -- python3 python/tests/torch_backend.py
     step torchbench 150 gradwire launch -n 1 -- python3 benches/gpu_torch.py --iters 100 --rounds 5
     step gpubench2 150 gradwire launch -n 2 -- sh -c "$npr gradwire gpu-bench -b 1M -e 256M -n 10"
-    for model in resnet50 resnet18; do
-        step "daso-$model" 300 gradwire launch -n 2 -- python3 benches/gpu_daso.py --model $model --steps 24 --rounds 3 --csv "$out/gpu_daso_$model.csv"
+    # Two epoch lengths: each timed epoch ends in DASO's blocking sync, so the two split its
+    # per-step cost from its per-epoch one (gpu_report.py).
+    for steps in 24 96; do
+        for model in resnet50 resnet18; do
+            step "daso-$model-$steps" 300 gradwire launch -n 2 -- python3 benches/gpu_daso.py --model $model --steps $steps --rounds 3 --csv "$out/gpu_daso_${model}_$steps.csv"
+        done
     done
     echo "=== all done t=$(($(date +%s) - t0))s, $failed step(s) failed"
     [ $failed -eq 0 ]

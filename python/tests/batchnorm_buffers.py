@@ -6,6 +6,10 @@ gradients the node averages starts from buffers identical inside the node); the 
 the mean of every rank's buffers gathered just before, computed here in NumPy), the
 batch counts rank 0's. A control run without `model=` shows the check can fail: there
 the statistics differ. Prints "buffers: ok" per rank.
+
+With the argument `cuda` the models train on the rank's CUDA device (benches/gpu.sh, each
+rank a node of its own): DASO and BSP device-resident, the parameter-server schemes through
+their host copies.
 """
 
 import sys
@@ -18,6 +22,9 @@ import gradwire.torch  # noqa: F401  (registers the backend)
 from gradwire.optim import BSP, DASO, ParameterServer, resolve_comm
 
 torch.set_num_threads(1)
+device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+if device.type == "cuda":
+    torch.cuda.set_device(0)
 comm = resolve_comm()
 rank, world = comm.rank, comm.size
 node = comm.node_local()
@@ -37,14 +44,14 @@ def model_for(seed):
         nn.BatchNorm1d(16, momentum=None),  # a cumulative average: another update rule
         nn.ReLU(),
         nn.Linear(16, 3),
-    )
+    ).to(device)
 
 
 def batch(epoch, step):
     g = torch.Generator().manual_seed(10_000 * rank + 100 * epoch + step)
     # Each rank's inputs have their own offset and scale: its statistics are its own.
     x = torch.randn(8, 3, 4, 4, generator=g) * (1 + rank) + rank
-    return x, torch.randint(0, 3, (8,), generator=g)
+    return x.to(device), torch.randint(0, 3, (8,), generator=g).to(device)
 
 
 def gathered(vec):
@@ -56,9 +63,9 @@ def gathered(vec):
 
 def state(model):
     """(parameters, floating buffers, other buffers), each flat float64."""
-    params = np.concatenate([p.detach().reshape(-1).double().numpy() for p in model.parameters()])
-    floating = np.concatenate([b.detach().reshape(-1).double().numpy() for b in model.buffers() if b.is_floating_point()])
-    other = np.concatenate([b.detach().reshape(-1).double().numpy() for b in model.buffers() if not b.is_floating_point()])
+    params = np.concatenate([p.detach().reshape(-1).double().cpu().numpy() for p in model.parameters()])
+    floating = np.concatenate([b.detach().reshape(-1).double().cpu().numpy() for b in model.buffers() if b.is_floating_point()])
+    other = np.concatenate([b.detach().reshape(-1).double().cpu().numpy() for b in model.buffers() if not b.is_floating_point()])
     return params, floating, other
 
 
@@ -141,7 +148,7 @@ for scheme in ("daso", "bsp", "ddcgu", "cyclic", "downpour", "eamsgd"):
         failures.append(f"{scheme}: the floating buffers are not the ranks' mean (relative error {err:.3g})")
     if not (ot == before_ot[0]).all():
         failures.append(f"{scheme}: the batch counts are not rank 0's")
-    print(f"rank {rank}: {scheme}: {len(fl)} floating buffer values agree, mean err {err:.2g}", flush=True)
+    print(f"rank {rank}: {scheme} on {device.type}: {len(fl)} floating buffer values agree, mean err {err:.2g}", flush=True)
 
 # The control: without the model the scheme cannot see the buffers, and they differ.
 model, _, _ = train("bsp", with_model=False)
