@@ -12,7 +12,7 @@
 #
 #   benches/reproduce.sh torch-daso      # 4 nodes x 2 ranks, 1 Gbit/s: DASO as Heat runs it and tuned
 #   benches/reproduce.sh torch-daso-10g  # the same at 10 Gbit/s
-#   benches/reproduce.sh torch-bsp       # bsp (dense, top-k) vs downpour vs eamsgd, 4 nodes x 1 rank, 1 Gbit/s
+#   benches/reproduce.sh torch-bsp       # bsp (dense, top-k, K1/K2) vs downpour vs eamsgd, 2 nodes x 2 ranks, 1 Gbit/s
 #   benches/reproduce.sh torch-ddcgu     # ddcgu vs cyclic vs DDP, 2 nodes, rank 1 slowed 3x
 #
 # Every run but DASO's trains on past its epochs until 60 s of training have passed (DASO's
@@ -128,15 +128,16 @@ case $claim in
     ;;
   torch-bsp)
     epochs_of() { echo "${EPOCHS:-12}"; }
-    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 4 namespace nodes x 1 rank, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme communicates every 4 steps (K, fetch/push, tau); bsp-topk sends 1 % of the change; Downpour blocks on its fetches and pushes (gradwire's Downpour has no background form)"
+    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme communicates across the ranks every 4 steps (K2, fetch/push, tau); bsp-K4: the average over all ranks every 4 steps; bsp-K4-topk: the largest 1 % of the change; bsp-K1-K4: also the average inside the node every step; Downpour blocks on its fetches and pushes (gradwire's Downpour has no background form). Learning rates as chosen per scheme, not tuned on a grid: DDP and BSP SGD 0.02 with momentum 0.9 (DDP averages the ranks' gradients, BSP their changes), Downpour 0.1 plain SGD on the servers, EAMSGD 0.002 (its local Nesterov momentum 0.9)"
     baseline=ddp-gloo
     run_all() {
       local common=(--epochs "$(epochs_of "$model")" --min-seconds "$min_s")
-      local net=(-n 4 --netns --link-gbit 1)
+      local net=(-n 4 --netns --ranks-per-node 2 --link-gbit 1)
       runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo --lr 0.02 "${common[@]}"
       runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire --lr 0.02 "${common[@]}"
       runpy bsp-K4 "${net[@]}" -- --scheme bsp --interval 4 --lr 0.02 "${common[@]}"
       runpy bsp-K4-topk "${net[@]}" -- --scheme bsp --interval 4 --topk 0.01 --lr 0.02 "${common[@]}"
+      runpy bsp-K1-K4 "${net[@]}" -- --scheme bsp --interval 4 --node-interval 1 --lr 0.02 "${common[@]}"
       runpy downpour-blocking "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --lr 0.1 "${common[@]}"
       runpy eamsgd "${net[@]}" -- --scheme eamsgd --tau 4 --lr 0.002 "${common[@]}"
     }

@@ -39,6 +39,7 @@ p.add_argument("--lr", type=float, default=0.02)
 p.add_argument("--momentum", type=float, default=0.9)
 p.add_argument("--interval", type=int, default=4, help="bsp: K")
 p.add_argument("--topk", type=float, default=None, help="bsp: fraction sent")
+p.add_argument("--node-interval", type=int, default=0, help="bsp: K1, the average inside the node every K1 steps (0: none)")
 p.add_argument("--fetch", type=int, default=1)
 p.add_argument("--push", type=int, default=1)
 p.add_argument("--tau", type=int, default=4)
@@ -121,7 +122,7 @@ else:
         )
         scheme.last_batch = per_epoch - 1
     elif a.scheme == "bsp":
-        scheme = BSP(torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum), interval=a.interval, topk=a.topk, comm=comm)
+        scheme = BSP(torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum), interval=a.interval, topk=a.topk, node_interval=a.node_interval, comm=comm)
     else:
         options = {"downpour": dict(lr=a.lr, fetch=a.fetch, push=a.push), "eamsgd": dict(lr=a.lr, tau=a.tau, beta=a.beta)}.get(a.scheme, dict(lr=a.lr, rule=a.rule))
         scheme = ParameterServer(model, a.scheme, comm=comm, **options)
