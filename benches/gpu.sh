@@ -8,6 +8,9 @@
 #   benches/gpu.sh --run DIR OUT   (on the GPU machine, from the repository root) every test
 #                                  and benchmark with DIR's binaries: one log, OUT/run.log,
 #                                  and the DASO benchmark's CSVs
+#   benches/gpu.sh --daso-netns DIR OUT   (on the GPU machine) the DASO benchmark alone, each
+#                                  rank a network namespace of its own (gradwire launch
+#                                  --netns): OUT/run-netns.log and its CSVs
 #   python3 benches/gpu_report.py OUT... [--record]   the report section from OUT's files
 #
 # One GPU is enough: the runs of several ranks make each rank a node of its own
@@ -32,34 +35,57 @@ for line in sys.stdin:
     cp target/release/gradwire target/release/libgradwire.so "$dir/" || return 1
     cp "$(awk '$1 == "lib" {print $2}' <<<"$tests")" "$dir/lib-test" || return 1
     cp "$(awk '$1 == "test" {print $2}' <<<"$tests")" "$dir/gpu-test" || return 1
-    strip "$dir"/* || return 1
-    cc -std=c99 -Wall -Wextra -Werror -I ffi ffi/examples/gpu.c -L "$dir" -lgradwire -ldl -lm -Wl,-rpath,'$ORIGIN' -o "$dir/gpu-example"
+    strip "$dir"/gradwire "$dir"/libgradwire.so "$dir"/lib-test "$dir"/gpu-test || return 1
+    cc -std=c99 -Wall -Wextra -Werror -I ffi ffi/examples/gpu.c -L "$dir" -lgradwire -ldl -lm -Wl,-rpath,'$ORIGIN' -o "$dir/gpu-example" || return 1
+    # This machine's `ip` with the libraries it links, for `gradwire launch --netns` on a GPU
+    # machine that has no iproute2 (DIR is first on PATH there).
+    mkdir -p "$dir/iproute"
+    cp "$(command -v ip)" "$dir/iproute/ip.bin" || return 1
+    ldd "$dir/iproute/ip.bin" | awk '$3 ~ /^\// && $1 !~ /^(libc|libm|libdl|libpthread)\.so/ {print $3}' | xargs -r cp -L -t "$dir/iproute/" || return 1
+    printf '%s\n' '#!/bin/sh' 'here=$(dirname "$(readlink -f "$0")")' 'LD_LIBRARY_PATH=$here/iproute exec "$here/iproute/ip.bin" "$@"' >"$dir/ip"
+    chmod +x "$dir/ip"
     ls -la "$dir"
 }
 
-run() {
-    local bin out
+# start DIR OUT LOG: the environment for DIR's binaries, the log OUT/LOG, and step().
+start() {
     bin=$(cd "$1" && pwd) out=$2
     mkdir -p "$out"
     export PATH=$bin:$PATH GRADWIRE_LIB=$bin/libgradwire.so PYTHONPATH=$PWD/python GRADWIRE_TEST_BIN=$bin/gradwire
     export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=4
-    exec > >(tee "$out/run.log") 2>&1
-    local t0 npr tr failed=0
-    t0=$(date +%s)
-    # step NAME LIMIT_S COMMAND...: the markers gpu_report.py reads the outcome from.
-    step() {
-        local name=$1 limit=$2 s
-        shift 2
-        s=$(date +%s)
-        echo "=== $name: $*"
-        timeout -k 5 "$limit" "$@"
-        local rc=$?
-        echo "=== $name rc=$rc $(($(date +%s) - s))s (t=$(($(date +%s) - t0))s)"
-        [ $rc -eq 0 ] || failed=$((failed + 1))
-    }
+    exec > >(tee "$out/$3") 2>&1
+    failed=0 t0=$(date +%s)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     nproc
     python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.nccl.version())'
+}
+
+# step NAME LIMIT_S COMMAND...: the markers gpu_report.py reads the outcome from.
+step() {
+    local name=$1 limit=$2 s
+    shift 2
+    s=$(date +%s)
+    echo "=== $name: $*"
+    timeout -k 5 "$limit" "$@"
+    local rc=$?
+    echo "=== $name rc=$rc $(($(date +%s) - s))s (t=$(($(date +%s) - t0))s)"
+    [ $rc -eq 0 ] || failed=$((failed + 1))
+}
+
+daso_netns() {
+    start "$1" "$2" run-netns.log
+    step netns 60 gradwire launch -n 2 --netns -- sh -c 'echo "rank $RANK: $(readlink /proc/self/ns/net)"'
+    [ $failed -eq 0 ] || return 1
+    for model in resnet50 resnet18; do
+        step "daso-netns-$model-96" 300 gradwire launch -n 2 --netns -- python3 benches/gpu_daso.py --model $model --steps 96 --rounds 3 --csv "$out/gpu_daso_${model}_96_netns.csv"
+    done
+    echo "=== all done t=$(($(date +%s) - t0))s, $failed step(s) failed"
+    [ $failed -eq 0 ]
+}
+
+run() {
+    start "$1" "$2" run.log
+    local npr tr
     npr='GRADWIRE_HOST_ID=node$RANK exec'
     tr="python3 -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1"
     step info 30 gradwire info
@@ -92,12 +118,13 @@ run() {
 }
 
 usage() {
-    sed -n '2,11p' "$0" >&2
+    sed -n '2,14p' "$0" >&2
     exit 2
 }
 
 case "${1:-}" in
 --stage) [ $# -eq 2 ] || usage; stage "$2" ;;
 --run) [ $# -eq 3 ] || usage; run "$2" "$3" ;;
+--daso-netns) [ $# -eq 3 ] || usage; daso_netns "$2" "$3" ;;
 *) usage ;;
 esac

@@ -4,9 +4,10 @@ step in its cycling phase at most 10 % over the model's step alone):
     gradwire launch -n 2 -- python3 benches/gpu_daso.py [--model resnet50|...|tiny] [--batch 64]
         [--image 224] [--steps 24] [--rounds 3] [--csv FILE] [--device cuda|cpu]
 
-Every rank is a "node" of its own (GRADWIRE_HOST_ID=node<rank>), so several ranks can share
-one GPU: the node-local steps run on one-rank NCCL communicators and every global step
-crosses nodes through gradwire's pinned staging. Each rank trains its own copy of the
+Every rank is a "node" of its own (its network namespace under `gradwire launch --netns`,
+else GRADWIRE_HOST_ID=node<rank>), so several ranks can share one GPU: the node-local
+steps run on one-rank NCCL communicators and every global step crosses nodes through
+gradwire's pinned staging. Each rank trains its own copy of the
 model (a torchvision ResNet: BatchNorm buffers included) on synthetic batches already on
 the device, four ways in alternating rounds, every way its own model and optimizer:
 
@@ -46,7 +47,12 @@ ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
 ap.add_argument("--csv")
 args = ap.parse_args()
 
-os.environ["GRADWIRE_HOST_ID"] = f"node{os.environ['RANK']}"
+# A rank in a network namespace of its own (`gradwire launch --netns`: the launcher, its
+# parent, stays outside) is a node by that; otherwise its host identity makes it one.
+in_netns = os.readlink("/proc/self/ns/net") != os.readlink(f"/proc/{os.getppid()}/ns/net")
+nodes = "network namespaces" if in_netns else "host identities"
+if not in_netns:
+    os.environ["GRADWIRE_HOST_ID"] = f"node{os.environ['RANK']}"
 dist.init_process_group("gradwire")
 rank, world = dist.get_rank(), dist.get_world_size()
 device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -135,7 +141,7 @@ ways.append(Way("ddp", ddp, lambda i, n, o=o_ddp: o.step(), zero=o_ddp.zero_grad
 model_bytes = sum(p.numel() * p.element_size() for p in make_model().parameters())
 device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 if rank == 0:
-    print(f"{args.model}, batch {args.batch} of {args.image}x{args.image}, {model_bytes / 2**20:.1f} MiB of parameters, {world} ranks on {device_name}", flush=True)
+    print(f"{args.model}, batch {args.batch} of {args.image}x{args.image}, {model_bytes / 2**20:.1f} MiB of parameters, {world} ranks on {device_name}, nodes by {nodes}", flush=True)
 
 # Warm-up: each way's first steps (cuDNN's choices, NCCL's setup) and DASO's warm-up epoch.
 for way in ways:
@@ -161,10 +167,10 @@ if rank == 0:
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["device", "torch", "model", "batch", "image", "steps", "ranks", "round", "way", "ms_per_step", "daso_host_copies_per_step"])
+            w.writerow(["device", "torch", "model", "batch", "image", "steps", "ranks", "nodes", "round", "way", "ms_per_step", "daso_host_copies_per_step"])
             for r in range(args.rounds):
                 for way in ways:
-                    w.writerow([device_name, torch.__version__, args.model, args.batch, args.image, args.steps, world, r, way.name, f"{times[way.name][r] * 1e3:.2f}", f"{daso_copies:.3f}"])
+                    w.writerow([device_name, torch.__version__, args.model, args.batch, args.image, args.steps, world, nodes, r, way.name, f"{times[way.name][r] * 1e3:.2f}", f"{daso_copies:.3f}"])
 for scheme in (daso, bsp):
     scheme.finish()
 dist.destroy_process_group()

@@ -33,6 +33,7 @@ STEPS = {
     "cuda2": ("the same, 2 nodes", None),
     "fsdp2-gradwire-cuda": ("FSDP2 `fully_shard` on CUDA (python/tests/fsdp2_vs_gloo.py ... cuda), 2 nodes, against gloo's CPU run", None),
     "buffers-cuda": ("a BatchNorm model on CUDA under DASO, BSP and every parameter-server scheme: parameters and buffers identical on every rank after `finish()` (python/tests/batchnorm_buffers.py cuda), 2 nodes", r"buffers: ok"),
+    "netns": ("`gradwire launch --netns`: each rank a network namespace of its own (for the DASO benchmark below)", None),
     "badinput": ("bad input at every Python boundary (python/tests/bad_input.py), 3 ranks", r"rank 0: bad input: .*"),
     "torchbackend": ("the torch backend's CPU tests on this torch (python/tests/torch_backend.py), 2 ranks", r"rank 0: torch backend: [^(]*"),
 }
@@ -64,13 +65,14 @@ def table(text, header, skip=1):
 
 
 def daso_runs(folder):
-    """{(model, steps an epoch): ({way: {round: ms a step}}, the CSV's first row)} of a run's
+    """{(model, steps an epoch, nodes made by): ({way: {round: ms a step}}, the CSV's first row)} of a run's
     DASO benchmark CSVs."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(folder, "gpu_daso_*.csv"))):
         with open(path) as f:
             rows = list(csv.DictReader(f))
-        key = (rows[0]["model"], int(rows[0]["steps"]))
+        # Runs before the CSVs named their nodes made them by host identity.
+        key = (rows[0]["model"], int(rows[0]["steps"]), rows[0].get("nodes", "host identities"))
         runs[key] = ({}, rows[0])
         for r in rows:
             runs[key][0].setdefault(r["way"], {})[int(r["round"])] = float(r["ms_per_step"])
@@ -109,6 +111,9 @@ def main():
     nproc = re.search(r"^(\d+)$", log, re.M).group(1)
     python, torch_version, cuda, nccl = re.search(r"^(3\.\d+\.\d+) (\S+) (\S+) (\(.*\))$", log, re.M).groups()
     found = steps(log)
+    netns_log = os.path.join(args.dir, "run-netns.log")
+    if os.path.exists(netns_log):
+        found.update(steps(open(netns_log).read()))
     failed = [name for name, (rc, _, _) in found.items() if rc != 0]
     nccl = ".".join(re.findall(r"\d+", nccl))
     failures = ": " + ", ".join(failed) if failed else ""
@@ -181,11 +186,12 @@ def main():
     for s, a in zip(staging, allreduce):
         lines.append(f"| {int(s[0]) >> 20} MiB | {float(s[5]):.3f} | {float(a[1]):.0f} | {float(a[3]):.0f} | {float(a[1]) / float(a[3]):.2f} |")
 
-    # DASO, BSP and DDP on a CUDA model, at one or more epoch lengths.
+    # DASO, BSP and DDP on a CUDA model, at one or more epoch lengths, nodes made one way or two.
     runs = daso_runs(args.dir)
-    # The larger model first (by its step alone), each model's epoch lengths in order.
-    size = {m: max(statistics.median(runs[k][0]["alone"].values()) for k in runs if k[0] == m) for m, _ in runs}
-    keys = sorted(runs, key=lambda k: (-size[k[0]], k[1]))
+    # The larger model first (by its step alone), then host identities before namespaces,
+    # then the epoch lengths in order.
+    size = {m: max(statistics.median(runs[k][0]["alone"].values()) for k in runs if k[0] == m) for m, _, _ in runs}
+    keys = sorted(runs, key=lambda k: (-size[k[0]], k[2], k[1]))
     over = {}  # per run, per way: the median of each round's step over the step alone, in %
     for key in keys:
         ms = runs[key][0]
@@ -195,35 +201,37 @@ def main():
     lines += [
         "",
         f"**DASO, BSP and DDP on a CUDA model, {meta['ranks']} nodes on the one GPU** (`benches/gpu_daso.py --model M --steps S`, "
-        f"CSVs `gpu_daso_M_S.csv` beside the log): a torchvision ResNet with BatchNorm, batch {meta['batch']} of "
-        f"{meta['image']}x{meta['image']} on each rank, each way its own model and SGD optimizer, {n_rounds} alternating rounds of "
-        "one epoch of S steps each after a warm-up (DASO's warm-up epoch among it); the slowest rank's mean step, median over "
-        "rounds, and in brackets the median of each round's ratio to the step alone in the same round. DASO runs with Heat's "
-        "defaults in its cycling phase, each timed epoch ending in its blocking sync; BSP averages every 4 batches; both keep "
-        "the model on the GPU; DDP allreduces every step. DASO's host copies a step, as a multiple of the model's bytes: "
-        + ", ".join(f"{m} ({n} steps) {float(runs[m, n][1]['daso_host_copies_per_step']):.3f}" for m, n in keys)
-        + ".",
+        "CSVs `gpu_daso_M_S[_netns].csv` beside the log): a torchvision ResNet with BatchNorm, batch "
+        f"{meta['batch']} of {meta['image']}x{meta['image']} on each rank, each way its own model and SGD optimizer, {n_rounds} "
+        "alternating rounds of one epoch of S steps each after a warm-up (DASO's warm-up epoch among it); the slowest rank's "
+        "mean step, median over rounds, and in brackets the median of each round's ratio to the step alone in the same round. "
+        "Each rank is a node by its host identity (`benches/gpu.sh --run`) or by a network namespace of its own "
+        "(`benches/gpu.sh --daso-netns`, log `run-netns.log`). DASO runs with Heat's defaults in its cycling phase, each timed "
+        "epoch ending in its blocking sync; BSP averages every 4 batches; both keep the model on the GPU; DDP allreduces every "
+        "step.",
         "",
-        "| model | steps an epoch | " + " | ".join(f"{WAYS[w]}: ms a step" for w in WAYS) + " |",
-        "|---|---:|" + "---:|" * len(WAYS),
+        "| model | nodes by | steps an epoch | " + " | ".join(f"{WAYS[w]}: ms a step" for w in WAYS) + " | DASO's host copies a step |",
+        "|---|---|---:|" + "---:|" * len(WAYS) + "---:|",
     ]
     for key in keys:
-        ms = runs[key][0]
+        ms, meta = runs[key]
         cells = [f"{statistics.median(ms[w].values()):.2f}" + ("" if w == "alone" else f" ({over[key][w]:+.1f} %)") for w in WAYS]
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+        copies = f"{float(meta['daso_host_copies_per_step']):.3f} x the model"
+        lines.append(f"| {key[0]} | {key[2]} | {key[1]} | " + " | ".join(cells) + f" | {copies} |")
     # Where a model ran at two epoch lengths, DASO's overhead o(S) = p + e/S splits into p, what
     # every step costs, and e, what each epoch's end (the blocking sync) costs, in steps alone.
-    split = []
-    for model in dict.fromkeys(m for m, _ in keys):
-        lengths = sorted(n for m, n in keys if m == model)
-        if len(lengths) < 2:
+    split, longest = [], {}
+    for m, n, nodes in keys:
+        longest[m, nodes] = max(n, longest.get((m, nodes), 0))
+    for (m, nodes), b in longest.items():
+        a = min(n for mm, n, nn in keys if (mm, nn) == (m, nodes))
+        if a == b:
             continue
-        (a, oa), (b, ob) = ((n, over[model, n]["daso"]) for n in (lengths[0], lengths[-1]))
+        oa, ob = over[m, a, nodes]["daso"], over[m, b, nodes]["daso"]
         e = (oa - ob) / (1 / a - 1 / b)
-        split.append(f"{model}: {ob - e / b:+.1f} % a step, and each epoch's end {e / 100:.2f} steps alone")
-    longest = {m: max(n for mm, n in keys if mm == m) for m, _ in keys}
+        split.append(f"{m} ({nodes}): {ob - e / b:+.1f} % a step, and each epoch's end {e / 100:.2f} steps alone")
     lines += ["", "DASO over the step alone at the longest epoch run (goal, issue 52: at most +10 % a step in the cycling phase): " + "; ".join(
-        f"{m} {over[m, n]['daso']:+.1f} % ({'met' if over[m, n]['daso'] <= 10 else '**missed**'})" for m, n in longest.items()) + "."]
+        f"{m} ({nodes}) {over[m, n, nodes]['daso']:+.1f} % ({'met' if over[m, n, nodes]['daso'] <= 10 else '**missed**'})" for (m, nodes), n in longest.items()) + "."]
     if split:
         lines += ["", "Split from the two epoch lengths (the overhead at S steps an epoch is p + e/S): " + "; ".join(split) + "."]
     # The same figure in every committed run before this one: how far it moves between runs.
@@ -231,11 +239,11 @@ def main():
     for folder in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(args.dir)), "*"))):
         if os.path.samefile(folder, args.dir) or not os.path.isdir(folder):
             continue
-        for (m, n), (ms, _) in sorted(daso_runs(folder).items()):
-            earlier.append(f"{os.path.basename(folder)}: {m}, {n} steps, {daso_over(ms):+.1f} %")
+        for (m, n, nodes), (ms, _) in sorted(daso_runs(folder).items()):
+            earlier.append(f"{os.path.basename(folder)}: {m}, {n} steps, {nodes}, {daso_over(ms):+.1f} %")
     if earlier:
         lines += ["", "DASO over the step alone in the earlier committed runs (`benches/results/gpu/`): " + "; ".join(earlier) + "."]
-    models = {f"{m}, {n} steps": over[m, n] for m, n in keys}
+    models = {f"{m}, {n} steps" + (", namespaces" if nodes == "network namespaces" else ""): over[m, n, nodes] for m, n, nodes in keys}
     lines += ["", f"![DASO, BSP and DDP over the step alone]({SVG})"]
     section = "\n".join(lines) + "\n"
     if not args.record:
