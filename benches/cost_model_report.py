@@ -22,6 +22,7 @@ OLD_SMALL_BYTES = 256 << 10
 COLOURS = {"ring": "#1f77b4", "rd": "#d62728", "hd": "#2ca02c"}
 MODEL_COLOURS = {"ring": "#9ecae1", "rd": "#fc9f9f", "hd": "#a1d99b"}
 NAMES = {"ring": "ring", "rd": "recursive doubling", "hd": "halving-doubling"}
+PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "published", "nccl_allreduce.csv")
 
 
 def read_model(path):
@@ -48,15 +49,78 @@ PER_NODE, NODE_GBIT, NODE_ALPHA_US, GAMMA_NS, COMPUTE_MS = 8, 1200, 3, 0.05, 100
 NODES = [1 << i for i in range(11)]
 
 
+def model(gw, nodes, per_node, gbit, alpha_us, gamma_ns, node_gbit, node_alpha_us, min_bytes, max_bytes, factor=4, compute_ms=None):
+    """The rows of `gradwire model` for this job, as dicts of strings, by size."""
+    args = [gw, "model", "--nodes", str(nodes), "--ranks-per-node", str(per_node), "--gbit", str(gbit), "--alpha-us", str(alpha_us),
+            "--gamma-ns", str(gamma_ns), "--node-gbit", str(node_gbit), "--node-alpha-us", str(node_alpha_us),
+            "-b", str(min_bytes), "-e", str(max_bytes), "-f", str(factor)]
+    if compute_ms is not None:
+        args += ["--compute-ms", str(compute_ms)]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return {int(r["bytes"]): r for r in csv.DictReader(line for line in out.splitlines() if not line.startswith("#"))}
+
+
 def predicted(gw, nodes, gbit, alpha_us, nbytes):
-    """One row of `gradwire model` for this job and size, as a dict of floats and names."""
-    out = subprocess.run(
-        [gw, "model", "--nodes", str(nodes), "--ranks-per-node", str(PER_NODE), "--gbit", str(gbit), "--alpha-us", str(alpha_us),
-         "--gamma-ns", str(GAMMA_NS), "--node-gbit", str(NODE_GBIT), "--node-alpha-us", str(NODE_ALPHA_US),
-         "-b", str(nbytes), "-e", str(nbytes), "--compute-ms", str(COMPUTE_MS)],
-        check=True, capture_output=True, text=True).stdout
-    rows = list(csv.DictReader(line for line in out.splitlines() if not line.startswith("#")))
-    return rows[0]
+    """One row of `gradwire model` for the extrapolation's job at this size."""
+    return model(gw, nodes, PER_NODE, gbit, alpha_us, GAMMA_NS, NODE_GBIT, NODE_ALPHA_US, nbytes, nbytes, compute_ms=COMPUTE_MS)[nbytes]
+
+
+# Published NCCL allreduce runs on 8 x H100 nodes (benches/results/published/). Assumed for
+# them, not fitted: NVLink4 inside the node (450 GB/s each way) at 3 us a step, the network
+# at 5 us a step, reduction on the GPU (0.001 ns a byte).
+H100_NODE_GBIT, H100_NODE_ALPHA_US, H100_NET_ALPHA_US, GPU_GAMMA_NS = 3600, 3, 5, 0.001
+FORMS = ("ring", "rd", "hd", "sharded", "leader")
+
+
+def published(gw, path):
+    """The section comparing the model with published runs of 64 GPUs and more."""
+    rows = list(csv.DictReader(open(path)))
+    lines = ["## Against published runs at 64-256 GPUs", "",
+             f"Measured by others with NCCL (`{os.path.relpath(path)}`, every row with its source; transcribed from the "
+             "sources named there), predicted here by `gradwire model` for the same nodes, ranks per node and network rate "
+             f"between nodes. Assumed, not fitted: inside a node NVLink4, {H100_NODE_GBIT} Gbit/s at {H100_NODE_ALPHA_US} µs "
+             f"a step; the network {H100_NET_ALPHA_US} µs a step; reduction on the GPU, γ = {GPU_GAMMA_NS} ns a byte. "
+             "NCCL chooses its own algorithm (ring or tree, with NVLink SHARP inside the node); the model's ring is the "
+             "bandwidth-bound form NCCL runs for large messages, its fastest form what gradwire would choose. Gap: predicted "
+             "over measured, less 1.", ""]
+    gaps = {"ring": defaultdict(list), "fastest": defaultdict(list)}
+    for (source, nodes), group in groupby_keys(rows, ("source", "nodes")).items():
+        first = group[0]
+        sizes = [int(r["bytes"]) for r in group]
+        pred = model(gw, int(nodes), int(first["ranks_per_node"]), first["net_gbit"], H100_NET_ALPHA_US, GPU_GAMMA_NS,
+                     H100_NODE_GBIT, H100_NODE_ALPHA_US, min(sizes), max(sizes), factor=2)
+        lines += [f"**{source}**, {nodes} nodes x {first['ranks_per_node']} GPUs, {first['net_gbit']} Gbit/s between nodes "
+                  f"(rate from {first['net_gbit_from']}; time from {first['time_from'].split(' (')[0]}); {first['url']}", "",
+                  "| bytes | measured µs | model's ring µs | gap | model's fastest µs | form | gap |", "|---:|---:|---:|---:|---:|---|---:|"]
+        for r in group:
+            b, measured = int(r["bytes"]), float(r["time_us"])
+            p = pred[b]
+            ring = float(p["ring_us"])
+            form = min(FORMS, key=lambda f: float(p[f + "_us"]))
+            fastest = float(p[form + "_us"])
+            band = "from 64 MiB" if b >= 64 << 20 else "below 64 MiB"
+            gaps["ring"][band].append(ring / measured - 1)
+            gaps["fastest"][band].append(fastest / measured - 1)
+            lines.append(f"| {human(b)} | {measured:.0f} | {ring:.0f} | {100 * (ring / measured - 1):+.0f} % | {fastest:.0f} | "
+                         f"{NAMES.get(form, form)} | {100 * (fastest / measured - 1):+.0f} % |")
+        lines.append("")
+    summary = []
+    for what, by_band in gaps.items():
+        for band in ("below 64 MiB", "from 64 MiB"):
+            if by_band[band]:
+                g = by_band[band]
+                summary.append(f"the model's {what} {band}: median gap {100 * statistics.median(g):+.0f} %, "
+                               f"median |gap| {100 * statistics.median(abs(x) for x in g):.0f} % ({len(g)} rows)")
+    lines[4:4] = ["Summary: " + "; ".join(summary) + ".", ""]
+    return lines
+
+
+def groupby_keys(rows, keys):
+    """Rows grouped by the values of `keys`, in the order first seen."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return groups
 
 
 def extrapolation(gw, charts, measured_nodes):
@@ -207,6 +271,7 @@ def main():
            f"(median {statistics.median(auto_ratios):.2f}x, worst {max(auto_ratios):.2f}x)." if auto_ratios else ""),
         "",
         *extrapolation(gw, charts, max(int(r["nodes"]) for r in runs)),
+        *published(gw, PUBLISHED),
         "## Each run",
         "",
         *sections,
