@@ -4,17 +4,18 @@
 # torch (and torchvision for the DASO benchmark), a C++ compiler and NCCL.
 #
 #   benches/gpu.sh --stage DIR     (here) the release binaries, the GPU test binaries and the
-#                                  C example, stripped, into DIR
+#                                  C example, stripped, into DIR, and this machine's `ip`
 #   benches/gpu.sh --run DIR OUT   (on the GPU machine, from the repository root) every test
 #                                  and benchmark with DIR's binaries: one log, OUT/run.log,
 #                                  and the DASO benchmark's CSVs
-#   benches/gpu.sh --daso-netns DIR OUT   (on the GPU machine) the DASO benchmark alone, each
-#                                  rank a network namespace of its own (gradwire launch
-#                                  --netns): OUT/run-netns.log and its CSVs
-#   python3 benches/gpu_report.py OUT... [--record]   the report section from OUT's files
+#   benches/gpu.sh --daso-netns DIR OUT   (on the GPU machine, as root) the DASO benchmark
+#                                  alone, each rank a network namespace of its own (gradwire
+#                                  launch --netns, with DIR's `ip` where the machine has
+#                                  none): OUT/run-netns.log and its CSVs, beside --run's
+#   python3 benches/gpu_report.py OUT [--record]   the report section from OUT's files
 #
 # One GPU is enough: the runs of several ranks make each rank a node of its own
-# (GRADWIRE_HOST_ID=node<rank>), so NCCL groups hold one rank and gradwire crosses between
+# (GRADWIRE_HOST_ID=node<rank>, or its namespace under --daso-netns), so NCCL groups hold one rank and gradwire crosses between
 # them through pinned memory. A GPU with more ranks per node than GPUs is refused by name
 # (tests/gpu.rs checks that).
 set -uo pipefail
@@ -37,20 +38,28 @@ for line in sys.stdin:
     cp "$(awk '$1 == "test" {print $2}' <<<"$tests")" "$dir/gpu-test" || return 1
     strip "$dir"/gradwire "$dir"/libgradwire.so "$dir"/lib-test "$dir"/gpu-test || return 1
     cc -std=c99 -Wall -Wextra -Werror -I ffi ffi/examples/gpu.c -L "$dir" -lgradwire -ldl -lm -Wl,-rpath,'$ORIGIN' -o "$dir/gpu-example" || return 1
-    # This machine's `ip` with the libraries it links, for `gradwire launch --netns` on a GPU
-    # machine that has no iproute2 (DIR is first on PATH there).
-    mkdir -p "$dir/iproute"
+    # This machine's `ip`, its libraries and its loader, for `gradwire launch --netns` on a
+    # GPU machine without iproute2 (start() puts it on PATH only there). It runs through the
+    # loader it came with, so neither the GPU machine's glibc nor LD_LIBRARY_PATH matters:
+    # `ip netns exec` passes its environment on to the ranks, which must keep their own.
+    mkdir -p "$dir/iproute" || return 1
     cp "$(command -v ip)" "$dir/iproute/ip.bin" || return 1
-    ldd "$dir/iproute/ip.bin" | awk '$3 ~ /^\// && $1 !~ /^(libc|libm|libdl|libpthread)\.so/ {print $3}' | xargs -r cp -L -t "$dir/iproute/" || return 1
-    printf '%s\n' '#!/bin/sh' 'here=$(dirname "$(readlink -f "$0")")' 'LD_LIBRARY_PATH=$here/iproute exec "$here/iproute/ip.bin" "$@"' >"$dir/ip"
-    chmod +x "$dir/ip"
+    ldd "$dir/iproute/ip.bin" | awk '$3 ~ /^\// {print $3} $1 ~ /^\// {print $1}' | xargs -r cp -L -t "$dir/iproute/" || return 1
+    local loader
+    loader=$(ldd "$dir/iproute/ip.bin" | awk '$1 ~ /^\// {print $1}' | xargs -r basename) || return 1
+    printf '%s\n' '#!/bin/sh' 'here=$(dirname "$(readlink -f "$0")")' \
+        "exec \"\$here/$loader\" --library-path \"\$here\" \"\$here/ip.bin\" \"\$@\"" >"$dir/iproute/ip" || return 1
+    chmod +x "$dir/iproute/ip" || return 1
+    "$dir/iproute/ip" -V || return 1
     ls -la "$dir"
 }
 
 # start DIR OUT LOG: the environment for DIR's binaries, the log OUT/LOG, and step().
 start() {
-    bin=$(cd "$1" && pwd) out=$2
-    mkdir -p "$out"
+    bin=$(cd "$1" && pwd) || exit 1
+    out=$2
+    mkdir -p "$out" || exit 1
+    command -v ip >/dev/null || PATH=$bin/iproute:$PATH
     export PATH=$bin:$PATH GRADWIRE_LIB=$bin/libgradwire.so PYTHONPATH=$PWD/python GRADWIRE_TEST_BIN=$bin/gradwire
     export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=4
     exec > >(tee "$out/$3") 2>&1
@@ -74,7 +83,15 @@ step() {
 
 daso_netns() {
     start "$1" "$2" run-netns.log
-    step netns 60 gradwire launch -n 2 --netns -- sh -c 'echo "rank $RANK: $(readlink /proc/self/ns/net)"'
+    # Each rank in a network namespace other than the launcher's, and the two apart.
+    local seen
+    seen=$(mktemp -d) || exit 1
+    HOST_NS=$(readlink /proc/self/ns/net) SEEN=$seen step netns 60 gradwire launch -n 2 --netns -- sh -c \
+        'ns=$(readlink /proc/self/ns/net); echo "rank $RANK: $ns"; echo "$ns" >"$SEEN/$RANK"; [ "$ns" != "$HOST_NS" ]'
+    if [ "$(cat "$seen"/0 "$seen"/1 2>/dev/null | sort -u | wc -l)" != 2 ]; then
+        echo "=== netns: the two ranks do not have namespaces of their own"
+        failed=$((failed + 1))
+    fi
     [ $failed -eq 0 ] || return 1
     for model in resnet50 resnet18; do
         step "daso-netns-$model-96" 300 gradwire launch -n 2 --netns -- python3 benches/gpu_daso.py --model $model --steps 96 --rounds 3 --csv "$out/gpu_daso_${model}_96_netns.csv"
@@ -118,7 +135,7 @@ run() {
 }
 
 usage() {
-    sed -n '2,14p' "$0" >&2
+    sed -n '2,15p' "$0" >&2
     exit 2
 }
 

@@ -47,9 +47,21 @@ ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
 ap.add_argument("--csv")
 args = ap.parse_args()
 
-# A rank in a network namespace of its own (`gradwire launch --netns`: the launcher, its
-# parent, stays outside) is a node by that; otherwise its host identity makes it one.
-in_netns = os.readlink("/proc/self/ns/net") != os.readlink(f"/proc/{os.getppid()}/ns/net")
+
+
+def in_own_netns() -> bool:
+    """Whether this rank runs in a network namespace other than its parent's: under
+    `gradwire launch --netns` the parent is the launcher (`ip netns exec` replaces itself
+    with the rank), which stays outside. Unreadable: no."""
+    try:
+        return os.readlink("/proc/self/ns/net") != os.readlink(f"/proc/{os.getppid()}/ns/net")
+    except OSError:
+        return False
+
+
+# A rank in a network namespace of its own is a node by that; otherwise its host identity
+# makes it one.
+in_netns = in_own_netns()
 nodes = "network namespaces" if in_netns else "host identities"
 if not in_netns:
     os.environ["GRADWIRE_HOST_ID"] = f"node{os.environ['RANK']}"
@@ -170,7 +182,7 @@ if rank == 0:
             w.writerow(["device", "torch", "model", "batch", "image", "steps", "ranks", "nodes", "round", "way", "ms_per_step", "daso_host_copies_per_step"])
             for r in range(args.rounds):
                 for way in ways:
-                    w.writerow([device_name, torch.__version__, args.model, args.batch, args.image, args.steps, world, nodes, r, way.name, f"{times[way.name][r] * 1e3:.2f}", f"{daso_copies:.3f}"])
+                    w.writerow([device_name, torch.__version__, args.model, args.batch, args.image, args.steps, world, nodes, r, way.name, f"{times[way.name][r] * 1e3:.4f}", f"{daso_copies:.3f}"])
 for scheme in (daso, bsp):
     scheme.finish()
 dist.destroy_process_group()

@@ -8,10 +8,11 @@ batch counts rank 0's. A control run without `model=` shows the check can fail: 
 the statistics differ. Prints "buffers: ok" per rank.
 
 With the argument `cuda` the models train on the rank's CUDA device (benches/gpu.sh, each
-rank a node of its own): DASO and BSP device-resident, the parameter-server schemes through
-their host copies.
+rank a node of its own, so only the cross-node agreement is exercised there): DASO and BSP
+device-resident, the parameter-server schemes through their host copies.
 """
 
+import os
 import sys
 
 import numpy as np
@@ -24,7 +25,8 @@ from gradwire.optim import BSP, DASO, ParameterServer, resolve_comm
 torch.set_num_threads(1)
 device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
 if device.type == "cuda":
-    torch.cuda.set_device(0)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
 comm = resolve_comm()
 rank, world = comm.rank, comm.size
 node = comm.node_local()
