@@ -12,7 +12,7 @@
 #
 #   benches/reproduce.sh torch-daso      # 4 nodes x 2 ranks, 1 Gbit/s: DASO as Heat runs it and tuned
 #   benches/reproduce.sh torch-daso-10g  # the same at 10 Gbit/s
-#   benches/reproduce.sh torch-bsp       # bsp (dense, top-k, K1/K2) vs downpour vs eamsgd, 2 nodes x 2 ranks, 1 Gbit/s
+#   benches/reproduce.sh torch-bsp       # bsp (dense, top-k, K1=1 K2=4) vs downpour vs eamsgd, 2 nodes x 2 ranks, 1 Gbit/s
 #   benches/reproduce.sh torch-ddcgu     # ddcgu vs cyclic vs DDP, 2 nodes, rank 1 slowed 3x
 #
 # Every run but DASO's trains on past its epochs until 60 s of training have passed (DASO's
@@ -115,15 +115,18 @@ case $claim in
     gbit=1; [ $claim = torch-daso-10g ] && gbit=10
     # DASO's schedule is fixed by its epochs: enough for 60 s of training on each model.
     epochs_of() { case $1 in convnet) echo "${EPOCHS:-40}" ;; *) echo "${EPOCHS:-16}" ;; esac; }
-    title="PyTorch: DASO vs DDP (gloo, gradwire): 4 namespace nodes x 2 ranks, links shaped to $gbit Gbit/s, MODEL on the UCI digits, EPOCHS epochs (DDP: more where 60 s of training need them), batch 16 per rank, SGD lr 0.02 momentum 0.9; daso-heat: Heat's defaults (4 warm-up and 4 cool-down epochs, its skips, bf16 parameter average); daso-tuned: 2 + 2 epochs, gradwire's variants (cap_phases, sync_average='change')"
+    # A DASO epoch of the conv net takes a fifth of DDP's: it needs its own count for 60 s.
+    daso_epochs_of() { case $1 in convnet) echo "${DASO_EPOCHS:-320}" ;; *) epochs_of "$1" ;; esac; }
+    title="PyTorch: DASO vs DDP (gloo, gradwire): 4 namespace nodes x 2 ranks, links shaped to $gbit Gbit/s, MODEL on the UCI digits, EPOCHS epochs for DDP (more where 60 s of training need them), DASOEP for DASO, batch 16 per rank, SGD lr 0.02 momentum 0.9; daso-heat: Heat's defaults (4 warm-up and 4 cool-down epochs, its skips, bf16 parameter average); daso-tuned: 2 + 2 epochs, gradwire's variants (cap_phases, sync_average='change')"
     baseline=ddp-gloo
     run_all() {
       local common=(--epochs "$(epochs_of "$model")" --batch 16 --lr 0.02)
       local net=(-n 8 --netns --ranks-per-node 2 --link-gbit $gbit)
       runpy ddp-gloo "${net[@]}" -- --scheme ddp --backend gloo --min-seconds "$min_s" "${common[@]}"
       runpy ddp-gradwire "${net[@]}" -- --scheme ddp --backend gradwire --min-seconds "$min_s" "${common[@]}"
-      runpy daso-heat "${net[@]}" -- --scheme daso "${common[@]}"
-      runpy daso-tuned "${net[@]}" -- --scheme daso --warmup 2 --cooldown 2 --daso-variants "${common[@]}"
+      local daso=(--epochs "$(daso_epochs_of "$model")" --batch 16 --lr 0.02)
+      runpy daso-heat "${net[@]}" -- --scheme daso "${daso[@]}"
+      runpy daso-tuned "${net[@]}" -- --scheme daso --warmup 2 --cooldown 2 --daso-variants "${daso[@]}"
     }
     ;;
   torch-bsp)
@@ -183,6 +186,7 @@ for model in "${models[@]}"; do
   dir=$out; name=$claim; t=$title
   if [ "$model" != builtin ]; then
     dir=$out/$model; name=$claim-$model; t=${title/MODEL/$(describe "$model")}; t=${t/EPOCHS/$(epochs_of "$model")}
+    declare -F daso_epochs_of >/dev/null && t=${t/DASOEP/$(daso_epochs_of "$model")}
   fi
   ls "$dir"/*.csv >/dev/null 2>&1 || { echo "reproduce: no runs in $dir" >&2; exit 1; }
   "$gw" plot -o "docs/reproduction/$name.svg" "$dir"/*.r1.csv
