@@ -42,6 +42,7 @@ p.add_argument("--topk", type=float, default=None, help="bsp: fraction sent")
 p.add_argument("--node-interval", type=int, default=0, help="bsp: K1, the average inside the node every K1 steps (0: none)")
 p.add_argument("--fetch", type=int, default=1)
 p.add_argument("--push", type=int, default=1)
+p.add_argument("--background", action="store_true", help="downpour: fetch and push on a thread of their own (Dean et al.'s form)")
 p.add_argument("--tau", type=int, default=4)
 p.add_argument("--beta", type=float, default=0.9)
 p.add_argument("--rule", default="sum", choices=["sum", "mean", "staleness"], help="ddcgu, cyclic: how the servers apply a push")
@@ -124,7 +125,7 @@ else:
     elif a.scheme == "bsp":
         scheme = BSP(torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum), interval=a.interval, topk=a.topk, node_interval=a.node_interval, comm=comm)
     else:
-        options = {"downpour": dict(lr=a.lr, fetch=a.fetch, push=a.push), "eamsgd": dict(lr=a.lr, tau=a.tau, beta=a.beta)}.get(a.scheme, dict(lr=a.lr, rule=a.rule))
+        options = {"downpour": dict(lr=a.lr, fetch=a.fetch, push=a.push, background=a.background), "eamsgd": dict(lr=a.lr, tau=a.tau, beta=a.beta)}.get(a.scheme, dict(lr=a.lr, rule=a.rule))
         scheme = ParameterServer(model, a.scheme, comm=comm, **options)
     step_fn = scheme.step
     label = a.label or a.scheme

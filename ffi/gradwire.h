@@ -288,7 +288,8 @@ int gradwire_gpu_alltoall(gradwire_gpu_comm_t *gpu, const void *sendbuf, const s
  * wire (f32, bf16, f16), sending_chunk_size, skip_reduction_factor, local_skip_factor,
  * sync_average (heat, change), cap_phases (true, false), data (gradwire, caller: see
  * gradwire_strategy_take_actions; bsp takes data too, without topk); ddcgu, cyclic:
- * lr, rule (sum, mean, staleness); downpour: lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none (ssgd, daso and bsp take no lr: the
+ * lr, rule (sum, mean, staleness); downpour: lr, fetch, push, background (true:
+ * fetch and push on a thread of their own, as Dean et al.; default false: blocking); eamsgd: lr, tau, beta; ssgd: none (ssgd, daso and bsp take no lr: the
  * framework's optimizer makes their local step). A key the scheme does not take, a key
  * given twice, bsp's topk=0 (leave topk out to send the whole change) or a bad value is
  * GRADWIRE_ERR_INVALID_ARGUMENT naming it; a value cannot hold ',' or '='. init: the initial parameters (the

@@ -525,8 +525,9 @@ fn faulty_ranks_once<'a>(script: &str, mode: &str, world: usize, dead: Option<us
     true
 }
 
-/// A rank killed in the middle of a ddcgu epoch (gradwire.torch.ParameterServer) is a
-/// PeerLostError naming it on every survivor, within the deadline, not a hang.
+/// A rank killed in the middle of a ddcgu epoch (gradwire.torch.ParameterServer), or of a
+/// Downpour epoch whose transfers run in the background, is a PeerLostError naming it on
+/// every survivor, within the deadline, not a hang.
 #[test]
 fn parameter_server_names_a_killed_rank() {
     if !python_has("torch") {
@@ -534,6 +535,7 @@ fn parameter_server_names_a_killed_rank() {
         return;
     }
     faulty_ranks("torch_schemes.py", "kill", 3, Some(1), "PeerLostError", "rank 1");
+    faulty_ranks("torch_schemes.py", "kill_background", 3, Some(1), "PeerLostError", "rank 1");
 }
 
 /// A killed rank (during async calls, and during blocking ones, which the C++ hot path

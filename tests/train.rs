@@ -187,6 +187,14 @@ fn downpour_reaches_accuracy() {
     train(4, &[], &["--strategy", "downpour", "--lr", "0.03", "--push", "2", "--fetch", "2", "--epochs", "25"], SHM);
 }
 
+/// Downpour with its fetches and pushes on a thread of their own (Dean et al.'s form; the
+/// servers over tcp, so the transfers and the minibatch pool share the sockets' service)
+/// reaches the same bar as the blocking form.
+#[test]
+fn downpour_in_the_background_reaches_accuracy() {
+    train(4, &[], &["--strategy", "downpour", "--background", "--lr", "0.03", "--push", "2", "--fetch", "2", "--epochs", "25"], TCP);
+}
+
 /// Downpour applies every gradient locally between fetches (Dean et al., Algorithm 7.1;
 /// the step itself is checked exactly in python/tests/numpy_collectives.py): fetching and
 /// pushing every 4 steps ends within 3 points of every step (means of the last five

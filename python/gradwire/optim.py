@@ -643,14 +643,16 @@ class BSP(_FrameworkStep):
             self.buffers.average()
 
 
-_PS_OPTIONS = {"ddcgu": ("lr", "rule"), "cyclic": ("lr", "rule"), "downpour": ("lr", "fetch", "push"), "eamsgd": ("lr", "tau", "beta")}
+_PS_OPTIONS = {"ddcgu": ("lr", "rule"), "cyclic": ("lr", "rule"), "downpour": ("lr", "fetch", "push", "background"), "eamsgd": ("lr", "tau", "beta")}
 
 
 class ParameterServer(_Scheme):
     """The parameter-server schemes, whose update rule runs on the servers as their papers
     define it (no local optimizer): `ddcgu` (dynamic-delay cyclic gradient push over a
     remote-memory token ring), `cyclic` (the fixed cyclic push), `downpour` (fetch every
-    `fetch` steps, push every `push`, local SGD between) and `eamsgd` (elastic averaging,
+    `fetch` steps, push every `push`, local SGD between; `background=True` fetches and
+    pushes on a thread of their own, as Dean et al. run them, a fetched θ replacing the
+    replica when it lands; the default blocks the worker on each) and `eamsgd` (elastic averaging,
     period `tau`, moving rate `beta`). Options as in ffi/gradwire.h: lr; rule ("sum",
     "mean", "staleness") for ddcgu and cyclic. Draw minibatches with `sampler()`: a fast
     worker takes more of the epoch's pool instead of waiting for a slow one."""
@@ -661,6 +663,10 @@ class ParameterServer(_Scheme):
         for k in options:
             if k not in _PS_OPTIONS[scheme]:
                 raise ValueError(f"ParameterServer: {scheme} takes no option {k!r}; its options: {', '.join(_PS_OPTIONS[scheme])}")
+        if "background" in options:
+            if not isinstance(options["background"], bool):
+                raise TypeError(f"ParameterServer: background must be a bool, got {type(options['background']).__name__} {options['background']!r}")
+            options["background"] = "true" if options["background"] else "false"
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
         super().__init__(params, scheme, _option_string(options), comm)
         self.scheme = scheme

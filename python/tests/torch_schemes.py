@@ -6,6 +6,9 @@ math computed here, on fresh random data (seeds agreed through rank 0):
     torch_schemes.py kill      (ranks started directly) rank 1 dies in the middle of a
                                ddcgu epoch; every survivor must raise a GradwireError that
                                names the rank, within the deadline, and exit 3
+    torch_schemes.py kill_background   the same in a Downpour epoch whose fetches and
+                               pushes run in the background (the error comes from
+                               gradwire's transfer thread or from the worker's own calls)
 
 Prints "torch schemes: N passed, M failed" (math) per rank.
 """
@@ -313,6 +316,8 @@ def bad_arguments_are_refused():
         (lambda: BSP(torch.optim.SGD([p], lr=0.1), topk=1.5, comm=comm), ValueError),
         (lambda: ParameterServer([p], "sgdx", comm=comm), ValueError),
         (lambda: ParameterServer([p], "ddcgu", comm=comm, tau=3), ValueError),
+        (lambda: ParameterServer([p], "downpour", comm=comm, background="yes"), TypeError),
+        (lambda: ParameterServer([p], "ddcgu", comm=comm, background=True), ValueError),
         (lambda: ParameterServer([torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))], "ddcgu", comm=comm), TypeError),
     ]:
         try:
@@ -328,9 +333,12 @@ def bad_arguments_are_refused():
         check("last_batch" in str(e), f"DASO.step without last_batch: {e}")
 
 
-if mode == "kill":
+if mode in ("kill", "kill_background"):
     p = torch.nn.Parameter(torch.zeros(1000))
-    ps = ParameterServer([p], "ddcgu", comm=comm, lr=0.01)
+    if mode == "kill":
+        ps = ParameterServer([p], "ddcgu", comm=comm, lr=0.01)
+    else:
+        ps = ParameterServer([p], "downpour", comm=comm, lr=0.01, fetch=2, push=2, background=True)
     start = time.monotonic()
     try:
         for epoch in range(1000):
@@ -365,7 +373,12 @@ daso_matches_reference()
 rng = np.random.default_rng(seed + 4)
 plateau_follows_heat(np.cumprod(rng.uniform(0.9, 1.02, 24)))  # the same on every rank
 check(plateau_follows_heat(np.full(24, 0.7)) > 0, "daso controller: a flat loss never reached the reset to max_global_skips")
-for scheme, options in [("ddcgu", {"rule": "sum"}), ("cyclic", {"rule": "sum"}), ("downpour", {"fetch": 2, "push": 3})]:
+for scheme, options in [
+    ("ddcgu", {"rule": "sum"}),
+    ("cyclic", {"rule": "sum"}),
+    ("downpour", {"fetch": 2, "push": 3}),
+    ("downpour", {"fetch": 2, "push": 3, "background": True}),
+]:
     servers_conserve(scheme, options, straggler=False)
     servers_conserve(scheme, options, straggler=True)
 pool_sampler_covers_the_epoch()

@@ -176,6 +176,9 @@ pub struct StrategyConfig {
     pub fetch: usize,
     /// Downpour: steps between pushes of the accumulated gradients.
     pub push: usize,
+    /// Downpour: fetch and push on a thread of their own (Dean et al.'s form) instead of
+    /// blocking the worker.
+    pub background: bool,
     /// EAMSGD: exchange period τ and moving rate β (α = β / P).
     pub tau: usize,
     /// EAMSGD: moving rate β, in [0, 1].
@@ -198,6 +201,7 @@ impl Default for StrategyConfig {
             daso: daso::DasoConfig::default(),
             fetch: 1,
             push: 1,
+            background: false,
             tau: 4,
             beta: 0.9,
             rule: crate::rma::ApplyRule::Mean,
@@ -213,7 +217,7 @@ impl StrategyConfig {
     /// daso: warmup_epochs, cooldown_epochs, epochs, max_global_skips, stability_level,
     /// wire (f32, bf16, f16), sending_chunk_size, skip_reduction_factor, local_skip_factor,
     /// sync_average (heat, change), cap_phases, data (gradwire, caller: [`plan`]); ddcgu and cyclic: lr, rule (sum, mean or staleness);
-    /// downpour: lr, fetch, push; eamsgd: lr, tau, beta; ssgd: none. ssgd, daso and bsp take
+    /// downpour: lr, fetch, push, background (true, false); eamsgd: lr, tau, beta; ssgd: none. ssgd, daso and bsp take
     /// no lr: the framework's own optimizer makes their local step. A key the scheme does
     /// not take, or a value out of range, is an error naming it.
     pub fn parse(scheme: &str, options: &str) -> Result<StrategyConfig> {
@@ -235,7 +239,7 @@ impl StrategyConfig {
                 "data",
             ],
             "ddcgu" | "cyclic" => &["lr", "rule"],
-            "downpour" => &["lr", "fetch", "push"],
+            "downpour" => &["lr", "fetch", "push", "background"],
             "eamsgd" => &["lr", "tau", "beta"],
             _ => return Err(invalid(format!("unknown strategy '{scheme}' (known: {})", STRATEGIES.join(", ")))),
         };
@@ -294,6 +298,7 @@ impl StrategyConfig {
                 "local_skip_factor" => cfg.daso.local_skip_factor = count(1)?,
                 "fetch" => cfg.fetch = count(1)?,
                 "push" => cfg.push = count(1)?,
+                "background" => cfg.background = value.parse().map_err(|_| bad("expected true or false"))?,
                 "tau" => cfg.tau = count(1)?,
                 "beta" => cfg.beta = real(0.0, 1.0)? as f32,
                 "rule" => {
@@ -328,7 +333,7 @@ pub fn build<'c>(comm: &'c Communicator, cfg: &StrategyConfig, init: &[f32], len
         "daso" => Box::new(daso::Daso::new(comm, cfg.daso.clone(), len, cfg.caller_moves_data)?),
         "ddcgu" => Box::new(ps::TokenRing::new(comm, init, cfg.lr, cfg.rule, ps::Turn::DynamicDelay)?),
         "cyclic" => Box::new(ps::TokenRing::new(comm, init, cfg.lr, cfg.rule, ps::Turn::FixedCyclic)?),
-        "downpour" => Box::new(ps::Downpour::new(comm, init, cfg.lr, cfg.fetch, cfg.push)?),
+        "downpour" => Box::new(ps::Downpour::new(comm, init, cfg.lr, cfg.fetch, cfg.push, cfg.background)?),
         "eamsgd" => Box::new(ps::Eamsgd::new(comm, init, Sgd::new(cfg.lr, 0.99, true), cfg.tau, cfg.beta)?),
         other => return Err(invalid(format!("unknown strategy '{other}' (known: {})", STRATEGIES.join(", ")))),
     };

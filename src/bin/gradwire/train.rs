@@ -62,6 +62,10 @@ pub struct TrainArgs {
     /// downpour: push every N steps.
     #[arg(long, default_value_t = 1)]
     pub push: usize,
+    /// downpour: fetch and push on a thread of their own (Dean et al.'s form), not blocking
+    /// the worker.
+    #[arg(long)]
+    pub background: bool,
     /// eamsgd: elastic exchange every τ steps.
     #[arg(long, default_value_t = 4)]
     pub tau: usize,
@@ -146,6 +150,7 @@ fn strategy_config(a: &TrainArgs) -> Result<StrategyConfig> {
         daso,
         fetch: a.fetch,
         push: a.push,
+        background: a.background,
         tau: a.tau,
         beta: a.beta,
         rule,
