@@ -13,6 +13,7 @@
 #   benches/reproduce.sh torch-daso      # 4 nodes x 2 ranks, 1 Gbit/s: DASO as Heat runs it and tuned
 #   benches/reproduce.sh torch-daso-10g  # the same at 10 Gbit/s
 #   benches/reproduce.sh torch-bsp       # bsp (dense, top-k, K1=1 K2=4) vs downpour vs eamsgd, 2 nodes x 2 ranks, 1 Gbit/s
+#   benches/reproduce.sh torch-bsp-grid  # torch-bsp's learning rates at half and twice, one seed
 #   benches/reproduce.sh torch-ddcgu     # ddcgu vs cyclic vs DDP, 2 nodes, rank 1 slowed 3x
 #
 # Every run but DASO's trains on past its epochs until 60 s of training have passed (DASO's
@@ -27,7 +28,7 @@
 # run that stopped: a torch run whose CSV is there is kept (remove a failed run's CSV first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-claim=${1:?usage: benches/reproduce.sh daso|ddcgu|bsp|torch-daso|torch-daso-10g|torch-bsp|torch-ddcgu [--record|--tables]}
+claim=${1:?usage: benches/reproduce.sh daso|ddcgu|bsp|torch-daso|torch-daso-10g|torch-bsp|torch-bsp-grid|torch-ddcgu [--record|--tables]}
 record=0 tables_only=0
 [ "${2:-}" = --record ] && record=1
 [ "${2:-}" = --tables ] && tables_only=1 record=1
@@ -131,7 +132,7 @@ case $claim in
     ;;
   torch-bsp)
     epochs_of() { echo "${EPOCHS:-12}"; }
-    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme communicates across the ranks every 4 steps (K2, fetch/push, tau); bsp-K4: the average over all ranks every 4 steps; bsp-K4-topk: the largest 1 % of the change; bsp-K1-K4: also the average inside the node every step; Downpour blocks on its fetches and pushes (gradwire's Downpour has no background form). Learning rates as chosen per scheme, not tuned on a grid: DDP and BSP SGD 0.02 with momentum 0.9 (DDP averages the ranks' gradients, BSP their changes), Downpour 0.1 plain SGD on the servers, EAMSGD 0.002 (its local Nesterov momentum 0.9)"
+    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme communicates across the ranks every 4 steps (K2, fetch/push, tau); bsp-K4: the average over all ranks every 4 steps; bsp-K4-topk: the largest 1 % of the change; bsp-K1-K4: also the average inside the node every step; downpour-blocking: Downpour blocking the worker on its fetches and pushes; downpour-async: fetching and pushing on a thread of its own, as Dean et al. run it. Learning rates as chosen per scheme, not tuned on a grid: DDP and BSP SGD 0.02 with momentum 0.9 (DDP averages the ranks' gradients, BSP their changes), Downpour 0.1 plain SGD on the servers, EAMSGD 0.002 (its local Nesterov momentum 0.9)"
     baseline=ddp-gloo
     run_all() {
       local common=(--epochs "$(epochs_of "$model")" --min-seconds "$min_s")
@@ -142,7 +143,37 @@ case $claim in
       runpy bsp-K4-topk "${net[@]}" -- --scheme bsp --interval 4 --topk 0.01 --lr 0.02 "${common[@]}"
       runpy bsp-K1-K4 "${net[@]}" -- --scheme bsp --interval 4 --node-interval 1 --lr 0.02 "${common[@]}"
       runpy downpour-blocking "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --lr 0.1 "${common[@]}"
+      runpy downpour-async "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --background --lr 0.1 "${common[@]}"
       runpy eamsgd "${net[@]}" -- --scheme eamsgd --tau 4 --lr 0.002 "${common[@]}"
+    }
+    ;;
+  torch-bsp-grid)
+    # The learning rates torch-bsp uses, tuned: every scheme at half, once and twice its
+    # rate there, on seed 0 (not one of the recorded repeats), 20 s of training each.
+    epochs_of() { echo "${EPOCHS:-12}"; }
+    min_s=${MIN_SECONDS:-20}
+    [ $tables_only = 1 ] || repeats=${REPEATS:-1}
+    title="PyTorch: the learning-rate grid of torch-bsp (its setting: 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, batch 32 per rank): every scheme at half, once and twice the rate torch-bsp runs it at (labels end in @lr), one run each (seed 0, not a recorded repeat), EPOCHS epochs or more to $min_s s of training; ddp-gloo at 0.02 sets the target"
+    baseline=ddp-gloo@0.02
+    plot_rep=0
+    run_all() {
+      local rep=0 lr
+      local common=(--epochs "$(epochs_of "$model")" --min-seconds "$min_s")
+      local net=(-n 4 --netns --ranks-per-node 2 --link-gbit 1)
+      runpy ddp-gloo@0.02 "${net[@]}" -- --scheme ddp --backend gloo --lr 0.02 "${common[@]}"
+      for lr in 0.01 0.02 0.04; do
+        runpy ddp-gradwire@$lr "${net[@]}" -- --scheme ddp --backend gradwire --lr $lr "${common[@]}"
+        runpy bsp-K4@$lr "${net[@]}" -- --scheme bsp --interval 4 --lr $lr "${common[@]}"
+        runpy bsp-K4-topk@$lr "${net[@]}" -- --scheme bsp --interval 4 --topk 0.01 --lr $lr "${common[@]}"
+        runpy bsp-K1-K4@$lr "${net[@]}" -- --scheme bsp --interval 4 --node-interval 1 --lr $lr "${common[@]}"
+      done
+      for lr in 0.05 0.1 0.2; do
+        runpy downpour-blocking@$lr "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --lr $lr "${common[@]}"
+        runpy downpour-async@$lr "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --background --lr $lr "${common[@]}"
+      done
+      for lr in 0.001 0.002 0.004; do
+        runpy eamsgd@$lr "${net[@]}" -- --scheme eamsgd --tau 4 --lr $lr "${common[@]}"
+      done
     }
     ;;
   torch-ddcgu)
@@ -160,7 +191,7 @@ case $claim in
       runpy ddcgu "${net[@]}" -- --scheme ddcgu --rule sum --lr 0.1 "${common[@]}"
     }
     ;;
-  *) echo "unknown claim '$claim' (daso, ddcgu, bsp, torch-daso, torch-daso-10g, torch-bsp, torch-ddcgu)" >&2; exit 2 ;;
+  *) echo "unknown claim '$claim' (daso, ddcgu, bsp, torch-daso, torch-daso-10g, torch-bsp, torch-bsp-grid, torch-ddcgu)" >&2; exit 2 ;;
 esac
 # Interleaved: every scheme and model once per repeat, repeat after repeat.
 for rep in $(seq 1 "$repeats"); do
@@ -189,7 +220,7 @@ for model in "${models[@]}"; do
     declare -F daso_epochs_of >/dev/null && t=${t/DASOEP/$(daso_epochs_of "$model")}
   fi
   ls "$dir"/*.csv >/dev/null 2>&1 || { echo "reproduce: no runs in $dir" >&2; exit 1; }
-  "$gw" plot -o "docs/reproduction/$name.svg" "$dir"/*.r1.csv
+  "$gw" plot -o "docs/reproduction/$name.svg" "$dir"/*.r"${plot_rep:-1}".csv
   python3 benches/reproduce_table.py "$name" "$t" "$baseline" "docs/reproduction/$name.svg" "$dir"/*.r*.csv > "target/reproduce-$name.md"
   sections+=("target/reproduce-$name.md")
 done
