@@ -372,7 +372,7 @@ enum Transfer {
 
 /// Downpour's fetches and pushes in the background: the worker hands each over and goes
 /// on computing; a fetched θ lands whenever the servers have answered. One thread runs
-/// them in order, so a fetch after a push sees that push applied. At most one fetch is in
+/// them in the order handed over. At most one fetch is in
 /// flight (a fetch due meanwhile is skipped, as a busy fetching thread would skip it) and
 /// at most two pushes wait (the worker then waits for the thread: memory stays bounded and
 /// no gradient is dropped). Every transfer keeps the shards' deadline; the first error
