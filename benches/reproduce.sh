@@ -14,6 +14,7 @@
 #   benches/reproduce.sh torch-daso-10g  # the same at 10 Gbit/s
 #   benches/reproduce.sh torch-bsp       # bsp (dense, top-k, K1=1 K2=4) vs downpour vs eamsgd, 2 nodes x 2 ranks, 1 Gbit/s
 #   benches/reproduce.sh torch-bsp-grid  # torch-bsp's learning rates at half and twice, one seed
+#   benches/reproduce.sh torch-bsp-tuned # torch-bsp on the conv net at the grid's best rates
 #   benches/reproduce.sh torch-ddcgu     # ddcgu vs cyclic vs DDP, 2 nodes, rank 1 slowed 3x
 #
 # Every run but DASO's trains on past its epochs until 60 s of training have passed (DASO's
@@ -28,7 +29,7 @@
 # run that stopped: a torch run whose CSV is there is kept (remove a failed run's CSV first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-claim=${1:?usage: benches/reproduce.sh daso|ddcgu|bsp|torch-daso|torch-daso-10g|torch-bsp|torch-bsp-grid|torch-ddcgu [--record|--tables]}
+claim=${1:?usage: benches/reproduce.sh daso|ddcgu|bsp|torch-daso|torch-daso-10g|torch-bsp|torch-bsp-grid|torch-bsp-tuned|torch-ddcgu [--record|--tables]}
 record=0 tables_only=0
 [ "${2:-}" = --record ] && record=1
 [ "${2:-}" = --tables ] && tables_only=1 record=1
@@ -132,7 +133,7 @@ case $claim in
     ;;
   torch-bsp)
     epochs_of() { echo "${EPOCHS:-12}"; }
-    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme communicates across the ranks every 4 steps (K2, fetch/push, tau); bsp-K4: the average over all ranks every 4 steps; bsp-K4-topk: the largest 1 % of the change; bsp-K1-K4: also the average inside the node every step; downpour-blocking: Downpour blocking the worker on its fetches and pushes; downpour-async: fetching and pushing on a thread of its own, as Dean et al. run it. Learning rates as chosen per scheme, not tuned on a grid: DDP and BSP SGD 0.02 with momentum 0.9 (DDP averages the ranks' gradients, BSP their changes), Downpour 0.1 plain SGD on the servers, EAMSGD 0.002 (its local Nesterov momentum 0.9)"
+    title="PyTorch: BSP vs Downpour vs EAMSGD vs DDP (gloo, gradwire): 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme communicates across the ranks every 4 steps (K2, fetch/push, tau); bsp-K4: the average over all ranks every 4 steps; bsp-K4-topk: the largest 1 % of the change; bsp-K1-K4: also the average inside the node every step; downpour-blocking: Downpour blocking the worker on its fetches and pushes; downpour-async: fetching and pushing on a thread of its own, as Dean et al. run it. Learning rates, one per scheme (torch-bsp-grid runs each at half and twice it): DDP and BSP SGD 0.02 with momentum 0.9 (DDP averages the ranks' gradients, BSP their changes), Downpour 0.1 plain SGD on the servers, EAMSGD 0.002 (its local Nesterov momentum 0.9)"
     baseline=ddp-gloo
     run_all() {
       local common=(--epochs "$(epochs_of "$model")" --min-seconds "$min_s")
@@ -176,6 +177,26 @@ case $claim in
       done
     }
     ;;
+  torch-bsp-tuned)
+    # torch-bsp on the conv net, every scheme at the rate torch-bsp-grid found fastest to
+    # its target there (on the MLP no rate of that grid changes which scheme is ahead).
+    epochs_of() { echo "${EPOCHS:-12}"; }
+    models=(${MODELS:-convnet})
+    title="PyTorch: torch-bsp with the learning rates of torch-bsp-grid: 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme at the rate of its grid that reached the grid's target first (labels end in @lr): DDP and BSP SGD 0.04 with momentum 0.9, blocking Downpour 0.1 and asynchronous Downpour 0.05 plain SGD on the servers, EAMSGD 0.004 (the top of its grid, as for DDP and BSP)"
+    baseline=ddp-gloo@0.04
+    run_all() {
+      local common=(--epochs "$(epochs_of "$model")" --min-seconds "$min_s")
+      local net=(-n 4 --netns --ranks-per-node 2 --link-gbit 1)
+      runpy ddp-gloo@0.04 "${net[@]}" -- --scheme ddp --backend gloo --lr 0.04 "${common[@]}"
+      runpy ddp-gradwire@0.04 "${net[@]}" -- --scheme ddp --backend gradwire --lr 0.04 "${common[@]}"
+      runpy bsp-K4@0.04 "${net[@]}" -- --scheme bsp --interval 4 --lr 0.04 "${common[@]}"
+      runpy bsp-K4-topk@0.04 "${net[@]}" -- --scheme bsp --interval 4 --topk 0.01 --lr 0.04 "${common[@]}"
+      runpy bsp-K1-K4@0.04 "${net[@]}" -- --scheme bsp --interval 4 --node-interval 1 --lr 0.04 "${common[@]}"
+      runpy downpour-blocking@0.1 "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --lr 0.1 "${common[@]}"
+      runpy downpour-async@0.05 "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --background --lr 0.05 "${common[@]}"
+      runpy eamsgd@0.004 "${net[@]}" -- --scheme eamsgd --tau 4 --lr 0.004 "${common[@]}"
+    }
+    ;;
   torch-ddcgu)
     # An epoch of the MLP under DDP takes about 30 s here (43 MB a step over 1 Gbit/s, the
     # slowed rank): 3 of them pass 60 s, and every run trains at least that long anyway.
@@ -191,7 +212,7 @@ case $claim in
       runpy ddcgu "${net[@]}" -- --scheme ddcgu --rule sum --lr 0.1 "${common[@]}"
     }
     ;;
-  *) echo "unknown claim '$claim' (daso, ddcgu, bsp, torch-daso, torch-daso-10g, torch-bsp, torch-bsp-grid, torch-ddcgu)" >&2; exit 2 ;;
+  *) echo "unknown claim '$claim' (daso, ddcgu, bsp, torch-daso, torch-daso-10g, torch-bsp, torch-bsp-grid, torch-bsp-tuned, torch-ddcgu)" >&2; exit 2 ;;
 esac
 # Interleaved: every scheme and model once per repeat, repeat after repeat.
 for rep in $(seq 1 "$repeats"); do
