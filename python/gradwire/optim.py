@@ -91,7 +91,8 @@ def _option_string(options: dict) -> str:
     holding a separator would add or replace options ("sum,lr=5" is two), so it is refused."""
     items = []
     for key, value in options.items():
-        text = str(value)
+        # libgradwire's booleans are "true" and "false" (Python's str gives "True").
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
         if not text or any(c in text for c in ",=") or text != text.strip():
             raise ValueError(f"option {key}={text!r}: a value may not be empty or hold ',', '=' or surrounding spaces")
         items.append(f"{key}={text}")
@@ -480,7 +481,7 @@ class DASO(_FrameworkStep):
             "local_skip_factor": _integer(local_skip_factor, "local_skip_factor", 1),
             "wire": wires[downcast_type],
             "sync_average": sync_average,
-            "cap_phases": "true" if cap_phases else "false",
+            "cap_phases": cap_phases,
         }
         del use_mpi_groups  # gradwire's groups come from the launcher's topology
         super().__init__(local_optimizer, "daso", _option_string(options), comm, caller_moves=device_resident)
@@ -666,7 +667,6 @@ class ParameterServer(_Scheme):
         if "background" in options:
             if not isinstance(options["background"], bool):
                 raise TypeError(f"ParameterServer: background must be a bool, got {type(options['background']).__name__} {options['background']!r}")
-            options["background"] = "true" if options["background"] else "false"
         params = model.parameters() if isinstance(model, torch.nn.Module) else model
         super().__init__(params, scheme, _option_string(options), comm)
         self.scheme = scheme

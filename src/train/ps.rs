@@ -79,6 +79,12 @@ fn gather_loss(comm: &Communicator, loss: f64, mut serve: impl FnMut() -> Result
     mean_loss(comm, loss)
 }
 
+/// The remote memory, also where a transfer thread panicked holding it: that left nothing
+/// half-done a later call relies on (every operation checks the shared words it reads).
+fn lock(rm: &Mutex<RemoteMemory>) -> MutexGuard<'_, RemoteMemory> {
+    rm.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// What the parameter-server strategies share: the shards (every rank serves one, which
 /// spreads the servers' work and memory evenly), the minibatch pool of the asynchronous
 /// ones, and how a run ends.
@@ -100,9 +106,7 @@ impl<'c> Servers<'c> {
     /// The shards and token ring. Hold the guard for one operation: the mutex is not
     /// reentrant.
     fn rm(&self) -> MutexGuard<'_, RemoteMemory> {
-        // A transfer thread that panicked left nothing half-done that a later call relies
-        // on: every operation checks the shared words it reads.
-        self.rm.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.rm)
     }
 
     fn claim(&self, total: usize) -> Result<bool> {
@@ -396,16 +400,15 @@ impl Transfers {
         let thread = std::thread::Builder::new()
             .name("gradwire-downpour".into())
             .spawn(move || {
-                let lock = || rm.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                 for job in todo {
                     let failed = match job {
                         Transfer::Push(mut acc, count) => {
-                            let r = lock().push(&acc, count);
+                            let r = lock(&rm).push(&acc, count);
                             acc.fill(0.0);
                             let _ = spare_tx.send(acc);
                             r.err()
                         }
-                        Transfer::Fetch(mut theta) => match lock().pull(&mut theta) {
+                        Transfer::Fetch(mut theta) => match lock(&rm).pull(&mut theta) {
                             Ok(()) => {
                                 let _ = landed_tx.send(Ok(theta));
                                 None
@@ -468,23 +471,22 @@ impl Transfers {
     /// Waits until every transfer handed over is done (a fetch still landing is dropped:
     /// the final model is read from the servers).
     fn finish(mut self) -> Result<()> {
+        if !self.close() {
+            return Err(stopped());
+        }
+        self.landed.try_iter().try_for_each(|r| r.map(drop))
+    }
+
+    /// Closes the queue and waits for the thread to take what is in it; false if it panicked.
+    fn close(&mut self) -> bool {
         drop(self.jobs.take());
-        if let Some(t) = self.thread.take() {
-            t.join().map_err(|_| stopped())?;
-        }
-        for r in self.landed.try_iter() {
-            r?;
-        }
-        Ok(())
+        self.thread.take().is_none_or(|t| t.join().is_ok())
     }
 }
 
 impl Drop for Transfers {
     fn drop(&mut self) {
-        drop(self.jobs.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        self.close();
     }
 }
 
