@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradwire.torch  # noqa: F401 (registers the backend)
+import gradwire.torch  # registers the backend
 
 VARIANTS = ("local", "ddp_nocomm", "ddp_gloo", "ddp_gradwire", "ar_gradwire", "ar_gloo")
 
@@ -83,7 +83,7 @@ def main():
     data = torch.randn(args.batch, 1024, generator=torch.Generator().manual_seed(args.seed + rank))
     target = torch.randn(args.batch, 1024, generator=torch.Generator().manual_seed(args.seed + 1000 + rank))
     grads = torch.randn(params)
-    comm = dist.group.WORLD.comm
+    comm = gradwire.torch.comm_of()
 
     def step(kind):
         # The allreduces sum `grads` in place: it grows 2x a call, from fresh values each block.
@@ -117,8 +117,7 @@ def main():
     if not same:
         raise SystemExit(f"rank {rank}: DDP on gradwire and on gloo left different parameters (max diff {(a - b).abs().max().item():.3g})")
     if rank == 0:
-        native = getattr(type(dist.group.WORLD), "_native", False)
-        meta = dict(world=world, params=params, batch=args.batch, steps=args.steps, torch=torch.__version__, native=int(native), cores=os.cpu_count())
+        meta = dict(world=world, params=params, batch=args.batch, steps=args.steps, torch=torch.__version__, cores=os.cpu_count())
         if args.csv:
             with open(args.csv, "w", newline="") as f:
                 w = csv.writer(f)
@@ -127,7 +126,7 @@ def main():
                     w.writerow([*row, *meta.values()])
         ms = {k: {r: t for r, v, t in rows if v == k} for k in VARIANTS}
         med = {k: statistics.median(ms[k].values()) for k in VARIANTS}
-        print(f"# ddp_overhead: W={world}, {params / 1e6:.1f} M parameters, batch {args.batch}, {args.rounds} rounds x {args.steps} steps, C++ path {bool(native)}, torch {torch.__version__}")
+        print(f"# ddp_overhead: W={world}, {params / 1e6:.1f} M parameters, batch {args.batch}, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}")
         for k in VARIANTS:
             print(f"{k:>14} {med[k]:8.2f} ms (median of the rounds)")
         # As the report computes them: per round, paired, then the median over the rounds.

@@ -68,8 +68,7 @@ def main():
         "",
         f"Command: `benches/ddp_overhead.py` under `gradwire launch -n {meta['world']}` (CSV: `{args.csv}`, report: "
         f"`benches/ddp_overhead_report.py`). {meta['world']} ranks on {meta['cores']} cores, one thread each, torch {meta['torch']}, "
-        f"an MLP of {int(meta['params']) / 1e6:.1f} M parameters, batch {meta['batch']}, CPU tensors, the C++ path "
-        f"{'on' if meta['native'] == '1' else 'off'}. {len(rounds)} rounds after one that warms up; each round runs every variant for {meta['steps']} steps, "
+        f"an MLP of {int(meta['params']) / 1e6:.1f} M parameters, batch {meta['batch']}, CPU tensors. {len(rounds)} rounds after one that warms up; each round runs every variant for {meta['steps']} steps, "
         "one after another in the same processes, in an order rotated from round to round; each figure is the slowest rank's mean step, "
         "median over the rounds [min-max]; overheads are paired within a round. The DDP replicas on gloo and gradwire end with the same parameters.",
         "",

@@ -79,18 +79,15 @@ fn torch_ddp_hook_matches_gloo() {
 /// `init_process_group("gradwire")`: every collective x dtype x op against a reference (in
 /// place, non-contiguous, async, subgroups, object collectives), then DDP on the gradwire
 /// backend against DDP on gloo, at 2 and 4 ranks on one host and 2x2 ranks across network
-/// namespaces (shm inside a node, tcp between), with the C++ hot path, and at 2 ranks
-/// without it (GRADWIRE_TORCH_NATIVE=0).
+/// namespaces (shm inside a node, tcp between).
 #[test]
 fn torch_backend_collectives_and_ddp_match_gloo() {
     if !python_has("torch") {
         skip("torch_backend_collectives_and_ddp_match_gloo", "torch is not importable (about 1.9 GB; see benches/peers/install_torch.py)");
         return;
     }
-    // With the C++ hot path (built at the first group) and, at 2 ranks, without it: the
-    // Python group alone is what runs where it cannot be built.
-    for (n, native) in [(2, "1"), (4, "1"), (2, "0")] {
-        let t = run_py(n, "torch_backend.py", &[("GRADWIRE_TORCH_NATIVE", native)]);
+    for n in [2, 4] {
+        let t = run_py(n, "torch_backend.py", &[]);
         assert_eq!(t.matches(" failed (seed").count(), n, "{t}");
         assert_eq!(t.matches(", 0 failed (seed").count(), n, "{t}");
     }
@@ -560,10 +557,9 @@ fn torch_backend_faults_name_the_rank() {
     }
 }
 
-/// Where the torch backend's C++ part cannot be built (no compiler), one warning says why
-/// and the Python group runs the calls; GRADWIRE_TORCH_NATIVE=0 chooses that without a
-/// warning; a malformed GRADWIRE_TORCH_NATIVE or GRADWIRE_TORCH_NATIVE_WAIT_S is a
-/// ValueError naming it at init_process_group.
+/// Where the torch backend cannot be built (no compiler), init_process_group fails with an
+/// error saying so and naming the compiler; a malformed GRADWIRE_TORCH_NATIVE_WAIT_S is a
+/// ValueError naming it.
 #[test]
 fn torch_backend_without_its_cpp_part_says_why() {
     if !python_has("torch") {
@@ -572,12 +568,7 @@ fn torch_backend_without_its_cpp_part_says_why() {
     }
     let root = env!("CARGO_MANIFEST_DIR");
     let cache = std::env::temp_dir().join(format!("gradwire-native-{}", std::process::id()));
-    for (mode, env) in [
-        ("no-compiler", vec![("CXX", "/bin/false")]),
-        ("off", vec![("GRADWIRE_TORCH_NATIVE", "0")]),
-        ("bad-setting", vec![("GRADWIRE_TORCH_NATIVE", "yes")]),
-        ("bad-setting", vec![("GRADWIRE_TORCH_NATIVE_WAIT_S", "nan")]),
-    ] {
+    for (mode, env) in [("no-compiler", vec![("CXX", "/bin/false")]), ("bad-setting", vec![("GRADWIRE_TORCH_NATIVE_WAIT_S", "nan")])] {
         let _ = std::fs::remove_dir_all(&cache);
         let mut cmd = Command::new("python3");
         cmd.arg(format!("{root}/python/tests/torch_native_fallback.py"))
@@ -648,15 +639,15 @@ fn pip_installed_package_runs_ddp_under_torchrun_and_launch() {
     // files: the installed package takes the build the other tests made from them (the
     // cache is keyed by their contents), built once per run.
     let site = std::path::Path::new(lib.trim()).parent().unwrap().to_path_buf();
-    for file in ["_torch_group.cpp", "gradwire.h"] {
+    for file in ["_torch_backend.cpp", "gradwire.h"] {
         let installed = std::fs::read(site.join(file)).unwrap_or_else(|e| panic!("the wheel lacks {file}: {e}"));
         assert!(installed == std::fs::read(format!("{root}/python/gradwire/{file}")).unwrap(), "the installed {file} is not the repository's");
     }
     let mut native = Command::new(venv.join("bin/python"));
-    native.args(["-c", "import gradwire._torch_native as n; c, why = n.fast_group(); print('C++ hot path:', c is not None, why, n.__file__)"]);
+    native.args(["-c", "import gradwire._torch_native as n; m = n.backend_module(); print('torch backend:', m.GradwireBackend.__name__, n.__file__)"]);
     clean(&mut native);
-    let t = ok(&mut native, "the installed package's C++ hot path");
-    assert!(t.contains("C++ hot path: True None") && t.contains(venv.to_str().unwrap()), "{t}");
+    let t = ok(&mut native, "the installed package's torch backend");
+    assert!(t.contains("torch backend: GradwireBackend") && t.contains(venv.to_str().unwrap()), "{t}");
     let mut torchrun = Command::new(venv.join("bin/python"));
     torchrun.args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "ddp_gradwire.py"]);
     clean(&mut torchrun);

@@ -14,8 +14,8 @@ fn python_has(module: &str) -> bool {
 /// the predictable temporary path a relative XDG_CACHE_HOME (or no home at all) led to,
 /// not one owned by another user in the user's own cache, not from a cache folder others
 /// can write, and not the user's own file swapped in after the build (its SHA-256 differs
-/// from the one recorded then). Each time a warning says why, and the group works on its
-/// Python methods (python/tests/round_three_cache.py).
+/// from the one recorded then). Each time init_process_group fails with an error that says
+/// why (python/tests/round_three_cache.py).
 #[test]
 fn torch_build_cache_loads_only_the_users_own_build() {
     if !python_has("torch") {

@@ -7,7 +7,7 @@ the same collective through gradwire's C ABI directly (ctypes, no torch), ROUNDS
 ITERS calls each; per round the slowest rank's mean; prints the medians and torch / C (as
 busbw ratios: C time / torch time). Alternating in one process takes the machine's
 minute-to-minute speed out of the comparison, which separate runs (collectives.sh's torch
-part) cannot. Run it with and without the C++ hot path (GRADWIRE_TORCH_NATIVE=0):
+part) cannot:
 
     GRADWIRE_LIB=target/release/libgradwire.so PYTHONPATH=python OMP_NUM_THREADS=1 \\
     target/release/gradwire launch -n 2 -- python3 benches/peers/torch_overhead.py -b 1M -e 4M
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import gradwire
-import gradwire.torch  # noqa: F401 (registers the backend)
+import gradwire.torch  # registers the backend
 from gloo_collectives import parse_size
 from gradwire import _check
 
@@ -41,10 +41,9 @@ def main():
     dist.init_process_group("gradwire")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    lib, comm = gradwire.load_library(), group.comm
-    native = getattr(type(group), "_native", False)
+    lib, comm = gradwire.load_library(), gradwire.torch.comm_of(group)
     if rank == 0:
-        print(f"# torch_overhead: W={world}, iters={args.iters}, rounds={args.rounds}, C++ hot path: {native}, torch {torch.__version__}")
+        print(f"# torch_overhead: W={world}, iters={args.iters}, rounds={args.rounds}, torch {torch.__version__}")
         print(f"{'call':>20} {'size':>9} {'call us':>9} {'C us':>9} {'call/C busbw':>13}")
     size = parse_size(args.minbytes)
     while size <= parse_size(args.maxbytes):

@@ -5,7 +5,7 @@ Times (timeit, best of REPEAT runs of NUMBER calls) dist.all_gather_into_tensor,
 dist.reduce_scatter_tensor, dist.all_reduce and dist.broadcast on COUNT floats, blocking,
 then an async all_reduce waited for at once: at one rank the data movement is a copy at
 most, so this is the path's own cost (torch's wrapper, the backend's entry, the C call).
-Run it with and without the C++ hot path (GRADWIRE_TORCH_NATIVE=0):
+Run it as:
 
     GRADWIRE_LIB=target/release/libgradwire.so PYTHONPATH=python OMP_NUM_THREADS=1 \\
     target/release/gradwire launch -n 1 -- python3 benches/peers/torch_percall.py
@@ -29,7 +29,7 @@ def main():
     dist.init_process_group("gradwire")
     world = dist.get_world_size()
     x, gathered = torch.ones(args.count), torch.empty(args.count * world)
-    print(f"# torch_percall: W={world}, {args.count} floats, C++ hot path: {type(dist.group.WORLD)._native}, torch {torch.__version__}")
+    print(f"# torch_percall: W={world}, {args.count} floats, torch {torch.__version__}")
     for name, call in [
         ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(gathered, x)),
         ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(x, gathered)),

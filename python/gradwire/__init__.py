@@ -753,6 +753,16 @@ class Comm:
             _check(load_library().gradwire_comm_init_rank_timeout(ctypes.byref(h), ctypes.byref(raw), size, rank, timeout_ms))
         return cls(h)
 
+    @classmethod
+    def _view(cls, address: int) -> "Comm":
+        """The communicator at `address`, owned elsewhere (a torch group's, finalized with the
+        group): finalize() on the view lets go of it without finalizing it."""
+        view = cls(ctypes.c_void_p(address))
+        view._borrowed = True
+        return view
+
+    _borrowed = False
+
     def __init__(self, _handle=None):
         lib = load_library()
         if _handle is None:
@@ -1008,6 +1018,9 @@ class Comm:
         return Comm(h)
 
     def finalize(self) -> None:
+        if self._borrowed:
+            self._h = None
+            return
         if self._h is not None:
             h, self._h = self._h, None
             if self._arrays:

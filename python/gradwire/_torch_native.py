@@ -1,26 +1,24 @@
-"""The torch backend's C++ hot path (_torch_group.cpp), built against the torch in use.
+"""The "gradwire" torch backend (_torch_backend.cpp), built against the torch in use.
 
 torch's C++ ABI changes between releases, so no wheel can carry this extension: it is
 compiled at the first gradwire group a process makes (torch.utils.cpp_extension: g++ and
-ninja, about 40 s of one core) and cached under ~/.cache/gradwire ($XDG_CACHE_HOME/gradwire
+ninja, about a minute of one core) and cached under ~/.cache/gradwire ($XDG_CACHE_HOME/gradwire
 where XDG_CACHE_HOME is absolute; $TMPDIR/gradwire-UID for a user without a home) by torch
 build, Python, build flags and source hash; later processes load it in milliseconds.
+`python -m gradwire._torch_native` builds it ahead (a container image's build step).
 
 Loading a cached library runs its code in this process, so the cache is trusted only as far
 as it is the user's own: every folder on its path belongs to the user or root and no one
 else can write it (a sticky one such as /tmp aside), the folders gradwire makes are 0700,
 and a library loads only if the user owns it, no one else can write it and its SHA-256 is
-the one recorded beside it when it was built. Anything else is refused with a warning that
-says why, and the backend runs on its Python methods. Ranks
-starting together build it once: the others wait on a file lock (flock, which the kernel
-releases when its holder dies, so a killed build leaves no stale lock), for at most
-GRADWIRE_TORCH_NATIVE_WAIT_S (default 600) seconds before building on their own, and a
-build that failed is not tried again for 10 minutes. Each builder compiles in a directory
-of its own and moves the result into place.
+the one recorded beside it when it was built. Anything else is refused, and the error says
+why. Ranks starting together build it once: the others wait on a file lock (flock, which
+the kernel releases when its holder dies, so a killed build leaves no stale lock), for at
+most GRADWIRE_TORCH_NATIVE_WAIT_S (default 600) seconds before building on their own, and a
+build that failed is not tried again for 10 minutes.
 
-Where it cannot be built (no compiler, no ninja) the backend is the Python group alone,
-with one warning that says why: the same calls, 3.7-5.3 us slower each (one process, a
-1-rank group). `GRADWIRE_TORCH_NATIVE=0` chooses that, without a warning.
+Where it cannot be built (no compiler, no ninja, an unsafe cache) making a gradwire group
+fails with an error that says why.
 """
 
 import contextlib
@@ -34,10 +32,9 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCE = os.path.join(_HERE, "_torch_group.cpp")
+_SOURCE = os.path.join(_HERE, "_torch_backend.cpp")
 _HEADER = os.path.join(_HERE, "gradwire.h")
 
 # How it is compiled (part of the cache key).
@@ -47,32 +44,26 @@ _FLAGS = {"extra_cflags": ["-O2"]}
 _RETRY_S = 600
 
 _lock = threading.Lock()
-_loaded = None  # (FastGroup class or None, why not)
+_loaded = None  # (the extension module or None, why not)
 _where = None  # the file it was loaded from
 
 
-def fast_group(retry_failed=False):
-    """(the C++ group class, None) or (None, why it is not there); built once per process.
-    `retry_failed`: build even if a build failed here within the last 10 minutes."""
+def backend_module(retry_failed=False):
+    """The built extension (its GradwireBackend class and helpers), built once per process;
+    RuntimeError saying why where it cannot be built or loaded. `retry_failed`: build even
+    if a build failed here within the last 10 minutes."""
     global _loaded
     with _lock:
-        if _loaded is None:
+        if _loaded is None or (retry_failed and _loaded[0] is None):
             _loaded = _load(retry_failed)
-            if _loaded[0] is None and _loaded[1] is not None:
-                warn(_loaded[1])
-        return _loaded
+            if _loaded[0] is not None:
+                from . import load_library
 
-
-def warn(why):
-    """The one warning that the backend runs on its Python methods alone, and why."""
-    warnings.warn(f"gradwire: the torch backend runs without its C++ hot path ({why}; GRADWIRE_TORCH_NATIVE=0 chooses that quietly)", RuntimeWarning, stacklevel=4)
-
-
-def _wanted():
-    value = os.environ.get("GRADWIRE_TORCH_NATIVE", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"GRADWIRE_TORCH_NATIVE={value!r}: expected 1 (build and use the C++ hot path, the default) or 0 (Python only)")
-    return value == "1"
+                _loaded[0].load_library(load_library()._name)
+    module, why = _loaded
+    if module is None:
+        raise RuntimeError(f"gradwire: the torch backend cannot be built or loaded: {why}")
+    return module
 
 
 def _wait_s():
@@ -183,15 +174,13 @@ def _paths():
     # Builds of one torch version differ (pip, conda, source: their git revision and C++
     # ABI); so do the flags this module builds with.
     digest.update(repr((torch.__version__, torch.version.git_version, torch._C._GLIBCXX_USE_CXX11_ABI, sys.version, _FLAGS)).encode())
-    name = "gradwire_torch_group"
+    name = "gradwire_torch_backend"
     cache = os.path.join(*_cache_dir(), f"torch-{digest.hexdigest()[:16]}")
     return name, cache, os.path.join(cache, name + ".so")  # as cpp_extension names it
 
 
 def _load(retry_failed=False):
     global _where
-    if not _wanted():
-        return None, None  # asked for: no warning
     wait_s = _wait_s()
     try:
         name, cache, target = _paths()
@@ -210,7 +199,7 @@ def _load(retry_failed=False):
                     return None, f"{why} (a build failed here {time.time() - os.path.getmtime(failed):.0f} s ago, {failed}; tried again after {_RETRY_S} s or by python -m gradwire._torch_native)"
                 else:
                     try:
-                        fast = _build(name, cache, target).FastGroup
+                        fast = _build(name, cache, target)
                     except Exception as e:
                         with open(failed, "w") as f:
                             f.write(f"{type(e).__name__}: {_gist(e)}")
@@ -222,10 +211,10 @@ def _load(retry_failed=False):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         _where = target
-        return module.FastGroup, None
+        return module, None
     except UnsafeCache as e:
         return None, f"the build cache is not safe to load from: {e}; nothing is built in or loaded from it (remove it, or set XDG_CACHE_HOME to a folder of your own)"
-    except Exception as e:  # noqa: BLE001 (any failure leaves the Python group, said once)
+    except Exception as e:  # noqa: BLE001 (any failure is said, with its first line)
         return None, f"{type(e).__name__}: {_gist(e)}"
 
 
@@ -292,13 +281,14 @@ def _build(name, cache, target):
 
 
 def main():
-    """`python -m gradwire._torch_native`: builds the C++ part now (a container image's build
+    """`python -m gradwire._torch_native`: builds the backend now (a container image's build
     step, say, rather than a job's first group) and says where it is, or why not."""
-    fast, why = fast_group(retry_failed=True)
-    if fast is None:
-        print(f"gradwire: the torch backend's C++ hot path is not available: {why or 'GRADWIRE_TORCH_NATIVE=0'}")
+    try:
+        backend_module(retry_failed=True)
+    except RuntimeError as e:
+        print(e)
         return 1
-    print(f"gradwire: the torch backend's C++ hot path is built: {_where}")
+    print(f"gradwire: the torch backend is built: {_where}")
     return 0
 
 

@@ -55,16 +55,19 @@ def resolve_comm(comm: Any = None) -> Comm:
     global _world
     if isinstance(comm, Comm):
         return comm
-    if comm is not None and isinstance(getattr(comm, "comm", None), Comm):
-        return comm.comm
-    if comm is not None:
-        raise TypeError(f"comm must be a gradwire.Comm or a gradwire process group, got {type(comm).__name__}")
     import torch.distributed as dist
 
+    from .torch import comm_of
+
+    if comm is not None:
+        view = comm_of(comm) if isinstance(comm, dist.ProcessGroup) else None
+        if view is None:
+            raise TypeError(f"comm must be a gradwire.Comm or a gradwire process group, got {type(comm).__name__}")
+        return view
     if dist.is_available() and dist.is_initialized():
-        pg = dist.distributed_c10d._get_default_group()
-        if isinstance(getattr(pg, "comm", None), Comm):
-            return pg.comm
+        view = comm_of(None)
+        if view is not None:
+            return view
     if _world is None:
         _world = Comm()
     return _world

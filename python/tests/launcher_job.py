@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradwire.torch  # noqa: F401 (registers the backend)
+import gradwire.torch  # registers the backend
 from gradwire.torch import DASO
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +55,7 @@ def main():
     dist.init_process_group("gradwire")
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-    node = dist.group.WORLD.comm.node_local()
+    node = gradwire.torch.comm_of().node_local()
     if node.size != per_node:
         raise SystemExit(f"rank {rank}: gradwire's node has {node.size} ranks, the launcher put {per_node} on it")
 
