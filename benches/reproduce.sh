@@ -13,7 +13,7 @@
 #   benches/reproduce.sh torch-daso      # 4 nodes x 2 ranks, 1 Gbit/s: DASO as Heat runs it and tuned
 #   benches/reproduce.sh torch-daso-10g  # the same at 10 Gbit/s
 #   benches/reproduce.sh torch-bsp       # bsp (dense, top-k, K1=1 K2=4) vs downpour vs eamsgd, 2 nodes x 2 ranks, 1 Gbit/s
-#   benches/reproduce.sh torch-bsp-grid  # torch-bsp's learning rates at half and twice, one seed
+#   benches/reproduce.sh torch-bsp-grid  # torch-bsp's learning rates from half to 8x, one seed
 #   benches/reproduce.sh torch-bsp-tuned # torch-bsp on the conv net at the grid's best rates
 #   benches/reproduce.sh torch-ddcgu     # ddcgu vs cyclic vs DDP, 2 nodes, rank 1 slowed 3x
 #
@@ -149,40 +149,43 @@ case $claim in
     }
     ;;
   torch-bsp-grid)
-    # The learning rates torch-bsp uses, tuned: every scheme at half, once and twice its
-    # rate there, on seed 0 (not one of the recorded repeats), 20 s of training each.
+    # The learning rates torch-bsp uses, tuned: every scheme from half to eight times its
+    # rate there (Downpour, fastest near the bottom, from a quarter to twice), on seed 0
+    # (not one of the recorded repeats), 20 s of training each; asynchronous Downpour 60 s,
+    # as it needs about three times the epochs of the blocking form.
     epochs_of() { echo "${EPOCHS:-12}"; }
     min_s=${MIN_SECONDS:-20}
     [ $tables_only = 1 ] || repeats=${REPEATS:-1}
-    title="PyTorch: the learning-rate grid of torch-bsp (its setting: 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, batch 32 per rank): every scheme at half, once and twice the rate torch-bsp runs it at (labels end in @lr), one run each (seed 0, not a recorded repeat), EPOCHS epochs or more to $min_s s of training; ddp-gloo at 0.02 sets the target"
+    title="PyTorch: the learning-rate grid of torch-bsp (its setting: 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, batch 32 per rank): every scheme from half to eight times the rate torch-bsp runs it at (labels end in @lr; Downpour from a quarter to twice), one run each (seed 0, not a recorded repeat), EPOCHS epochs or more to $min_s s of training (asynchronous Downpour to ${ASYNC_MIN_SECONDS:-60} s); ddp-gloo at 0.02 sets the target"
     baseline=ddp-gloo@0.02
     plot_rep=0
     run_all() {
       local rep=0 lr
       local common=(--epochs "$(epochs_of "$model")" --min-seconds "$min_s")
+      local slow=(--epochs "$(epochs_of "$model")" --min-seconds "${ASYNC_MIN_SECONDS:-60}")
       local net=(-n 4 --netns --ranks-per-node 2 --link-gbit 1)
       runpy ddp-gloo@0.02 "${net[@]}" -- --scheme ddp --backend gloo --lr 0.02 "${common[@]}"
-      for lr in 0.01 0.02 0.04; do
+      for lr in 0.01 0.02 0.04 0.08 0.16; do
         runpy ddp-gradwire@$lr "${net[@]}" -- --scheme ddp --backend gradwire --lr $lr "${common[@]}"
         runpy bsp-K4@$lr "${net[@]}" -- --scheme bsp --interval 4 --lr $lr "${common[@]}"
         runpy bsp-K4-topk@$lr "${net[@]}" -- --scheme bsp --interval 4 --topk 0.01 --lr $lr "${common[@]}"
         runpy bsp-K1-K4@$lr "${net[@]}" -- --scheme bsp --interval 4 --node-interval 1 --lr $lr "${common[@]}"
       done
-      for lr in 0.05 0.1 0.2; do
+      for lr in 0.025 0.05 0.1 0.2; do
         runpy downpour-blocking@$lr "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --lr $lr "${common[@]}"
-        runpy downpour-async@$lr "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --background --lr $lr "${common[@]}"
+        runpy downpour-async@$lr "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --background --lr $lr "${slow[@]}"
       done
-      for lr in 0.001 0.002 0.004; do
+      for lr in 0.001 0.002 0.004 0.008 0.016; do
         runpy eamsgd@$lr "${net[@]}" -- --scheme eamsgd --tau 4 --lr $lr "${common[@]}"
       done
     }
     ;;
   torch-bsp-tuned)
     # torch-bsp on the conv net, every scheme at the rate torch-bsp-grid found fastest to
-    # its target there (on the MLP no rate of that grid changes which scheme is ahead).
+    # its target there between half and twice torch-bsp's rate (on the MLP no rate of that grid changes which scheme is ahead).
     epochs_of() { echo "${EPOCHS:-12}"; }
     models=(${MODELS:-convnet})
-    title="PyTorch: torch-bsp with the learning rates of torch-bsp-grid: 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme at the rate of its grid that reached the grid's target first (labels end in @lr): DDP and BSP SGD 0.04 with momentum 0.9, blocking Downpour 0.1 and asynchronous Downpour 0.05 plain SGD on the servers, EAMSGD 0.004 (the top of its grid, as for DDP and BSP)"
+    title="PyTorch: torch-bsp with the learning rates of torch-bsp-grid: 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme at the rate between half and twice torch-bsp's that reached the grid's target first (labels end in @lr): DDP and BSP SGD 0.04 with momentum 0.9, blocking Downpour 0.1 and asynchronous Downpour 0.05 plain SGD on the servers, EAMSGD 0.004 (the top of that range, as for DDP and BSP)"
     baseline=ddp-gloo@0.04
     run_all() {
       local common=(--epochs "$(epochs_of "$model")" --min-seconds "$min_s")
