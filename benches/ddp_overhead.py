@@ -11,6 +11,8 @@ Each round runs, one after another on the same machine and in the same processes
     ddp_gradwire the same step under DDP on the gradwire default group
     ar_gradwire one allreduce of all gradient bytes through gradwire's C call (Comm, no torch)
     ar_gloo     the same allreduce on the gloo group
+    *_view      the three DDP variants with gradient_as_bucket_view=True: the gradients are
+                views into DDP's buckets, so DDP copies no gradient in or out of a bucket
 
 Every figure is the slowest rank's mean over --steps steps. Each round runs every variant
 once, in an order rotated from round to round (so no variant always follows another), and
@@ -35,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradwire.torch  # registers the backend
 
-VARIANTS = ("local", "ddp_nocomm", "ddp_gloo", "ddp_gradwire", "ar_gradwire", "ar_gloo")
+VARIANTS = ("local", "ddp_nocomm", "ddp_gloo", "ddp_gradwire", "ar_gradwire", "ar_gloo", "ddp_nocomm_view", "ddp_gloo_view", "ddp_gradwire_view")
 
 
 def mlp(width, depth):
@@ -77,8 +79,12 @@ def main():
         "ddp_nocomm": DDP(copy.deepcopy(model), process_group=dist.group.WORLD),
         "ddp_gloo": DDP(copy.deepcopy(model), process_group=gloo),
         "ddp_gradwire": DDP(copy.deepcopy(model), process_group=dist.group.WORLD),
+        "ddp_nocomm_view": DDP(copy.deepcopy(model), process_group=dist.group.WORLD, gradient_as_bucket_view=True),
+        "ddp_gloo_view": DDP(copy.deepcopy(model), process_group=gloo, gradient_as_bucket_view=True),
+        "ddp_gradwire_view": DDP(copy.deepcopy(model), process_group=dist.group.WORLD, gradient_as_bucket_view=True),
     }
     on["ddp_nocomm"].register_comm_hook(None, no_communication)
+    on["ddp_nocomm_view"].register_comm_hook(None, no_communication)
     optimizers = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in on.items()}
     data = torch.randn(args.batch, 1024, generator=torch.Generator().manual_seed(args.seed + rank))
     target = torch.randn(args.batch, 1024, generator=torch.Generator().manual_seed(args.seed + 1000 + rank))
@@ -112,10 +118,11 @@ def main():
                 rows.append((r, kind, mean.item()))
     # The DDP replicas must agree with each other: a fast wrong step is no result. Two ranks
     # add in one order on both backends (bit-identical); more may add in other orders.
-    a, b = (torch.cat([p.detach().reshape(-1) for p in on[k].parameters()]) for k in ("ddp_gloo", "ddp_gradwire"))
-    same = torch.equal(a, b) if world == 2 else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-    if not same:
-        raise SystemExit(f"rank {rank}: DDP on gradwire and on gloo left different parameters (max diff {(a - b).abs().max().item():.3g})")
+    for gloo_kind, gradwire_kind in (("ddp_gloo", "ddp_gradwire"), ("ddp_gloo_view", "ddp_gradwire_view")):
+        a, b = (torch.cat([p.detach().reshape(-1) for p in on[k].parameters()]) for k in (gloo_kind, gradwire_kind))
+        same = torch.equal(a, b) if world == 2 else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        if not same:
+            raise SystemExit(f"rank {rank}: {gradwire_kind} and {gloo_kind} left different parameters (max diff {(a - b).abs().max().item():.3g})")
     if rank == 0:
         meta = dict(world=world, params=params, batch=args.batch, steps=args.steps, torch=torch.__version__, cores=os.cpu_count())
         if args.csv:
@@ -130,7 +137,7 @@ def main():
         for k in VARIANTS:
             print(f"{k:>14} {med[k]:8.2f} ms (median of the rounds)")
         # As the report computes them: per round, paired, then the median over the rounds.
-        for k in ("ddp_gradwire", "ddp_gloo", "ddp_nocomm"):
+        for k in ("ddp_gradwire", "ddp_gloo", "ddp_nocomm", "ddp_gradwire_view", "ddp_gloo_view", "ddp_nocomm_view"):
             over = [ms[k][r] - ms["local"][r] for r in ms[k]]
             ratio = [(ms[k][r] - ms["local"][r]) / ms["ar_gradwire"][r] for r in ms[k]]
             print(f"{k} overhead {statistics.median(over):.2f} ms = {statistics.median(ratio):.2f}x ar_gradwire (median of the rounds' paired values)")
