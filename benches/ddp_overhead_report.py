@@ -98,11 +98,12 @@ def main():
     if "ddp_gradwire_view" in ms:
         lines += ["", "DDP with `gradient_as_bucket_view=True` (the gradients are views into the buckets):", ""]
         lines += overhead("_view")
+    own = {sfx: statistics.median(ms[f"ddp_nocomm{sfx}"][i] - ms["local"][i] for i in rounds) for sfx in ("", "_view") if f"ddp_nocomm{sfx}" in ms}
+    views = f" ({own['_view']:.1f} ms with bucket views, {own['']:.1f} ms without)" if "_view" in own else ""
     lines += [
         "",
-        "DDP's own cost (the hook that sends nothing) is the same on every backend and is not the bucket copies alone: "
-        "bucket views leave it about as large. Where it is as large as the allreduce, no backend meets the 2x goal over the plain step; "
-        "what gradwire adds to it is the part the backend controls.",
+        f"DDP's own cost (the hook that sends nothing){views} is the same on every backend. Where it is as large as the allreduce, "
+        "no backend meets the 2x goal over the plain step; what gradwire adds to it is the part the backend controls.",
         "",
         f"- DDP on gradwire over the plain step, round by round (ms): {', '.join('%.1f' % (ms['ddp_gradwire'][i] - ms['local'][i]) for i in rounds)}.",
         "",
