@@ -63,20 +63,26 @@ def main():
         ms.setdefault(r["variant"], {})[int(r["round"])] = float(r["ms"])
     variants = [k for k in LABELS if k in ms]
     # Per round, paired: the variants of one round ran back to back.
+    def over(k, base="local"):
+        """k's step less base's, round by round."""
+        return [ms[k][i] - ms[base][i] for i in rounds]
+
+    def per_allreduce(values):
+        """Round by round, as multiples of that round's bare allreduce."""
+        return [v / ms["ar_gradwire"][i] for v, i in zip(values, rounds)]
+
     def overhead(suffix):
         """DDP's figures in one form (default buckets, or gradient_as_bucket_view=True)."""
         nocomm, on_gloo, on_gradwire = (f"ddp_{b}{suffix}" for b in ("nocomm", "gloo", "gradwire"))
-        over = {k: [ms[k][i] - ms["local"][i] for i in rounds] for k in (nocomm, on_gloo, on_gradwire)}
-        added = [ms[on_gradwire][i] - ms[nocomm][i] for i in rounds]
+        added = over(on_gradwire, nocomm)
         return [
-            f"- DDP's own cost (hook that sends nothing) over the plain step: {spread(over[nocomm])} ms, "
-            f"{spread([o / ms['ar_gradwire'][i] for o, i in zip(over[nocomm], rounds)], '{:.2f}')}x the bare allreduce by itself.",
-            f"- DDP on gradwire over the plain step: {spread(over[on_gradwire])} ms, "
-            f"**{spread([o / ms['ar_gradwire'][i] for o, i in zip(over[on_gradwire], rounds)], '{:.2f}')}x** the bare allreduce of the same bytes "
-            f"(goal, issue 53: at most 2x); on gloo: {spread(over[on_gloo])} ms.",
+            f"- DDP's own cost (hook that sends nothing) over the plain step: {spread(over(nocomm))} ms, "
+            f"{spread(per_allreduce(over(nocomm)), '{:.2f}')}x the bare allreduce by itself.",
+            f"- DDP on gradwire over the plain step: {spread(over(on_gradwire))} ms, "
+            f"**{spread(per_allreduce(over(on_gradwire)), '{:.2f}')}x** the bare allreduce of the same bytes "
+            f"(goal, issue 53: at most 2x); on gloo: {spread(over(on_gloo))} ms.",
             f"- What gradwire adds to DDP's own cost: {spread(added)} ms per step, "
-            f"**{spread([a / ms['ar_gradwire'][i] for a, i in zip(added, rounds)], '{:.2f}')}x** the bare allreduce; "
-            f"gloo adds {spread([ms[on_gloo][i] - ms[nocomm][i] for i in rounds])} ms.",
+            f"**{spread(per_allreduce(added), '{:.2f}')}x** the bare allreduce; gloo adds {spread(over(on_gloo, nocomm))} ms.",
         ]
 
     lines = [
@@ -98,14 +104,14 @@ def main():
     if "ddp_gradwire_view" in ms:
         lines += ["", "DDP with `gradient_as_bucket_view=True` (the gradients are views into the buckets):", ""]
         lines += overhead("_view")
-    own = {sfx: statistics.median(ms[f"ddp_nocomm{sfx}"][i] - ms["local"][i] for i in rounds) for sfx in ("", "_view") if f"ddp_nocomm{sfx}" in ms}
+    own = {sfx: statistics.median(over(f"ddp_nocomm{sfx}")) for sfx in ("", "_view") if f"ddp_nocomm{sfx}" in ms}
     views = f" ({own['_view']:.1f} ms with bucket views, {own['']:.1f} ms without)" if "_view" in own else ""
     lines += [
         "",
         f"DDP's own cost (the hook that sends nothing){views} is the same on every backend. Where it is as large as the allreduce, "
         "no backend meets the 2x goal over the plain step; what gradwire adds to it is the part the backend controls.",
         "",
-        f"- DDP on gradwire over the plain step, round by round (ms): {', '.join('%.1f' % (ms['ddp_gradwire'][i] - ms['local'][i]) for i in rounds)}.",
+        f"- DDP on gradwire over the plain step, round by round (ms): {', '.join('%.1f' % o for o in over('ddp_gradwire'))}.",
         "",
         f"![DDP overhead]({SVG})",
     ]

@@ -187,19 +187,21 @@ case $claim in
     # MLP no rate of that grid changes which scheme is ahead.
     epochs_of() { echo "${EPOCHS:-12}"; }
     models=(${MODELS:-convnet})
-    title="PyTorch: torch-bsp with the learning rates of torch-bsp-grid: 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme at the rate of torch-bsp-grid that reached the grid's target first and still held it at the run's end (labels end in @lr): DDP (gloo and gradwire) SGD 0.08 and BSP SGD 0.16, with momentum 0.9, blocking and asynchronous Downpour 0.1 plain SGD on the servers, EAMSGD 0.016"
-    baseline=ddp-gloo@0.08
+    tuned_ddp=0.08 tuned_bsp=0.16 tuned_downpour=0.1 tuned_eamsgd=0.016
+    title="PyTorch: torch-bsp with the learning rates of torch-bsp-grid: 2 namespace nodes x 2 ranks, links shaped to 1 Gbit/s, MODEL on the UCI digits, EPOCHS epochs or more (to 60 s of training), batch 32 per rank; every scheme at the rate of torch-bsp-grid that reached the grid's target first and still held it at the run's end (labels end in @lr): DDP (gloo and gradwire) SGD $tuned_ddp and BSP SGD $tuned_bsp, with momentum 0.9, blocking and asynchronous Downpour $tuned_downpour plain SGD on the servers, EAMSGD $tuned_eamsgd"
+    baseline=ddp-gloo@$tuned_ddp
     run_all() {
       local common=(--epochs "$(epochs_of "$model")" --min-seconds "$min_s")
       local net=(-n 4 --netns --ranks-per-node 2 --link-gbit 1)
-      runpy ddp-gloo@0.08 "${net[@]}" -- --scheme ddp --backend gloo --lr 0.08 "${common[@]}"
-      runpy ddp-gradwire@0.08 "${net[@]}" -- --scheme ddp --backend gradwire --lr 0.08 "${common[@]}"
-      runpy bsp-K4@0.16 "${net[@]}" -- --scheme bsp --interval 4 --lr 0.16 "${common[@]}"
-      runpy bsp-K4-topk@0.16 "${net[@]}" -- --scheme bsp --interval 4 --topk 0.01 --lr 0.16 "${common[@]}"
-      runpy bsp-K1-K4@0.16 "${net[@]}" -- --scheme bsp --interval 4 --node-interval 1 --lr 0.16 "${common[@]}"
-      runpy downpour-blocking@0.1 "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --lr 0.1 "${common[@]}"
-      runpy downpour-async@0.1 "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --background --lr 0.1 "${common[@]}"
-      runpy eamsgd@0.016 "${net[@]}" -- --scheme eamsgd --tau 4 --lr 0.016 "${common[@]}"
+      local d=$tuned_ddp b=$tuned_bsp p=$tuned_downpour e=$tuned_eamsgd
+      runpy ddp-gloo@$d "${net[@]}" -- --scheme ddp --backend gloo --lr $d "${common[@]}"
+      runpy ddp-gradwire@$d "${net[@]}" -- --scheme ddp --backend gradwire --lr $d "${common[@]}"
+      runpy bsp-K4@$b "${net[@]}" -- --scheme bsp --interval 4 --lr $b "${common[@]}"
+      runpy bsp-K4-topk@$b "${net[@]}" -- --scheme bsp --interval 4 --topk 0.01 --lr $b "${common[@]}"
+      runpy bsp-K1-K4@$b "${net[@]}" -- --scheme bsp --interval 4 --node-interval 1 --lr $b "${common[@]}"
+      runpy downpour-blocking@$p "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --lr $p "${common[@]}"
+      runpy downpour-async@$p "${net[@]}" -- --scheme downpour --fetch 4 --push 4 --background --lr $p "${common[@]}"
+      runpy eamsgd@$e "${net[@]}" -- --scheme eamsgd --tau 4 --lr $e "${common[@]}"
     }
     ;;
   torch-ddcgu)
