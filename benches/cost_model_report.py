@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""docs/cost_model.md from the runs benches/cost_model.sh keeps: per link rate the fitted
-parameters, every run's measured and predicted time, the median error (on the runs the fit
-saw and on those it did not), how often the model picks the faster of ring and recursive
-doubling against the fixed size threshold it replaces, and a chart per rate and node count.
+"""docs/cost_model.md from the runs benches/cost_model.sh keeps: per kind of link the fitted
+parameters, every run's measured (the median of its repeats) and predicted time, the median
+error (on the runs the fit saw and on those it did not), how often the model picks the
+faster of ring and recursive doubling where the repeats tell the two apart, against the
+fixed size threshold it replaces, and a chart per link and node count.
 
     python3 benches/cost_model_report.py benches/results/cost_model docs/cost_model.md
 """
 
 import csv
+import glob
 import os
 import statistics
 import subprocess
@@ -32,13 +34,31 @@ def read_model(path):
         return first, list(csv.DictReader(f))
 
 
+def link_name(rate):
+    """A link's name in the kept files: "1g", or "native" for the unshaped veth pairs."""
+    return rate if rate == "native" else f"{rate}g"
+
+
+def link_title(rate):
+    return "Unshaped links (the veth pairs as they are)" if rate == "native" else f"Links shaped to {rate} Gbit/s"
+
+
+def repeat_times(kept, csv_name):
+    """size -> the times of every repeat of one kept run (its .rN.csv files)."""
+    times = defaultdict(list)
+    for path in sorted(glob.glob(os.path.join(kept, csv_name[: -len(".csv")] + ".r*.csv"))):
+        for row in csv.DictReader(open(path)):
+            times[int(row["size_bytes"])].append(float(row["time_us"]))
+    return times
+
+
 def pct(x):
     return f"{100 * x:.0f} %"
 
 
 def share(picks):
-    """'faster / within 5 %' shares of (picked the faster, within 5 % of it) pairs."""
-    return f"{pct(sum(p for p, _ in picks) / len(picks))} / {pct(sum(w for _, w in picks) / len(picks))}"
+    """'K of N (P %)' of a list of whether each pick was the faster."""
+    return f"{sum(picks)} of {len(picks)} ({pct(sum(picks) / len(picks))})" if picks else "none"
 
 
 # The extrapolation's assumptions (not measured here): a node of 8 ranks joined inside by
@@ -165,12 +185,14 @@ def main():
     gw = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target", "release", "gradwire")
     meta = dict(line.rstrip("\n").split("\t", 1) for line in open(os.path.join(kept, "meta.tsv")))
     runs = list(csv.DictReader(open(os.path.join(kept, "runs.tsv")), delimiter="\t"))
-    rates = sorted({r["rate_gbit"] for r in runs}, key=float)
+    rates = sorted({r["rate_gbit"] for r in runs}, key=lambda r: float("inf") if r == "native" else float(r))
     charts = os.path.join(os.path.dirname(os.path.abspath(out)), "cost_model")
     summary, sections = [], []
-    all_err, held_err, picks, old_picks, auto_ratios, decisive = [], [], [], [], [], []
+    all_err, held_err, strict, picks, old_picks, auto_ratios = [], [], [], [], [], []
     for rate in rates:
-        fitline, rows = read_model(os.path.join(kept, f"model_{rate}g.csv"))
+        fitline, rows = read_model(os.path.join(kept, f"model_{link_name(rate)}.csv"))
+        # (nodes, algo) -> size -> every repeat's time
+        spread = {(int(run["nodes"]), run["algo"]): repeat_times(kept, run["csv"]) for run in runs if run["rate_gbit"] == rate and run["algo"] != "auto"}
         by = defaultdict(dict)  # (nodes, bytes) -> algo -> row
         for r in rows:
             r["err"] = float(r["predicted_us"]) / float(r["measured_us"]) - 1
@@ -183,31 +205,36 @@ def main():
                     auto[(int(run["nodes"]), int(row["size_bytes"]))] = float(row["time_us"])
         errs = [abs(r["err"]) for r in rows]
         held = [abs(r["err"]) for r in rows if r["in_fit"] == "0"]
-        rate_picks, rate_old = [], []
+        rate_strict, rate_picks, rate_old, decided = [], [], [], {}
         for (n, b), algos in sorted(by.items()):
             if "ring" in algos and "rd" in algos:
                 t = {a: float(algos[a]["measured_us"]) for a in ("ring", "rd")}
-                faster = min(t, key=t.get)
+                faster, slower = sorted(t, key=t.get)
                 model, old = algos["ring"]["chosen"], "rd" if b < OLD_SMALL_BYTES else "ring"
-                # (picked the faster, cost at most 5 % more than it: where the two take the
-                # same time the faster is a coin toss)
-                rate_picks.append((model == faster, t[model] <= 1.05 * t[faster]))
-                if max(t.values()) > 1.05 * min(t.values()):
-                    decisive.append(model == faster)
-                rate_old.append((old == faster, t[old] <= 1.05 * t[faster]))
+                rate_strict.append(model == faster)
+                # Decided: every repeat of the faster beat every repeat of the slower. Where
+                # the repeats overlap the two take the same time within the noise, and the
+                # faster median is a coin toss.
+                times = {a: spread.get((n, a), {}).get(b, []) for a in (faster, slower)}
+                decided[(n, b)] = len(times[faster]) > 1 and max(times[faster]) < min(times[slower])
+                if decided[(n, b)]:
+                    rate_picks.append(model == faster)
+                    rate_old.append(old == faster)
         all_err += errs
         held_err += held
+        strict += rate_strict
         picks += rate_picks
         old_picks += rate_old
         summary.append(
-            f"| {rate} | {fitline.split(': ', 1)[1]} | {pct(statistics.median(errs))} | "
+            f"| {link_title(rate)} | {fitline.split(': ', 1)[1]} | {pct(statistics.median(errs))} | "
             + (f"{pct(statistics.median(held))}" if held else "n/a")
-            + f" | {pct(sum(e <= 0.25 for e in errs) / len(errs))} | {share(rate_picks)} | {share(rate_old)} |"
+            + f" | {pct(sum(e <= 0.25 for e in errs) / len(errs))} | {len(rate_picks)} of {len(rate_strict)} | {share(rate_picks)} | "
+            f"{share(rate_old)} | {share(rate_strict)} |"
         )
-        lines = [f"### Links shaped to {rate} Gbit/s", "", f"Fit: {fitline}.", "",
+        lines = [f"### {link_title(rate)}", "", f"Fit: {fitline}.", "",
                  "| nodes | bytes | " + " | ".join(f"{NAMES[a]} measured / predicted µs (error)" for a in ("ring", "rd", "hd"))
-                 + " | faster (measured) | model's pick | `GRADWIRE_ALGO=auto` told the fitted network: µs (over the faster) |",
-                 "|---:|---:|" + "---|" * 3 + "---|---|---|"]
+                 + " | faster (measured) | the repeats decide it | model's pick | `GRADWIRE_ALGO=auto` told the fitted network: µs (over the faster) |",
+                 "|---:|---:|" + "---|" * 3 + "---|---|---|---|"]
         for (n, b), algos in sorted(by.items()):
             cells = []
             for a in ("ring", "rd", "hd"):
@@ -224,7 +251,8 @@ def main():
                 ratio = auto[(n, b)] / float(algos[faster]["measured_us"])
                 auto_ratios.append(ratio)
                 auto_cell = f"{auto[(n, b)]:.0f} ({ratio:.2f}x)"
-            lines.append(f"| {n} | {human(b)} | " + " | ".join(cells) + f" | {faster} | {pick} | {auto_cell} |")
+            verdict = {True: "yes", False: "no (a tie)"}.get(decided.get((n, b)), "")
+            lines.append(f"| {n} | {human(b)} | " + " | ".join(cells) + f" | {faster} | {verdict} | {pick} | {auto_cell} |")
         lines += ["", "\\* not in the fit (predicted from the other node counts).", ""]
         for n in sorted({n for n, _ in by}):
             series = []
@@ -238,9 +266,10 @@ def main():
 
                 series.append((f"{a} measured", COLOURS[a], [(b, bw(b, r["measured_us"]), bw(b, r["measured_us"]), bw(b, r["measured_us"])) for b, r in pts]))
                 series.append((f"{a} model", MODEL_COLOURS[a], [(b, bw(b, r["predicted_us"]), bw(b, r["predicted_us"]), bw(b, r["predicted_us"])) for b, r in pts]))
-            name = f"allreduce-{rate}g-n{n}.svg"
-            if svg_plot(f"allreduce, {n} nodes, {rate} Gbit/s: measured and predicted", series, os.path.join(charts, name)):
-                lines.append(f"![{n} nodes at {rate} Gbit/s](cost_model/{name})")
+            name = f"allreduce-{link_name(rate)}-n{n}.svg"
+            link = "unshaped links" if rate == "native" else f"{rate} Gbit/s"
+            if svg_plot(f"allreduce, {n} nodes, {link}: measured and predicted", series, os.path.join(charts, name)):
+                lines.append(f"![{n} nodes, {link}](cost_model/{name})")
                 lines.append("")
         sections.append("\n".join(lines))
     doc = [
@@ -251,26 +280,36 @@ def main():
         "[operators.md](operators.md#the-cost-model).",
         "",
         f"Setup: {meta.get('cpus')} CPUs ({meta.get('cpu')}), kernel {meta.get('kernel')}, "
-        f"commit {meta.get('commit')}, {meta.get('date')}. Each node is a network namespace with one rank, its egress "
-        "shaped by tc tbf; `gradwire bench allreduce` over tcp, float32 sum, time = the slowest rank's mean "
-        "(4-64 KiB: 400 timed calls after 40, so that tbf's 256 KiB burst weighs little; from 256 KiB: 5 after 1). The kernel here has no netem, so every run has "
-        "the namespaces' own latency: the delay dimension is not measured.",
+        f"commit {meta.get('commit')}, {meta.get('date')}. Each node is a network namespace with one rank, joined to the others "
+        "by veth pairs, its egress shaped by tc tbf to a rate or left unshaped; `gradwire bench allreduce` over tcp, float32 sum, "
+        "time = the slowest rank's mean (4-64 KiB: 400 timed calls after 40, so that tbf's 256 KiB burst weighs little; from "
+        f"256 KiB: 5 after 1), {meta.get('repeats', '1')} repeats of every run, interleaved; a run's time is the median of its repeats.",
+        "",
+        "What these links show and what they do not. tbf's token bucket fills while the link idles, so on a shaped link the "
+        "latency of a step (α) is spent earning the tokens its bytes then use: the time of a call is its bytes at the rate, α "
+        "hides, and the fit finds α at or near zero. On these links 2 nodes' ring and recursive doubling move the same bytes "
+        "(one step or two) and tie within the noise. The unshaped links have no bucket: there α is the veth's and the "
+        "software's cost of a step, and it decides between the algorithms. This kernel has no netem, so no added delay is "
+        "measured. Every node is a namespace of one "
+        f"{meta.get('cpus')}-core machine, so from 4 nodes on ranks time-share cores: the fit (`gradwire model --fit ... --cores N`) "
+        "finds σ, the time a step waits per rank beyond one on a core, which is zero where every rank has a core of its own "
+        "(the extrapolation below, and the automatic choice in a real job).",
         "",
         "## Summary",
         "",
-        "| link Gbit/s | fitted parameters | median error | median error, runs not in the fit | within 25 % | the model's pick of ring or recursive doubling: the faster / within 5 % of it | the fixed 256 KiB threshold's |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "A case is decided where every repeat of the faster of ring and recursive doubling beat every repeat of the slower; "
+        "elsewhere the two tie within the noise and either pick is as good.",
+        "",
+        "| link | fitted parameters | median error | median error, runs not in the fit | within 25 % | cases the repeats decide | "
+        "the model picks the faster, decided cases | the fixed 256 KiB threshold does | the model picks the faster median, every case |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         *summary,
         "",
-        f"Over every rate: median error {pct(statistics.median(all_err))}"
+        f"Over every link: median error {pct(statistics.median(all_err))}"
         + (f" ({pct(statistics.median(held_err))} on the runs not in the fit)" if held_err else "")
-        + f"; of {len(picks)} cases (nodes x size x rate) the model picks the faster of ring and recursive doubling, or one within 5 % of it, "
-        f"in {share(picks)}, the fixed threshold in {share(old_picks)}. With 2 nodes the two algorithms move the same bytes in one step "
-        "or two and take the same time within noise; where the two measured times differ by more than 5 %, the model picks the faster in "
-        f"{sum(decisive)} of {len(decisive)} cases ({pct(sum(decisive) / max(1, len(decisive)))}). "
-        f"Every node here is a namespace of one {meta.get('cpus')}-core machine, so from 4 nodes on, ranks time-share cores: the fit "
-        "(`gradwire model --fit ... --cores N`) finds σ, the time a step waits per rank beyond one on a core, which is zero where every "
-        "rank has a core of its own (the extrapolation below, and the automatic choice in a real job)."
+        + f"; of {len(strict)} cases (nodes x size x link) the repeats decide {len(picks)}, and in those the model picks the faster of "
+        f"ring and recursive doubling in {share(picks)}, the fixed threshold in {share(old_picks)}; counting every case by its "
+        f"medians, ties included, the model picks the faster in {share(strict)}."
         + (f" The automatic choice itself (it has no σ), told the network fitted when it ran (`GRADWIRE_NET_*`, in runs.tsv), ran within 5 % of the faster in "
            f"{pct(sum(r <= 1.05 for r in auto_ratios) / len(auto_ratios))} of {len(auto_ratios)} cases "
            f"(median {statistics.median(auto_ratios):.2f}x, worst {max(auto_ratios):.2f}x)." if auto_ratios else ""),
