@@ -22,7 +22,7 @@
 # shorter than 60 s). REPEATS=N runs every scheme N times (torch claims: 5 by default), repeat r with seed r
 # (the model's initial weights and the data order; recorded in the CSVs), the schemes and
 # models interleaved so that drift of the machine hits all alike; MODELS="convnet wide"
-# chooses the models. The table gives the median and the spread. Add --record to keep the
+# chooses the models (convnet-bn, the conv net with BatchNorm, is run by naming it). The table gives the median and the spread. Add --record to keep the
 # CSVs in benches/results/reproduction/CLAIM/ and write the claim's section of
 # REPRODUCTION.md (plots, of the first repeat, go to docs/reproduction/); --tables
 # regenerates the section from the kept CSVs without running anything. RESUME=1 continues a
@@ -77,6 +77,7 @@ describe() { # the model's words in a title
   case $1 in
     wide) echo "MLP 64-4096-2560-10 (10.8 M parameters)" ;;
     convnet) echo "conv net (two 3x3 convolutions, 0.3 M parameters)" ;;
+    convnet-bn) echo "conv net with BatchNorm (two 3x3 convolutions, each followed by BatchNorm, 0.3 M parameters)" ;;
   esac
 }
 # Each claim: its title (for $model), baseline, and the schemes of one repeat (run_all).
@@ -116,11 +117,11 @@ case $claim in
   torch-daso|torch-daso-10g)
     gbit=1; [ $claim = torch-daso-10g ] && gbit=10
     # DASO's schedule is fixed by its epochs: enough for 60 s of training on each model.
-    epochs_of() { case $1 in convnet) echo "${EPOCHS:-40}" ;; *) echo "${EPOCHS:-16}" ;; esac; }
+    epochs_of() { case $1 in convnet*) echo "${EPOCHS:-40}" ;; *) echo "${EPOCHS:-16}" ;; esac; }
     # A DASO epoch of the conv net takes a fifth of DDP's: it needs its own count for 60 s;
     # at 10 Gbit/s DASO's epochs are shorter still, and both models need more of them.
     daso_conv=320 daso_wide=16; [ $gbit = 10 ] && daso_conv=360 daso_wide=20
-    daso_epochs_of() { case $1 in convnet) echo "${DASO_EPOCHS:-$daso_conv}" ;; *) echo "${DASO_EPOCHS:-$daso_wide}" ;; esac; }
+    daso_epochs_of() { case $1 in convnet*) echo "${DASO_EPOCHS:-$daso_conv}" ;; *) echo "${DASO_EPOCHS:-$daso_wide}" ;; esac; }
     title="PyTorch: DASO vs DDP (gloo, gradwire): 4 namespace nodes x 2 ranks, links shaped to $gbit Gbit/s, MODEL on the UCI digits, EPOCHS epochs for DDP (more where 60 s of training need them), DASOEP for DASO, batch 16 per rank, SGD lr 0.02 momentum 0.9; daso-heat: Heat's defaults (4 warm-up and 4 cool-down epochs, its skips, bf16 parameter average); daso-tuned: 2 + 2 epochs, gradwire's variants (cap_phases, sync_average='change')"
     baseline=ddp-gloo
     run_all() {
