@@ -10,7 +10,7 @@
 # takes (ring, recursive doubling) where the repeats tell them apart; then the automatic
 # choice itself runs, told the fitted network (GRADWIRE_NET_*).
 #
-#   benches/cost_model.sh --record   # run (about 25 minutes), keep the CSVs in
+#   benches/cost_model.sh --record   # run (about 10 minutes), keep the CSVs in
 #                                    # benches/results/cost_model/, write docs/cost_model.md
 #   benches/cost_model.sh --report   # rewrite docs/cost_model.md from the kept CSVs
 #
